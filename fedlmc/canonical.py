@@ -1,0 +1,97 @@
+"""The canonical form: LayerNorm rewritten as parameter-free RMSNorm, so the residual stream admits
+any orthogonal map; and the way back to an ordinary LayerNorm model.
+
+``LN(x) = g * RMSNorm(C x) + b`` with the centring matrix ``C = I - 11^T/d``. Folding C into every
+residual writer keeps the stream centred (so ``C x = x``), and folding ``g``/``b`` into the readers
+(``W diag(g)``, bias ``+ W b``) leaves a parameter-free RMSNorm with the same eps. Written against the
+symmetry spec's writer/reader roles, so any architecture with a spec gets it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .symmetry import StateDict, _apply_along, rebuild, spec_for
+
+
+def centering(d: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """``I - 11^T/d``."""
+    return torch.eye(d, dtype=dtype, device=device) - torch.full((d, d), 1.0 / d, dtype=dtype, device=device)
+
+
+def canonicalize(model: nn.Module) -> nn.Module:
+    """A parameter-free-RMSNorm model computing exactly the same function (a new model).
+
+    LayerNorm models: centring folded into writers, gain and bias folded into readers. RMSNorm models
+    with a bias: the bias folded into readers. Already canonical models are returned as a copy.
+    """
+    cfg = model.config
+    spec = spec_for(cfg)
+    sd: StateDict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    layernorm = cfg.norm == "layernorm"
+    for norm in spec.norms:
+        gain = sd.pop(f"{norm}.weight", None)
+        shift = sd.pop(f"{norm}.bias", None)
+        for m in spec.readers():
+            if m.norm != norm:
+                continue
+            W = sd[m.param]
+            if shift is not None:
+                # bias += W @ shift, contracting W's residual axis
+                sd[m.bias] = sd[m.bias] + _apply_along(W, m.axis, shift[None, :]).squeeze(m.axis)
+            if gain is not None:
+                shape = [1] * W.dim()
+                shape[m.axis] = -1
+                sd[m.param] = W * gain.view(shape)
+    if layernorm:
+        C = centering(cfg.d_model, device=next(model.parameters()).device)
+        for m in spec.writers():
+            sd[m.param] = _apply_along(sd[m.param], m.axis, C)
+    return rebuild(model, sd, cfg.replace(norm="rmsnorm", norm_bias=False))
+
+
+def residual_offcentre(model: nn.Module) -> float:
+    """Largest relative size of a writer's component along the all-ones direction (0 when centred)."""
+    spec = spec_for(model)
+    sd = model.state_dict()
+    worst = 0.0
+    for m in spec.writers():
+        t = sd[m.param].detach()
+        along = t.sum(dim=m.axis) / t.shape[m.axis] ** 0.5
+        worst = max(worst, float(along.norm() / t.norm().clamp_min(1e-30)))
+    return worst
+
+
+def to_layernorm(model: nn.Module, tol: float = 1e-6) -> nn.Module:
+    """Convert a canonical model whose residual stream is centred back to an ordinary LayerNorm model.
+
+    On centred inputs LayerNorm with unit gain and zero bias *is* RMSNorm with the same eps, so the
+    result is exact. Raises ``ValueError`` if the writers are not centred (e.g. the residual map did not
+    fix the all-ones direction: use ``fix_ones``/``keep_layernorm``).
+    """
+    cfg = model.config
+    if cfg.norm == "layernorm":
+        return rebuild(model, model.state_dict())
+    if cfg.norm_bias:
+        model = canonicalize(model)
+    off = residual_offcentre(model)
+    if off > tol:
+        raise ValueError(f"residual stream is not centred (off-centre {off:.2e} > {tol:.0e}); "
+                         "only transforms with O·1 = 1 keep a model convertible to LayerNorm")
+    sd = dict(model.state_dict())
+    ref = next(model.parameters())
+    for norm in spec_for(cfg).norms:
+        sd[f"{norm}.weight"] = torch.ones(cfg.d_model, dtype=ref.dtype, device=ref.device)
+        sd[f"{norm}.bias"] = torch.zeros(cfg.d_model, dtype=ref.dtype, device=ref.device)
+    return rebuild(model, sd, cfg.replace(norm="layernorm", norm_bias=False))
+
+
+def lift(model: nn.Module, width: int, seed: int = 0) -> nn.Module:
+    """The canonical model lifted exactly into residual width ``width`` >= d by a random semi-orthogonal map."""
+    from .symmetry import Transform, random_orthogonal, apply_transform
+
+    d = model.config.d_model
+    if width < d:
+        raise ValueError(f"cannot lift width {d} into a narrower {width}")
+    O = random_orthogonal(width, d, torch.Generator().manual_seed(seed), next(model.parameters()).dtype)
+    return apply_transform(canonicalize(model) if model.config.norm == "layernorm" else model, Transform({"residual": O}))

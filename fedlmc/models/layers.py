@@ -1,0 +1,139 @@
+"""Transformer building blocks shared by GPT-2 and ViT (pre-LN, biases everywhere).
+
+Attention keeps Q, K, V and O as four separate linear maps so the symmetry spec can name each of
+them; heads are contiguous blocks of ``d_head`` rows of Q/K/V (and columns of O).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class TransformerConfig:
+    """Fields every architecture shares. ``d_head`` defaults to ``d_model // n_head``.
+
+    ``norm`` is ``"layernorm"`` (trained models) or ``"rmsnorm"`` (the canonical form: parameter-free,
+    optionally with a bias). ``attn_scale`` defaults to ``1/sqrt(d_head)``; it is stored so that a model
+    whose head width changed (e.g. a circuit merge) keeps computing the same scores.
+    """
+
+    n_layer: int = 4
+    d_model: int = 128
+    n_head: int = 4
+    d_ff: int = 512
+    d_head: Optional[int] = None
+    dropout: float = 0.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = False
+    attn_scale: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.d_head is None:
+            if self.d_model % self.n_head:
+                raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; set d_head")
+            self.d_head = self.d_model // self.n_head
+        if self.attn_scale is None:
+            self.attn_scale = 1.0 / math.sqrt(self.d_head)
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        for name in ("n_layer", "d_model", "n_head", "d_ff", "d_head"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"arch": self.arch, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TransformerConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def replace(self, **changes: Any) -> "TransformerConfig":
+        d = asdict(self)
+        d.update(changes)
+        return type(self)(**d)
+
+    arch = "transformer"
+
+
+class RMSNorm(nn.Module):
+    """Parameter-free RMSNorm ``x / sqrt(mean(x^2) + eps)``, plus an optional bias."""
+
+    def __init__(self, d: int, eps: float = 1e-5, bias: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y + self.bias if self.bias is not None else y
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+    return RMSNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.norm_bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig, causal: bool) -> None:
+        super().__init__()
+        inner = cfg.n_head * cfg.d_head
+        self.n_head, self.d_head, self.scale, self.causal = cfg.n_head, cfg.d_head, cfg.attn_scale, causal
+        self.q = nn.Linear(cfg.d_model, inner)
+        self.k = nn.Linear(cfg.d_model, inner)
+        self.v = nn.Linear(cfg.d_model, inner)
+        self.o = nn.Linear(inner, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, self.n_head, self.d_head).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, scale=self.scale,
+            dropout_p=self.drop.p if self.training else 0.0,
+        )
+        return self.drop(self.o(y.transpose(1, 2).reshape(B, T, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(F.gelu(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, cfg: TransformerConfig, causal: bool) -> None:
+        super().__init__()
+        self.ln1 = make_norm(cfg)
+        self.attn = Attention(cfg, causal)
+        self.ln2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """GPT-2 style init: N(0, 0.02) weights, zero biases, unit norms."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
