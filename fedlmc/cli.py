@@ -1,0 +1,193 @@
+"""The ``fedlmc`` command: ``train``, ``barrier``, ``demo`` (more subcommands register themselves)."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", help="directory holding the data set (else $FEDLMC_DATA, else ../shared/data)")
+    p.add_argument("--dataset", help="override the preset's data set (digits, mnist, cifar10, shakespeare, text)")
+    p.add_argument("--text", help="a UTF-8 text file for --dataset text")
+
+
+def _add_budget_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's budget)")
+    p.add_argument("--epochs", type=float, help="epochs instead of steps")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--batch-size", type=int, help="batch size")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
+
+
+def load_splits(preset: str, args: argparse.Namespace, seed: int = 0):
+    """The data splits a preset trains on, honouring --dataset/--data-dir/--text."""
+    from .data import load
+    from .models import preset_config, preset_dataset
+
+    cfg = preset_config(preset)
+    return load(getattr(args, "dataset", None) or preset_dataset(preset), data_dir=getattr(args, "data_dir", None),
+                block_size=getattr(cfg, "block_size", 64), text_file=getattr(args, "text", None), seed=seed)
+
+
+def budget(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, device=args.device)
+
+
+def trained(preset: str, seed: int, splits, cache: Path, progress: bool = True, **over: Any):
+    """Train (or reuse from ``cache``) preset ``preset`` with ``seed``; returns the loaded model."""
+    from . import io
+    from .train import train_config_for, train_preset
+
+    cfg = train_config_for(preset, seed, **over)
+    key = json.dumps([preset, splits.name, splits.meta.get("source"), cfg.__dict__], sort_keys=True, default=str)
+    path = cache / f"{preset}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    if (path / io.WEIGHTS).is_file():
+        console.print(f"[dim]reusing {path}[/dim]")
+        return io.load(path)
+    model, hist = train_preset(preset, splits, seed=seed, progress=progress, **over)
+    io.save(model, path, model.meta)
+    console.print(f"{preset} seed {seed}: test loss {hist['test']['loss']:.4f} acc {hist['test']['acc']:.4f} "
+                  f"({hist['seconds']:.0f} s) → {path}")
+    return model
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from . import io
+    from .train import train_preset
+
+    splits = load_splits(args.preset, args)
+    console.print(f"data {splits.summary()}")
+    model, hist = train_preset(args.preset, splits, seed=args.seed, progress=not args.quiet, **budget(args))
+    io.save(model, args.out, model.meta)
+    (Path(args.out) / "history.json").write_text(json.dumps(hist, indent=2, default=float))
+    print(json.dumps({"out": str(args.out), "test": hist["test"], "seconds": round(hist["seconds"], 1)}))
+    return 0
+
+
+def _eval_split(model, args: argparse.Namespace):
+    """The split a saved model should be evaluated on: its own data set unless --dataset says otherwise."""
+    from .data import load
+
+    meta = getattr(model, "meta", {})
+    name = args.dataset or meta.get("dataset")
+    if not name:
+        raise SystemExit("the checkpoint does not record its data set: pass --dataset")
+    text = args.text or (meta.get("source") if name not in ("digits", "mnist", "cifar10", "shakespeare") else None)
+    splits = load(name if name in ("digits", "mnist", "cifar10", "shakespeare") else "text", data_dir=args.data_dir,
+                  block_size=getattr(model.config, "block_size", 64), text_file=text)
+    return getattr(splits, args.split)
+
+
+def cmd_barrier(args: argparse.Namespace) -> int:
+    from . import io
+    from .barrier import barrier, interpolation_curve, plot_curves
+
+    a, b = io.load(args.model_a), io.load(args.model_b)
+    data = _eval_split(a, args)
+    curve = interpolation_curve(a, b, data, max_batches=args.max_batches)
+    out = {"model_a": args.model_a, "model_b": args.model_b, "split": args.split, "method": "vanilla",
+           "barrier": barrier(curve), "curve": curve.to_dict()}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    if args.plot:
+        plot_curves({"vanilla": curve}, args.plot, title=f"{Path(args.model_a).name} ↔ {Path(args.model_b).name}")
+    print(json.dumps({"barrier": out["barrier"], "loss": curve.loss, "acc": curve.acc}))
+    return 0
+
+
+DEMO_BUDGETS = {"vit-tiny": dict(epochs=15), "gpt2-tiny": dict(steps=500), "vit-digits": dict(epochs=30)}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train two seeds of each preset and measure their vanilla interpolation barrier."""
+    from .barrier import barrier, interpolation_curve, plot_curves
+    from .data import DataNotFound
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    for preset in args.presets:
+        try:
+            splits = load_splits(preset, args)
+        except DataNotFound as e:
+            console.print(f"[yellow]skipping {preset}:[/yellow] {e}")
+            if preset.startswith("vit") and "vit-digits" not in args.presets:
+                console.print("[yellow]using the embedded scikit-learn digits with vit-digits instead[/yellow]")
+                preset, splits = "vit-digits", load_splits("vit-digits", args)
+            else:
+                continue
+        console.rule(f"{preset} on {splits.summary()}")
+        over = {**DEMO_BUDGETS.get(preset, {}), **{k: v for k, v in budget(args).items() if v is not None}}
+        t0 = time.time()
+        models = [trained(preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in args.seeds[:2]]
+        train_s = time.time() - t0
+        curve = interpolation_curve(models[0], models[1], splits.test)
+        png = plot_curves({"vanilla": curve}, out / f"barrier_{preset}.png", title=f"{preset}: seed {args.seeds[0]} ↔ {args.seeds[1]}")
+        summary[preset] = {"dataset": splits.name, "budget": over, "train_seconds": round(train_s, 1),
+                           "test": [m.meta.get("test") for m in models],
+                           "barrier": barrier(curve), "curve": curve.to_dict(), "plot": str(png)}
+        console.print(f"{preset}: test loss {[round(t['loss'], 4) for t in summary[preset]['test']]}, "
+                      f"vanilla barrier {summary[preset]['barrier']:.4f}  → {png}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: {"barrier": round(v["barrier"], 4), "test": v["test"]} for k, v in summary.items()}, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedlmc", description="Federated learning of Transformers merged modulo symmetries.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a preset on its data set and save a checkpoint")
+    t.add_argument("--preset", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="checkpoint directory")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_data_args(t)
+    _add_budget_args(t)
+    t.set_defaults(func=cmd_train)
+
+    b = sub.add_parser("barrier", help="interpolation curve and loss barrier between two checkpoints")
+    b.add_argument("model_a")
+    b.add_argument("model_b")
+    b.add_argument("--out", help="JSON file for the curve and barrier")
+    b.add_argument("--plot", help="PNG file for the curve")
+    b.add_argument("--split", default="test", choices=["train", "val", "test"])
+    b.add_argument("--max-batches", type=int, help="evaluate on at most this many batches per λ")
+    _add_data_args(b)
+    b.set_defaults(func=cmd_barrier)
+
+    d = sub.add_parser("demo", help="train two seeds of the tiny presets and plot their vanilla barrier")
+    d.add_argument("--out", default="results/demo")
+    d.add_argument("--presets", nargs="+", default=["vit-tiny", "gpt2-tiny"])
+    d.add_argument("--seeds", nargs=2, type=int, default=[0, 1])
+    d.add_argument("--cache", default="runs/cache", help="where trained models are kept for reuse")
+    d.add_argument("--quiet", action="store_true")
+    _add_data_args(d)
+    _add_budget_args(d)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from .data import DataNotFound
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (DataNotFound, FileNotFoundError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Data: where it lives, the loaders, and federated partitions.
+
+Search order for a data directory: the explicit ``data_dir`` (``--data-dir``), then ``$FEDLMC_DATA``,
+then ``../shared/data`` next to the working directory or the project checkout.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+from .base import ArrayData, Data, DataNotFound, Splits, TokenData
+from .images import load_cifar10, load_digits, load_mnist, read_idx
+from .partition import partition, partition_indices
+from .text import CharTokenizer, find_shakespeare, load_text
+
+DATASETS = ("digits", "mnist", "cifar10", "shakespeare", "text")
+
+
+def search_dirs(data_dir: Union[str, Path, None] = None) -> list[Path]:
+    """The directories a loader looks in, in order."""
+    dirs: list[Path] = []
+    if data_dir:
+        dirs.append(Path(data_dir).expanduser())
+    if os.environ.get("FEDLMC_DATA"):
+        dirs.append(Path(os.environ["FEDLMC_DATA"]).expanduser())
+    project = Path(__file__).resolve().parents[2]
+    for base in (Path.cwd(), project):
+        dirs.append((base / ".." / "shared" / "data").resolve())
+    return list(dict.fromkeys(dirs))
+
+
+def load(name: str, data_dir: Union[str, Path, None] = None, block_size: int = 64, seed: int = 0,
+         text_file: Union[str, Path, None] = None) -> Splits:
+    """Load dataset ``name`` (one of ``DATASETS``) as train/val/test ``Splits``.
+
+    ``text`` reads ``text_file`` (any UTF-8 file). Raises ``DataNotFound`` with every place looked.
+    """
+    dirs = search_dirs(data_dir)
+    if name == "digits":
+        return load_digits(seed=seed)
+    if name == "mnist":
+        return load_mnist(dirs, seed=seed)
+    if name == "cifar10":
+        return load_cifar10(dirs, seed=seed)
+    if name == "shakespeare":
+        return load_text(find_shakespeare(dirs), block_size, name="shakespeare")
+    if name == "text":
+        if text_file is None or not Path(text_file).is_file():
+            raise DataNotFound("text", [Path(text_file or "<none given>")], "pass --text FILE with a UTF-8 text file")
+        return load_text(Path(text_file), block_size)
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+__all__ = ["ArrayData", "TokenData", "Splits", "Data", "DataNotFound", "DATASETS", "load", "search_dirs",
+           "partition", "partition_indices", "CharTokenizer", "read_idx"]

@@ -1,0 +1,96 @@
+"""Dataset containers shared by images and text: both expose ``len`` and ``batches(...)``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+
+class DataNotFound(FileNotFoundError):
+    """A dataset is not where we looked; the message names every place looked and how to provide it."""
+
+    def __init__(self, what: str, looked: list, how: str) -> None:
+        places = "\n".join(f"  - {p}" for p in dict.fromkeys(str(p) for p in looked))
+        self.what, self.looked = what, list(looked)
+        super().__init__(f"{what} not found. Looked in:\n{places}\nTo provide it: {how}; "
+                         "then pass --data-dir DIR or set FEDLMC_DATA=DIR.")
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+@dataclass
+class ArrayData:
+    """Supervised examples ``x[i] -> y[i]`` held in memory (images: float ``(N,C,H,W)``, labels long)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.y
+
+    def subset(self, idx: Union[torch.Tensor, list[int]]) -> "ArrayData":
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return ArrayData(self.x[idx], self.y[idx])
+
+    def batches(self, batch_size: int, shuffle: bool = False,
+                generator: Optional[torch.Generator] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.randperm(len(self), generator=generator) if shuffle else torch.arange(len(self))
+        for i in range(0, len(self), batch_size):
+            j = order[i:i + batch_size]
+            yield self.x[j], self.y[j]
+
+
+@dataclass
+class TokenData:
+    """A token stream cut into windows of ``block_size`` (inputs) and the same shifted by one (targets).
+
+    One epoch is ``len(self)`` windows: non-overlapping and in order when not shuffled (evaluation);
+    at random offsets when shuffled (training), so every position is a possible window start.
+    """
+
+    tokens: torch.Tensor
+    block_size: int
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.block_size)
+
+    def batches(self, batch_size: int, shuffle: bool = False,
+                generator: Optional[torch.Generator] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        T, n = self.block_size, len(self)
+        if n == 0:
+            return
+        ar = torch.arange(T + 1)
+        if shuffle:
+            high = len(self.tokens) - T
+            for _ in range(max(1, n // batch_size)):
+                starts = torch.randint(0, high, (batch_size,), generator=generator)
+                w = self.tokens[starts[:, None] + ar]
+                yield w[:, :-1], w[:, 1:]
+        else:
+            starts = torch.arange(n) * T
+            for i in range(0, n, batch_size):
+                w = self.tokens[starts[i:i + batch_size, None] + ar]
+                yield w[:, :-1], w[:, 1:]
+
+
+Data = Union[ArrayData, TokenData]
+
+
+@dataclass
+class Splits:
+    """train / val / test of one dataset plus what a model needs to know about it (``meta``)."""
+
+    name: str
+    train: Data
+    val: Data
+    test: Data
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return f"{self.name}: train {len(self.train)}, val {len(self.val)}, test {len(self.test)}"

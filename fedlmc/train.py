@@ -1,0 +1,190 @@
+"""Local training and evaluation: AdamW, cosine schedule with linear warmup, seeded init and data order."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .data import Data, Splits, TokenData
+from .models import from_preset, preset_dataset
+
+
+def pick_device(device: Optional[str] = None) -> torch.device:
+    """``device`` if given, else CUDA when present, else CPU."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy and the number of correct argmax predictions (sequence or class logits)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    y = y.reshape(-1)
+    return F.cross_entropy(logits, y), (logits.argmax(-1) == y).sum()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Data, batch_size: int = 256, device: Optional[str] = None,
+             max_batches: Optional[int] = None) -> dict[str, float]:
+    """Mean loss and accuracy over ``data`` (next-token accuracy for text), in eval mode."""
+    dev = pick_device(device) if device is not None else next(model.parameters()).device
+    was = model.training
+    model.eval()
+    total, correct, n = 0.0, 0, 0
+    for i, (x, y) in enumerate(data.batches(batch_size)):
+        if max_batches is not None and i >= max_batches:
+            break
+        x, y = x.to(dev), y.to(dev)
+        if x.is_floating_point():
+            x = x.to(next(model.parameters()).dtype)
+        loss, c = loss_and_correct(model(x), y)
+        k = y.numel()
+        total += float(loss) * k
+        correct += int(c)
+        n += k
+    model.train(was)
+    if n == 0:
+        raise ValueError("evaluate() got an empty data set")
+    return {"loss": total / n, "acc": correct / n}
+
+
+@dataclass
+class TrainConfig:
+    """How to train. Give ``steps`` or ``epochs`` (an epoch is one pass over ``len(data)`` examples)."""
+
+    steps: Optional[int] = None
+    epochs: Optional[float] = None
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    batch_size: int = 64
+    warmup: float = 0.05  # fraction of steps
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 0  # steps; 0 = only at the end
+    device: Optional[str] = None
+
+    def total_steps(self, data: Data) -> int:
+        per_epoch = max(1, math.ceil(len(data) / self.batch_size) if not isinstance(data, TokenData)
+                        else len(data) // self.batch_size)
+        if self.steps:
+            return int(self.steps)
+        if self.epochs:
+            return max(1, int(round(self.epochs * per_epoch)))
+        raise ValueError("TrainConfig needs steps or epochs")
+
+
+# Budgets that train the presets usefully on 2 CPU cores (overridable from the CLI).
+TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2-tiny": dict(steps=4000, lr=2e-3, batch_size=64),
+    "gpt2-shakespeare": dict(steps=5000, lr=1e-3, batch_size=64),
+    "gpt2-small": dict(steps=1000, lr=3e-4, batch_size=16),
+    "vit-tiny": dict(epochs=15, lr=2e-3, batch_size=64),
+    "vit-cifar": dict(epochs=50, lr=1e-3, batch_size=128),
+    "vit-digits": dict(epochs=30, lr=3e-3, batch_size=32),
+}
+
+
+def cosine_lr(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    disable=not enabled, transient=False)
+
+
+def train(model: nn.Module, data: Data, cfg: TrainConfig, val: Optional[Data] = None, progress: bool = True,
+          desc: str = "train", on_eval: Optional[Callable[[int, dict], None]] = None) -> dict[str, Any]:
+    """Train ``model`` in place on ``data``; returns a history (losses, evaluations, seconds)."""
+    dev = pick_device(cfg.device)
+    model.to(dev).train()
+    total = cfg.total_steps(data)
+    warmup = max(1, int(cfg.warmup * total))
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, total, warmup))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    hist: dict[str, Any] = {"train_loss": [], "evals": [], "steps": total}
+    t0, step, running = time.time(), 0, None
+    with _progress(progress) as bar:
+        task = bar.add_task(desc, total=total, info="")
+        while step < total:
+            for x, y in data.batches(cfg.batch_size, shuffle=True, generator=gen):
+                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+                loss, _ = loss_and_correct(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                sched.step()
+                step += 1
+                lv = float(loss.detach())
+                running = lv if running is None else 0.95 * running + 0.05 * lv
+                if step % 50 == 0 or step == total:
+                    hist["train_loss"].append((step, lv))
+                    bar.update(task, completed=step, info=f"loss {running:.3f}")
+                if val is not None and cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                    ev = {"step": step, **evaluate(model, val)}
+                    hist["evals"].append(ev)
+                    if on_eval:
+                        on_eval(step, ev)
+                if step >= total:
+                    break
+    if val is not None:
+        ev = {"step": step, **evaluate(model, val)}
+        hist["evals"].append(ev)
+        if on_eval:
+            on_eval(step, ev)
+    hist["seconds"] = time.time() - t0
+    model.eval()
+    return hist
+
+
+def train_config_for(preset: str, seed: int = 0, **overrides: Any) -> TrainConfig:
+    """The preset's default budget (``TRAIN_DEFAULTS``) with ``overrides`` (None values ignored)."""
+    base = dict(TRAIN_DEFAULTS.get(preset, dict(epochs=5)))
+    over = {k: v for k, v in overrides.items() if v is not None}
+    if "steps" in over:
+        base.pop("epochs", None)
+    if "epochs" in over:
+        base.pop("steps", None)
+    return TrainConfig(seed=seed, **{**base, **over})
+
+
+def model_for_data(preset: str, splits: Splits, seed: int, **overrides: Any) -> nn.Module:
+    """Preset ``preset`` initialised from ``seed``, shaped to the data (vocabulary, channels, image size)."""
+    fit: dict[str, Any] = {}
+    if "vocab_size" in splits.meta:
+        fit["vocab_size"] = splits.meta["vocab_size"]
+    if "channels" in splits.meta:
+        fit.update(channels=splits.meta["channels"], image_size=splits.meta["image_size"],
+                   num_classes=splits.meta["num_classes"])
+    torch.manual_seed(seed)
+    model = from_preset(preset, **{**fit, **overrides})
+    model.meta = {"preset": preset, "dataset": splits.name, "seed": seed,
+                  **{k: v for k, v in splits.meta.items() if k in ("chars", "block_size", "source")}}
+    return model
+
+
+def train_preset(preset: str, splits: Splits, seed: int = 0, progress: bool = True, **overrides: Any) -> tuple[nn.Module, dict]:
+    """Initialise preset ``preset`` from ``seed`` and train it on ``splits.train``; evaluate on test."""
+    model = model_for_data(preset, splits, seed)
+    cfg = train_config_for(preset, seed, **overrides)
+    hist = train(model, splits.train, cfg, val=splits.val, progress=progress, desc=f"{preset} seed {seed}")
+    hist["test"] = evaluate(model, splits.test)
+    hist["train_config"] = asdict(cfg)
+    model.meta.update(test=hist["test"], seconds=hist["seconds"], steps=hist["steps"])
+    return model, hist

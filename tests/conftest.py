@@ -1,0 +1,48 @@
+"""Shared fixtures; measured numerical errors are collected and printed at the end of the run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+MEASURED: list[tuple[str, float, float]] = []
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def record():
+    """``record(name, error, bound)``: assert error <= bound and keep it for the end-of-run table."""
+    def _record(name: str, error: float, bound: float) -> float:
+        MEASURED.append((name, float(error), bound))
+        assert error <= bound, f"{name}: measured {error:.3e} > {bound:.0e}"
+        return error
+    return _record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not MEASURED:
+        return
+    terminalreporter.section("measured errors (max |Δ|)")
+    for name, err, bound in MEASURED:
+        terminalreporter.write_line(f"{name:<60s} {err:10.3e}  (bound {bound:.0e})")
+
+
+def perturbed(model: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> torch.nn.Module:
+    """Float64 model with every parameter (LN gains and biases included) moved off its init."""
+    g = torch.Generator().manual_seed(seed)
+    model = model.double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return model
+
+
+def inputs_for(model: torch.nn.Module, seed: int = 0, batch: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if cfg.arch == "gpt2":
+        return torch.randint(0, cfg.vocab_size, (batch, min(cfg.block_size, 16)), generator=g)
+    return torch.randn(batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g, dtype=torch.float64)

@@ -1,0 +1,151 @@
+"""Exactness of the canonical form and every symmetry action (float64, random inputs and elements)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedlmc.canonical import canonicalize, lift, residual_offcentre, to_layernorm
+from fedlmc.models import from_preset
+from fedlmc.symmetry import Transform, apply_transform, random_transform, spec_for
+
+from conftest import inputs_for, perturbed
+
+BOUND = 1e-10
+# Small but non-degenerate shapes; d_model is unique among dims so the spec completeness check can see it.
+ARCHS = {
+    "gpt2": dict(preset="gpt2-tiny", n_layer=2, d_model=24, n_head=3, d_ff=40, vocab_size=17, block_size=16),
+    "vit": dict(preset="vit-tiny", n_layer=2, d_model=24, n_head=3, d_ff=40, image_size=12, patch_size=4),
+}
+
+
+def make(arch: str, seed: int = 0, **over):
+    kw = dict(ARCHS[arch])
+    preset = kw.pop("preset")
+    torch.manual_seed(seed)
+    return perturbed(from_preset(preset, **{**kw, **over}), seed)
+
+
+def maxdiff(a, b) -> float:
+    return float((a - b).detach().abs().max())
+
+
+@pytest.fixture(params=list(ARCHS))
+def arch(request):
+    return request.param
+
+
+def test_canonicalize_is_exact(arch, record):
+    m = make(arch)
+    x = inputs_for(m)
+    c = canonicalize(m)
+    assert c.config.norm == "rmsnorm" and not any("ln" in k for k in c.state_dict())
+    record(f"{arch}: canonicalize", maxdiff(m(x), c(x)), BOUND)
+    assert residual_offcentre(c) < 1e-12
+
+
+@pytest.mark.parametrize("group", ["residual", "heads", "qk", "ov", "ff"])
+def test_each_action_alone_is_exact(arch, group, record):
+    m = make(arch, seed=1)
+    x = inputs_for(m, seed=1)
+    c = canonicalize(m)
+    T = random_transform(c, seed=7, groups=[group])
+    assert T.elements and all(k.split(".")[0] == group for k in T.elements)
+    moved = apply_transform(c, T)
+    # the action really moved the weights (no test that cannot fail)
+    assert any(maxdiff(moved.state_dict()[k], v) > 1e-3 for k, v in c.state_dict().items())
+    record(f"{arch}: {group} alone", maxdiff(m(x), moved(x)), BOUND)
+
+
+def test_all_actions_composed_are_exact(arch, record):
+    m = make(arch, seed=2)
+    x = inputs_for(m, seed=2)
+    c = canonicalize(m)
+    out = c
+    for s in range(3):  # compose three full random group elements
+        out = apply_transform(out, random_transform(c, seed=100 + s))
+    record(f"{arch}: all groups, 3 elements composed", maxdiff(m(x), out(x)), BOUND)
+
+
+def test_residual_permutation_mode(arch, record):
+    m = make(arch, seed=3)
+    c = canonicalize(m)
+    x = inputs_for(m, seed=3)
+    T = random_transform(c, seed=4, residual="permutation")
+    assert not T["residual"].is_floating_point()
+    record(f"{arch}: residual permutation + all", maxdiff(m(x), apply_transform(c, T)(x)), BOUND)
+
+
+@pytest.mark.parametrize("norm_bias", [False, True])
+def test_width_lift_is_exact(arch, norm_bias, record):
+    m = make(arch, seed=5)
+    c = canonicalize(m)
+    if norm_bias:  # a biased RMSNorm model: the bias must move (and scale) with the lift
+        c = perturbed(from_preset(ARCHS[arch]["preset"], **{k: v for k, v in ARCHS[arch].items() if k != "preset"},
+                                  norm="rmsnorm", norm_bias=True), seed=6)
+    x = inputs_for(m, seed=5)
+    d = c.config.d_model
+    for width in (d + 1, 2 * d, 5 * d):
+        lifted = lift(c, width, seed=width)
+        assert lifted.config.d_model == width
+        assert abs(lifted.config.norm_eps - c.config.norm_eps * d / width) < 1e-20
+        record(f"{arch}: lift {d}->{width}{' (biased RMSNorm)' if norm_bias else ''}", maxdiff(c(x), lifted(x)), BOUND)
+        # and the lifted model still carries every other symmetry exactly
+        T = random_transform(lifted, seed=9, groups=["residual", "heads", "qk", "ov", "ff"])
+        assert maxdiff(lifted(x), apply_transform(lifted, T)(x)) <= BOUND
+
+
+def test_roundtrip_to_layernorm_is_exact(arch, record):
+    m = make(arch, seed=8)
+    x = inputs_for(m, seed=8)
+    c = canonicalize(m)
+    T = random_transform(c, seed=11, fix_ones=True)
+    O = T["residual"]
+    ones = torch.ones(O.shape[0], dtype=O.dtype)
+    assert maxdiff(O @ ones, ones) < 1e-12 and maxdiff(O.T @ O, torch.eye(len(O), dtype=O.dtype)) < 1e-12
+    moved = apply_transform(c, T)
+    ln = to_layernorm(moved)
+    assert ln.config.norm == "layernorm" and isinstance(ln.blocks[0].ln1, torch.nn.LayerNorm)
+    record(f"{arch}: canonicalize → O·1=1 transform → LayerNorm", maxdiff(m(x), ln(x)), BOUND)
+    # and canonicalize(to_layernorm(.)) is exact again
+    record(f"{arch}: LayerNorm → canonicalize again", maxdiff(m(x), canonicalize(ln)(x)), BOUND)
+
+
+def test_to_layernorm_refuses_an_uncentred_residual(arch):
+    c = canonicalize(make(arch))
+    rotated = apply_transform(c, random_transform(c, seed=3, groups=["residual"]))
+    with pytest.raises(ValueError, match="not centred"):
+        to_layernorm(rotated)
+
+
+def test_residual_action_needs_canonical_form(arch):
+    m = make(arch)
+    with pytest.raises(ValueError, match="canonicalize"):
+        apply_transform(m, random_transform(m, seed=0, groups=["residual"]))
+    # permutations and gauges need no canonical form
+    T = random_transform(m, seed=0, groups=["heads", "qk", "ov", "ff"])
+    x = inputs_for(m)
+    assert maxdiff(m(x), apply_transform(m, T)(x)) <= BOUND
+
+
+def test_spec_covers_every_residual_axis(arch):
+    """Every canonical-model tensor with a d_model-sized axis is in the residual group (and vice versa)."""
+    c = canonicalize(make(arch, d_head=5))  # inner attention width 15 != d_model 24
+    d = c.config.d_model
+    spec = spec_for(c)
+    sd = c.state_dict()
+    declared = {(mem.param, mem.axis) for mem in spec.residual.members}
+    found = {(k, a) for k, v in sd.items() for a, n in enumerate(v.shape) if n == d}
+    assert declared == found
+    assert all(mem.param in sd for g in spec.groups.values() for mem in g.members)
+    assert len(spec.layer_groups("heads")) == c.config.n_layer == len(spec.layer_groups("ff"))
+
+
+def test_spec_for_unknown_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="no symmetry spec"):
+        spec_for(torch.nn.Linear(2, 2))
+
+
+def test_transform_rejects_foreign_groups(arch):
+    c = canonicalize(make(arch))
+    with pytest.raises(ValueError, match="does not have"):
+        apply_transform(c, Transform({"ff.99": torch.arange(3)}))

@@ -1,0 +1,111 @@
+"""Checkpoints, seeded training, evaluation, barriers and the CLI, on tiny budgets."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fedlmc
+from fedlmc.barrier import Curve, barrier, interpolate_weights, interpolation_curve, plot_curves
+from fedlmc.cli import build_parser, main
+from fedlmc.data import load
+from fedlmc.models import PRESETS, from_preset, preset_config
+from fedlmc.train import TrainConfig, evaluate, model_for_data, train
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load("digits")
+
+
+def test_presets_build_and_run():
+    for name in PRESETS:
+        cfg = preset_config(name)
+        if cfg.d_model > 256:
+            continue  # the gpt2-small shape is exercised by the benchmarks
+        m = from_preset(name).eval()
+        x = torch.randint(0, cfg.vocab_size, (2, 8)) if cfg.arch == "gpt2" else torch.randn(2, cfg.channels, cfg.image_size, cfg.image_size)
+        out = m(x)
+        assert out.shape == ((2, 8, cfg.vocab_size) if cfg.arch == "gpt2" else (2, cfg.num_classes))
+    assert preset_config("gpt2-small").d_ff == 3072 and preset_config("vit-cifar").patch_size == 4
+    with pytest.raises(ValueError, match="unknown preset"):
+        from_preset("nope")
+
+
+def test_checkpoint_roundtrip_is_safetensors(tmp_path):
+    m = from_preset("vit-digits").eval()
+    m.meta = {"dataset": "digits"}
+    fedlmc.save(m, tmp_path / "ck")
+    raw = (tmp_path / "ck" / "model.safetensors").read_bytes()
+    assert raw[8:9] == b"{"  # safetensors: 8-byte header length, then JSON header — not a pickle
+    back = fedlmc.load(tmp_path / "ck")
+    x = torch.randn(3, 1, 8, 8)
+    assert torch.equal(m(x), back(x)) and back.meta == {"dataset": "digits"}
+    with pytest.raises(FileNotFoundError, match="not a fedlmc checkpoint"):
+        fedlmc.load(tmp_path)
+
+
+def test_training_is_seeded_and_learns(digits):
+    def run(seed):
+        m = model_for_data("vit-digits", digits, seed)
+        before = evaluate(m, digits.val)["loss"]
+        train(m, digits.train, TrainConfig(epochs=10, lr=3e-3, batch_size=32, seed=seed), progress=False)
+        return m, before, evaluate(m, digits.val)
+    a, before, after = run(0)
+    b, _, _ = run(0)
+    c, _, _ = run(1)
+    assert after["loss"] < before - 0.5 and after["acc"] > 0.5
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.head.weight, c.head.weight)
+
+
+def test_barrier_definition():
+    c = Curve([0.0, 0.5, 1.0], [1.0, 3.0, 2.0], [0, 0, 0])
+    assert barrier(c) == pytest.approx(3.0 - 1.5)
+    flat = Curve([0.0, 0.5, 1.0], [1.0, 1.5, 2.0], [0, 0, 0])
+    assert barrier(flat) == pytest.approx(0.0)
+
+
+def test_interpolation_curve_endpoints(digits, tmp_path):
+    torch.manual_seed(0)
+    a, b = from_preset("vit-digits").eval(), from_preset("vit-digits").eval()
+    curve = interpolation_curve(a, b, digits.test, lambdas=[0.0, 0.5, 1.0])
+    assert curve.loss[0] == pytest.approx(evaluate(b, digits.test)["loss"])
+    assert curve.loss[-1] == pytest.approx(evaluate(a, digits.test)["loss"])
+    assert barrier(interpolation_curve(a, a, digits.test, lambdas=[0, 0.3, 1])) == pytest.approx(0.0, abs=1e-6)
+    png = plot_curves({"vanilla": curve}, tmp_path / "c.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="different configs"):
+        interpolate_weights(a, from_preset("vit-digits", d_ff=32), 0.5)
+
+
+def test_every_subcommand_has_help(capsys):
+    parser = build_parser()
+    subs = parser._subparsers._group_actions[0].choices
+    assert {"train", "barrier", "demo"} <= set(subs)
+    for name in subs:
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([name, "--help"])
+        assert e.value.code == 0
+        assert "usage" in capsys.readouterr().out
+
+
+def test_cli_train_then_barrier(tmp_path, capsys):
+    for seed in (0, 1):
+        assert main(["train", "--preset", "vit-digits", "--seed", str(seed), "--epochs", "1", "--quiet",
+                     "--out", str(tmp_path / f"m{seed}")]) == 0
+    capsys.readouterr()
+    assert main(["barrier", str(tmp_path / "m0"), str(tmp_path / "m1"), "--out", str(tmp_path / "b.json"),
+                 "--plot", str(tmp_path / "b.png")]) == 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert len(res["curve"]["loss"]) == 11 and res["barrier"] == pytest.approx(barrier(Curve(**res["curve"])))
+    assert (tmp_path / "b.png").is_file()
+
+
+def test_cli_missing_data_is_one_clear_error(tmp_path, capsys):
+    code = main(["train", "--preset", "vit-cifar", "--out", str(tmp_path / "x"), "--data-dir", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "CIFAR-10 not found" in err and "Traceback" not in err
