@@ -3,7 +3,8 @@ any orthogonal map; and the way back to an ordinary LayerNorm model.
 
 ``LN(x) = g * RMSNorm(C x) + b`` with the centring matrix ``C = I - 11^T/d``. Folding C into every
 residual writer keeps the stream centred (so ``C x = x``), and folding ``g``/``b`` into the readers
-(``W diag(g)``, bias ``+ W b``) leaves a parameter-free RMSNorm with the same eps. Written against the
+(``W diag(g)``, bias ``+ W b``) leaves a parameter-free RMSNorm with the same eps. Readers are then
+projected onto 1^⊥ as well (their input is centred, so this changes nothing). Written against the
 symmetry spec's writer/reader roles, so any architecture with a spec gets it.
 """
 from __future__ import annotations
@@ -44,8 +45,11 @@ def canonicalize(model: nn.Module) -> nn.Module:
                 shape[m.axis] = -1
                 sd[m.param] = W * gain.view(shape)
     if layernorm:
+        # Writers: centring keeps the stream in 1^⊥. Readers: their input (RMSNorm of a centred vector) is
+        # centred too, so their 1-component is dead; removing it makes the all-ones direction null in
+        # every residual tensor, which is what lets matching treat it separately (keep_layernorm).
         C = centering(cfg.d_model, device=next(model.parameters()).device)
-        for m in spec.writers():
+        for m in spec.writers() + spec.readers():
             sd[m.param] = _apply_along(sd[m.param], m.axis, C)
     return rebuild(model, sd, cfg.replace(norm="rmsnorm", norm_bias=False))
 

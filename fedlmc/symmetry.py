@@ -61,6 +61,7 @@ class Group:
     members: list[Member]
     layer: Optional[int] = None
     count: int = 1
+    probe: Optional[str] = None  # module whose activations show this group's units (activation matching)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class SymmetrySpec:
     arch: str
     groups: dict[str, Group]
     norms: list[str]
+    residual_probes: list[str] = field(default_factory=list)  # modules whose outputs are residual states
 
     @property
     def residual(self) -> Group:
@@ -91,6 +93,7 @@ class Transform:
     """One group element per named group; absent groups act as the identity."""
 
     elements: dict[str, torch.Tensor] = field(default_factory=dict)
+    info: dict = field(default_factory=dict, compare=False)  # diagnostics from whoever built it
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.elements[name]
@@ -150,7 +153,8 @@ def transformer_spec(cfg: TransformerConfig, embed_writers: list[Member], head: 
         residual += [Member(f"{b}.mlp.fc1.weight", 1, role="reader", norm=ln2, bias=f"{b}.mlp.fc1.bias")]
         residual += [Member(f"{b}.mlp.fc2.weight", 0, role="writer"), Member(f"{b}.mlp.fc2.bias", 0, role="writer")]
         qkv = [Member(f"{b}.attn.{p}.{t}", 0, block=dh) for p in "qkv" for t in ("weight", "bias")]
-        groups[f"heads.{l}"] = Group(f"heads.{l}", "permutation", H, qkv + [Member(f"{b}.attn.o.weight", 1, block=dh)], l)
+        groups[f"heads.{l}"] = Group(f"heads.{l}", "permutation", H, qkv + [Member(f"{b}.attn.o.weight", 1, block=dh)], l,
+                                     probe=f"{b}.attn.o")
         groups[f"qk.{l}"] = Group(f"qk.{l}", "gauge", dh, [
             Member(f"{b}.attn.q.weight", 0, "MT", dh), Member(f"{b}.attn.q.bias", 0, "MT", dh),
             Member(f"{b}.attn.k.weight", 0, "Minv", dh), Member(f"{b}.attn.k.bias", 0, "Minv", dh)], l, count=H)
@@ -158,13 +162,14 @@ def transformer_spec(cfg: TransformerConfig, embed_writers: list[Member], head: 
             Member(f"{b}.attn.v.weight", 0, "M", dh), Member(f"{b}.attn.v.bias", 0, "M", dh),
             Member(f"{b}.attn.o.weight", 1, "MinvT", dh)], l, count=H)
         groups[f"ff.{l}"] = Group(f"ff.{l}", "permutation", cfg.d_ff, [
-            Member(f"{b}.mlp.fc1.weight", 0), Member(f"{b}.mlp.fc1.bias", 0), Member(f"{b}.mlp.fc2.weight", 1)], l)
+            Member(f"{b}.mlp.fc1.weight", 0), Member(f"{b}.mlp.fc1.bias", 0), Member(f"{b}.mlp.fc2.weight", 1)], l,
+            probe=f"{b}.mlp.fc2")
     norms.append("ln_f")
     residual += _norm_members(cfg, "ln_f")
     residual.append(Member(f"{head}.weight", 1, role="reader", norm="ln_f", bias=f"{head}.bias"))
     all_groups = {"residual": Group("residual", "orthogonal", cfg.d_model, residual)}
     all_groups.update(groups)
-    return SymmetrySpec(cfg.arch, all_groups, norms)
+    return SymmetrySpec(cfg.arch, all_groups, norms, [f"blocks.{l}" for l in range(cfg.n_layer)])
 
 
 register_spec("gpt2", lambda cfg: transformer_spec(
@@ -220,7 +225,16 @@ def _gauge_along(t: torch.Tensor, axis: int, Ms: torch.Tensor, block: int) -> to
 
 
 def is_permutation(element: torch.Tensor) -> bool:
+    """An index-vector permutation (as opposed to a matrix element)."""
     return element.dim() == 1 and not element.is_floating_point()
+
+
+def perm_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The matrix P with ``P[i, perm[i]] = 1`` (so ``P @ old = old[perm]``)."""
+    n = len(perm)
+    P = torch.zeros(n, n, dtype=dtype, device=perm.device)
+    P[torch.arange(n, device=perm.device), perm] = 1
+    return P
 
 
 def act(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
@@ -242,7 +256,11 @@ def act(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
         return out
     for m in group.members:
         t = sd[m.param]
-        if group.kind in ("permutation", "orthogonal"):
+        if group.kind in ("permutation", "orthogonal") and element.is_floating_point():
+            # a permutation given as a (possibly relaxed, differentiable) matrix P: new = P old, per block
+            P = torch.kron(element, torch.eye(m.block, dtype=element.dtype, device=element.device)) if m.block > 1 else element
+            out[m.param] = _apply_along(t, m.axis, P)
+        elif group.kind in ("permutation", "orthogonal"):
             out[m.param] = _permute_along(t, m.axis, element, m.block)
         elif group.kind == "gauge":
             out[m.param] = _gauge_along(t, m.axis, _matrix(element, m.fn), m.block)
@@ -287,10 +305,15 @@ def rebuild(model: nn.Module, sd: StateDict, cfg: Optional[TransformerConfig] = 
 def apply_transform(model: nn.Module, transform: Transform) -> nn.Module:
     """The model acted on by ``transform`` (a new model; the input is not modified).
 
-    Permutations and gauges act on any model; the residual orthogonal group needs the canonical
-    (RMSNorm) form. A rectangular residual element (``d_new x d``, orthonormal columns) returns a
-    model of width ``d_new`` computing the same function.
+    Permutations and gauges act on any model; the residual orthogonal group acts on the canonical
+    (RMSNorm) form, so a LayerNorm model is canonicalised first (exactly). A rectangular residual
+    element (``d_new x d``, orthonormal columns) returns a model of width ``d_new`` computing the same
+    function.
     """
+    if transform.get("residual") is not None and model.config.norm != "rmsnorm":
+        from .canonical import canonicalize
+
+        model = canonicalize(model)
     sd, cfg = apply_to_state({k: v.detach() for k, v in model.state_dict().items()}, model.config, transform)
     return rebuild(model, sd, cfg)
 

@@ -6,7 +6,7 @@ import torch
 
 from fedlmc.canonical import canonicalize, lift, residual_offcentre, to_layernorm
 from fedlmc.models import from_preset
-from fedlmc.symmetry import Transform, apply_transform, random_transform, spec_for
+from fedlmc.symmetry import Transform, apply_to_state, apply_transform, perm_matrix, random_transform, spec_for
 
 from conftest import inputs_for, perturbed
 
@@ -117,14 +117,19 @@ def test_to_layernorm_refuses_an_uncentred_residual(arch):
         to_layernorm(rotated)
 
 
-def test_residual_action_needs_canonical_form(arch):
+def test_residual_action_canonicalises_layernorm_models(arch, record):
     m = make(arch)
-    with pytest.raises(ValueError, match="canonicalize"):
-        apply_transform(m, random_transform(m, seed=0, groups=["residual"]))
-    # permutations and gauges need no canonical form
-    T = random_transform(m, seed=0, groups=["heads", "qk", "ov", "ff"])
     x = inputs_for(m)
-    assert maxdiff(m(x), apply_transform(m, T)(x)) <= BOUND
+    moved = apply_transform(m, random_transform(m, seed=0, groups=["residual"]))
+    assert moved.config.norm == "rmsnorm"
+    record(f"{arch}: residual on a LayerNorm model (auto-canonical)", maxdiff(m(x), moved(x)), BOUND)
+    with pytest.raises(ValueError, match="canonicalize"):  # the state-level API does not guess
+        apply_to_state(m.state_dict(), m.config, random_transform(m, seed=0, groups=["residual"]))
+    # permutations and gauges need no canonical form and keep LayerNorm
+    T = random_transform(m, seed=0, groups=["heads", "qk", "ov", "ff"])
+    kept = apply_transform(m, T)
+    assert kept.config.norm == "layernorm"
+    assert maxdiff(m(x), kept(x)) <= BOUND
 
 
 def test_spec_covers_every_residual_axis(arch):
@@ -149,3 +154,12 @@ def test_transform_rejects_foreign_groups(arch):
     c = canonicalize(make(arch))
     with pytest.raises(ValueError, match="does not have"):
         apply_transform(c, Transform({"ff.99": torch.arange(3)}))
+
+
+def test_permutations_as_matrices_act_like_indices(arch):
+    """Relaxed (matrix) permutations — what learned matching differentiates through — equal index ones."""
+    c = canonicalize(make(arch))
+    T = random_transform(c, seed=5, groups=["heads", "ff"])
+    Tm = Transform({k: perm_matrix(v) for k, v in T.elements.items()})
+    a, b = apply_transform(c, T).state_dict(), apply_transform(c, Tm).state_dict()
+    assert max(maxdiff(a[k], b[k]) for k in a) < 1e-14

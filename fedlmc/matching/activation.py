@@ -1,0 +1,114 @@
+"""Activation matching (the baseline of Verma & Elbayad 2024) and residual-activation statistics.
+
+Units are matched by the correlation of what they compute on a data batch: the residual map from
+residual-stream states (after the embeddings and after every block), heads from their contributions
+to the residual stream, FF neurons from their post-GELU activations. Probe points come from the spec.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from ..canonical import canonicalize
+from ..symmetry import Transform, spec_for
+from .common import apply_elements, assignment, gauge_step, residual_element
+from .weight import canonical_state, identity_elements
+
+
+@contextmanager
+def _hooks(model: nn.Module, spec) -> Iterable[dict]:
+    store: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    mods = dict(model.named_modules())
+
+    def keep(name, t):
+        store.setdefault(name, []).append(t.detach().reshape(-1, t.shape[-1]))
+
+    first = spec.residual_probes[0] if spec.residual_probes else None
+    for p in spec.residual_probes:
+        handles.append(mods[p].register_forward_hook(lambda m, i, o, p=p: keep(p, o)))
+    if first is not None:  # the stream before the first block: embeddings (+ positions, CLS)
+        handles.append(mods[first].register_forward_pre_hook(lambda m, i: keep("input", i[0])))
+    for g in spec.groups.values():
+        if g.probe:  # the group's units are the probe module's input
+            handles.append(mods[g.probe].register_forward_pre_hook(lambda m, i, n=g.name: keep(n, i[0])))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def activations(model: nn.Module, batches, device=None) -> dict[str, torch.Tensor]:
+    """Probe activations of the canonical model on ``batches`` (an iterable of (x, y)), rows = tokens."""
+    c = canonicalize(model) if model.config.norm == "layernorm" else model
+    c.eval()
+    dev = device or next(c.parameters()).device
+    spec = spec_for(c)
+    with _hooks(c, spec) as store:
+        for x, _ in batches:
+            x = x.to(dev)
+            c(x.to(next(c.parameters()).dtype) if x.is_floating_point() else x)
+    return {k: torch.cat(v).double() for k, v in store.items()}
+
+
+def _batches(data, n_batches: int, batch_size: int):
+    out = []
+    for i, b in enumerate(data.batches(batch_size)):
+        if i >= n_batches:
+            break
+        out.append(b)
+    if not out:
+        raise ValueError("no data batches to compute activations on")
+    return out
+
+
+def residual_activation_cross(model_a: nn.Module, model_b: nn.Module, data, n_batches: int = 4,
+                              batch_size: int = 64) -> torch.Tensor:
+    """``Σ_probes X_Aᵀ X_B / N`` over residual states: the data term of the residual Procrustes."""
+    batches = _batches(data, n_batches, batch_size)
+    a, b = activations(model_a, batches), activations(model_b, batches)
+    keys = [k for k in a if k == "input" or k in spec_for(model_a).residual_probes]
+    return sum(a[k].T @ b[k] / len(a[k]) for k in keys)
+
+
+def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches: int = 4, batch_size: int = 64,
+                        residual: str = "orthogonal", keep_layernorm: bool = False,
+                        gauge: Optional[str] = "orthogonal") -> Transform:
+    """Align B to A from activation correlations on a few batches of ``data``; gauges (for the factored
+    merge) then come from the weights, as in weight matching."""
+    batches = _batches(data, n_batches, batch_size)
+    a, b = activations(model_a, batches), activations(model_b, batches)
+    spec = spec_for(canonicalize(model_b) if model_b.config.norm == "layernorm" else model_b)
+    cfg = canonicalize(model_b).config if model_b.config.norm == "layernorm" else model_b.config
+    keys = [k for k in a if k == "input" or k in spec.residual_probes]
+    M = sum(a[k].T @ b[k] / len(a[k]) for k in keys)
+    O = residual_element(M, residual, keep_layernorm)
+    Om = O if O.is_floating_point() else torch.eye(len(O), dtype=M.dtype)[O]
+    el = identity_elements(cfg, M.device, M.dtype, residual)
+    el["residual"] = O
+    B = canonical_state(model_b, M.device, M.dtype)
+    A = canonical_state(model_a, M.device, M.dtype)
+    for g in spec.layer_groups("heads"):
+        # each head's contribution to the residual stream, B's mapped into A's frame by O
+        H, dh = g.size, g.members[0].block
+        Wo_a = next(A[m.param] for m in g.members if m.axis == 1)  # the out projection (d, H·dh)
+        Wo_b = next(B[m.param] for m in g.members if m.axis == 1)
+        ya, yb = a[g.name].reshape(-1, H, dh), b[g.name].reshape(-1, H, dh)
+        ca = torch.einsum("nhk,dhk->hnd", ya, Wo_a.reshape(-1, H, dh))
+        cb = torch.einsum("nhk,dhk->hnd", yb, (Om @ Wo_b).reshape(-1, H, dh))
+        ca, cb = ca / ca.norm(dim=(1, 2), keepdim=True), cb / cb.norm(dim=(1, 2), keepdim=True)
+        el[g.name] = assignment(torch.einsum("ind,jnd->ij", ca, cb))
+    for g in spec.layer_groups("ff"):
+        ha, hb = a[g.name], b[g.name]
+        ha = (ha - ha.mean(0)) / ha.std(0).clamp_min(1e-8)
+        hb = (hb - hb.mean(0)) / hb.std(0).clamp_min(1e-8)
+        el[g.name] = assignment(ha.T @ hb / len(ha))
+    if gauge:
+        B_heads = apply_elements(B, cfg, {k: v for k, v in el.items() if k == "residual" or k.startswith("heads.")})
+        el.update(gauge_step(A, B_heads, spec, cfg.n_head, gauge))
+    return Transform({k: v.cpu() for k, v in el.items()}, {"method": "activation", "tokens": len(a["input"])})

@@ -1,0 +1,158 @@
+"""Pieces every matching method shares: Procrustes, assignment, the head circuits, per-group steps.
+
+All of it is written against the symmetry spec: a step reads which tensors (and axes) a group acts
+on from the spec, never a parameter name.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, ones_basis
+
+Elements = dict[str, torch.Tensor]
+
+
+def procrustes(M: torch.Tensor) -> torch.Tensor:
+    """The orthogonal (or orthonormal-column) R maximising ``tr(Rᵀ M)``: ``U Vᵀ`` from ``M = U S Vᵀ``."""
+    U, _, Vh = torch.linalg.svd(M, full_matrices=False)
+    return U @ Vh
+
+
+def procrustes_fix_ones(M: torch.Tensor) -> torch.Tensor:
+    """Procrustes restricted to ``O·1 = 1`` (square): identity on 1/√d, free on its complement."""
+    d = M.shape[0]
+    Q = ones_basis(d, M.dtype).to(M.device)
+    R = procrustes((Q.T @ M @ Q)[1:, 1:])
+    return Q @ torch.block_diag(torch.ones(1, 1, dtype=M.dtype, device=M.device), R) @ Q.T
+
+
+def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
+    """The permutation ``perm`` (``new[i] = old[perm[i]]``) maximising ``Σ_i score[i, perm[i]]``."""
+    s = score.detach().to("cpu", torch.float64).numpy()
+    if not np.isfinite(s).all():
+        raise ValueError("assignment scores contain NaN/Inf")
+    rows, cols = linear_sum_assignment(s, maximize=maximize)
+    perm = torch.empty(len(rows), dtype=torch.long)
+    perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
+    return perm
+
+
+def residual_element(M: torch.Tensor, residual: str, keep_layernorm: bool) -> torch.Tensor:
+    """The residual group element maximising ``tr(Oᵀ M)`` in the requested subgroup."""
+    if residual == "permutation":
+        return assignment(M)
+    if residual != "orthogonal":
+        raise ValueError(f"residual must be 'orthogonal' or 'permutation', got {residual!r}")
+    return procrustes_fix_ones(M) if keep_layernorm else procrustes(M)
+
+
+def as_rows(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """The tensor as a matrix whose columns index ``axis`` (one row per vector along that axis)."""
+    return t.movedim(axis, -1).reshape(-1, t.shape[axis])
+
+
+def anchors(spec: SymmetrySpec) -> list:
+    """Residual members no other group touches: they correspond across models before any matching."""
+    moved = {m.param for g in spec.groups.values() if g.name != "residual" for m in g.members}
+    return [m for m in spec.residual.members if m.param not in moved]
+
+
+def residual_cross(A: StateDict, B: StateDict, members: list) -> torch.Tensor:
+    """``M = Σ_blocks (1/rows) A_blockᵀ B_block`` over residual-indexed blocks (each scaled by 1/√rows)."""
+    M = None
+    for m in members:
+        a, b = as_rows(A[m.param], m.axis), as_rows(B[m.param], m.axis)
+        term = a.T @ b / a.shape[0]
+        M = term if M is None else M + term
+    return M
+
+
+def apply_elements(B: StateDict, cfg, elements: Elements, kinds: Optional[tuple[str, ...]] = None) -> StateDict:
+    """``B`` acted on by the elements whose kind is in ``kinds`` (all when None)."""
+    T = Transform({k: v for k, v in elements.items() if kinds is None or k.split(".")[0] in kinds})
+    return apply_to_state(B, cfg, T)[0]
+
+
+def head_side(sd: StateDict, group: Group, n_head: int, fns: tuple[str, ...]) -> torch.Tensor:
+    """Per-head factor ``(H, d_head, ·)``: the group's members with ``fn`` in ``fns``, bias-augmented."""
+    parts = [sd[m.param].movedim(m.axis, 0).reshape(n_head, m.block, -1) for m in group.members if m.fn in fns]
+    return torch.cat(parts, dim=-1)
+
+
+def circuit_inner(XA: torch.Tensor, YA: torch.Tensor, XB: torch.Tensor, YB: torch.Tensor) -> torch.Tensor:
+    """``⟨X_Aᵢᵀ Y_Aᵢ, X_Bⱼᵀ Y_Bⱼ⟩_F`` for all head pairs (i, j), without forming the d×d circuits."""
+    return (torch.einsum("iak,jbk->ijab", XA, XB) * torch.einsum("iak,jbk->ijab", YA, YB)).sum((-1, -2))
+
+
+# The two circuits of a head, as (transposed factor, other factor) fns in the qk / ov gauge groups.
+CIRCUITS = {"qk": (("MT",), ("Minv",)), "ov": (("MinvT",), ("M",))}
+
+
+def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, layer: int, n_head: int) -> torch.Tensor:
+    """Squared distances between A's and B's heads in layer ``layer``: bias-augmented QK and OV
+    circuits, each normalised by A's mean circuit norm so that neither dominates. Gauge-invariant."""
+    D = 0.0
+    for kind, (xs, ys) in CIRCUITS.items():
+        g = spec.groups[f"{kind}.{layer}"]
+        XA, YA = head_side(A, g, n_head, xs), head_side(A, g, n_head, ys)
+        XB, YB = head_side(B, g, n_head, xs), head_side(B, g, n_head, ys)
+        nA = circuit_inner(XA, YA, XA, YA).diagonal()
+        nB = circuit_inner(XB, YB, XB, YB).diagonal()
+        d = nA[:, None] + nB[None, :] - 2 * circuit_inner(XA, YA, XB, YB)
+        D = D + d / nA.mean().clamp_min(1e-30)
+    return D
+
+
+def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec, n_head: int) -> Elements:
+    """Head permutations of every layer from circuit distances (B already carries the residual map)."""
+    return {g.name: assignment(-head_distances(A, B_res, spec, g.layer, n_head)) for g in spec.layer_groups("heads")}
+
+
+def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, n_head: int, mode: str = "orthogonal") -> Elements:
+    """Per-head intra-head gauges aligning B's Q/K (and V/O) factors to A's.
+
+    Members split into a direct side (fn M or Mᵀ: vectors map by G) and an inverse side (M⁻¹, M⁻ᵀ:
+    vectors map by G⁻ᵀ). ``orthogonal``: G⁻ᵀ = G, so G is the Procrustes rotation of both sides stacked.
+    ``invertible``: G minimises ‖G X_B − X_A‖² + ‖Gᵀ Y_A − Y_B‖² (the inverse side multiplied through),
+    a Sylvester equation ``(Y_A Y_Aᵀ) G + G (X_B X_Bᵀ) = X_A X_Bᵀ + Y_A Y_Bᵀ`` solved in closed form;
+    exact whenever B's factors are an invertible gauge of A's.
+    """
+    out: Elements = {}
+    for kind in ("qk", "ov"):
+        for g in spec.layer_groups(kind):
+            direct = tuple(f for f in ("M", "MT") if any(m.fn == f for m in g.members))
+            inverse = tuple(f for f in ("Minv", "MinvT") if any(m.fn == f for m in g.members))
+            XA, XB = head_side(A, g, n_head, direct), head_side(B_heads, g, n_head, direct)
+            YA, YB = head_side(A, g, n_head, inverse), head_side(B_heads, g, n_head, inverse)
+            if mode == "orthogonal":
+                G = procrustes(XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2))
+            elif mode == "invertible":
+                G = _sylvester(YA @ YA.transpose(1, 2), XB @ XB.transpose(1, 2),
+                               XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2))
+            else:
+                raise ValueError(f"gauge must be 'orthogonal', 'invertible' or None, got {mode!r}")
+            out[g.name] = G.transpose(1, 2) if direct == ("MT",) else G
+    return out
+
+
+def _sylvester(P: torch.Tensor, S: torch.Tensor, C: torch.Tensor, ridge: float = 1e-9) -> torch.Tensor:
+    """Solve ``P G + G S = C`` for symmetric PSD P, S (batched) through their eigenbases."""
+    lp, Up = torch.linalg.eigh(P)
+    ls, Us = torch.linalg.eigh(S)
+    scale = (lp.abs().mean(-1) + ls.abs().mean(-1))[:, None, None]
+    Gt = (Up.transpose(1, 2) @ C @ Us) / (lp[:, :, None] + ls[:, None, :] + ridge * scale)
+    return Up @ Gt @ Us.transpose(1, 2)
+
+
+def unit_features(sd: StateDict, group: Group) -> torch.Tensor:
+    """One row per unit of a permutation group: all its members' slices along the group axis."""
+    return torch.cat([sd[m.param].movedim(m.axis, 0).reshape(group.size, -1) for m in group.members], dim=1)
+
+
+def ff_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec) -> Elements:
+    """FF permutations of every layer by linear assignment on fc1 rows, fc1 bias and fc2 columns."""
+    return {g.name: assignment(unit_features(A, g) @ unit_features(B_res, g).T) for g in spec.layer_groups("ff")}

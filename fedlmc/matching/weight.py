@@ -1,0 +1,188 @@
+"""Weight matching (data-free): the paper's coordinate descent over the residual map, head
+permutations, intra-head gauges and FF permutations, plus a do-no-harm guard for shared inits.
+
+Each step minimises the same weighted Frobenius distance between A and the transformed B given the
+others: the residual map by Procrustes (SVD of the cross-covariance of all residual-indexed blocks,
+each scaled by 1/√rows), heads by assignment on gauge-invariant circuit distances, gauges by per-head
+Procrustes, FF neurons by assignment.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from ..canonical import canonicalize
+from ..symmetry import StateDict, Transform, is_permutation, spec_for
+from .common import (Elements, anchors, apply_elements, ff_step, gauge_step, heads_step, residual_cross,
+                     residual_element)
+
+
+def canonical_state(model: nn.Module, device: torch.device, dtype: torch.dtype) -> StateDict:
+    """The canonical form's weights, detached, on ``device`` in ``dtype``."""
+    c = canonicalize(model) if model.config.norm == "layernorm" else model
+    return {k: v.detach().to(device=device, dtype=dtype) for k, v in c.state_dict().items()}
+
+
+def objective(A: StateDict, B_aligned: StateDict) -> float:
+    """The matching objective used to compare candidates: ``Σ_tensors ‖A − T(B)‖² / ‖A‖²``."""
+    return float(sum(((A[k] - B_aligned[k]).pow(2).sum() / A[k].pow(2).sum().clamp_min(1e-30)) for k in A))
+
+
+def _changed(old: Elements, new: Elements, tol: float = 1e-6) -> bool:
+    for k, v in new.items():
+        o = old.get(k)
+        if o is None or o.shape != v.shape:
+            return True
+        if is_permutation(v):
+            if not torch.equal(o, v):
+                return True
+        elif (o - v).abs().max() > tol:
+            return True
+    return False
+
+
+def coordinate_descent(A: StateDict, B: StateDict, cfg, elements: Elements, *, residual: str = "orthogonal",
+                       keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal", max_iter: int = 15,
+                       M_fixed: Optional[torch.Tensor] = None, M_extra: Optional[torch.Tensor] = None,
+                       extra_weight: float = 0.0) -> tuple[Elements, int]:
+    """Alternate the four steps from ``elements`` until nothing changes (or ``max_iter``).
+
+    ``M_fixed`` is the anchors' cross-covariance (it does not depend on the permutations);
+    ``M_extra`` (e.g. residual activations) is mixed into every residual step with ``extra_weight``.
+    """
+    spec = spec_for(cfg)
+    H = cfg.n_head
+    moving = [m for m in spec.residual.members if m not in anchors(spec)]
+    it = 0
+    for it in range(1, max_iter + 1):
+        old = dict(elements)
+        # residual map given the permutations and gauges
+        Bp = apply_elements(B, cfg, elements, ("heads", "qk", "ov", "ff"))
+        M = residual_cross(A, Bp, moving)
+        if M_fixed is not None:
+            M = M + M_fixed
+        if M_extra is not None and extra_weight > 0:
+            M = M / M.norm() + extra_weight * M_extra / M_extra.norm()
+        elements["residual"] = residual_element(M, residual, keep_layernorm)
+        # units given the residual map
+        B_res = apply_elements(B, cfg, {"residual": elements["residual"]})
+        elements.update(heads_step(A, B_res, spec, H))
+        elements.update(ff_step(A, B_res, spec))
+        if gauge:
+            B_heads = apply_elements(B_res, cfg, {k: v for k, v in elements.items() if k.startswith("heads.")})
+            elements.update(gauge_step(A, B_heads, spec, H, gauge))
+        if not _changed(old, elements):
+            break
+    return elements, it
+
+
+def identity_elements(cfg, device, dtype, residual: str = "orthogonal") -> Elements:
+    spec = spec_for(cfg)
+    out: Elements = {}
+    for name, g in spec.groups.items():
+        if g.kind == "orthogonal":
+            out[name] = torch.arange(g.size, device=device) if residual == "permutation" else torch.eye(g.size, device=device, dtype=dtype)
+        elif g.kind == "permutation":
+            out[name] = torch.arange(g.size, device=device)
+        else:
+            out[name] = torch.eye(g.size, device=device, dtype=dtype).expand(g.count, -1, -1).clone()
+    return out
+
+
+def paper_init(A: StateDict, B: StateDict, cfg, *, residual: str, keep_layernorm: bool,
+               M_extra: Optional[torch.Tensor] = None, extra_weight: float = 0.0) -> tuple[Elements, torch.Tensor]:
+    """The paper's start: the residual map from the anchor blocks alone (embeddings, positions, head rows)."""
+    spec = spec_for(cfg)
+    M = residual_cross(A, B, anchors(spec))
+    M0 = M if M_extra is None or extra_weight <= 0 else M / M.norm() + extra_weight * M_extra / M_extra.norm()
+    el = identity_elements(cfg, M.device, M.dtype, residual)
+    el["residual"] = residual_element(M0, residual, keep_layernorm)
+    return el, M
+
+
+def weight_matching(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    residual: str = "orthogonal",
+    keep_layernorm: bool = False,
+    max_iter: int = 15,
+    init: str = "both",
+    gauge: Optional[str] = "orthogonal",
+    guard_data=None,
+    guard_batches: int = 4,
+    form: str = "factored",
+    residual_acts: Optional[torch.Tensor] = None,
+    act_weight: float = 1.0,
+    device: Union[str, torch.device, None] = None,
+    dtype: torch.dtype = torch.float64,
+) -> Transform:
+    """Align ``model_b`` to ``model_a`` without data; returns T so that ``apply_transform(B, T)`` ≈ A.
+
+    ``residual``: "orthogonal" (the paper) or "permutation" (Git Re-Basin-style baseline).
+    ``keep_layernorm``: restrict O to O·1 = 1 so the merge can go back to a LayerNorm model.
+    ``init``: "paper" (residual map from the anchor blocks), "identity" (all blocks from the identity
+    correspondence) or "both" (run both, keep the lower objective; also compare with the identity
+    transform itself, which wins unless a matched transform is better — the do-no-harm guard for models
+    sharing an initialisation). With ``guard_data`` (a data set), candidates are finally compared by the
+    loss of their λ = 0.5 merge in ``form`` on ``guard_batches`` batches.
+    ``residual_acts``: a precomputed activation cross-covariance (see ``activation.residual_activation_cross``)
+    mixed into every residual step with weight ``act_weight`` (the data-light residual option).
+    ``gauge``: how to align the intra-head gauges (needed by the factored merge): "orthogonal"
+    (Procrustes), "invertible" (least squares, recovers any invertible gauge) or None.
+    ``T.info`` records the objective of each candidate, which one won, iterations and seconds.
+    """
+    from ..train import pick_device
+
+    t0 = time.time()
+    if model_a.config.replace(norm="rmsnorm", norm_bias=False) != model_b.config.replace(norm="rmsnorm", norm_bias=False):
+        raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
+    dev = pick_device(device) if device is None or isinstance(device, str) else device
+    A = canonical_state(model_a, dev, dtype)
+    B = canonical_state(model_b, dev, dtype)
+    cfg = canonicalize(model_b).config if model_b.config.norm == "layernorm" else model_b.config
+    Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
+    opts = dict(residual=residual, keep_layernorm=keep_layernorm, gauge=gauge, max_iter=max_iter,
+                M_extra=Mx, extra_weight=act_weight if Mx is not None else 0.0)
+    candidates: dict[str, Elements] = {}
+    info: dict = {"iterations": {}}
+    if init in ("paper", "both"):
+        el, M_anchor = paper_init(A, B, cfg, residual=residual, keep_layernorm=keep_layernorm,
+                                  M_extra=Mx, extra_weight=opts["extra_weight"])
+        # anchors stay in every later residual step (they do not move with the permutations)
+        el, n = coordinate_descent(A, B, cfg, el, M_fixed=M_anchor, **opts)
+        candidates["paper"], info["iterations"]["paper"] = el, n
+    if init in ("identity", "both"):
+        el = identity_elements(cfg, dev, dtype, residual)
+        M_anchor = residual_cross(A, B, anchors(spec_for(cfg)))
+        el, n = coordinate_descent(A, B, cfg, el, M_fixed=M_anchor, **opts)
+        candidates["identity-start"], info["iterations"]["identity-start"] = el, n
+    if not candidates:
+        raise ValueError(f"init must be 'paper', 'identity' or 'both', got {init!r}")
+    if init == "both":
+        candidates["identity"] = {}
+    scores = {k: objective(A, apply_elements(B, cfg, el)) for k, el in candidates.items()}
+    info["objective"] = scores
+    best = min(scores, key=scores.get)
+    if guard_data is not None and len(candidates) > 1:
+        losses = {k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches) for k, el in candidates.items()}
+        info["midpoint_loss"] = losses
+        best = min(losses, key=losses.get)
+    info.update(chosen=best, seconds=time.time() - t0, residual=residual, keep_layernorm=keep_layernorm)
+    return Transform({k: v.cpu() for k, v in candidates[best].items()}, info)
+
+
+def midpoint_loss(model_a: nn.Module, model_b: nn.Module, T: Transform, data, form: str = "factored",
+                  max_batches: int = 4) -> float:
+    """Loss of the λ = 0.5 merge of A and T(B) on the first ``max_batches`` batches of ``data``."""
+    from ..merge import interpolate
+    from ..symmetry import apply_transform
+    from ..train import evaluate
+
+    b = apply_transform(model_b, T.to(dtype=next(model_b.parameters()).dtype)) if T.elements else model_b
+    a = model_a
+    if b.config.norm != a.config.norm:
+        a, b = canonicalize(a) if a.config.norm == "layernorm" else a, canonicalize(b) if b.config.norm == "layernorm" else b
+    return evaluate(interpolate(a, b, 0.5, form=form), data, max_batches=max_batches)["loss"]

@@ -1,0 +1,89 @@
+"""Merging aligned models: interpolation in three forms (more merges — universe, refinement — build on it).
+
+* ``form="factored"`` (default) — plain interpolation of the (aligned) weights: a model of the same
+  shape, which is what a federated client must receive. Matching aligns the intra-head gauges too, so
+  Q/K and V/O factors are comparable.
+* ``form="circuit"`` — the paper's merge: each head's bias-augmented QK circuit ``Q̃ᵀK̃`` and OV circuit
+  ``O Ṽ`` are interpolated exactly, by concatenating the two models' heads (head width doubles, the
+  attention scale is kept). Invariant to the intra-head gauges.
+* ``keep_layernorm=True`` — the merged canonical model is converted back to an ordinary LayerNorm model
+  (exact when the residual maps fixed the all-ones direction, as ``keep_layernorm`` matching does).
+
+Both models must share one architecture and width; LayerNorm models are canonicalised when needed.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from .canonical import canonicalize, to_layernorm
+from .symmetry import StateDict, rebuild, spec_for
+
+FORMS = ("factored", "circuit")
+
+
+def _check_same_shape(models: Sequence[nn.Module]) -> None:
+    first = models[0].config
+    for m in models[1:]:
+        if m.config.replace(norm=first.norm, norm_bias=first.norm_bias) != first:
+            raise ValueError(f"models differ in shape:\n  {first}\n  {m.config}\n(lift or project them to one width first)")
+
+
+def _as_canonical(models: Sequence[nn.Module]) -> list[nn.Module]:
+    if all(m.config.norm == "layernorm" for m in models) or all(m.config.norm == "rmsnorm" for m in models):
+        return list(models)
+    return [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
+
+
+def weighted_state(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
+    """``Σ w_m θ_m`` tensor by tensor."""
+    return {k: sum(w * sd[k] for w, sd in zip(weights, states)) for k in states[0]}
+
+
+def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg) -> tuple[StateDict, object]:
+    """Merge heads as circuits: concatenate every model's heads, weighting one factor of each circuit."""
+    spec = spec_for(cfg)
+    H, dh = cfg.n_head, cfg.d_head
+    out = weighted_state(states, weights)
+    for kind in ("qk", "ov"):
+        for g in spec.layer_groups(kind):
+            for m in g.members:
+                # the transposed side (Q of QK, O of OV) carries the weights; the other side is shared
+                scaled = m.fn in ("MT", "MinvT")
+                parts = []
+                for w, sd in zip(weights, states):
+                    t = sd[m.param].movedim(m.axis, 0)
+                    parts.append((t * w if scaled else t).reshape(H, dh, *t.shape[1:]))
+                cat = torch.cat(parts, dim=1)
+                out[m.param] = cat.reshape(H * dh * len(states), *cat.shape[2:]).movedim(0, m.axis)
+    return out, cfg.replace(d_head=dh * len(states), attn_scale=cfg.attn_scale)
+
+
+def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "factored",
+          keep_layernorm: bool = False) -> nn.Module:
+    """``Σ w_m θ_m`` of same-shape (already aligned) models, in the given form."""
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
+    if len(models) != len(weights) or not models:
+        raise ValueError("merge needs one weight per model")
+    _check_same_shape(models)
+    if form == "circuit" or keep_layernorm:
+        models = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
+    else:
+        models = _as_canonical(models)
+    ref = models[0]
+    states = [{k: v.detach().to(next(ref.parameters())) for k, v in m.state_dict().items()} for m in models]
+    if form == "circuit":
+        sd, cfg = circuit_state(states, weights, ref.config)
+    else:
+        sd, cfg = weighted_state(states, weights), ref.config
+    out = rebuild(ref, sd, cfg)
+    return to_layernorm(out) if keep_layernorm else out
+
+
+def interpolate(model_a: nn.Module, model_b: nn.Module, lam: float, form: str = "factored",
+                keep_layernorm: bool = False) -> nn.Module:
+    """``λ·A + (1−λ)·B`` of two same-shape models (B already aligned to A), in the given ``form``."""
+    return merge([model_a, model_b], [lam, 1.0 - lam], form=form, keep_layernorm=keep_layernorm)
