@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .data import Data
-from .symmetry import rebuild
+from .merge import interpolate as interpolate_models
 from .train import evaluate
 
 LAMBDAS = tuple(round(0.1 * i, 10) for i in range(11))
@@ -27,21 +27,12 @@ class Curve:
         return asdict(self)
 
 
-def interpolate_weights(model_a: nn.Module, model_b: nn.Module, lam: float) -> nn.Module:
-    """``λ·θ_A + (1−λ)·θ_B`` for two models of the same configuration (plain weight averaging)."""
-    if model_a.config != model_b.config:
-        raise ValueError(f"cannot average models of different configs:\n  {model_a.config}\n  {model_b.config}")
-    sb = model_b.state_dict()
-    sd = {k: lam * v.detach() + (1 - lam) * sb[k].detach().to(v) for k, v in model_a.state_dict().items()}
-    return rebuild(model_a, sd)
-
-
 def interpolation_curve(model_a: nn.Module, model_b: nn.Module, data: Data, lambdas: Sequence[float] = LAMBDAS,
                         interpolate: Optional[Callable[[nn.Module, nn.Module, float], nn.Module]] = None,
                         batch_size: int = 256, max_batches: Optional[int] = None) -> Curve:
-    """Evaluate the interpolated model at every λ. ``interpolate`` defaults to plain weight averaging;
-    the matching methods pass their own (e.g. ``fedlmc.merge.interpolate`` of aligned models)."""
-    interpolate = interpolate or interpolate_weights
+    """Evaluate the interpolated model at every λ. ``interpolate`` defaults to ``fedlmc.merge.interpolate``
+    (plain weight averaging for two LayerNorm models); pass e.g. ``partial(interpolate, form="circuit")``."""
+    interpolate = interpolate or interpolate_models
     losses, accs = [], []
     for lam in lambdas:
         ev = evaluate(interpolate(model_a, model_b, float(lam)), data, batch_size, max_batches=max_batches)

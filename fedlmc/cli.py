@@ -143,6 +143,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """Train the seeds a Table-1 reproduction needs (cached) and measure every method's barrier."""
+    from .reproduce import METHODS, markdown, pair_curves, seed_pairs, summarise, write_results
+
+    methods = args.methods or list(METHODS)
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+    splits = load_splits(args.preset, args)
+    pairs = seed_pairs(args.pairs)
+    seeds = sorted({s for p in pairs for s in p})
+    console.rule(f"{args.preset}: seeds {seeds}, pairs {pairs} on {splits.summary()}")
+    over = {k: v for k, v in budget(args).items() if v is not None}
+    models = {s: trained(args.preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in seeds}
+    per_pair = []
+    for a, b in pairs:
+        console.print(f"pair ({a}, {b})")
+        per_pair.append(pair_curves(models[a], models[b], splits, methods, args.learned_steps, progress=not args.quiet,
+                                    log=console.print))
+    rows = summarise(per_pair, methods)
+    test_losses = {s: (m.meta.get("test") or {}).get("loss", float("nan")) for s, m in models.items()}
+    md = markdown(args.preset, rows, pairs, show_acc=models[seeds[0]].config.arch == "vit", test_losses=test_losses)
+    payload = {"preset": args.preset, "pairs": pairs, "dataset": splits.name, "budget": over,
+               "learned_steps": args.learned_steps, "test": {s: m.meta.get("test") for s, m in models.items()},
+               "summary": rows, "per_pair": per_pair}
+    files = write_results(Path(args.out), args.preset, payload, md, per_pair, methods)
+    print(md)
+    console.print(f"wrote {files}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedlmc", description="Federated learning of Transformers merged modulo symmetries.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -175,6 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(d)
     _add_budget_args(d)
     d.set_defaults(func=cmd_demo)
+    r = sub.add_parser("reproduce", help="the paper's Table 1: barriers of every matching method over seed pairs")
+    r.add_argument("--preset", required=True)
+    r.add_argument("--pairs", type=int, default=3, help="number of seed pairs (3 pairs need seeds 0, 1, 2)")
+    r.add_argument("--methods", nargs="+", help="subset of methods (default: all)")
+    r.add_argument("--learned-steps", type=int, default=300)
+    r.add_argument("--out", default="results")
+    r.add_argument("--cache", default="runs/cache")
+    r.add_argument("--quiet", action="store_true")
+    _add_data_args(r)
+    _add_budget_args(r)
+    r.set_defaults(func=cmd_reproduce)
     return p
 
 

@@ -9,7 +9,9 @@
 * ``keep_layernorm=True`` — the merged canonical model is converted back to an ordinary LayerNorm model
   (exact when the residual maps fixed the all-ones direction, as ``keep_layernorm`` matching does).
 
-Both models must share one architecture and width; LayerNorm models are canonicalised when needed.
+Both models must share one architecture and width. LayerNorm models are canonicalised when mixed
+with canonical ones or merged as circuits; two LayerNorm models in the factored form are averaged as
+they are, so the identity transform gives exactly plain averaging (FedAvg).
 """
 from __future__ import annotations
 
@@ -29,12 +31,6 @@ def _check_same_shape(models: Sequence[nn.Module]) -> None:
     for m in models[1:]:
         if m.config.replace(norm=first.norm, norm_bias=first.norm_bias) != first:
             raise ValueError(f"models differ in shape:\n  {first}\n  {m.config}\n(lift or project them to one width first)")
-
-
-def _as_canonical(models: Sequence[nn.Module]) -> list[nn.Module]:
-    if all(m.config.norm == "layernorm" for m in models) or all(m.config.norm == "rmsnorm" for m in models):
-        return list(models)
-    return [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
 
 
 def weighted_state(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
@@ -69,10 +65,10 @@ def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "fa
     if len(models) != len(weights) or not models:
         raise ValueError("merge needs one weight per model")
     _check_same_shape(models)
-    if form == "circuit" or keep_layernorm:
+    if form == "circuit" or not all(m.config.norm == "layernorm" for m in models):
         models = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
-    else:
-        models = _as_canonical(models)
+    # else: LayerNorm models in the factored form are averaged as they are (exactly FedAvg; the result
+    # is a LayerNorm model, so keep_layernorm holds without a conversion)
     ref = models[0]
     states = [{k: v.detach().to(next(ref.parameters())) for k, v in m.state_dict().items()} for m in models]
     if form == "circuit":
@@ -80,7 +76,7 @@ def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "fa
     else:
         sd, cfg = weighted_state(states, weights), ref.config
     out = rebuild(ref, sd, cfg)
-    return to_layernorm(out) if keep_layernorm else out
+    return to_layernorm(out) if keep_layernorm and out.config.norm != "layernorm" else out
 
 
 def interpolate(model_a: nn.Module, model_b: nn.Module, lam: float, form: str = "factored",

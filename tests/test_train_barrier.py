@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fedlmc
-from fedlmc.barrier import Curve, barrier, interpolate_weights, interpolation_curve, plot_curves
+from fedlmc.barrier import Curve, barrier, interpolation_curve, plot_curves
+from fedlmc.merge import interpolate
 from fedlmc.cli import build_parser, main
 from fedlmc.data import load
 from fedlmc.models import PRESETS, from_preset, preset_config
@@ -77,8 +78,8 @@ def test_interpolation_curve_endpoints(digits, tmp_path):
     assert barrier(interpolation_curve(a, a, digits.test, lambdas=[0, 0.3, 1])) == pytest.approx(0.0, abs=1e-6)
     png = plot_curves({"vanilla": curve}, tmp_path / "c.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="different configs"):
-        interpolate_weights(a, from_preset("vit-digits", d_ff=32), 0.5)
+    with pytest.raises(ValueError, match="differ in shape"):
+        interpolate(a, from_preset("vit-digits", d_ff=32), 0.5)
 
 
 def test_every_subcommand_has_help(capsys):
