@@ -238,7 +238,8 @@ def perm_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch
 
 
 def act(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
-    """Apply one group element to a state dict (returns a new dict; untouched tensors are shared)."""
+    """Apply one group element to a state dict (returns a new dict; untouched tensors are shared).
+    Members whose tensor is absent from ``sd`` are skipped, so a partial state can be acted on."""
     out = dict(sd)
     if group.kind == "orthogonal" and not is_permutation(element):
         d_new, d_old = element.shape
@@ -247,6 +248,8 @@ def act(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
         # A width lift rescales RMSNorm's output by sqrt(d_new/d_old); readers absorb the inverse.
         scale = math.sqrt(d_old / d_new)
         for m in group.members:
+            if m.param not in sd:  # partial states (matching works on the tensors a step needs)
+                continue
             t = _apply_along(sd[m.param], m.axis, element)
             if d_new != d_old and m.role == "reader":
                 t = t * scale
@@ -255,6 +258,8 @@ def act(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
             out[m.param] = t
         return out
     for m in group.members:
+        if m.param not in sd:
+            continue
         t = sd[m.param]
         if group.kind in ("permutation", "orthogonal") and element.is_floating_point():
             # a permutation given as a (possibly relaxed, differentiable) matrix P: new = P old, per block

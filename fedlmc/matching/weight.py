@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from ..canonical import canonicalize
-from ..symmetry import StateDict, Transform, is_permutation, spec_for
-from .common import (Elements, anchors, apply_elements, ff_step, gauge_step, heads_step, residual_cross,
+from ..symmetry import StateDict, Transform, is_permutation, perm_matrix, spec_for
+from .common import (Elements, anchors, apply_elements, as_rows, ff_step, gauge_step, heads_step, residual_cross,
                      residual_element)
 
 
@@ -26,9 +26,45 @@ def canonical_state(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     return {k: v.detach().to(device=device, dtype=dtype) for k, v in c.state_dict().items()}
 
 
-def objective(A: StateDict, B_aligned: StateDict) -> float:
-    """The matching objective used to compare candidates: ``Σ_tensors ‖A − T(B)‖² / ‖A‖²``."""
-    return float(sum(((A[k] - B_aligned[k]).pow(2).sum() / A[k].pow(2).sum().clamp_min(1e-30)) for k in A))
+class Problem:
+    """One matching problem: A, B, and what stays fixed while the elements change.
+
+    Coordinate descent only transforms the *moving* tensors (those some non-residual group touches);
+    anchors enter through their cross-covariances, computed once, and tensors no group touches through
+    a constant. That keeps huge embeddings and output heads (e.g. 50k × 768) out of every iteration.
+    """
+
+    def __init__(self, A: StateDict, B: StateDict, cfg) -> None:
+        self.A, self.B, self.cfg = A, B, cfg
+        self.spec = spec_for(cfg)
+        moved = {m.param for g in self.spec.groups.values() if g.name != "residual" for m in g.members}
+        self.A_mov = {k: A[k] for k in moved}
+        self.B_mov = {k: B[k] for k in moved}
+        self.anchor_members = anchors(self.spec)
+        self.moving_members = [m for m in self.spec.residual.members if m.param in moved]
+        self.M_anchor = residual_cross(A, B, self.anchor_members)
+        # per-tensor pieces of the objective for tensors outside the moving set
+        self._anchor_terms = []
+        for m in self.anchor_members:
+            a, b = as_rows(A[m.param], m.axis), as_rows(B[m.param], m.axis)
+            na = a.pow(2).sum().clamp_min(1e-30)
+            self._anchor_terms.append((a.T @ b, float((a.pow(2).sum() + b.pow(2).sum()) / na), na))
+        untouched = [k for k in A if k not in moved and k not in {m.param for m in self.anchor_members}]
+        self._constant = float(sum((A[k] - B[k]).pow(2).sum() / A[k].pow(2).sum().clamp_min(1e-30) for k in untouched))
+
+    def objective(self, elements: Elements) -> float:
+        """``Σ_tensors ‖A − T(B)‖² / ‖A‖²`` (the criterion that compares candidate transforms)."""
+        Bt = apply_elements(self.B_mov, self.cfg, elements)
+        total = self._constant + float(sum((self.A_mov[k] - Bt[k]).pow(2).sum() / self.A_mov[k].pow(2).sum().clamp_min(1e-30)
+                                           for k in self.A_mov))
+        O = elements.get("residual")
+        if O is None:
+            O = torch.eye(self.cfg.d_model, dtype=self.M_anchor.dtype, device=self.M_anchor.device)
+        elif is_permutation(O):
+            O = perm_matrix(O, self.M_anchor.dtype).to(self.M_anchor.device)
+        for cross, const, na in self._anchor_terms:
+            total += const - 2 * float((cross * O).sum() / na)
+        return total
 
 
 def _changed(old: Elements, new: Elements, tol: float = 1e-6) -> bool:
@@ -44,36 +80,30 @@ def _changed(old: Elements, new: Elements, tol: float = 1e-6) -> bool:
     return False
 
 
-def coordinate_descent(A: StateDict, B: StateDict, cfg, elements: Elements, *, residual: str = "orthogonal",
+def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "orthogonal",
                        keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal", max_iter: int = 15,
-                       M_fixed: Optional[torch.Tensor] = None, M_extra: Optional[torch.Tensor] = None,
-                       extra_weight: float = 0.0) -> tuple[Elements, int]:
+                       M_extra: Optional[torch.Tensor] = None, extra_weight: float = 0.0) -> tuple[Elements, int]:
     """Alternate the four steps from ``elements`` until nothing changes (or ``max_iter``).
 
-    ``M_fixed`` is the anchors' cross-covariance (it does not depend on the permutations);
     ``M_extra`` (e.g. residual activations) is mixed into every residual step with ``extra_weight``.
     """
-    spec = spec_for(cfg)
-    H = cfg.n_head
-    moving = [m for m in spec.residual.members if m not in anchors(spec)]
+    cfg, spec, H = P.cfg, P.spec, P.cfg.n_head
     it = 0
     for it in range(1, max_iter + 1):
         old = dict(elements)
-        # residual map given the permutations and gauges
-        Bp = apply_elements(B, cfg, elements, ("heads", "qk", "ov", "ff"))
-        M = residual_cross(A, Bp, moving)
-        if M_fixed is not None:
-            M = M + M_fixed
+        # residual map given the permutations and gauges (anchors do not move with them)
+        Bp = apply_elements(P.B_mov, cfg, elements, ("heads", "qk", "ov", "ff"))
+        M = residual_cross(P.A_mov, Bp, P.moving_members) + P.M_anchor
         if M_extra is not None and extra_weight > 0:
             M = M / M.norm() + extra_weight * M_extra / M_extra.norm()
         elements["residual"] = residual_element(M, residual, keep_layernorm)
         # units given the residual map
-        B_res = apply_elements(B, cfg, {"residual": elements["residual"]})
-        elements.update(heads_step(A, B_res, spec, H))
-        elements.update(ff_step(A, B_res, spec))
+        B_res = apply_elements(P.B_mov, cfg, {"residual": elements["residual"]})
+        elements.update(heads_step(P.A_mov, B_res, spec, H))
+        elements.update(ff_step(P.A_mov, B_res, spec))
         if gauge:
             B_heads = apply_elements(B_res, cfg, {k: v for k, v in elements.items() if k.startswith("heads.")})
-            elements.update(gauge_step(A, B_heads, spec, H, gauge))
+            elements.update(gauge_step(P.A_mov, B_heads, spec, H, gauge))
         if not _changed(old, elements):
             break
     return elements, it
@@ -92,15 +122,15 @@ def identity_elements(cfg, device, dtype, residual: str = "orthogonal") -> Eleme
     return out
 
 
-def paper_init(A: StateDict, B: StateDict, cfg, *, residual: str, keep_layernorm: bool,
-               M_extra: Optional[torch.Tensor] = None, extra_weight: float = 0.0) -> tuple[Elements, torch.Tensor]:
+def paper_init(P: Problem, *, residual: str, keep_layernorm: bool, M_extra: Optional[torch.Tensor] = None,
+               extra_weight: float = 0.0) -> Elements:
     """The paper's start: the residual map from the anchor blocks alone (embeddings, positions, head rows)."""
-    spec = spec_for(cfg)
-    M = residual_cross(A, B, anchors(spec))
-    M0 = M if M_extra is None or extra_weight <= 0 else M / M.norm() + extra_weight * M_extra / M_extra.norm()
-    el = identity_elements(cfg, M.device, M.dtype, residual)
-    el["residual"] = residual_element(M0, residual, keep_layernorm)
-    return el, M
+    M = P.M_anchor
+    if M_extra is not None and extra_weight > 0:
+        M = M / M.norm() + extra_weight * M_extra / M_extra.norm()
+    el = identity_elements(P.cfg, M.device, M.dtype, residual)
+    el["residual"] = residual_element(M, residual, keep_layernorm)
+    return el
 
 
 def weight_matching(
@@ -117,7 +147,7 @@ def weight_matching(
     residual_acts: Optional[torch.Tensor] = None,
     act_weight: float = 1.0,
     device: Union[str, torch.device, None] = None,
-    dtype: torch.dtype = torch.float64,
+    dtype: Optional[torch.dtype] = None,
 ) -> Transform:
     """Align ``model_b`` to ``model_a`` without data; returns T so that ``apply_transform(B, T)`` ≈ A.
 
@@ -130,6 +160,7 @@ def weight_matching(
     loss of their λ = 0.5 merge in ``form`` on ``guard_batches`` batches.
     ``residual_acts``: a precomputed activation cross-covariance (see ``activation.residual_activation_cross``)
     mixed into every residual step with weight ``act_weight`` (the data-light residual option).
+    ``dtype``: float64 below 20M parameters, else float32 (default).
     ``gauge``: how to align the intra-head gauges (needed by the factored merge): "orthogonal"
     (Procrustes), "invertible" (least squares, recovers any invertible gauge) or None.
     ``T.info`` records the objective of each candidate, which one won, iterations and seconds.
@@ -140,30 +171,26 @@ def weight_matching(
     if model_a.config.replace(norm="rmsnorm", norm_bias=False) != model_b.config.replace(norm="rmsnorm", norm_bias=False):
         raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
     dev = pick_device(device) if device is None or isinstance(device, str) else device
-    A = canonical_state(model_a, dev, dtype)
-    B = canonical_state(model_b, dev, dtype)
+    if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32
+        dtype = torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
     cfg = canonicalize(model_b).config if model_b.config.norm == "layernorm" else model_b.config
+    P = Problem(canonical_state(model_a, dev, dtype), canonical_state(model_b, dev, dtype), cfg)
     Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
     opts = dict(residual=residual, keep_layernorm=keep_layernorm, gauge=gauge, max_iter=max_iter,
                 M_extra=Mx, extra_weight=act_weight if Mx is not None else 0.0)
     candidates: dict[str, Elements] = {}
     info: dict = {"iterations": {}}
     if init in ("paper", "both"):
-        el, M_anchor = paper_init(A, B, cfg, residual=residual, keep_layernorm=keep_layernorm,
-                                  M_extra=Mx, extra_weight=opts["extra_weight"])
-        # anchors stay in every later residual step (they do not move with the permutations)
-        el, n = coordinate_descent(A, B, cfg, el, M_fixed=M_anchor, **opts)
-        candidates["paper"], info["iterations"]["paper"] = el, n
+        el = paper_init(P, residual=residual, keep_layernorm=keep_layernorm, M_extra=Mx, extra_weight=opts["extra_weight"])
+        candidates["paper"], info["iterations"]["paper"] = coordinate_descent(P, el, **opts)
     if init in ("identity", "both"):
         el = identity_elements(cfg, dev, dtype, residual)
-        M_anchor = residual_cross(A, B, anchors(spec_for(cfg)))
-        el, n = coordinate_descent(A, B, cfg, el, M_fixed=M_anchor, **opts)
-        candidates["identity-start"], info["iterations"]["identity-start"] = el, n
+        candidates["identity-start"], info["iterations"]["identity-start"] = coordinate_descent(P, el, **opts)
     if not candidates:
         raise ValueError(f"init must be 'paper', 'identity' or 'both', got {init!r}")
     if init == "both":
         candidates["identity"] = {}
-    scores = {k: objective(A, apply_elements(B, cfg, el)) for k, el in candidates.items()}
+    scores = {k: P.objective(el) for k, el in candidates.items()}
     info["objective"] = scores
     best = min(scores, key=scores.get)
     if guard_data is not None and len(candidates) > 1:
