@@ -15,13 +15,13 @@ they are, so the identity transform gives exactly plain averaging (FedAvg).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from .canonical import canonicalize, to_layernorm
-from .symmetry import StateDict, rebuild, spec_for
+from .symmetry import StateDict, Transform, rebuild, spec_for
 
 FORMS = ("factored", "circuit")
 
@@ -83,3 +83,55 @@ def interpolate(model_a: nn.Module, model_b: nn.Module, lam: float, form: str = 
                 keep_layernorm: bool = False) -> nn.Module:
     """``λ·A + (1−λ)·B`` of two same-shape models (B already aligned to A), in the given ``form``."""
     return merge([model_a, model_b], [lam, 1.0 - lam], form=form, keep_layernorm=keep_layernorm)
+
+
+def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: int = 5,
+                   weights: Optional[Sequence[float]] = None, init: Optional[nn.Module] = None,
+                   form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
+                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
+    """Merge M same-shape models in a shared "universe" (many-model weight matching).
+
+    Start from ``init`` (e.g. the previous global model) or the first model; align every model to the
+    universe with weight matching; set the universe to the (``weights``-weighted) mean of the aligned
+    models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done. Returns
+    the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each model's
+    transform into the universe. ``matching`` options go to ``weight_matching``.
+    """
+    from .matching import weight_matching
+    from .symmetry import apply_transform
+
+    if method != "wm":
+        raise ValueError(f"universe_merge supports method='wm' (refinement: see merge.refine), got {method!r}")
+    if not models:
+        raise ValueError("universe_merge needs at least one model")
+    n = len(models)
+    w = [1.0 / n] * n if weights is None else [float(x) for x in weights]
+    if len(w) != n or any(x < 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
+    w = [x / sum(w) for x in w]
+    _check_same_shape(list(models) + ([init] if init is not None else []))
+    canon = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
+    universe = init if init is not None else canon[int(max(range(n), key=lambda i: w[i]))]
+    universe = canonicalize(universe) if universe.config.norm == "layernorm" else universe
+    if keep_layernorm:
+        matching.setdefault("keep_layernorm", True)
+    transforms: list[Transform] = []
+    for _ in range(max(1, iterations)):
+        transforms = [weight_matching(universe, m, **matching) if wi > 0 else Transform() for m, wi in zip(canon, w)]
+        aligned = [apply_transform(m, T) for m, T in zip(canon, transforms)]
+        new = merge([a for a, wi in zip(aligned, w) if wi > 0], [wi for wi in w if wi > 0])
+        moved = _relative_change(universe, new)
+        universe = new
+        if moved < tol:
+            break
+    if form == "circuit":
+        aligned = [apply_transform(m, T) for m, T in zip(canon, transforms)]
+        universe = merge([a for a, wi in zip(aligned, w) if wi > 0], [wi for wi in w if wi > 0], form="circuit")
+    return (to_layernorm(universe) if keep_layernorm else universe), transforms
+
+
+def _relative_change(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    num = sum(float((sa[k] - sb[k]).pow(2).sum()) for k in sa)
+    den = sum(float(sa[k].pow(2).sum()) for k in sa)
+    return (num / max(den, 1e-30)) ** 0.5
