@@ -15,11 +15,6 @@ import torch.nn as nn
 from .symmetry import StateDict, _apply_along, rebuild, spec_for
 
 
-def centering(d: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
-    """``I - 11^T/d``."""
-    return torch.eye(d, dtype=dtype, device=device) - torch.full((d, d), 1.0 / d, dtype=dtype, device=device)
-
-
 def canonicalize(model: nn.Module) -> nn.Module:
     """A parameter-free-RMSNorm model computing exactly the same function (a new model).
 
@@ -48,9 +43,9 @@ def canonicalize(model: nn.Module) -> nn.Module:
         # Writers: centring keeps the stream in 1^⊥. Readers: their input (RMSNorm of a centred vector) is
         # centred too, so their 1-component is dead; removing it makes the all-ones direction null in
         # every residual tensor, which is what lets matching treat it separately (keep_layernorm).
-        C = centering(cfg.d_model, device=next(model.parameters()).device)
         for m in spec.writers() + spec.readers():
-            sd[m.param] = _apply_along(sd[m.param], m.axis, C)
+            t = sd[m.param]
+            sd[m.param] = t - t.mean(dim=m.axis, keepdim=True)  # C t along the axis, without a d×d product
     return rebuild(model, sd, cfg.replace(norm="rmsnorm", norm_bias=False))
 
 

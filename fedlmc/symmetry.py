@@ -301,9 +301,13 @@ def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform) 
 def rebuild(model: nn.Module, sd: StateDict, cfg: Optional[TransformerConfig] = None) -> nn.Module:
     """A new model of config ``cfg`` (default: the model's) holding ``sd``, on the model's dtype/device."""
     ref = next(model.parameters())
-    new = from_config(cfg or model.config).to(dtype=ref.dtype, device=ref.device)
-    new.load_state_dict(sd)
+    with torch.device("meta"):  # no random init of weights that are overwritten right away
+        new = from_config(cfg or model.config)
+    # copy=True: the new model must never share storage with the one it came from
+    new.load_state_dict({k: v.detach().to(device=ref.device, dtype=ref.dtype, copy=True) for k, v in sd.items()}, assign=True)
     new.train(model.training)
+    if hasattr(model, "meta"):
+        new.meta = dict(model.meta)
     return new
 
 

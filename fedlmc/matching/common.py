@@ -32,9 +32,13 @@ def procrustes_fix_ones(M: torch.Tensor) -> torch.Tensor:
 
 def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
     """The permutation ``perm`` (``new[i] = old[perm[i]]``) maximising ``Σ_i score[i, perm[i]]``."""
-    s = score.detach().to("cpu", torch.float64).numpy()
-    if not np.isfinite(s).all():
+    best = score.argmax(1) if maximize else score.argmin(1)
+    if not torch.isfinite(score).all():
         raise ValueError("assignment scores contain NaN/Inf")
+    if len(torch.unique(best)) == len(best):
+        # every row's best column is distinct: that assignment is optimal, no solver needed
+        return best.cpu()
+    s = score.detach().to("cpu", torch.float64).numpy()
     rows, cols = linear_sum_assignment(s, maximize=maximize)
     perm = torch.empty(len(rows), dtype=torch.long)
     perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
