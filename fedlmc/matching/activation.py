@@ -83,8 +83,8 @@ def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches:
     merge) then come from the weights, as in weight matching."""
     batches = _batches(data, n_batches, batch_size)
     a, b = activations(model_a, batches), activations(model_b, batches)
-    spec = spec_for(canonicalize(model_b) if model_b.config.norm == "layernorm" else model_b)
-    cfg = canonicalize(model_b).config if model_b.config.norm == "layernorm" else model_b.config
+    cfg = model_b.config.replace(norm="rmsnorm", norm_bias=False)  # the canonical form's config
+    spec = spec_for(cfg)
     keys = [k for k in a if k == "input" or k in spec.residual_probes]
     M = sum(a[k].T @ b[k] / len(a[k]) for k in keys)
     O = residual_element(M, residual, keep_layernorm)

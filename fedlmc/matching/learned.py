@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from ..canonical import canonicalize
 from ..merge import circuit_state, weighted_state
 from ..models import from_config
 from ..symmetry import Transform, apply_to_state, ones_basis, perm_matrix, spec_for
@@ -81,7 +80,7 @@ def learned_matching(
     dtype = torch.float32
     A = canonical_state(model_a, dev, dtype)
     B = canonical_state(model_b, dev, dtype)
-    cfg = (canonicalize(model_b) if model_b.config.norm == "layernorm" else model_b).config
+    cfg = model_b.config.replace(norm="rmsnorm", norm_bias=False)  # the canonical form's config
     spec = spec_for(cfg)
     init = init.to(dtype=dtype, device=dev)
     d = cfg.d_model
@@ -109,7 +108,7 @@ def learned_matching(
         return R
 
     def hard() -> dict[str, torch.Tensor]:
-        return {k: assignment(v) .to(dev) for k, v in p_lat.items()}
+        return {k: assignment(v).to(dev) for k, v in p_lat.items()}
 
     def gauges(O: torch.Tensor, perms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if form != "factored" or not gauge:

@@ -183,7 +183,7 @@ def weight_matching(
     dev = pick_device(device) if device is None or isinstance(device, str) else device
     if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32
         dtype = torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
-    cfg = canonicalize(model_b).config if model_b.config.norm == "layernorm" else model_b.config
+    cfg = model_b.config.replace(norm="rmsnorm", norm_bias=False)  # the canonical form's config
     P = Problem(canonical_state(model_a, dev, dtype), canonical_state(model_b, dev, dtype), cfg)
     Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
     opts = dict(residual=residual, keep_layernorm=keep_layernorm, gauge=gauge, max_iter=max_iter,
@@ -219,7 +219,4 @@ def midpoint_loss(model_a: nn.Module, model_b: nn.Module, T: Transform, data, fo
     from ..train import evaluate
 
     b = apply_transform(model_b, T.to(dtype=next(model_b.parameters()).dtype)) if T.elements else model_b
-    a = model_a
-    if b.config.norm != a.config.norm:
-        a, b = canonicalize(a) if a.config.norm == "layernorm" else a, canonicalize(b) if b.config.norm == "layernorm" else b
-    return evaluate(interpolate(a, b, 0.5, form=form), data, max_batches=max_batches)["loss"]
+    return evaluate(interpolate(model_a, b, 0.5, form=form), data, max_batches=max_batches)["loss"]
