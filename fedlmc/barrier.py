@@ -56,16 +56,23 @@ def plot_curves(curves: dict[str, Curve], path: Union[str, Path], title: str = "
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    many = len(curves) > 3
+    rows = (len(curves) + 1) // 2
+    height = 4 + 0.22 * rows if many else 4
+    fig, axes = plt.subplots(1, 2, figsize=(11, height))
     for label, c in curves.items():
         axes[0].plot(c.lambdas, c.loss, marker="o", ms=3, label=f"{label} (barrier {barrier(c):.3f})")
-        axes[1].plot(c.lambdas, c.acc, marker="o", ms=3, label=label)
+        axes[1].plot(c.lambdas, c.acc, marker="o", ms=3)
     axes[0].set(xlabel="λ  (0 = model B, 1 = model A)", ylabel="test loss", title=title or "interpolation")
     axes[1].set(xlabel="λ", ylabel="test accuracy")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    if many:  # one legend under both panels, so it never hides the curves
+        fig.legend(loc="lower center", ncol=2, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, (0.22 * rows + 0.15) / height, 1, 1))
+    else:
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
