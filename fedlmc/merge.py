@@ -135,3 +135,15 @@ def _relative_change(a: nn.Module, b: nn.Module) -> float:
     num = sum(float((sa[k] - sb[k]).pow(2).sum()) for k in sa)
     den = sum(float(sa[k].pow(2).sum()) for k in sa)
     return (num / max(den, 1e-30)) ** 0.5
+
+
+def project(universe: nn.Module, transform: Transform) -> nn.Module:
+    """A client's own-width model from the universe: the inverse of the client's transform into it.
+
+    ``transform`` maps the client (width d_c) into the universe (width d_u ≥ d_c); its residual element
+    is ``d_u × d_c`` with orthonormal columns, so the projection is its transpose (and every other group
+    is inverted too, returning the client's own unit order). Exact on a lifted model.
+    """
+    from .symmetry import apply_transform, invert_transform
+
+    return apply_transform(universe, invert_transform(transform))

@@ -392,3 +392,22 @@ def random_transform(
         else:
             out[name] = random_invertible(grp.count, grp.size, g, dtype)
     return Transform(out)
+
+
+def invert_transform(transform: Transform) -> Transform:
+    """The inverse element: ``apply_transform(apply_transform(m, T), invert_transform(T))`` computes m's
+    function in m's coordinates. A semi-orthogonal residual ``O`` (``d' x d``) inverts to ``Oᵀ`` (the
+    projection back to width d, exact on lifted models). Gauges act after their layer's head
+    permutation, so the inverse gauges are re-indexed by the inverse permutation."""
+    out: dict[str, torch.Tensor] = {}
+    for name, el in transform.elements.items():
+        kind, _, layer = name.partition(".")
+        if kind == "residual":
+            out[name] = torch.argsort(el) if is_permutation(el) else el.transpose(0, 1)
+        elif is_permutation(el):
+            out[name] = torch.argsort(el)
+        else:  # gauge: x_new[i] = G[i] x_old[π[i]]  ⇒  x_old[j] = G[σ[j]]⁻¹ x_new[σ[j]], σ = π⁻¹
+            perm = transform.elements.get(f"heads.{layer}")
+            sigma = torch.argsort(perm) if perm is not None else torch.arange(el.shape[0])
+            out[name] = torch.linalg.inv(el[sigma])
+    return Transform(out)

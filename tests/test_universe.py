@@ -47,3 +47,22 @@ def test_one_hot_weights_return_that_model(record):
     merged, _ = universe_merge([others[0], others[1], others[2]], weights=[0, 1, 0])
     with torch.no_grad():
         record("universe with one-hot weights vs that model", float((merged(x) - others[1](x)).abs().max()), 1e-10)
+
+
+def test_lift_then_project_is_the_identity(record):
+    from fedlmc.merge import project
+
+    small = _base()
+    x = inputs_for(small)
+    d = small.config.d_model
+    for width in (d, 2 * d, 3 * d + 1):
+        T = random_transform(small, seed=width, width=width)  # lift + head/FF perms + invertible gauges
+        lifted = apply_transform(small, T)
+        assert lifted.config.d_model == width
+        with torch.no_grad():
+            record(f"lift {d}->{width}: lifted vs small", float((lifted(x) - small(x)).abs().max()), 1e-10)
+            back = project(lifted, T)
+            assert back.config.d_model == d and abs(back.config.norm_eps - small.config.norm_eps) < 1e-18
+            record(f"lift {d}->{width} then project: vs small", float((back(x) - small(x)).abs().max()), 1e-10)
+            sd, sb = small.state_dict(), back.state_dict()
+            assert max(float((sd[k] - sb[k]).abs().max()) for k in sd) < 1e-10  # its own coordinates too
