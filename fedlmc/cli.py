@@ -159,9 +159,18 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     models = {s: trained(args.preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in seeds}
     per_pair = []
     for a, b in pairs:
+        # a pair's curves are kept beside its models, so a larger --pairs run reuses the smaller one's work
+        key = hashlib.sha1(json.dumps([models[a].meta.get("seed"), models[b].meta.get("seed"), models[a].meta.get("seconds"),
+                                       models[b].meta.get("seconds"), sorted(methods), args.learned_steps]).encode()).hexdigest()[:12]
+        cached = Path(args.cache) / f"pair-{args.preset}-{a}-{b}-{key}.json"
+        if cached.is_file():
+            console.print(f"pair ({a}, {b}): reusing {cached}")
+            per_pair.append(json.loads(cached.read_text()))
+            continue
         console.print(f"pair ({a}, {b})")
         per_pair.append(pair_curves(models[a], models[b], splits, methods, args.learned_steps, progress=not args.quiet,
                                     log=console.print))
+        cached.write_text(json.dumps(per_pair[-1]))
     rows = summarise(per_pair, methods)
     test_losses = {s: (m.meta.get("test") or {}).get("loss", float("nan")) for s, m in models.items()}
     md = markdown(args.preset, rows, pairs, show_acc=models[seeds[0]].config.arch == "vit", test_losses=test_losses)
