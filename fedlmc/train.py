@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .data import Data, Splits, TokenData
-from .models import from_preset, preset_dataset
+from .models import from_preset
 
 
 def pick_device(device: Optional[str] = None) -> torch.device:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedlmc.barrier import barrier, interpolation_curve
 from fedlmc.canonical import canonicalize
 from fedlmc.data import load, partition
 from fedlmc.matching import activation_matching, learned_matching, weight_matching

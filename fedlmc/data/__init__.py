@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from .base import ArrayData, Data, DataNotFound, Splits, TokenData
 from .images import load_cifar10, load_digits, load_mnist, read_idx

@@ -9,7 +9,7 @@ Procrustes, FF neurons by assignment.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn

@@ -6,7 +6,7 @@ them; heads are contiguous blocks of ``d_head`` rows of Q/K/V (and columns of O)
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 import torch
