@@ -101,7 +101,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     from .symmetry import apply_transform
 
     if method != "wm":
-        raise ValueError(f"universe_merge supports method='wm' (refinement: see merge.refine), got {method!r}")
+        raise ValueError(f"universe_merge supports method='wm' (Dirichlet refinement is not built yet), got {method!r}")
     if not models:
         raise ValueError("universe_merge needs at least one model")
     n = len(models)
@@ -116,17 +116,17 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     if keep_layernorm:
         matching.setdefault("keep_layernorm", True)
     transforms: list[Transform] = []
+    kept_w = [wi for wi in w if wi > 0]
     for _ in range(max(1, iterations)):
         transforms = [weight_matching(universe, m, **matching) if wi > 0 else Transform() for m, wi in zip(canon, w)]
-        aligned = [apply_transform(m, T) for m, T in zip(canon, transforms)]
-        new = merge([a for a, wi in zip(aligned, w) if wi > 0], [wi for wi in w if wi > 0])
+        kept = [apply_transform(m, T) for m, T, wi in zip(canon, transforms, w) if wi > 0]
+        new = merge(kept, kept_w)
         moved = _relative_change(universe, new)
         universe = new
         if moved < tol:
             break
-    if form == "circuit":
-        aligned = [apply_transform(m, T) for m, T in zip(canon, transforms)]
-        universe = merge([a for a, wi in zip(aligned, w) if wi > 0], [wi for wi in w if wi > 0], form="circuit")
+    if form == "circuit":  # the last iteration's aligned models, merged as circuits
+        universe = merge(kept, kept_w, form="circuit")
     return (to_layernorm(universe) if keep_layernorm else universe), transforms
 
 
