@@ -42,18 +42,24 @@ def budget(args: argparse.Namespace) -> dict[str, Any]:
     return dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, device=args.device)
 
 
-def trained(preset: str, seed: int, splits, cache: Path, progress: bool = True, **over: Any):
-    """Train (or reuse from ``cache``) preset ``preset`` with ``seed``; returns the loaded model."""
+def trained(preset: str, seed: int, splits, cache: Path, progress: bool = True,
+            model_overrides: Optional[dict[str, Any]] = None, **over: Any):
+    """Train (or reuse from ``cache``) preset ``preset`` with ``seed``; returns the loaded model.
+    ``model_overrides`` change the architecture (e.g. ``{"d_model": 64}``), ``over`` the budget."""
     from . import io
     from .train import train_config_for, train_preset
 
     cfg = train_config_for(preset, seed, **over)
-    key = json.dumps([preset, splits.name, splits.meta.get("source"), cfg.__dict__], sort_keys=True, default=str)
-    path = cache / f"{preset}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    parts: list[Any] = [preset, splits.name, splits.meta.get("source"), cfg.__dict__]
+    if model_overrides:  # only when given, so earlier caches keep their names
+        parts.append(model_overrides)
+    key = json.dumps(parts, sort_keys=True, default=str)
+    tag = "".join(f"-{k}{v}" for k, v in sorted((model_overrides or {}).items())).replace("_", "")
+    path = cache / f"{preset}{tag}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     if (path / io.WEIGHTS).is_file():
         console.print(f"[dim]reusing {path}[/dim]")
         return io.load(path)
-    model, hist = train_preset(preset, splits, seed=seed, progress=progress, **over)
+    model, hist = train_preset(preset, splits, seed=seed, progress=progress, model_overrides=model_overrides, **over)
     io.save(model, path, model.meta)
     console.print(f"{preset} seed {seed}: test loss {hist['test']['loss']:.4f} acc {hist['test']['acc']:.4f} "
                   f"({hist['seconds']:.0f} s) → {path}")

@@ -29,7 +29,8 @@ FORMS = ("factored", "circuit")
 def _check_same_shape(models: Sequence[nn.Module]) -> None:
     first = models[0].config
     for m in models[1:]:
-        if m.config.replace(norm=first.norm, norm_bias=first.norm_bias) != first:
+        # a width lift rescales eps by d/d_u (see apply_to_state); at 1e-5 that is immaterial to a merge
+        if m.config.replace(norm=first.norm, norm_bias=first.norm_bias, norm_eps=first.norm_eps) != first:
             raise ValueError(f"models differ in shape:\n  {first}\n  {m.config}\n(lift or project them to one width first)")
 
 
@@ -38,28 +39,49 @@ def weighted_state(states: Sequence[StateDict], weights: Sequence[float]) -> Sta
     return {k: sum(w * sd[k] for w, sd in zip(weights, states)) for k in states[0]}
 
 
-def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg) -> tuple[StateDict, object]:
-    """Merge heads as circuits: concatenate every model's heads, weighting one factor of each circuit."""
+def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg,
+                  masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None) -> tuple[StateDict, object]:
+    """Merge heads as circuits: concatenate every model's heads, weighting one factor of each circuit.
+    ``masks`` (see ``widths.unit_masks``) weight each head and FF neuron only over the models having it."""
     spec = spec_for(cfg)
     H, dh = cfg.n_head, cfg.d_head
-    out = weighted_state(states, weights)
+    if masks is not None and any(m is not None for m in masks):
+        from .widths import unit_weighted
+
+        out = unit_weighted(states, weights, masks, cfg)
+    else:
+        out = weighted_state(states, weights)
     for kind in ("qk", "ov"):
         for g in spec.layer_groups(kind):
+            head_w = _head_weights(weights, masks, f"heads.{g.layer}", H, states[0][g.members[0].param])
             for m in g.members:
                 # the transposed side (Q of QK, O of OV) carries the weights; the other side is shared
                 scaled = m.fn in ("MT", "MinvT")
                 parts = []
-                for w, sd in zip(weights, states):
-                    t = sd[m.param].movedim(m.axis, 0)
-                    parts.append((t * w if scaled else t).reshape(H, dh, *t.shape[1:]))
+                for i, sd in enumerate(states):
+                    t = sd[m.param].movedim(m.axis, 0).reshape(H, dh, *sd[m.param].movedim(m.axis, 0).shape[1:])
+                    if scaled:
+                        t = t * head_w[i].reshape(H, *([1] * (t.dim() - 1)))
+                    parts.append(t)
                 cat = torch.cat(parts, dim=1)
                 out[m.param] = cat.reshape(H * dh * len(states), *cat.shape[2:]).movedim(0, m.axis)
     return out, cfg.replace(d_head=dh * len(states), attn_scale=cfg.attn_scale)
 
 
+def _head_weights(weights, masks, name: str, H: int, ref: torch.Tensor) -> torch.Tensor:
+    """(M, H) per-head merge weights: ``w_m`` renormalised over the models that have each head."""
+    W = torch.stack([w * ((m[name] if m is not None and name in m else torch.ones(H, dtype=torch.bool)).to(ref))
+                     for w, m in zip(weights, masks or [None] * len(weights))])
+    den = W.sum(0, keepdim=True)
+    return torch.where(den > 0, W / den.clamp_min(1e-30), torch.full_like(W, 1.0 / len(weights)))
+
+
 def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "factored",
-          keep_layernorm: bool = False) -> nn.Module:
-    """``Σ w_m θ_m`` of same-shape (already aligned) models, in the given form."""
+          keep_layernorm: bool = False, masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None) -> nn.Module:
+    """``Σ w_m θ_m`` of same-shape (already aligned) models, in the given form.
+
+    ``masks`` (one per model, from ``widths.unit_masks``/``permute_masks``) mark padded heads and FF
+    neurons; each unit is then averaged only over the models that really have it."""
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
     if len(models) != len(weights) or not models:
@@ -71,8 +93,13 @@ def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "fa
     # is a LayerNorm model, so keep_layernorm holds without a conversion)
     ref = models[0]
     states = [{k: v.detach().to(next(ref.parameters())) for k, v in m.state_dict().items()} for m in models]
+    masked = masks is not None and any(m is not None for m in masks)
     if form == "circuit":
-        sd, cfg = circuit_state(states, weights, ref.config)
+        sd, cfg = circuit_state(states, weights, ref.config, masks if masked else None)
+    elif masked:
+        from .widths import unit_weighted
+
+        sd, cfg = unit_weighted(states, weights, masks, ref.config), ref.config
     else:
         sd, cfg = weighted_state(states, weights), ref.config
     out = rebuild(ref, sd, cfg)
@@ -88,20 +115,35 @@ def interpolate(model_a: nn.Module, model_b: nn.Module, lam: float, form: str = 
 def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: int = 5,
                    weights: Optional[Sequence[float]] = None, init: Optional[nn.Module] = None,
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
-                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
-    """Merge M same-shape models in a shared "universe" (many-model weight matching).
+                   data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
+                   progress: bool = False, **matching: Any) -> tuple[nn.Module, list[Transform]]:
+    """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
-    Start from ``init`` (e.g. the previous global model) or the first model; align every model to the
-    universe with weight matching; set the universe to the (``weights``-weighted) mean of the aligned
-    models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done. Returns
-    the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each model's
-    transform into the universe. ``matching`` options go to ``weight_matching``.
+    Start from ``init`` (e.g. the previous global model) or the largest-weight model; align every model
+    to the universe with weight matching; set the universe to the (``weights``-weighted) mean of the
+    aligned models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done.
+    ``method="refine"`` then learns every model's alignment with Dirichlet(``alpha``) refinement on
+    ``data`` (``refine_steps`` steps, see ``matching.refine``).
+
+    Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
+    architecture must agree): each is padded exactly into the largest shape (``widths.pad``), its
+    padded heads and FF neurons are masked out of the averages, and its transform maps *its own*
+    shape into the universe (a rectangular residual map; ``info['client_config']`` records its
+    shape), so ``project(universe, T)`` returns a model of the client's shape.
+
+    Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each
+    model's transform. ``matching`` options go to ``weight_matching``.
     """
     from .matching import weight_matching
     from .symmetry import apply_transform
+    from .widths import common_shape, lift_residual, pad, permute_masks, same_shape, unit_masks
 
-    if method != "wm":
-        raise ValueError(f"universe_merge supports method='wm' (Dirichlet refinement is not built yet), got {method!r}")
+    if method not in ("wm", "refine"):
+        raise ValueError(f"universe_merge method must be 'wm' or 'refine', got {method!r}")
+    if method == "refine" and data is None:
+        raise ValueError("method='refine' needs data (a small training set) for the Dirichlet refinement")
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
     if not models:
         raise ValueError("universe_merge needs at least one model")
     n = len(models)
@@ -109,24 +151,61 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     if len(w) != n or any(x < 0 for x in w) or sum(w) <= 0:
         raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
     w = [x / sum(w) for x in w]
-    _check_same_shape(list(models) + ([init] if init is not None else []))
+    configs = [m.config for m in models] + ([init.config] if init is not None else [])
+    shape = common_shape(configs)
+    hetero = not same_shape(configs)
+    if hetero and keep_layernorm and len({c.d_model for c in configs}) > 1:
+        raise ValueError("keep_layernorm needs one residual width: a lifted model's stream is not centred in the universe")
     canon = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
-    universe = init if init is not None else canon[int(max(range(n), key=lambda i: w[i]))]
+    scale = None
+    if hetero:
+        scale = next((c.attn_scale for c in configs if c.d_head == shape["d_head"]), shape["d_head"] ** -0.5)
+        padded = [pad(m, shape, attn_scale=scale) for m in canon]
+        masks: list[Optional[dict]] = [unit_masks(m.config, shape) for m in models]
+    else:
+        padded, masks = canon, [None] * n
+    if init is not None:
+        universe = pad(init, shape, attn_scale=scale) if hetero else init
+    else:
+        universe = padded[int(max(range(n), key=lambda i: w[i]))]
     universe = canonicalize(universe) if universe.config.norm == "layernorm" else universe
     if keep_layernorm:
         matching.setdefault("keep_layernorm", True)
     transforms: list[Transform] = []
-    kept_w = [wi for wi in w if wi > 0]
-    for _ in range(max(1, iterations)):
-        transforms = [weight_matching(universe, m, **matching) if wi > 0 else Transform() for m, wi in zip(canon, w)]
-        kept = [apply_transform(m, T) for m, T, wi in zip(canon, transforms, w) if wi > 0]
-        new = merge(kept, kept_w)
+    live = [i for i in range(n) if w[i] > 0]
+    kept_w = [w[i] for i in live]
+    kept: list[nn.Module] = []
+    kept_masks: list[Optional[dict]] = []
+    for it in range(max(1, iterations)):
+        transforms = [weight_matching(universe, padded[i], **matching) if w[i] > 0 else Transform() for i in range(n)]
+        kept = [apply_transform(padded[i], transforms[i]) for i in live]
+        kept_masks = [permute_masks(masks[i], transforms[i]) if masks[i] is not None else None for i in live]
+        new = merge(kept, kept_w, masks=kept_masks)
         moved = _relative_change(universe, new)
         universe = new
+        if progress:
+            print(f"universe iteration {it + 1}: moved {moved:.2e}")
         if moved < tol:
             break
-    if form == "circuit":  # the last iteration's aligned models, merged as circuits
-        universe = merge(kept, kept_w, form="circuit")
+    if method == "refine" and len(live) > 1:
+        from .matching.refine import dirichlet_refine
+
+        refined = dirichlet_refine([padded[i] for i in live], [transforms[i] for i in live], data,
+                                   masks=[masks[i] for i in live], weights=kept_w, alpha=alpha, steps=refine_steps,
+                                   lr=refine_lr, form=form, keep_layernorm=keep_layernorm, reference=universe,
+                                   progress=progress, device=matching.get("device"))
+        for i, T in zip(live, refined):
+            transforms[i] = T
+        kept = [apply_transform(padded[i], transforms[i]) for i in live]
+        kept_masks = [permute_masks(masks[i], transforms[i]) if masks[i] is not None else None for i in live]
+        universe = merge(kept, kept_w, masks=kept_masks)
+    if form == "circuit":  # the last aligned models, merged as circuits
+        universe = merge(kept, kept_w, form="circuit", masks=kept_masks)
+    if hetero:
+        for i, m in enumerate(models):
+            T = lift_residual(transforms[i], m.config.d_model) if m.config.d_model != shape["d_model"] else transforms[i]
+            T.info.update(shape=shape, attn_scale=scale, client_config=m.config.to_dict())
+            transforms[i] = T
     return (to_layernorm(universe) if keep_layernorm else universe), transforms
 
 
@@ -142,8 +221,18 @@ def project(universe: nn.Module, transform: Transform) -> nn.Module:
 
     ``transform`` maps the client (width d_c) into the universe (width d_u ≥ d_c); its residual element
     is ``d_u × d_c`` with orthonormal columns, so the projection is its transpose (and every other group
-    is inverted too, returning the client's own unit order). Exact on a lifted model.
+    is inverted too, returning the client's own unit order). A transform from a mixed-width
+    ``universe_merge`` also records the client's shape: padded heads and FF neurons are dropped.
+    Exact on a lifted model.
     """
+    from .models import ARCHS
     from .symmetry import apply_transform, invert_transform
+    from .widths import unpad
 
-    return apply_transform(universe, invert_transform(transform))
+    client = transform.info.get("client_config")
+    if client is not None and not isinstance(client, type(universe.config)):
+        client = ARCHS[client["arch"]][0].from_dict(client)
+    if transform.info.get("shape") and universe.config.d_head != transform.info["shape"]["d_head"]:
+        raise ValueError("project needs the universe in the factored form (a circuit merge changed the head width)")
+    out = apply_transform(universe, invert_transform(transform)) if transform.elements else universe
+    return unpad(out, client) if client is not None else out

@@ -179,9 +179,12 @@ def model_for_data(preset: str, splits: Splits, seed: int, **overrides: Any) -> 
     return model
 
 
-def train_preset(preset: str, splits: Splits, seed: int = 0, progress: bool = True, **overrides: Any) -> tuple[nn.Module, dict]:
-    """Initialise preset ``preset`` from ``seed`` and train it on ``splits.train``; evaluate on test."""
-    model = model_for_data(preset, splits, seed)
+def train_preset(preset: str, splits: Splits, seed: int = 0, progress: bool = True,
+                 model_overrides: Optional[dict[str, Any]] = None, **overrides: Any) -> tuple[nn.Module, dict]:
+    """Initialise preset ``preset`` from ``seed`` and train it on ``splits.train``; evaluate on test.
+
+    ``model_overrides`` change the architecture (e.g. ``{"d_model": 64}``), ``overrides`` the budget."""
+    model = model_for_data(preset, splits, seed, **(model_overrides or {}))
     cfg = train_config_for(preset, seed, **overrides)
     hist = train(model, splits.train, cfg, val=splits.val, progress=progress, desc=f"{preset} seed {seed}")
     hist["test"] = evaluate(model, splits.test)

@@ -178,7 +178,8 @@ def weight_matching(
     from ..train import pick_device
 
     t0 = time.time()
-    if model_a.config.replace(norm="rmsnorm", norm_bias=False) != model_b.config.replace(norm="rmsnorm", norm_bias=False):
+    canon = dict(norm="rmsnorm", norm_bias=False, norm_eps=model_a.config.norm_eps)  # a lift rescales eps only
+    if model_a.config.replace(**canon) != model_b.config.replace(**canon):
         raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
     dev = pick_device(device) if device is None or isinstance(device, str) else device
     if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32

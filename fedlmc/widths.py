@@ -1,0 +1,217 @@
+"""Models of different shapes in one space: exact zero-padding lifts, unit masks and projections.
+
+A narrower model joins a wider "universe" exactly:
+
+* residual width ``d → d_u``: the semi-orthogonal lift ``[I; 0]`` (readers absorb RMSNorm's rescaling,
+  see ``symmetry.act``); matching then rotates it freely, so the client's map into the universe is a
+  rectangular ``d_u × d`` matrix with orthonormal columns;
+* FF neurons ``d_ff → d_ff_u``: zero neurons (zero input row and bias, zero output column: GELU(0) = 0);
+* heads ``H → H_u``: zero heads (zero Q, K, V, O: uniform attention over zero values writes nothing);
+* head width ``d_head → d_head_u``: zero dimensions inside each head (Q·K and V·O unchanged); Q absorbs
+  the change of attention scale so every padded model shares the universe's ``attn_scale``.
+
+The padded units are marked in ``unit_masks``; a merge averages each FF neuron and head only over the
+models that really have it (a smaller model's units map onto a *subset* of the universe's), instead of
+diluting it with zeros. Head-width padding and the residual lift are rotated by matching, so they are
+averaged plainly. ``unpad`` is the inverse (exact on padded models): it slices a universe-shaped model
+back to a client's shape.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .canonical import canonicalize
+from .models.layers import TransformerConfig
+from .symmetry import StateDict, Transform, apply_transform, rebuild, spec_for
+
+SHAPE = ("d_model", "n_head", "d_ff", "d_head")
+
+
+def shape_of(cfg: TransformerConfig) -> dict[str, int]:
+    """The fields that may differ between models of one federation."""
+    return {k: int(getattr(cfg, k)) for k in SHAPE}
+
+
+def common_shape(configs: Sequence[TransformerConfig]) -> dict[str, int]:
+    """The smallest shape every config fits in (field-wise maximum). Everything else must agree."""
+    first = configs[0]
+    for c in configs[1:]:
+        if c.arch != first.arch or c.n_layer != first.n_layer:
+            raise ValueError(f"models must share architecture and depth to be merged: {first.arch}×{first.n_layer} "
+                             f"vs {c.arch}×{c.n_layer}")
+        other = {k: v for k, v in c.to_dict().items() if k not in SHAPE + ("norm", "norm_bias", "norm_eps", "attn_scale")}
+        mine = {k: v for k, v in first.to_dict().items() if k in other}
+        if other != mine:
+            diff = sorted(k for k in other if other[k] != mine[k])
+            raise ValueError(f"models differ in more than width ({', '.join(diff)}); only {', '.join(SHAPE)} may differ")
+    return {k: max(int(getattr(c, k)) for c in configs) for k in SHAPE}
+
+
+def same_shape(configs: Sequence[TransformerConfig]) -> bool:
+    return all(shape_of(c) == shape_of(configs[0]) for c in configs)
+
+
+def _pad_axis(t: torch.Tensor, axis: int, units: int, block: int, new_units: int, new_block: int) -> torch.Tensor:
+    """Zero-pad ``units`` blocks of ``block`` entries along ``axis`` to ``new_units`` blocks of ``new_block``."""
+    x = t.movedim(axis, 0)
+    rest = x.shape[1:]
+    x = x.reshape(units, block, *rest)
+    out = x.new_zeros(new_units, new_block, *rest)
+    out[:units, :block] = x
+    return out.reshape(new_units * new_block, *rest).movedim(0, axis)
+
+
+def _slice_axis(t: torch.Tensor, axis: int, units: int, block: int, keep_units: int, keep_block: int) -> torch.Tensor:
+    x = t.movedim(axis, 0)
+    rest = x.shape[1:]
+    x = x.reshape(units, block, *rest)[:keep_units, :keep_block]
+    return x.reshape(keep_units * keep_block, *rest).movedim(0, axis)
+
+
+def _resize_units(model: nn.Module, n_head: int, d_head: int, d_ff: int, attn_scale: float, grow: bool) -> nn.Module:
+    cfg = model.config
+    spec = spec_for(cfg)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    H, dh = cfg.n_head, cfg.d_head
+    for l in range(cfg.n_layer):
+        b = f"blocks.{l}"
+        # Q absorbs the change of attention scale so scores stay the same
+        for key in (f"{b}.attn.q.weight", f"{b}.attn.q.bias"):
+            sd[key] = sd[key] * (cfg.attn_scale / attn_scale)
+        for m in spec.groups[f"heads.{l}"].members:
+            if grow:
+                sd[m.param] = _pad_axis(sd[m.param], m.axis, H, dh, n_head, d_head)
+            else:
+                sd[m.param] = _slice_axis(sd[m.param], m.axis, H, dh, n_head, d_head)
+        for m in spec.groups[f"ff.{l}"].members:
+            if grow:
+                sd[m.param] = _pad_axis(sd[m.param], m.axis, cfg.d_ff, 1, d_ff, 1)
+            else:
+                sd[m.param] = _slice_axis(sd[m.param], m.axis, cfg.d_ff, 1, d_ff, 1)
+    return rebuild(model, sd, cfg.replace(n_head=n_head, d_head=d_head, d_ff=d_ff, attn_scale=attn_scale))
+
+
+def residual_lift(d_small: int, d_large: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``[I; 0]``: the ``d_large × d_small`` lift onto the first ``d_small`` residual coordinates."""
+    return torch.eye(d_large, d_small, dtype=dtype)
+
+
+def pad(model: nn.Module, shape: dict[str, int], residual: bool = True, attn_scale: Optional[float] = None) -> nn.Module:
+    """``model`` zero-padded exactly into ``shape`` (fields of ``SHAPE``; missing ones are kept).
+
+    ``residual=False`` pads only the units (heads, head width, FF), leaving the residual lift to a
+    transform (``align`` does that). ``attn_scale`` defaults to ``1/sqrt(shape['d_head'])`` when the
+    head width grows. A LayerNorm model is canonicalised when its residual is lifted.
+    """
+    cfg = model.config
+    target = {**shape_of(cfg), **{k: int(v) for k, v in shape.items() if v is not None}}
+    for k in SHAPE:
+        if target[k] < getattr(cfg, k):
+            raise ValueError(f"cannot pad {k}={getattr(cfg, k)} into a smaller {target[k]}")
+    scale = attn_scale if attn_scale is not None else (
+        cfg.attn_scale if target["d_head"] == cfg.d_head else target["d_head"] ** -0.5)
+    out = model
+    if (target["n_head"], target["d_head"], target["d_ff"]) != (cfg.n_head, cfg.d_head, cfg.d_ff) or scale != cfg.attn_scale:
+        out = _resize_units(model, target["n_head"], target["d_head"], target["d_ff"], scale, grow=True)
+    if residual and target["d_model"] != cfg.d_model:
+        ref = next(out.parameters())
+        if out.config.norm == "layernorm":
+            out = canonicalize(out)
+        out = apply_transform(out, Transform({"residual": residual_lift(cfg.d_model, target["d_model"], ref.dtype)}))
+    return out
+
+
+def unpad(model: nn.Module, client: TransformerConfig) -> nn.Module:
+    """Slice a universe-shaped model to ``client``'s shape (the inverse of ``pad``; exact on padded models).
+
+    The residual is projected onto its first ``client.d_model`` coordinates (the transpose of the lift),
+    heads, head dimensions and FF neurons keep their first entries, and the client's attention scale
+    and norm eps are restored.
+    """
+    cfg = model.config
+    out = model
+    if cfg.d_model != client.d_model:
+        if out.config.norm == "layernorm":
+            out = canonicalize(out)
+        ref = next(out.parameters())
+        out = apply_transform(out, Transform({"residual": residual_lift(client.d_model, cfg.d_model, ref.dtype).T}))
+    c = out.config
+    if (c.n_head, c.d_head, c.d_ff, c.attn_scale) != (client.n_head, client.d_head, client.d_ff, client.attn_scale):
+        out = _resize_units(out, client.n_head, client.d_head, client.d_ff, client.attn_scale, grow=False)
+    if out.config.norm_eps != client.norm_eps:
+        out = rebuild(out, out.state_dict(), out.config.replace(norm_eps=client.norm_eps))
+    return out
+
+
+def unit_masks(cfg: TransformerConfig, shape: dict[str, int], device=None) -> dict[str, torch.Tensor]:
+    """Which heads and FF neurons of a model padded into ``shape`` are real (True) or padding (False)."""
+    out: dict[str, torch.Tensor] = {}
+    for l in range(cfg.n_layer):
+        out[f"heads.{l}"] = torch.arange(shape["n_head"], device=device) < cfg.n_head
+        out[f"ff.{l}"] = torch.arange(shape["d_ff"], device=device) < cfg.d_ff
+    return out
+
+
+def permute_masks(masks: dict[str, torch.Tensor], transform: Transform) -> dict[str, torch.Tensor]:
+    """The masks after ``transform``'s head and FF permutations (``new = old[perm]``)."""
+    out = dict(masks)
+    for name, mask in masks.items():
+        perm = transform.get(name)
+        if perm is not None:
+            out[name] = mask[perm.to(mask.device)] if not perm.is_floating_point() else (perm.to(torch.float64) @ mask.to(torch.float64)) > 0.5
+    return out
+
+
+def into_universe(model: nn.Module, transform: Transform) -> nn.Module:
+    """Apply a client's transform into the universe: pad its units to the universe's sizes (from the
+    transform's ``info['shape']``), then apply the elements (whose residual may be rectangular)."""
+    shape = transform.info.get("shape")
+    if shape:
+        model = pad(model, shape, residual=False, attn_scale=transform.info.get("attn_scale"))
+    return apply_transform(model, transform)
+
+
+def lift_residual(transform: Transform, d_small: int) -> Transform:
+    """Compose a square residual map found on a residual-padded model with the ``[I; 0]`` lift, giving
+    the client's own rectangular map (``d_u × d_small``)."""
+    from .symmetry import is_permutation, perm_matrix
+
+    R = transform.get("residual")
+    if R is None:
+        return transform
+    if is_permutation(R):
+        R = perm_matrix(R)
+    els = dict(transform.elements)
+    els["residual"] = R[:, :d_small].clone()
+    return Transform(els, dict(transform.info))
+
+
+def unit_weighted(states: Sequence[StateDict], weights: Sequence[float], masks: Sequence[Optional[dict[str, torch.Tensor]]],
+                  cfg: TransformerConfig, base: Optional[StateDict] = None) -> StateDict:
+    """``Σ w_m θ_m`` where each head's and FF neuron's tensors are averaged only over the models that
+    have that unit (weights renormalised per unit); tensors outside those groups are plain averages."""
+    from .merge import weighted_state
+
+    out = dict(base) if base is not None else weighted_state(states, weights)
+    spec = spec_for(cfg)
+    for name, g in spec.groups.items():
+        if g.kind != "permutation" or name == "residual" or all(m is None or name not in m for m in masks):
+            continue
+        ref = states[0][g.members[0].param]
+        W = torch.stack([w * (m[name] if m is not None and name in m else torch.ones(g.size, dtype=torch.bool)).to(ref)
+                         for w, m in zip(weights, masks)])  # (M, units)
+        den = W.sum(0)
+        W = torch.where(den > 0, W / den.clamp_min(1e-30), torch.full_like(W, 1.0 / len(states)))
+        for mem in g.members:
+            acc = None
+            for i, sd in enumerate(states):
+                t = sd[mem.param].movedim(mem.axis, 0)
+                shp = t.shape
+                t = t.reshape(g.size, mem.block, *shp[1:]) * W[i].reshape(g.size, *([1] * (t.dim())))
+                t = t.reshape(shp).movedim(0, mem.axis)
+                acc = t if acc is None else acc + t
+            out[mem.param] = acc
+    return out

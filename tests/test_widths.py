@@ -1,0 +1,91 @@
+"""Mixed widths: exact padding, masked universe merges and projection back to each client's shape."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedlmc.canonical import canonicalize
+from fedlmc.merge import project, universe_merge
+from fedlmc.models import from_preset
+from fedlmc.symmetry import apply_transform, random_transform
+from fedlmc.widths import common_shape, pad, shape_of, unit_masks, unpad
+
+from conftest import inputs_for, perturbed
+
+
+def _vit(seed=0, **kw):
+    torch.manual_seed(seed)
+    base = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
+    return perturbed(from_preset("vit-tiny", **{**base, **kw}), seed, 0.2)
+
+
+def _gpt(seed=0, **kw):
+    torch.manual_seed(seed)
+    base = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40, block_size=16)
+    return perturbed(from_preset("gpt2-tiny", **{**base, **kw}), seed, 0.2)
+
+
+@pytest.mark.parametrize("make", [_vit, _gpt])
+def test_pad_and_unpad_are_exact(make, record):
+    small = make(d_model=16, n_head=2, d_ff=24, d_head=8)
+    x = inputs_for(small)
+    shape = {"d_model": 40, "n_head": 5, "d_ff": 70, "d_head": 12}
+    big = pad(small, shape)
+    assert shape_of(big.config) == shape
+    with torch.no_grad():
+        record(f"{small.config.arch}: pad 16/2h/24ff/8dh -> 40/5h/70ff/12dh", float((big(x) - small(x)).abs().max()), 1e-10)
+        back = unpad(big, small.config)
+        assert shape_of(back.config) == shape_of(small.config)
+        assert back.config.attn_scale == pytest.approx(small.config.attn_scale)
+        record(f"{small.config.arch}: unpad(pad(m))", float((back(x) - small(x)).abs().max()), 1e-10)
+        # units only (no residual lift): a LayerNorm model stays LayerNorm
+        units = pad(small, {"n_head": 6, "d_ff": 100}, residual=False)
+        assert units.config.norm == "layernorm"
+        record(f"{small.config.arch}: pad units only", float((units(x) - small(x)).abs().max()), 1e-10)
+
+
+def test_pad_refuses_to_shrink_and_depths_must_agree():
+    m = _vit()
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad(m, {"d_ff": 8})
+    with pytest.raises(ValueError, match="depth"):
+        common_shape([m.config, m.config.replace(n_layer=3)])
+
+
+def test_mixed_width_universe_recovers_and_projects(record):
+    """A narrow model and a wide model that *is* the narrow one (padded, moved by a random group element,
+    plus noise): the universe computes the narrow model's function, and projecting it back gives a model
+    of the narrow shape that computes it too."""
+    small = canonicalize(_vit(1, d_model=16, n_head=2, d_ff=40, d_head=8))
+    x = inputs_for(small)
+    wide = pad(small, {"d_model": 32, "n_head": 4, "d_ff": 64, "d_head": 8})
+    g = torch.Generator().manual_seed(3)
+    wide = apply_transform(wide, random_transform(wide, seed=3, groups=["residual", "heads", "ff"]))
+    with torch.no_grad():
+        for p in wide.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-4)
+    merged, Ts = universe_merge([wide, small], iterations=3)
+    assert shape_of(merged.config) == shape_of(wide.config)
+    with torch.no_grad():
+        ref = small(x).abs().max()
+        record("mixed widths: universe vs the narrow model (rel.)", float((merged(x) - small(x)).abs().max() / ref), 1e-2)
+        back = project(merged, Ts[1])
+        assert shape_of(back.config) == shape_of(small.config)
+        record("mixed widths: project(universe, T_narrow) vs narrow (rel.)", float((back(x) - small(x)).abs().max() / ref), 1e-2)
+        # the narrow model's transform maps it into the universe exactly (its own shape in, universe out)
+        from fedlmc.widths import into_universe
+        inside = into_universe(small, Ts[1])
+        record("mixed widths: into_universe(narrow) keeps its function", float((inside(x) - small(x)).abs().max()), 1e-10)
+    # FF neurons present in only the wide model are averaged over it alone (mask), not halved by zeros
+    masks = unit_masks(small.config, shape_of(wide.config))
+    assert int(masks["ff.0"].sum()) == 40 and int(masks["heads.0"].sum()) == 2
+
+
+def test_mixed_width_one_hot_weight_returns_the_narrow_model(record):
+    small = _vit(2, d_model=16, n_head=2, d_ff=32, d_head=8)
+    big = _vit(3)
+    x = inputs_for(small)
+    merged, Ts = universe_merge([big, small], weights=[0, 1])
+    with torch.no_grad():
+        record("mixed widths, one-hot weight on the narrow model", float((merged(x) - small(x)).abs().max()), 1e-10)
+        record("... projected back", float((project(merged, Ts[1])(x) - small(x)).abs().max()), 1e-10)
