@@ -81,6 +81,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _eval_split(model, args: argparse.Namespace):
     """The split a saved model should be evaluated on: its own data set unless --dataset says otherwise."""
+    return getattr(_splits_for(model, args), args.split)
+
+
+def _splits_for(model, args: argparse.Namespace):
+    """The data splits of a saved model: its own data set unless --dataset says otherwise."""
     from .data import load
 
     meta = getattr(model, "meta", {})
@@ -88,9 +93,8 @@ def _eval_split(model, args: argparse.Namespace):
     if not name:
         raise SystemExit("the checkpoint does not record its data set: pass --dataset")
     text = args.text or (meta.get("source") if name not in ("digits", "mnist", "cifar10", "shakespeare") else None)
-    splits = load(name if name in ("digits", "mnist", "cifar10", "shakespeare") else "text", data_dir=args.data_dir,
-                  block_size=getattr(model.config, "block_size", 64), text_file=text)
-    return getattr(splits, args.split)
+    return load(name if name in ("digits", "mnist", "cifar10", "shakespeare") else "text", data_dir=args.data_dir,
+                block_size=getattr(model.config, "block_size", 64), text_file=text)
 
 
 def cmd_barrier(args: argparse.Namespace) -> int:
@@ -189,6 +193,100 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Merge saved models (plain average, universe or Dirichlet-refined universe); mixed widths allowed."""
+    from . import io
+    from .manyway import aligned_models, excess, plot_simplex, simplex_losses
+    from .merge import merge, universe_merge
+    from .train import evaluate
+
+    models = [io.load(p) for p in args.models]
+    if len(models) < 2:
+        raise ValueError("fedlmc merge needs at least two checkpoints")
+    splits = _splits_for(models[0], args)
+    t = time.time()
+    if args.method == "average":
+        merged, Ts = merge(models, args.weights or [1 / len(models)] * len(models), form=args.form), None
+    else:
+        merged, Ts = universe_merge(models, method="refine" if args.method == "refine" else "wm",
+                                    iterations=args.iterations, weights=args.weights, form=args.form,
+                                    keep_layernorm=args.keep_layernorm, data=splits.train, alpha=args.alpha,
+                                    refine_steps=args.steps, progress=not args.quiet)
+    seconds = time.time() - t
+    data = getattr(splits, args.split)
+    ends = [evaluate(m, data, max_batches=args.max_batches)["loss"] for m in models]
+    ev = evaluate(merged, data, max_batches=args.max_batches)
+    meta = {"merged_from": [str(p) for p in args.models], "method": args.method, "form": args.form,
+            "dataset": models[0].meta.get("dataset"), "source": models[0].meta.get("source"),
+            "chars": models[0].meta.get("chars"), "block_size": models[0].meta.get("block_size"),
+            args.split: ev, "endpoint_loss": ends, "excess": excess(ev["loss"], ends), "seconds": seconds}
+    io.save(merged, args.out, meta)
+    result = {"out": str(args.out), "method": args.method, args.split: ev, "endpoint_loss": ends,
+              "excess": meta["excess"], "seconds": round(seconds, 1)}
+    if args.plot:
+        if len(models) != 3:
+            raise ValueError("--plot draws the loss over the 2-simplex: give exactly three models")
+        panels = {"vanilla": simplex_losses(models, data, args.simplex_n, max_batches=args.max_batches)}
+        if Ts is not None:
+            al, masks = aligned_models(models, Ts)
+            panels[args.method] = simplex_losses(al, data, args.simplex_n, masks=masks, max_batches=args.max_batches)
+        result["plot"] = str(plot_simplex(panels, Path(args.plot), title=f"{args.split} loss over the 2-simplex"))
+    print(json.dumps(result, default=float))
+    return 0
+
+
+def cmd_universe(args: argparse.Namespace) -> int:
+    """Train (cached) M seeds of a preset and compare vanilla / universe / refined merges (+ simplex plot)."""
+    from .manyway import plot_simplex, universe_markdown, universe_table, write
+
+    splits = load_splits(args.preset, args)
+    seeds = list(range(args.models))
+    over = {k: v for k, v in budget(args).items() if v is not None}
+    console.rule(f"{args.preset}: universe of {len(seeds)} models on {splits.summary()}")
+    models = [trained(args.preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in seeds]
+    res = universe_table(models, splits, refine_steps=args.refine_steps, alpha=args.alpha, iterations=args.iterations,
+                         log=console.print, progress=not args.quiet, simplex_n=args.simplex_n,
+                         max_batches=args.max_batches, forms=args.forms)
+    res.update(preset=args.preset, seeds=seeds, dataset=splits.name, budget=over)
+    md = universe_markdown(args.preset, res, seeds)
+    stem = f"universe_{args.preset}"
+    files = write(Path(args.out), stem, res, md)
+    if "simplex" in res:
+        files.append(plot_simplex(res["simplex"], Path(args.out) / f"simplex_{args.preset}.png",
+                                  title=f"{args.preset}: test loss over the simplex of seeds 0, 1, 2"))
+    print(md)
+    console.print(f"wrote {[str(f) for f in files]}")
+    return 0
+
+
+def cmd_widths(args: argparse.Namespace) -> int:
+    """One model of the preset's width vs models of d/2, d/4, d/8 (trained, cached): barriers."""
+    from .manyway import plot_width_curves, width_experiment, width_markdown, write
+    from .models import preset_config
+
+    splits = load_splits(args.preset, args)
+    over = {k: v for k, v in budget(args).items() if v is not None}
+    cfg = preset_config(args.preset)
+    d = cfg.d_model
+    wide = trained(args.preset, 0, splits, Path(args.cache), progress=not args.quiet, **over)
+    narrow = {}
+    for f in args.factors:
+        if d % f:
+            raise ValueError(f"width {d} is not divisible by {f}")
+        # only the residual width shrinks (heads and FF keep their sizes), as in the paper
+        narrow[d // f] = trained(args.preset, 1, splits, Path(args.cache), progress=not args.quiet,
+                                 model_overrides={"d_model": d // f, "d_head": cfg.d_head}, **over)
+    res = width_experiment(wide, narrow, splits.test, log=console.print, max_batches=args.max_batches)
+    res.update(preset=args.preset, d=d, factors=args.factors, budget=over)
+    md = width_markdown(args.preset, res, d)
+    files = write(Path(args.out), f"widths_{args.preset}", res, md)
+    files.append(plot_width_curves(res, Path(args.out) / f"widths_{args.preset}.png",
+                                   f"{args.preset}: width {d} ↔ narrower models"))
+    print(md)
+    console.print(f"wrote {[str(f) for f in files]}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedlmc", description="Federated learning of Transformers merged modulo symmetries.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -232,6 +330,51 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(r)
     _add_budget_args(r)
     r.set_defaults(func=cmd_reproduce)
+
+    m = sub.add_parser("merge", help="merge saved models: plain average, universe (weight matching) or refined")
+    m.add_argument("models", nargs="+", help="checkpoint directories (widths may differ for universe/refine)")
+    m.add_argument("--method", default="universe", choices=["average", "universe", "refine"])
+    m.add_argument("--out", required=True, help="checkpoint directory for the merged model")
+    m.add_argument("--weights", nargs="+", type=float, help="merge weights (default: equal)")
+    m.add_argument("--form", default="factored", choices=["factored", "circuit"])
+    m.add_argument("--keep-layernorm", action="store_true", help="return an ordinary LayerNorm model")
+    m.add_argument("--iterations", type=int, default=5, help="universe iterations")
+    m.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration of the refinement")
+    m.add_argument("--steps", type=int, default=200, help="refinement steps")
+    m.add_argument("--split", default="test", choices=["val", "test"], help="where the merge is evaluated")
+    m.add_argument("--max-batches", type=int, help="evaluate on at most this many batches")
+    m.add_argument("--plot", help="PNG of the loss over the 2-simplex (three models)")
+    m.add_argument("--simplex-n", type=int, default=8, help="grid resolution of the simplex plot")
+    m.add_argument("--quiet", action="store_true")
+    _add_data_args(m)
+    m.set_defaults(func=cmd_merge)
+
+    u = sub.add_parser("universe", help="M seeds of a preset: vanilla vs universe vs refined merge (table + simplex)")
+    u.add_argument("--preset", required=True)
+    u.add_argument("--models", type=int, default=4)
+    u.add_argument("--iterations", type=int, default=5)
+    u.add_argument("--alpha", type=float, default=0.1)
+    u.add_argument("--refine-steps", type=int, default=200, help="refinement steps")
+    u.add_argument("--forms", nargs="+", default=["factored"], choices=["factored", "circuit"])
+    u.add_argument("--simplex-n", type=int, default=8, help="simplex plot grid (0: no plot)")
+    u.add_argument("--max-batches", type=int, help="evaluate on at most this many batches")
+    u.add_argument("--out", default="results")
+    u.add_argument("--cache", default="runs/cache")
+    u.add_argument("--quiet", action="store_true")
+    _add_data_args(u)
+    _add_budget_args(u)
+    u.set_defaults(func=cmd_universe)
+
+    w = sub.add_parser("widths", help="width experiment: one model of width d vs d/2, d/4, d/8 (barriers)")
+    w.add_argument("--preset", default="gpt2-tiny")
+    w.add_argument("--factors", nargs="+", type=int, default=[2, 4, 8])
+    w.add_argument("--max-batches", type=int)
+    w.add_argument("--out", default="results")
+    w.add_argument("--cache", default="runs/cache")
+    w.add_argument("--quiet", action="store_true")
+    _add_data_args(w)
+    _add_budget_args(w)
+    w.set_defaults(func=cmd_widths)
     return p
 
 

@@ -109,3 +109,30 @@ def test_cli_missing_data_is_one_clear_error(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "CIFAR-10 not found" in err and "Traceback" not in err
+
+
+def test_cli_merge_universe_refine_and_mixed_widths(tmp_path, capsys):
+    from fedlmc import io
+    from fedlmc.models import from_preset
+
+    for seed in (0, 1, 2):
+        assert main(["train", "--preset", "vit-digits", "--seed", str(seed), "--epochs", "1", "--quiet",
+                     "--out", str(tmp_path / f"m{seed}")]) == 0
+    capsys.readouterr()
+    assert main(["merge", *(str(tmp_path / f"m{s}") for s in range(3)), "--method", "refine", "--steps", "5",
+                 "--iterations", "2", "--quiet", "--out", str(tmp_path / "merged"), "--plot", str(tmp_path / "s.png"),
+                 "--simplex-n", "2"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["method"] == "refine" and len(res["endpoint_loss"]) == 3 and (tmp_path / "s.png").is_file()
+    merged = io.load(tmp_path / "merged")
+    assert merged.meta["excess"] == pytest.approx(res["excess"])
+    # a narrower model (half the residual width, fewer FF neurons) joins the universe
+    torch.manual_seed(0)
+    narrow = from_preset("vit-digits", d_model=16, d_ff=32, d_head=8)
+    io.save(narrow, tmp_path / "narrow", {"dataset": "digits"})
+    assert main(["merge", str(tmp_path / "m0"), str(tmp_path / "narrow"), "--quiet", "--out", str(tmp_path / "mixed")]) == 0
+    mixed = io.load(tmp_path / "mixed")
+    assert mixed.config.d_model == 32 and mixed.config.d_ff == 64
+    # three models are needed for the simplex plot: a clear error otherwise
+    assert main(["merge", str(tmp_path / "m0"), str(tmp_path / "m1"), "--quiet", "--out", str(tmp_path / "x"),
+                 "--plot", str(tmp_path / "x.png")]) == 2
