@@ -215,3 +215,47 @@ def unit_weighted(states: Sequence[StateDict], weights: Sequence[float], masks: 
                 acc = t if acc is None else acc + t
             out[mem.param] = acc
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# HeteroFL-style index slicing (the baseline for mixed widths): no alignment, prefixes of every axis.
+
+def width_config(cfg: TransformerConfig, factor: float) -> TransformerConfig:
+    """A client's config at ``1/factor`` of the width: ``d_model`` and ``d_ff`` shrink, heads keep their
+    number and width (so prefixes of Q/K/V rows stay whole heads)."""
+    if factor == 1:
+        return cfg
+    d, f = int(round(cfg.d_model / factor)), int(round(cfg.d_ff / factor))
+    if d < 1 or f < 1:
+        raise ValueError(f"width factor {factor} leaves nothing of d_model={cfg.d_model}, d_ff={cfg.d_ff}")
+    return cfg.replace(d_model=d, d_ff=f, d_head=cfg.d_head, attn_scale=cfg.attn_scale)
+
+
+def slice_prefix(model: nn.Module, client: TransformerConfig) -> nn.Module:
+    """HeteroFL's sub-model: every tensor's leading block of the client's sizes (no alignment)."""
+    from .models import from_config
+
+    template = from_config(client.replace(norm=model.config.norm, norm_bias=model.config.norm_bias))
+    src = model.state_dict()
+    sd = {}
+    for k, t in template.state_dict().items():
+        s = src[k]
+        if s.dim() != t.dim() or any(a < b for a, b in zip(s.shape, t.shape)):
+            raise ValueError(f"{k}: cannot slice {tuple(s.shape)} down to {tuple(t.shape)}")
+        sd[k] = s[tuple(slice(0, n) for n in t.shape)].clone()
+    return rebuild(model, sd, template.config)
+
+
+def prefix_average(states: Sequence[StateDict], weights: Sequence[float], previous: StateDict) -> StateDict:
+    """HeteroFL aggregation: each entry of the global tensors is the weighted mean over the clients whose
+    sub-model contains it (zero-padded prefixes); entries no client holds keep their previous value."""
+    out = {}
+    for k, g in previous.items():
+        num = torch.zeros_like(g, dtype=torch.float64)
+        den = torch.zeros_like(g, dtype=torch.float64)
+        for w, sd in zip(weights, states):
+            idx = tuple(slice(0, n) for n in sd[k].shape)
+            num[idx] += w * sd[k].to(torch.float64)
+            den[idx] += w
+        out[k] = torch.where(den > 0, num / den.clamp_min(1e-30), g.to(torch.float64)).to(g.dtype)
+    return out

@@ -1,4 +1,9 @@
-"""Flower strategies (Message API) that aggregate client Transformers modulo their symmetries."""
-from .aligned import AlignedFedAvg
+"""Flower strategies (Message API) that aggregate client Transformers modulo their symmetries.
 
-__all__ = ["AlignedFedAvg"]
+All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used.
+"""
+from .aligned import AlignedFedAvg, FedlmcMixin, RefinedFedAvg
+from .fedavg import ReportingFedAvg
+from .hetero import HeteroWidthFedAvg, SlicingFedAvg
+
+__all__ = ["AlignedFedAvg", "RefinedFedAvg", "HeteroWidthFedAvg", "SlicingFedAvg", "ReportingFedAvg", "FedlmcMixin"]

@@ -3,85 +3,172 @@
 ``AlignedFedAvg`` is a drop-in subclass of ``flwr.serverapp.strategy.FedAvg``: it aligns every reply to
 a universe seeded by the previous global model (``fedlmc.merge.universe_merge``), averages there
 (weighted by ``num-examples``) and sends back a model of the clients' own shape (LayerNorm kept by
-default). With a server-side ``guard_data`` set it also builds the plain average and keeps whichever
-has the lower loss (do no harm); without one, weight matching's data-free identity guard applies.
+default). ``RefinedFedAvg`` adds Dirichlet learned refinement on a small server-side data set.
+
+Do no harm: with a server-side ``guard_data`` set, the strategy also builds the plain average and keeps
+whichever has the lower loss there (and logs which won, by how much); without one, weight matching's
+data-free identity guard applies (the identity transform — plain averaging — is one of its candidates).
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
 from logging import INFO
 from typing import Any, Optional
 
 import torch
+import torch.nn as nn
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from flwr.supercore import log
 
-from fedlmc.merge import universe_merge
+from fedlmc.merge import merge, universe_merge
 from fedlmc.train import evaluate
 
-from .records import model_from_arrays, reply_config
+from .records import MODEL_CONFIG_KEY, model_from_arrays, reply_config, state_arrays
 
 
-class AlignedFedAvg(FedAvg):
+class FedlmcMixin:
+    """What every fedlmc strategy shares: the global model's config travels with the arrays (ConfigRecord
+    key ``model-config``), replies are turned into models, and each round leaves a ``history`` record.
+
+    ``report_data`` (optional, e.g. the test split) makes every round also record each client model's
+    loss, the plain average's and the aggregate's, so excess losses can be compared across strategies.
+    """
+
+    global_config: Optional[dict[str, Any]]
+    history: list[dict[str, Any]]
+
+    def _init_fedlmc(self, model_config, report_data, report_batches) -> None:
+        self.global_config = model_config
+        self.report_data, self.report_batches = report_data, report_batches
+        self.history = []
+        self._previous: Optional[ArrayRecord] = None
+
+    def _with_config(self, config: ConfigRecord) -> ConfigRecord:
+        if self.global_config is not None:
+            config[MODEL_CONFIG_KEY] = json.dumps(self.global_config)
+        return config
+
+    def previous_model(self) -> Optional[nn.Module]:
+        if self._previous is None or self.global_config is None:
+            return None
+        return model_from_arrays(self._previous, self.global_config)
+
+    def reply_models(self, contents) -> tuple[list[nn.Module], list[float]]:
+        models = [model_from_arrays(c[self.arrayrecord_key], reply_config(c, self.global_config)) for c in contents]
+        weights = [float(next(iter(c.metric_records.values()))[self.weighted_by_key]) for c in contents]
+        return models, weights
+
+    def _loss(self, model: nn.Module, data, batches) -> float:
+        return float(evaluate(model, data, max_batches=batches)["loss"])
+
+    def report(self, record: dict[str, Any], models: list[nn.Module], weights: list[float], result: nn.Module,
+               plain: Optional[nn.Module]) -> None:
+        if self.report_data is None:
+            return
+        clients = [self._loss(m, self.report_data, self.report_batches) for m in models]
+        record["client_losses"] = clients
+        record["mean_client_loss"] = sum(clients) / len(clients)
+        record["global_loss"] = self._loss(result, self.report_data, self.report_batches)
+        record["excess"] = record["global_loss"] - record["mean_client_loss"]
+        if plain is not None:
+            record["plain_loss"] = self._loss(plain, self.report_data, self.report_batches)
+            record["plain_excess"] = record["plain_loss"] - record["mean_client_loss"]
+
+
+class AlignedFedAvg(FedlmcMixin, FedAvg):
     """FedAvg whose aggregation aligns replies along their symmetries before averaging.
 
-    Parameters (beyond FedAvg's): ``model_config`` — the model's ``config.to_dict()`` when replies do
-    not carry a ``model`` ConfigRecord; ``residual`` — "orthogonal" or "permutation"; ``form`` —
-    "factored" (default; same-shape model) or "circuit"; ``keep_layernorm`` (default True: the global
-    model stays an ordinary LayerNorm model); ``iterations`` — universe iterations; ``guard_data`` — a
-    fedlmc data set (e.g. the preset's validation split) to compare aligned vs plain averaging on;
-    ``guard_batches`` — how many of its batches to use.
+    Parameters (beyond FedAvg's): ``model_config`` — the global model's ``config.to_dict()`` (sent to
+    clients, and used when replies carry no ``model`` ConfigRecord); ``residual`` — "orthogonal" or
+    "permutation"; ``form`` — "factored" (default; same-shape model) or "circuit"; ``keep_layernorm``
+    (default True: the global model stays an ordinary LayerNorm model); ``iterations`` — universe
+    iterations; ``guard_data`` — a fedlmc data set (e.g. the preset's validation split) on which the
+    aligned aggregate must beat plain averaging to be kept; ``guard_batches`` — how many of its batches
+    to use; ``report_data``/``report_batches`` — see ``FedlmcMixin``; ``device`` — where matching runs.
     """
+
+    method = "wm"
 
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, residual: str = "orthogonal",
                  form: str = "factored", keep_layernorm: bool = True, iterations: int = 3,
-                 guard_data=None, guard_batches: int = 8, **fedavg: Any) -> None:
+                 guard_data=None, guard_batches: Optional[int] = 8, report_data=None,
+                 report_batches: Optional[int] = None, device: Optional[str] = None, **fedavg: Any) -> None:
         super().__init__(**fedavg)
-        self.model_config = model_config
+        self._init_fedlmc(model_config, report_data, report_batches)
         self.residual, self.form, self.keep_layernorm = residual, form, keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
-        self._previous: Optional[ArrayRecord] = None
-        self.history: list[dict[str, Any]] = []
+        self.device = device
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._previous = arrays  # the universe of this round starts from the current global model
-        return super().configure_train(server_round, arrays, config, grid)
+        return super().configure_train(server_round, arrays, self._with_config(config), grid)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        return super().configure_evaluate(server_round, arrays, self._with_config(config), grid)
+
+    def align(self, models: list[nn.Module], weights: list[float], init: Optional[nn.Module]):
+        """The aligned aggregate and each reply's transform (subclasses change how)."""
+        return universe_merge(models, weights=weights, init=init, iterations=self.iterations, form=self.form,
+                              keep_layernorm=self.keep_layernorm, residual=self.residual, device=self.device)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         valid, _ = self._check_and_log_replies(replies, is_train=True)
         if not valid:
             return None, None
         contents = [m.content for m in valid]
+        models, weights = self.reply_models(contents)
+        if self.global_config is None:
+            self.global_config = models[0].config.to_dict()
         t0 = time.time()
-        cfg = reply_config(contents[0], self.model_config)
-        models = [model_from_arrays(c[self.arrayrecord_key], reply_config(c, cfg)) for c in contents]
-        weights = [float(next(iter(c.metric_records.values()))[self.weighted_by_key]) for c in contents]
-        init = model_from_arrays(self._previous, cfg) if self._previous is not None else None
-        merged, transforms = universe_merge(models, weights=weights, init=init, iterations=self.iterations,
-                                           form=self.form, keep_layernorm=self.keep_layernorm, residual=self.residual)
+        merged, transforms = self.align(models, weights, self.previous_model())
         seconds = time.time() - t0
-        record = {"round": server_round, "align_seconds": seconds, "moved": [_distance(T) for T in transforms]}
-        arrays = ArrayRecord(torch_state_dict={k: v.detach().float() for k, v in merged.state_dict().items()})
+        record: dict[str, Any] = {"round": server_round, "strategy": type(self).__name__, "align_seconds": seconds,
+                                  "moved": [transform_distance(T) for T in transforms], "kept": "aligned"}
+        total = sum(weights)
+        plain = merge(models, [w / total for w in weights]) if self.guard_data is not None or self.report_data is not None else None
+        result = merged
         if self.guard_data is not None:
-            plain = aggregate_arrayrecords(contents, self.weighted_by_key)
-            l_aligned = evaluate(merged, self.guard_data, max_batches=self.guard_batches)["loss"]
-            l_plain = evaluate(model_from_arrays(plain, cfg), self.guard_data, max_batches=self.guard_batches)["loss"]
-            record.update(guard_aligned=l_aligned, guard_plain=l_plain, kept="aligned" if l_aligned <= l_plain else "plain")
+            l_aligned = self._loss(merged, self.guard_data, self.guard_batches)
+            l_plain = self._loss(plain, self.guard_data, self.guard_batches)
+            record.update(guard_aligned=l_aligned, guard_plain=l_plain)
             if l_plain < l_aligned:
-                arrays = plain
-            log(INFO, "AlignedFedAvg round %d: kept %s (aligned %.4f vs plain %.4f on server data)",
-                server_round, record["kept"], l_aligned, l_plain)
-        log(INFO, "AlignedFedAvg round %d: aligned %d replies in %.2fs, mean transform distance %.4f",
-            server_round, len(models), seconds, sum(record["moved"]) / len(models))
+                result, record["kept"] = plain, "plain"
+            log(INFO, "%s round %d: kept %s (server loss aligned %.4f vs plain %.4f, Δ %+.4f)", type(self).__name__,
+                server_round, record["kept"], l_aligned, l_plain, l_aligned - l_plain)
+        self.report(record, models, weights, result, plain)
+        record["seconds"] = time.time() - t0
+        log(INFO, "%s round %d: aligned %d replies in %.2fs, mean distance from identity %.4f%s", type(self).__name__,
+            server_round, len(models), seconds, sum(record["moved"]) / len(models),
+            f", global loss {record['global_loss']:.4f}" if "global_loss" in record else "")
         self.history.append(record)
+        self.global_config = result.config.to_dict()
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
-        return arrays, metrics
+        return state_arrays(result), metrics
 
 
-def _distance(T) -> float:
+class RefinedFedAvg(AlignedFedAvg):
+    """``AlignedFedAvg`` plus Dirichlet(``alpha``) learned refinement of every reply's alignment on a small
+    server-side data set ``refine_data`` (``refine_steps`` steps; see ``fedlmc.matching.refine``). Keep
+    ``guard_data`` disjoint from ``refine_data`` so the do-no-harm comparison stays honest."""
+
+    method = "refine"
+
+    def __init__(self, *, refine_data, alpha: float = 0.1, refine_steps: int = 100, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if refine_data is None:
+            raise ValueError("RefinedFedAvg needs refine_data (a small server-side data set)")
+        self.refine_data, self.alpha, self.refine_steps = refine_data, alpha, refine_steps
+
+    def align(self, models, weights, init):
+        return universe_merge(models, method="refine", weights=weights, init=init, iterations=self.iterations,
+                              form=self.form, keep_layernorm=self.keep_layernorm, residual=self.residual,
+                              data=self.refine_data, alpha=self.alpha, refine_steps=self.refine_steps, device=self.device)
+
+
+def transform_distance(T) -> float:
     """How far a transform moved from the identity: ‖O − I‖_F/√d plus the fraction of moved units."""
     total = 0.0
     for name, el in T.elements.items():

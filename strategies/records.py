@@ -10,7 +10,13 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedlmc.models import from_config
 
-MODEL_KEY = "model"  # ConfigRecord key holding {"config": <json of TransformerConfig.to_dict()>}
+MODEL_KEY = "model"  # reply RecordDict key: a ConfigRecord {"config": <json of TransformerConfig.to_dict()>, ...}
+MODEL_CONFIG_KEY = "model-config"  # key in the train/evaluate ConfigRecord: the config of the arrays sent
+
+
+def state_arrays(model: nn.Module) -> ArrayRecord:
+    """A model's weights as an ArrayRecord (float32, CPU)."""
+    return ArrayRecord(torch_state_dict={k: v.detach().cpu().float() for k, v in model.state_dict().items()})
 
 
 def config_record(model: nn.Module) -> ConfigRecord:

@@ -1,0 +1,90 @@
+"""fedlmc ClientApp (Message API): trains the configured preset (ViT or GPT-2) on this node's partition.
+
+Node config: ``partition-id`` and ``num-partitions`` (set by the simulation engine, or by
+``flower-supernode --node-config``), optionally ``width-factor`` (this node trains at 1/width-factor of
+the width). Run config: see ``fedlmc.federated.Settings``. A train reply carries the weights
+(``arrays``), metrics with ``num-examples`` (``metrics``) and the model's config (``model``), so the
+server knows every client's architecture and width.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedlmc.federated import (Settings, client_config, client_data, config_from_json, evaluate_model,
+                              fresh_client_model, local_train)
+from fedlmc.widths import shape_of, slice_prefix
+from strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
+
+def _node(context: Context, overrides: dict) -> tuple[Settings, int, int, object]:
+    s = Settings.from_run_config({**overrides, **context.run_config})
+    nc = context.node_config
+    pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
+    factor = nc.get("width-factor")
+    cfg = client_config(s, pid, float(factor) if factor is not None else None)
+    return s, pid, n, cfg
+
+
+def _received(msg: Message, own_cfg):
+    """The model the server sent, at this client's width (HeteroFL-style prefix when it sent a wider one)."""
+    config = msg.content["config"]
+    if MODEL_CONFIG_KEY not in config:
+        raise ValueError("the server's message carries no model config (ConfigRecord key "
+                         f"'{MODEL_CONFIG_KEY}'): use a fedlmc strategy or add it to the train config")
+    cfg = config_from_json(str(config[MODEL_CONFIG_KEY]))
+    model = model_from_arrays(msg.content["arrays"], cfg.to_dict())
+    if shape_of(cfg) != shape_of(own_cfg):
+        model = slice_prefix(model, own_cfg.replace(norm=cfg.norm, norm_bias=cfg.norm_bias))
+    return model
+
+
+def train(msg: Message, context: Context, overrides: Optional[dict] = None) -> Message:
+    """Train the received (or, with independent start in round 1, a fresh) model on this partition."""
+    s, pid, n, cfg = _node(context, overrides or {})
+    data, _ = client_data(s, pid, n)
+    rnd = int(msg.content["config"].get("server-round", 1))
+    if s.independent_start and rnd == 1:
+        model = fresh_client_model(s, pid, cfg)
+    else:
+        model = _received(msg, cfg)
+    t0 = time.time()
+    hist = local_train(model, data, s, seed=1000 * (s.seed + 1) + 100 * rnd + pid)
+    last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
+    metrics = MetricRecord({"num-examples": len(data), "train-loss": sum(last) / len(last),
+                            "train-seconds": time.time() - t0, "partition-id": pid, "d-model": int(model.config.d_model)})
+    content = RecordDict({"arrays": ArrayRecord(torch_state_dict={k: v.detach().cpu().float() for k, v in model.state_dict().items()}),
+                          "metrics": metrics, "model": config_record(model)})
+    return Message(content=content, reply_to=msg)
+
+
+def evaluate(msg: Message, context: Context, overrides: Optional[dict] = None) -> Message:
+    """Evaluate the received model on this node's validation partition."""
+    s, pid, n, cfg = _node(context, overrides or {})
+    _, val = client_data(s, pid, n)
+    model = _received(msg, cfg)
+    ev = evaluate_model(model, val)
+    metrics = MetricRecord({"num-examples": len(val), "eval-loss": ev["loss"], "eval-acc": ev["acc"]})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+def make_app(overrides: Optional[dict] = None) -> ClientApp:
+    """A ClientApp whose settings default to ``overrides`` (run_config keys win). ``flwr run`` uses
+    ``app``; in-process simulations (``simulations.compare``) build one per experiment."""
+    overrides = dict(overrides or {})
+    client = ClientApp()
+
+    @client.train()
+    def _train(msg: Message, context: Context) -> Message:
+        return train(msg, context, overrides)
+
+    @client.evaluate()
+    def _evaluate(msg: Message, context: Context) -> Message:
+        return evaluate(msg, context, overrides)
+
+    return client
+
+
+app = make_app()

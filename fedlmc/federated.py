@@ -1,0 +1,185 @@
+"""What a federation needs from the library, without Flower: settings read from a ``run_config``-like
+mapping, each client's partition and width, local training, and the experiment's initial model.
+
+Flower's apps (``clients/``, ``simulations/``) stay thin: they translate messages to these calls.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Optional
+
+import torch.nn as nn
+
+from .data import Data, Splits, load
+from .data.partition import partition
+from .models import from_config, preset_config, preset_dataset
+from .models.layers import TransformerConfig
+from .train import TrainConfig, evaluate, model_for_data, train
+from .widths import width_config
+
+STRATEGIES = ("fedavg", "aligned", "refined", "hetero", "slicing")
+
+
+@dataclass
+class Settings:
+    """One federated experiment. Field ``local_epochs`` is read from run_config key ``local-epochs``, etc."""
+
+    strategy: str = "aligned"
+    num_server_rounds: int = 3
+    preset: str = "vit-digits"
+    dataset: str = ""  # default: the preset's
+    data_dir: str = ""
+    text_file: str = ""
+    partitioner: str = "iid"  # iid | dirichlet
+    alpha: float = 0.5  # Dirichlet concentration of the label partition
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 0.0
+    min_nodes: int = 2
+    local_epochs: float = 1.0
+    local_steps: int = 0  # > 0 overrides local_epochs
+    lr: float = 2e-3
+    batch_size: int = 32
+    seed: int = 0
+    independent_start: bool = False  # round 1: every client starts from its own seed (one-shot / fusion)
+    width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
+    iterations: int = 3  # universe iterations
+    residual: str = "orthogonal"
+    form: str = "factored"
+    keep_layernorm: bool = True
+    guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
+    guard_batches: int = 8
+    refine_steps: int = 100
+    refine_alpha: float = 0.1
+    eval_batches: int = 0  # 0: the whole test split
+    out_dir: str = "runs/flwr"
+    round_timeout: float = 3600.0
+    device: str = ""
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> "Settings":
+        """Read ``run_config`` (dashes or underscores); unknown keys are an error, values are coerced."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in run_config.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ValueError(f"unknown run_config key {key!r}; known: {', '.join(sorted(k.replace('_', '-') for k in known))}")
+            typ = type(known[name].default)
+            if typ is bool and isinstance(value, str):
+                value = value.strip().lower() in ("1", "true", "yes", "on")
+            values[name] = typ(value)
+        s = cls(**values)
+        if s.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {s.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if any(f != 1 for f in s.factors()) and s.strategy in ("fedavg", "aligned", "refined"):
+            raise ValueError(f"width-factors {s.width_factors!r} make a mixed-width federation: use strategy "
+                             "'hetero' (aligned) or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
+        if s.partitioner not in ("iid", "dirichlet"):
+            raise ValueError(f"partitioner must be 'iid' or 'dirichlet', got {s.partitioner!r}")
+        return s
+
+    def to_run_config(self) -> dict[str, Any]:
+        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+
+    def factors(self) -> list[float]:
+        return [float(x) for x in self.width_factors.replace(" ", "").split(",") if x] or [1.0]
+
+    def train_config(self, seed: int) -> TrainConfig:
+        budget = dict(steps=self.local_steps) if self.local_steps > 0 else dict(epochs=self.local_epochs)
+        return TrainConfig(lr=self.lr, batch_size=self.batch_size, seed=seed, device=self.device or None, **budget)
+
+
+_SPLITS: dict[tuple, Splits] = {}
+
+
+def splits_for(s: Settings) -> Splits:
+    """The experiment's data (cached per process: Ray actors serve many rounds)."""
+    key = (s.preset, s.dataset, s.data_dir, s.text_file, s.seed)
+    if key not in _SPLITS:
+        cfg = preset_config(s.preset)
+        _SPLITS[key] = load(s.dataset or preset_dataset(s.preset), data_dir=s.data_dir or None,
+                            block_size=getattr(cfg, "block_size", 64), text_file=s.text_file or None, seed=0)
+    return _SPLITS[key]
+
+
+def global_model(s: Settings) -> nn.Module:
+    """The initial global model (the preset shaped to the data, seed ``s.seed``)."""
+    return model_for_data(s.preset, splits_for(s), s.seed)
+
+
+def client_config(s: Settings, partition_id: int, node_factor: Optional[float] = None) -> TransformerConfig:
+    """The architecture a client trains: the global one at its width (node config ``width-factor`` wins
+    over the run's ``width-factors`` list)."""
+    base = global_model_config(s)
+    factors = s.factors()
+    f = node_factor if node_factor is not None else factors[partition_id % len(factors)]
+    return width_config(base, f)
+
+
+_GLOBAL_CFG: dict[tuple, TransformerConfig] = {}
+
+
+def global_model_config(s: Settings) -> TransformerConfig:
+    key = (s.preset, s.dataset, s.data_dir, s.text_file)
+    if key not in _GLOBAL_CFG:
+        _GLOBAL_CFG[key] = global_model(s).config
+    return _GLOBAL_CFG[key]
+
+
+_PARTS: dict[tuple, tuple[Data, Data]] = {}
+
+
+def client_data(s: Settings, partition_id: int, num_partitions: int) -> tuple[Data, Data]:
+    """A client's (train, validation) partitions, deterministic in the settings."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+    key = (s.preset, s.dataset, s.data_dir, s.text_file, s.partitioner, s.alpha, s.seed, num_partitions, partition_id)
+    if key not in _PARTS:
+        sp = splits_for(s)
+        tr = partition(sp.train, num_partitions, s.partitioner, s.alpha, s.seed)[partition_id]
+        va = partition(sp.val, num_partitions, "iid", s.alpha, s.seed)[partition_id]
+        _PARTS[key] = (tr, va)
+    return _PARTS[key]
+
+
+def fresh_client_model(s: Settings, partition_id: int, cfg: TransformerConfig) -> nn.Module:
+    """An independently initialised client model (its own seed) for the one-shot / fusion setting."""
+    import torch
+
+    torch.manual_seed(1000 * (s.seed + 1) + partition_id)
+    model = from_config(cfg)
+    return model
+
+
+def local_train(model: nn.Module, data: Data, s: Settings, seed: int) -> dict[str, Any]:
+    """Train ``model`` on a client's partition; returns the history (``train_loss``, ``seconds``, ...)."""
+    return train(model, data, s.train_config(seed), progress=False)
+
+
+def config_json(cfg: TransformerConfig) -> str:
+    return json.dumps(cfg.to_dict())
+
+
+def config_from_json(text: str) -> TransformerConfig:
+    from .models import ARCHS
+
+    d = json.loads(text)
+    return ARCHS[d["arch"]][0].from_dict(d)
+
+
+def evaluate_model(model: nn.Module, data: Data, max_batches: int = 0) -> dict[str, float]:
+    return evaluate(model, data, max_batches=max_batches or None)
+
+
+def halves(data: Data) -> tuple[Data, Data]:
+    """Two disjoint halves of a data set (the server refines on one and guards on the other)."""
+    from .data.base import ArrayData, TokenData
+
+    if isinstance(data, TokenData):
+        mid = len(data.tokens) // 2
+        return TokenData(data.tokens[:mid], data.block_size), TokenData(data.tokens[mid:], data.block_size)
+    if isinstance(data, ArrayData):
+        n = len(data) // 2
+        return data.subset(list(range(n))), data.subset(list(range(n, len(data))))
+    raise TypeError(f"cannot split {type(data).__name__}")

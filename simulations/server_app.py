@@ -1,0 +1,93 @@
+"""fedlmc ServerApp: a federation driven by ``run_config`` (see ``fedlmc.federated.Settings``).
+
+Per round it writes ``<out-dir>/metrics.json`` (test loss/accuracy of the global model, round wall
+time, what the strategy did: alignment seconds, distances from identity, guard decisions, client /
+plain / aggregate losses) and at the end the global model to ``<out-dir>/final`` (safetensors + JSON).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from logging import INFO
+from pathlib import Path
+from typing import Any, Optional
+
+from flwr.app import ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+
+from fedlmc import io
+from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
+from strategies.factory import build_strategy
+from strategies.records import model_from_arrays, state_arrays
+
+class Recorder:
+    """Collects one record per round and rewrites ``metrics.json`` atomically after each."""
+
+    def __init__(self, path: Path, settings: Settings) -> None:
+        self.path = path
+        self.doc: dict[str, Any] = {"settings": settings.to_run_config(), "rounds": [], "started": time.time()}
+        self._last = time.time()
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, rnd: int, test: dict[str, float], strategy_record: Optional[dict[str, Any]]) -> None:
+        now = time.time()
+        rec = {"round": rnd, "test_loss": test["loss"], "test_acc": test["acc"],
+               "round_seconds": (now - self._last) if rnd > 0 else 0.0}
+        if strategy_record:
+            rec["strategy"] = strategy_record
+        self._last = now
+        self.doc["rounds"].append(rec)
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1, default=float))
+        os.replace(tmp, self.path)
+
+
+def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
+    """Run ``s.num_server_rounds`` rounds of ``s.strategy`` on ``grid``; returns the metrics document."""
+    splits = splits_for(s)
+    model = global_model(s)
+    out = Path(s.out_dir).expanduser()
+    strategy = build_strategy(s, model.config.to_dict(), splits)
+    recorder = Recorder(out / "metrics.json", s)
+    log(INFO, "fedlmc: %s on %s (%s, %s partitions), %d rounds → %s", type(strategy).__name__, s.preset,
+        splits.summary(), s.partitioner, s.num_server_rounds, out)
+
+    def evaluate_fn(rnd: int, arrays) -> MetricRecord:
+        m = model_from_arrays(arrays, strategy.global_config or model.config.to_dict())
+        ev = evaluate_model(m, splits.test, s.eval_batches)
+        hist = strategy.history[-1] if rnd > 0 and strategy.history and strategy.history[-1]["round"] == rnd else None
+        recorder.add(rnd, ev, hist)
+        return MetricRecord({"test-loss": ev["loss"], "test-acc": ev["acc"]})
+
+    result = strategy.start(grid=grid, initial_arrays=state_arrays(model), num_rounds=s.num_server_rounds,
+                            train_config=ConfigRecord({}), evaluate_config=ConfigRecord({}),
+                            timeout=s.round_timeout, evaluate_fn=evaluate_fn)
+    final = model_from_arrays(result.arrays, strategy.global_config or model.config.to_dict())
+    final.meta = {"dataset": splits.name, "preset": s.preset, **{k: v for k, v in splits.meta.items()
+                                                                  if k in ("chars", "block_size", "source")}}
+    io.save(final, out / "final", {**final.meta, "settings": s.to_run_config(),
+                                   "test": recorder.doc["rounds"][-1] if recorder.doc["rounds"] else None})
+    recorder.doc["finished"] = time.time()
+    recorder.save()
+    return recorder.doc
+
+
+def make_app(overrides: Optional[dict[str, Any]] = None) -> ServerApp:
+    """A ServerApp whose settings default to ``overrides`` (run_config keys win). ``flwr run`` uses
+    ``app``; in-process simulations (``simulations.compare``) build one per experiment."""
+    overrides = dict(overrides or {})
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_federation(grid, Settings.from_run_config({**overrides, **context.run_config}))
+
+    return server
+
+
+app = make_app()

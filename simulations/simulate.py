@@ -1,0 +1,48 @@
+"""Run one federation in-process on Flower's Ray simulation engine (``flwr.simulation.run_simulation``),
+with settings given in Python rather than ``pyproject.toml`` — what the comparison runner and the tests
+use. ``flwr run .`` runs the same apps (``clients.app:app``, ``simulations.server_app:app``)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from fedlmc.federated import Settings
+
+
+def ray_env() -> None:
+    """Keep Ray's socket paths short and telemetry off (AF_UNIX paths are limited to ~107 bytes)."""
+    if not os.environ.get("RAY_TMPDIR"):
+        path = Path(tempfile.gettempdir()) / f"ray-{os.getuid()}"
+        if len(str(path)) > 40:
+            path = Path("/tmp") / f"ray-{os.getuid()}"
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["RAY_TMPDIR"] = str(path)
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client: float = 1.0,
+             gpus_per_client: float = 0.0, total_cpus: Optional[int] = None, verbose: bool = False) -> dict[str, Any]:
+    """Run the federation ``settings`` (run_config keys) on ``num_supernodes`` virtual SuperNodes; returns
+    the metrics document the ServerApp wrote (``<out-dir>/metrics.json``)."""
+    from flwr.simulation import run_simulation
+
+    from clients.app import make_app as client_app
+    from simulations.server_app import make_app as server_app
+
+    s = Settings.from_run_config(settings)  # fail fast on a bad key, before Ray starts
+    ray_env()
+    backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": gpus_per_client},
+               "init_args": {"num_cpus": total_cpus or os.cpu_count() or 1, "include_dashboard": False}}
+    run_simulation(server_app=server_app(settings), client_app=client_app(settings), num_supernodes=num_supernodes,
+                   backend_config=backend, verbose_logging=verbose)
+    path = Path(s.out_dir).expanduser() / "metrics.json"
+    if not path.is_file():
+        raise RuntimeError(f"the simulation wrote no {path}: see the log above for the ServerApp's error")
+    doc = json.loads(path.read_text())
+    if "finished" not in doc:
+        raise RuntimeError(f"the simulation stopped before its last round: {path} has {len(doc['rounds'])} records")
+    return doc
