@@ -46,3 +46,45 @@ def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client:
     if "finished" not in doc:
         raise RuntimeError(f"the simulation stopped before its last round: {path} has {len(doc['rounds'])} records")
     return doc
+
+
+def run_in_subprocess(settings: dict[str, Any], num_supernodes: int = 2, timeout: float = 600,
+                      cpus_per_client: float = 1.0, log_path: Optional[Path] = None) -> dict[str, Any]:
+    """``simulate`` in a fresh Python process, killed after ``timeout`` seconds (Ray never outlives it,
+    a crashed run never hangs the caller). Returns the metrics document."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "simulations.simulate", "--settings", json.dumps(settings),
+           "--supernodes", str(num_supernodes), "--cpus-per-client", str(cpus_per_client)]
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL
+    try:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                              cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"simulation did not finish within {timeout:.0f} s (log: {log_path})") from e
+    finally:
+        if log_path:
+            out.close()
+    if proc.returncode != 0:
+        raise RuntimeError(f"simulation failed with exit code {proc.returncode} (log: {log_path})")
+    return json.loads((Path(settings.get("out-dir", "runs/flwr")).expanduser() / "metrics.json").read_text())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Run one fedlmc federation on the Ray simulation engine.")
+    p.add_argument("--settings", default="{}", help="JSON object of run_config keys (see pyproject [tool.flwr.app.config])")
+    p.add_argument("--supernodes", type=int, default=2)
+    p.add_argument("--cpus-per-client", type=float, default=1.0)
+    p.add_argument("--gpus-per-client", type=float, default=0.0)
+    args = p.parse_args(argv)
+    doc = simulate(json.loads(args.settings), args.supernodes, args.cpus_per_client, args.gpus_per_client)
+    last = doc["rounds"][-1]
+    print(json.dumps({"rounds": len(doc["rounds"]) - 1, "test_loss": last["test_loss"], "test_acc": last["test_acc"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

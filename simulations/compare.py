@@ -1,0 +1,219 @@
+"""FedAvg vs aligned aggregation, side by side, on Flower's Ray simulation engine.
+
+    python -m simulations.compare --setting oneshot --preset vit-tiny --seeds 0 1 2
+    python -m simulations.compare --setting multiround --preset vit-tiny
+    python -m simulations.compare --setting widths --preset vit-tiny
+
+Every strategy runs with identical seeds and partitions (one process per run, so Ray never leaks
+between runs). Prints a table (final test loss / accuracy, excess over the mean client loss, seconds
+per round and per aggregation) and writes ``results/compare_<setting>_<preset>.{md,json,png}``.
+Finished runs are reused from ``--runs`` (delete it to start over).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from fedlmc.federated import Settings
+
+from .simulate import run_in_subprocess
+
+console = Console(stderr=True)
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    # one-shot model fusion: independent inits, one round of long local training, one aggregation
+    "oneshot": dict(strategies=["fedavg", "aligned", "refined"], clients=4,
+                    config={"num-server-rounds": 1, "independent-start": True, "partitioner": "dirichlet",
+                            "alpha": 0.5, "local-epochs": 20.0}),
+    # federated training from a shared init under strong label skew
+    "multiround": dict(strategies=["fedavg", "aligned", "refined"], clients=4,
+                       config={"num-server-rounds": 5, "independent-start": False, "partitioner": "dirichlet",
+                               "alpha": 0.1, "local-epochs": 2.0}),
+    # mixed widths: d, d/2, d/4 clients
+    "widths": dict(strategies=["slicing", "hetero"], clients=3,
+                   config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
+                           "local-epochs": 2.0, "width-factors": "1,2,4"}),
+}
+
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+    "vit-tiny": {"lr": 2e-3, "batch-size": 64},
+    "gpt2-tiny": {"lr": 2e-3, "batch-size": 64, "eval-batches": 20},
+    "vit-digits": {"lr": 3e-3, "batch-size": 32},
+}
+
+
+def _parse_value(v: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def run_all(setting: str, preset: str, seeds: list[int], strategies: list[str], clients: int,
+            extra: dict[str, Any], runs: Path, timeout: float) -> dict[str, dict[int, dict]]:
+    spec = SETTINGS[setting]
+    out: dict[str, dict[int, dict]] = {s: {} for s in strategies}
+    for seed in seeds:
+        for strategy in strategies:
+            cfg = {**spec["config"], **PRESET_DEFAULTS.get(preset, {}), **extra, "preset": preset, "seed": seed,
+                   "strategy": strategy, "min-nodes": clients}
+            tag = f"{setting}-{preset}-{cfg['partitioner']}{cfg.get('alpha', '') if cfg['partitioner'] == 'dirichlet' else ''}"
+            run_dir = runs / tag / f"{strategy}-s{seed}"
+            cfg["out-dir"] = str(run_dir.resolve())
+            Settings.from_run_config(cfg)  # validate before spending time
+            metrics = run_dir / "metrics.json"
+            if metrics.is_file():
+                doc = json.loads(metrics.read_text())
+                if "finished" in doc and doc["settings"] == Settings.from_run_config(cfg).to_run_config():
+                    console.print(f"[dim]{strategy} seed {seed}: reusing {metrics}[/dim]")
+                    out[strategy][seed] = doc
+                    continue
+            console.print(f"{strategy} seed {seed}: running ({clients} clients) → {run_dir}")
+            t0 = time.time()
+            run_dir.mkdir(parents=True, exist_ok=True)
+            doc = run_in_subprocess(cfg, num_supernodes=clients, timeout=timeout, log_path=run_dir / "log.txt")
+            last = doc["rounds"][-1]
+            console.print(f"  done in {time.time() - t0:.0f} s: test loss {last['test_loss']:.4f} acc {last['test_acc']:.4f}")
+            out[strategy][seed] = doc
+    return out
+
+
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return float("nan"), float("nan")
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
+
+
+def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]:
+    """Per strategy: final loss/acc, excess over the mean client loss (last round), its ratio to the
+    baseline's on the same seed, the worst per-round gap to the baseline, and seconds."""
+    rows: dict[str, Any] = {}
+    for strategy, by_seed in docs.items():
+        finals, accs, excess, ratio, worst_gap, round_s, align_s, kept = [], [], [], [], [], [], [], []
+        for seed, doc in by_seed.items():
+            last = doc["rounds"][-1]
+            finals.append(last["test_loss"])
+            accs.append(last["test_acc"])
+            rec = last.get("strategy") or {}
+            if "excess" in rec:
+                excess.append(rec["excess"])
+                base = ((docs.get(baseline, {}).get(seed) or {}).get("rounds") or [{}])[-1].get("strategy") or {}
+                if base.get("excess") and base["excess"] > 0:
+                    ratio.append(rec["excess"] / base["excess"])
+            base_doc = docs.get(baseline, {}).get(seed)
+            if base_doc and strategy != baseline:
+                gaps = [a["test_loss"] - b["test_loss"] for a, b in zip(doc["rounds"][1:], base_doc["rounds"][1:])]
+                worst_gap.append(max(gaps) if gaps else float("nan"))
+            rs = [r["round_seconds"] for r in doc["rounds"][1:]]
+            round_s.append(sum(rs) / len(rs) if rs else float("nan"))
+            al = [(r.get("strategy") or {}).get("align_seconds", float("nan")) for r in doc["rounds"][1:]]
+            align_s.append(sum(al) / len(al) if al else float("nan"))
+            kept += [(r.get("strategy") or {}).get("kept") for r in doc["rounds"][1:] if (r.get("strategy") or {}).get("kept")]
+        rows[strategy] = {
+            "final_loss": _mean_se(finals), "final_acc": _mean_se(accs), "excess": _mean_se(excess),
+            "excess_ratio": _mean_se(ratio), "excess_per_seed": excess, "final_loss_per_seed": finals,
+            "worst_gap_to_baseline": max(worst_gap) if worst_gap else None, "round_seconds": _mean_se(round_s),
+            "aggregation_seconds": _mean_se(align_s), "kept": {k: kept.count(k) for k in set(kept)},
+            "per_round_loss": _per_round(by_seed, "test_loss"), "per_round_acc": _per_round(by_seed, "test_acc"),
+        }
+    return rows
+
+
+def _per_round(by_seed: dict[int, dict], key: str) -> list[float]:
+    series = [[r[key] for r in doc["rounds"]] for doc in by_seed.values()]
+    n = min(len(s) for s in series) if series else 0
+    return [sum(s[i] for s in series) / len(series) for i in range(n)]
+
+
+def markdown(setting: str, preset: str, rows: dict[str, Any], seeds: list[int], cfg: dict[str, Any]) -> str:
+    def ms(v: tuple[float, float], fmt: str = ".4f") -> str:
+        return "–" if math.isnan(v[0]) else f"{v[0]:{fmt}} ± {v[1]:{fmt}}"
+
+    lines = [f"### {setting}, {preset}: {', '.join(f'{k}={v}' for k, v in cfg.items())}; seeds {seeds}", "",
+             "| strategy | final test loss | acc | excess over mean client | excess / baseline's | worst round gap to baseline | s / round | s / aggregation | guard kept |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        gap = "–" if r["worst_gap_to_baseline"] is None else f"{r['worst_gap_to_baseline']:+.4f}"
+        kept = ", ".join(f"{k} {v}" for k, v in sorted(r["kept"].items())) or "–"
+        lines.append(f"| {name} | {ms(r['final_loss'])} | {ms(r['final_acc'], '.3f')} | {ms(r['excess'])} | "
+                     f"{ms(r['excess_ratio'], '.3f')} | {gap} | {ms(r['round_seconds'], '.1f')} | "
+                     f"{ms(r['aggregation_seconds'], '.2f')} | {kept} |")
+    lines += ["", "Per seed, excess over the mean client loss (last round): " + "; ".join(
+        f"{n}: " + ", ".join(f"{x:+.3f}" for x in r["excess_per_seed"]) for n, r in rows.items() if r["excess_per_seed"])]
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, Any], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in rows.items():
+        axes[0].plot(range(len(r["per_round_loss"])), r["per_round_loss"], marker="o", label=name)
+        axes[1].plot(range(len(r["per_round_acc"])), r["per_round_acc"], marker="o", label=name)
+    axes[0].set(xlabel="round", ylabel="global test loss (mean over seeds)", title=title)
+    axes[1].set(xlabel="round", ylabel="global test accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setting", choices=list(SETTINGS), default="oneshot")
+    p.add_argument("--preset", default="vit-tiny")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--strategies", nargs="+", help="default: the setting's (baseline first)")
+    p.add_argument("--clients", type=int, help="number of SuperNodes (default: the setting's)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run_config overrides, e.g. partitioner=iid")
+    p.add_argument("--runs", default="runs/compare", help="where each run's metrics and checkpoint go")
+    p.add_argument("--out", default="results")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
+    args = p.parse_args(argv)
+    spec = SETTINGS[args.setting]
+    strategies = args.strategies or spec["strategies"]
+    extra = {}
+    for kv in args.set:
+        if "=" not in kv:
+            raise SystemExit(f"--set expects KEY=VALUE, got {kv!r}")
+        k, v = kv.split("=", 1)
+        extra[k] = _parse_value(v)
+    clients = args.clients or spec["clients"]
+    docs = run_all(args.setting, args.preset, args.seeds, strategies, clients, extra, Path(args.runs), args.timeout)
+    rows = summarise(docs, strategies[0])
+    cfg = {**spec["config"], **extra, "clients": clients}
+    md = markdown(args.setting, args.preset, rows, args.seeds, cfg)
+    suffix = "".join(f"_{k}-{v}" for k, v in sorted(extra.items()) if k in ("partitioner", "alpha", "width-factors"))
+    stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(md + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"setting": args.setting, "preset": args.preset, "seeds": args.seeds,
+                                                  "config": cfg, "rows": rows}, indent=1, default=float))
+    png = plot(rows, out / f"{stem}.png", f"{args.setting}, {args.preset}")
+    print(md)
+    console.print(f"wrote {out / (stem + '.md')}, {out / (stem + '.json')}, {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
