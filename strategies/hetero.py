@@ -44,15 +44,22 @@ class HeteroWidthFedAvg(FedlmcMixin, FedAvg):
         self._transforms: dict[int, Any] = {}  # node id -> its transform into the current universe
         self._universe = None
 
+    def model_for(self, node: int):
+        """The model node ``node`` is sent: the universe projected to its own width and coordinates
+        (None for a node not aligned yet: it gets the universe and slices it)."""
+        T = self._transforms.get(node)
+        if T is None or self._universe is None:
+            return None
+        return project(self._universe, T)
+
     def _per_node(self, messages: Iterable[Message], config: ConfigRecord, message_type: str) -> list[Message]:
         out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
-            T = self._transforms.get(node)
-            if T is None or self._universe is None:
+            own = self.model_for(node)
+            if own is None:
                 out.append(msg)
                 continue
-            own = project(self._universe, T)
             cfg = ConfigRecord(dict(config))
             cfg[MODEL_CONFIG_KEY] = json.dumps(own.config.to_dict())
             content = RecordDict({self.arrayrecord_key: state_arrays(own), self.configrecord_key: cfg})
@@ -69,7 +76,9 @@ class HeteroWidthFedAvg(FedlmcMixin, FedAvg):
         return self._per_node(msgs, config, MessageType.EVALUATE)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        valid, _ = self._check_and_log_replies(replies, is_train=True)
+        # replies differ in shapes (and may differ in norm form), so FedAvg's same-keys check cannot apply;
+        # every reply is checked against its own declared config when it is turned into a model
+        valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
         if not valid:
             return None, None
         contents = [m.content for m in valid]

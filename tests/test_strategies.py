@@ -47,3 +47,117 @@ def test_planted_replies_aggregate_to_the_model(record):
     assert fedavg_gap > 0.1, fedavg_gap  # plain FedAvg of the same replies is a different function
     assert merged.config.norm == "layernorm" and isinstance(metrics, MetricRecord)
     assert strategy.history and strategy.history[0]["align_seconds"] > 0
+
+
+def _planted_clients(n=3):
+    torch.manual_seed(0)
+    base = perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4), 0, 0.2).float()
+    canon = canonicalize(base)
+    clients = [to_layernorm(apply_transform(canon, random_transform(canon, seed=s, fix_ones=True, dtype=torch.float32,
+                                                                    groups=["residual", "heads", "ff"])))
+               for s in range(n)]
+    return base, clients
+
+
+def _labelled(model, n=128):
+    from fedlmc.data.base import ArrayData
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 1, 12, 12, generator=g)
+    with torch.no_grad():
+        y = model(x).argmax(-1)
+    return ArrayData(x, y)
+
+
+def test_refined_strategy_on_planted_replies(record):
+    from strategies import RefinedFedAvg
+
+    base, clients = _planted_clients()
+    data = _labelled(base)
+    replies = [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)]
+    strategy = RefinedFedAvg(model_config=base.config.to_dict(), refine_data=data, refine_steps=10, guard_data=data,
+                             report_data=data)
+    strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
+    arrays, _ = strategy.aggregate_train(1, replies)
+    merged = model_from_arrays(arrays, strategy.global_config)
+    x = data.x[:16]
+    with torch.no_grad():
+        record("RefinedFedAvg on 3 planted replies: relative |Δlogits|",
+               float((merged(x) - base(x)).abs().max() / base(x).abs().max()), 1e-2)
+    rec = strategy.history[0]
+    # the guard compared both and the report measured client / plain / kept losses
+    assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_plain"]
+    assert rec["plain_excess"] > rec["excess"] + 0.1
+
+
+def test_guard_keeps_plain_average_when_alignment_is_worse():
+    """Shared-init replies that barely moved: if the aligned aggregate is not better on the server data,
+    plain averaging is kept (do no harm), and the history says so."""
+    base, _ = _planted_clients(1)
+    data = _labelled(base)
+    near = []
+    for s in range(2):
+        m = from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
+        m.load_state_dict(base.state_dict())
+        g = torch.Generator().manual_seed(s)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+        near.append(m.eval())
+    replies = [_reply(c, 50, node=i + 1) for i, c in enumerate(near)]
+    strategy = AlignedFedAvg(model_config=base.config.to_dict(), guard_data=data)
+    strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
+    arrays, _ = strategy.aggregate_train(1, replies)
+    rec = strategy.history[0]
+    assert rec["kept"] == ("plain" if rec["guard_plain"] < rec["guard_aligned"] else "aligned")
+    merged = model_from_arrays(arrays, strategy.global_config)
+    plain = model_from_arrays(FedAvg().aggregate_train(1, replies)[0], base.config.to_dict())
+    from fedlmc.train import evaluate
+    assert evaluate(merged, data)["loss"] <= evaluate(plain, data)["loss"] + 1e-6
+
+
+def test_hetero_width_strategy_aligns_and_projects(record):
+    """A narrow reply and a wide reply that is the narrow model padded and moved by a group element:
+    the universe computes the narrow function, and the narrow node is sent a narrow model."""
+    from fedlmc.widths import pad
+    from strategies import HeteroWidthFedAvg
+
+    torch.manual_seed(1)
+    narrow = perturbed(from_preset("vit-tiny", n_layer=2, d_model=16, n_head=4, d_ff=32, d_head=8, image_size=12,
+                                   patch_size=4), 1, 0.2).float()
+    wide_cfg = narrow.config.replace(d_model=32, d_ff=64)
+    wide = pad(canonicalize(narrow), {"d_model": 32, "d_ff": 64})
+    wide = apply_transform(wide, random_transform(wide, seed=4, groups=["residual", "heads", "ff"], dtype=torch.float32))
+    replies = [_reply(wide, 100, node=1), _reply(narrow, 100, node=2)]
+    strategy = HeteroWidthFedAvg(model_config=wide_cfg.to_dict())
+    arrays, _ = strategy.aggregate_train(1, replies)
+    universe = model_from_arrays(arrays, strategy.global_config)
+    x = torch.randn(8, 1, 12, 12)
+    with torch.no_grad():
+        ref = narrow(x)
+        record("HeteroWidthFedAvg universe vs the narrow function", float((universe(x) - ref).abs().max() / ref.abs().max()), 1e-3)
+    sent = strategy.model_for(2)  # what configure_train puts in node 2's message (with its config)
+    assert sent.config.d_model == 16 and sent.config.d_ff == 32 and strategy.model_for(3) is None
+    with torch.no_grad():
+        record("HeteroWidthFedAvg: model sent to the narrow node vs narrow", float((sent(x) - ref).abs().max() / ref.abs().max()), 1e-3)
+
+
+def test_slicing_baseline_averages_each_entry_over_its_holders():
+    from fedlmc.widths import slice_prefix, width_config
+    from strategies import SlicingFedAvg
+
+    torch.manual_seed(2)
+    glob = from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4).eval()
+    small = slice_prefix(glob, width_config(glob.config, 2))
+    assert small.config.d_model == 16 and small.config.d_ff == 32
+    with torch.no_grad():
+        for p in small.parameters():
+            p.add_(1.0)
+    strategy = SlicingFedAvg(model_config=glob.config.to_dict())
+    strategy._previous = ArrayRecord(torch_state_dict=glob.state_dict())
+    arrays, _ = strategy.aggregate_train(1, [_reply(glob, 100, node=1), _reply(small, 100, node=2)])
+    out = arrays.to_torch_state_dict()
+    w = out["blocks.0.mlp.fc1.weight"]
+    g = glob.state_dict()["blocks.0.mlp.fc1.weight"]
+    assert torch.allclose(w[:32, :16], g[:32, :16] + 0.5, atol=1e-6)  # held by both: the mean
+    assert torch.allclose(w[32:, :], g[32:, :], atol=1e-6) and torch.allclose(w[:, 16:], g[:, 16:], atol=1e-6)

@@ -1,0 +1,88 @@
+"""Real Ray simulations (Flower's simulation engine): every strategy for 2 rounds on 2 SuperNodes, and
+``flwr run .`` itself. Each run lives in its own process with a hard timeout, so nothing can hang."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from fedlmc import io
+from simulations.simulate import run_in_subprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _short_tmp(prefix: str) -> Path:
+    # Ray's AF_UNIX socket paths must stay short: never pytest's deep tmp_path
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy,factors", [("fedavg", ""), ("aligned", ""), ("refined", ""), ("hetero", "1,2"),
+                                              ("slicing", "1,2")])
+def test_strategy_runs_in_a_ray_simulation(strategy, factors):
+    out = _short_tmp(f"fl-{strategy}-")
+    try:
+        settings = {"strategy": strategy, "num-server-rounds": 2, "preset": "vit-digits", "local-steps": 4,
+                    "refine-steps": 5, "width-factors": factors, "out-dir": str(out), "fraction-evaluate": 1.0}
+        doc = run_in_subprocess(settings, num_supernodes=2, timeout=300, log_path=out / "log.txt")
+        rounds = doc["rounds"]
+        assert [r["round"] for r in rounds] == [0, 1, 2] and "finished" in doc
+        for r in rounds[1:]:
+            rec = r["strategy"]
+            assert rec["round"] == r["round"] and rec["align_seconds"] >= 0
+            assert len(rec["client_losses"]) == 2  # both SuperNodes replied and were evaluated
+            if factors:
+                assert sorted(rec["widths"]) == [16, 32]  # vit-digits d=32 and its half-width client
+        final = io.load(out / "final")
+        assert final.config.d_model == 32
+        assert abs(final.meta["test"]["test_loss"] - rounds[-1]["test_loss"]) < 1e-9
+    except Exception:
+        log = out / "log.txt"
+        print(log.read_text()[-5000:] if log.is_file() else "no log")
+        raise
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.timeout(400)
+def test_flwr_run_works_offline_with_the_defaults():
+    """The README's main command: ``flwr run .`` against a local SuperLink the CLI starts itself."""
+    home = _short_tmp("flwrhome-")
+    out = home / "out"
+    env = {**os.environ, "FLWR_HOME": str(home), "RAY_TMPDIR": str(home), "FLWR_TELEMETRY_ENABLED": "0",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    try:
+        proc = subprocess.run(["flwr", "run", ".", "--stream", "-c",
+                               f"num-server-rounds=1 local-steps=3 out-dir='{out}'"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        doc = json.loads((out / "metrics.json").read_text())
+        assert [r["round"] for r in doc["rounds"]] == [0, 1] and doc["settings"]["strategy"] == "aligned"
+        assert (out / "final" / io.WEIGHTS).is_file()
+    finally:
+        _stop_local_superlink(home)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _stop_local_superlink(home: Path) -> None:
+    """The CLI leaves its local SuperLink running in the background: stop the one this test started."""
+    # -ww: never truncate (ps honours $COLUMNS, which pytest sets to the terminal's width)
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = [int(line.split()[0]) for line in ps.splitlines()[1:] if str(home) in line and "flower-superlink" in line]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(2)
