@@ -116,7 +116,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
                    weights: Optional[Sequence[float]] = None, init: Optional[nn.Module] = None,
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
                    data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
-                   progress: bool = False, **matching: Any) -> tuple[nn.Module, list[Transform]]:
+                   progress: bool = False, warm_start: bool = True, **matching: Any) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
     Start from ``init`` (e.g. the previous global model) or the largest-weight model; align every model
@@ -130,6 +130,9 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     padded heads and FF neurons are masked out of the averages, and its transform maps *its own*
     shape into the universe (a rectangular residual map; ``info['client_config']`` records its
     shape), so ``project(universe, T)`` returns a model of the client's shape.
+
+    ``warm_start``: later iterations descend from each model's previous transform (much cheaper than
+    the fresh paper/identity starts; the identity is still scored as the do-no-harm candidate).
 
     Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each
     model's transform. ``matching`` options go to ``weight_matching``.
@@ -177,7 +180,9 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     kept: list[nn.Module] = []
     kept_masks: list[Optional[dict]] = []
     for it in range(max(1, iterations)):
-        transforms = [weight_matching(universe, padded[i], **matching) if w[i] > 0 else Transform() for i in range(n)]
+        # from the second iteration on, each model's descent starts from its previous transform
+        transforms = [weight_matching(universe, padded[i], start=transforms[i] if it and warm_start else None, **matching)
+                      if w[i] > 0 else Transform() for i in range(n)]
         kept = [apply_transform(padded[i], transforms[i]) for i in live]
         kept_masks = [permute_masks(masks[i], transforms[i]) if masks[i] is not None else None for i in live]
         new = merge(kept, kept_w, masks=kept_masks)

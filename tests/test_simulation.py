@@ -86,3 +86,14 @@ def _stop_local_superlink(home: Path) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(2)
+
+
+@pytest.mark.timeout(400)
+def test_dropin_example_swaps_fedavg_for_aligned():
+    """examples/dropin: an unmodified quickstart-style ClientApp with AlignedFedAvg on the server."""
+    proc = subprocess.run([os.sys.executable, "-m", "examples.dropin.app"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    line = next(l for l in out.splitlines() if "dropin result:" in l)
+    assert "'loss'" in line and "AlignedFedAvg round 2" in out

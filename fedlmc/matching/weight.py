@@ -158,6 +158,7 @@ def weight_matching(
     act_weight: float = 1.0,
     device: Union[str, torch.device, None] = None,
     dtype: Optional[torch.dtype] = None,
+    start: Optional[Transform] = None,
 ) -> Transform:
     """Align ``model_b`` to ``model_a`` without data; returns T so that ``apply_transform(B, T)`` ≈ A.
 
@@ -173,6 +174,8 @@ def weight_matching(
     ``dtype``: float64 below 20M parameters, else float32 (default).
     ``gauge``: how to align the intra-head gauges (needed by the factored merge): "orthogonal"
     (Procrustes), "invertible" (least squares, recovers any invertible gauge) or None.
+    ``start``: a transform to descend from *instead of* the paper/identity starts (a warm start, e.g.
+    the previous universe iteration's); with ``init="both"`` the identity is still scored.
     ``T.info`` records the objective of each candidate, which one won, iterations and seconds.
     """
     from ..train import pick_device
@@ -191,10 +194,14 @@ def weight_matching(
                 M_extra=Mx, extra_weight=act_weight if Mx is not None else 0.0)
     candidates: dict[str, Elements] = {}
     info: dict = {"iterations": {}}
-    if init in ("paper", "both"):
+    if start is not None:
+        el = identity_elements(cfg, dev, dtype, residual)
+        el.update({k: (v.to(device=dev, dtype=dtype) if v.is_floating_point() else v.to(dev)) for k, v in start.elements.items()})
+        candidates["warm"], info["iterations"]["warm"] = coordinate_descent(P, el, **opts)
+    if init in ("paper", "both") and start is None:
         el = paper_init(P, residual=residual, keep_layernorm=keep_layernorm, M_extra=Mx, extra_weight=opts["extra_weight"])
         candidates["paper"], info["iterations"]["paper"] = coordinate_descent(P, el, **opts)
-    if init in ("identity", "both"):
+    if init in ("identity", "both") and start is None:
         el = identity_elements(cfg, dev, dtype, residual)
         candidates["identity-start"], info["iterations"]["identity-start"] = coordinate_descent(P, el, **opts)
     if not candidates:
