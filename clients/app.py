@@ -21,6 +21,7 @@ from strategies.records import MODEL_CONFIG_KEY, config_record, model_from_array
 
 def _node(context: Context, overrides: dict) -> tuple[Settings, int, int, object]:
     s = Settings.from_run_config({**overrides, **context.run_config})
+    s.apply_threads()
     nc = context.node_config
     pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
     factor = nc.get("width-factor")

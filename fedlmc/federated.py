@@ -55,6 +55,7 @@ class Settings:
     out_dir: str = "runs/flwr"
     round_timeout: float = 3600.0
     device: str = ""
+    threads: int = 0  # torch intra-op threads in the apps (0: torch's default); 1 avoids oversubscription on small hosts
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "Settings":
@@ -78,6 +79,13 @@ class Settings:
         if s.partitioner not in ("iid", "dirichlet"):
             raise ValueError(f"partitioner must be 'iid' or 'dirichlet', got {s.partitioner!r}")
         return s
+
+    def apply_threads(self) -> None:
+        """Set torch's intra-op threads when ``threads`` asks for it (in the app's own process)."""
+        if self.threads > 0:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
     def to_run_config(self) -> dict[str, Any]:
         return {k.replace("_", "-"): v for k, v in asdict(self).items()}

@@ -49,6 +49,7 @@ class Recorder:
 
 def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
     """Run ``s.num_server_rounds`` rounds of ``s.strategy`` on ``grid``; returns the metrics document."""
+    s.apply_threads()
     splits = splits_for(s)
     model = global_model(s)
     out = Path(s.out_dir).expanduser()
