@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any, Optional
 
 import torch
@@ -24,6 +24,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedlmc.merge import merge, universe_merge
+from fedlmc.models import from_config
 from fedlmc.train import evaluate
 
 from .records import MODEL_CONFIG_KEY, model_from_arrays, reply_config, state_arrays
@@ -40,11 +41,48 @@ class FedlmcMixin:
     global_config: Optional[dict[str, Any]]
     history: list[dict[str, Any]]
 
-    def _init_fedlmc(self, model_config, report_data, report_batches) -> None:
+    def _init_fedlmc(self, model_config, report_data, report_batches, min_replies: int = 1,
+                     max_norm_ratio: float = 100.0) -> None:
         self.global_config = model_config
         self.report_data, self.report_batches = report_data, report_batches
+        self.min_replies, self.max_norm_ratio = max(1, int(min_replies)), max_norm_ratio
         self.history = []
         self._previous: Optional[ArrayRecord] = None
+
+    def accept(self, server_round: int, replies: Iterable[Message], same_shape: bool = True):
+        """The replies that pass validation (see ``strategies.validation``) as (messages, models, weights);
+        each excluded reply gets one log line naming its node and the reason. Returns None (and logs that
+        the previous global model is kept) when fewer than ``min_replies`` remain."""
+        from .validation import InvalidReply, check_reply
+
+        ok, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
+        ref_norm = None
+        if self._previous is not None:
+            ref_norm = sum(float(t.double().pow(2).sum()) for t in self._previous.to_torch_state_dict().values()) ** 0.5
+        kept, models, weights, excluded = [], [], [], []
+        for msg in ok:
+            node = msg.metadata.src_node_id
+            try:
+                cfg, sd, w = check_reply(msg.content, arrays_key=self.arrayrecord_key, weight_key=self.weighted_by_key,
+                                         reference_config=self.global_config, reference_norm=ref_norm,
+                                         same_shape=same_shape, max_norm_ratio=self.max_norm_ratio)
+            except InvalidReply as e:
+                log(WARNING, "%s round %d: excluded the reply of node %s: %s", type(self).__name__, server_round, node, e)
+                excluded.append({"node": node, "reason": str(e)})
+                continue
+            model = from_config(cfg)
+            model.load_state_dict({k: v.float() for k, v in sd.items()})
+            kept.append(msg)
+            models.append(model.eval())
+            weights.append(w)
+        self._excluded = excluded
+        if len(kept) < self.min_replies:
+            log(WARNING, "%s round %d: only %d valid replies (minimum %d): keeping the previous global model",
+                type(self).__name__, server_round, len(kept), self.min_replies)
+            self.history.append({"round": server_round, "strategy": type(self).__name__, "kept": "previous",
+                                 "excluded": excluded, "align_seconds": 0.0})
+            return None
+        return kept, models, weights
 
     def _with_config(self, config: ConfigRecord) -> ConfigRecord:
         if self.global_config is not None:
@@ -87,7 +125,9 @@ class AlignedFedAvg(FedlmcMixin, FedAvg):
     (default True: the global model stays an ordinary LayerNorm model); ``iterations`` — universe
     iterations; ``guard_data`` — a fedlmc data set (e.g. the preset's validation split) on which the
     aligned aggregate must beat plain averaging to be kept; ``guard_batches`` — how many of its batches
-    to use; ``report_data``/``report_batches`` — see ``FedlmcMixin``; ``device`` — where matching runs.
+    to use; ``report_data``/``report_batches`` — see ``FedlmcMixin``; ``device`` — where matching runs;
+    ``min_replies`` — fewest valid replies a round aggregates (else the previous model is kept);
+    ``max_norm_ratio`` — a reply whose weight norm exceeds this multiple of the global model's is excluded.
     """
 
     method = "wm"
@@ -95,9 +135,10 @@ class AlignedFedAvg(FedlmcMixin, FedAvg):
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, residual: str = "orthogonal",
                  form: str = "factored", keep_layernorm: bool = True, iterations: int = 3,
                  guard_data=None, guard_batches: Optional[int] = 8, report_data=None,
-                 report_batches: Optional[int] = None, device: Optional[str] = None, **fedavg: Any) -> None:
+                 report_batches: Optional[int] = None, device: Optional[str] = None, min_replies: int = 1,
+                 max_norm_ratio: float = 100.0, **fedavg: Any) -> None:
         super().__init__(**fedavg)
-        self._init_fedlmc(model_config, report_data, report_batches)
+        self._init_fedlmc(model_config, report_data, report_batches, min_replies, max_norm_ratio)
         self.residual, self.form, self.keep_layernorm = residual, form, keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
         self.device = device
@@ -115,18 +156,19 @@ class AlignedFedAvg(FedlmcMixin, FedAvg):
                               keep_layernorm=self.keep_layernorm, residual=self.residual, device=self.device)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        valid, _ = self._check_and_log_replies(replies, is_train=True)
-        if not valid:
+        accepted = self.accept(server_round, replies)
+        if accepted is None:
             return None, None
+        valid, models, weights = accepted
         contents = [m.content for m in valid]
-        models, weights = self.reply_models(contents)
         if self.global_config is None:
             self.global_config = models[0].config.to_dict()
         t0 = time.time()
         merged, transforms = self.align(models, weights, self.previous_model())
         seconds = time.time() - t0
         record: dict[str, Any] = {"round": server_round, "strategy": type(self).__name__, "align_seconds": seconds,
-                                  "moved": [transform_distance(T) for T in transforms], "kept": "aligned"}
+                                  "moved": [transform_distance(T) for T in transforms], "kept": "aligned",
+                                  "excluded": self._excluded}
         total = sum(weights)
         plain = merge(models, [w / total for w in weights]) if self.guard_data is not None or self.report_data is not None else None
         result = merged

@@ -37,9 +37,9 @@ class HeteroWidthFedAvg(FedlmcMixin, FedAvg):
 
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, residual: str = "orthogonal",
                  iterations: int = 3, report_data=None, report_batches: Optional[int] = None,
-                 device: Optional[str] = None, **fedavg: Any) -> None:
+                 device: Optional[str] = None, min_replies: int = 1, **fedavg: Any) -> None:
         super().__init__(**fedavg)
-        self._init_fedlmc(model_config, report_data, report_batches)
+        self._init_fedlmc(model_config, report_data, report_batches, min_replies)
         self.residual, self.iterations, self.device = residual, iterations, device
         self._transforms: dict[int, Any] = {}  # node id -> its transform into the current universe
         self._universe = None
@@ -76,14 +76,13 @@ class HeteroWidthFedAvg(FedlmcMixin, FedAvg):
         return self._per_node(msgs, config, MessageType.EVALUATE)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        # replies differ in shapes (and may differ in norm form), so FedAvg's same-keys check cannot apply;
-        # every reply is checked against its own declared config when it is turned into a model
-        valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
-        if not valid:
+        # replies differ in shapes (and may differ in norm form): each is checked against its own declared config
+        accepted = self.accept(server_round, replies, same_shape=False)
+        if accepted is None:
             return None, None
+        valid, models, weights = accepted
         contents = [m.content for m in valid]
         nodes = [m.metadata.src_node_id for m in valid]
-        models, weights = self.reply_models(contents)
         t0 = time.time()
         init = self.previous_model()
         universe, transforms = universe_merge(models, weights=weights, init=init, iterations=self.iterations,
@@ -93,7 +92,7 @@ class HeteroWidthFedAvg(FedlmcMixin, FedAvg):
         self._transforms.update(zip(nodes, transforms))
         record: dict[str, Any] = {"round": server_round, "strategy": type(self).__name__, "align_seconds": seconds,
                                   "moved": [transform_distance(T) for T in transforms],
-                                  "widths": [int(m.config.d_model) for m in models]}
+                                  "widths": [int(m.config.d_model) for m in models], "excluded": self._excluded}
         self.report(record, models, weights, universe, None)
         log(INFO, "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d in %.2fs",
             server_round, len(models), sorted(set(record["widths"])), universe.config.d_model, seconds)
@@ -107,9 +106,9 @@ class SlicingFedAvg(FedlmcMixin, FedAvg):
     (they slice what they receive); aggregation averages each entry over the clients that hold it."""
 
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, report_data=None,
-                 report_batches: Optional[int] = None, **fedavg: Any) -> None:
+                 report_batches: Optional[int] = None, min_replies: int = 1, **fedavg: Any) -> None:
         super().__init__(**fedavg)
-        self._init_fedlmc(model_config, report_data, report_batches)
+        self._init_fedlmc(model_config, report_data, report_batches, min_replies)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._previous = arrays
@@ -119,13 +118,13 @@ class SlicingFedAvg(FedlmcMixin, FedAvg):
         return super().configure_evaluate(server_round, arrays, self._with_config(config), grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        valid, _ = self._check_and_log_replies(replies, is_train=True)
-        if not valid:
-            return None, None
         if self._previous is None or self.global_config is None:
             raise ValueError("SlicingFedAvg needs model_config and a previous global model (configure_train)")
+        accepted = self.accept(server_round, replies, same_shape=False)
+        if accepted is None:
+            return None, None
+        valid, models, weights = accepted
         contents = [m.content for m in valid]
-        models, weights = self.reply_models(contents)
         t0 = time.time()
         previous = self._previous.to_torch_state_dict()
         total = sum(weights)
@@ -133,7 +132,8 @@ class SlicingFedAvg(FedlmcMixin, FedAvg):
         result = from_config(self.global_config)
         result.load_state_dict(sd)
         record: dict[str, Any] = {"round": server_round, "strategy": type(self).__name__,
-                                  "align_seconds": time.time() - t0, "widths": [int(m.config.d_model) for m in models]}
+                                  "align_seconds": time.time() - t0, "widths": [int(m.config.d_model) for m in models],
+                                  "excluded": self._excluded}
         self.report(record, models, weights, result.eval(), None)
         self.history.append(record)
         return state_arrays(result), self.train_metrics_aggr_fn(contents, self.weighted_by_key)

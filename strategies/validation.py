@@ -1,0 +1,94 @@
+"""Reply validation: every train reply is checked before it can touch the global model.
+
+A reply is excluded (with one log line naming the node and the reason) when its metrics lack a
+positive, finite example count; it has no weights; its declared model config is missing or invalid,
+or differs from the federation's architecture in anything but width; its tensors miss keys the
+declared config needs, carry extra ones, or have other shapes; any value is NaN or infinite; or its
+weights are absurdly large (overall norm more than ``max_norm_ratio`` times the current global
+model's, or any entry above ``max_abs``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+import torch
+
+from fedlmc.models import from_config
+
+from .records import MODEL_KEY
+
+
+class InvalidReply(ValueError):
+    """Why a reply cannot be aggregated (the message is the reason logged)."""
+
+
+def declared_config(content, default: Optional[dict[str, Any]]) -> dict[str, Any]:
+    rec = content.get(MODEL_KEY) if hasattr(content, "get") else None
+    if rec is not None and "config" in rec:
+        try:
+            cfg = json.loads(str(rec["config"]))
+        except json.JSONDecodeError as e:
+            raise InvalidReply(f"its model config is not JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise InvalidReply("its model config is not an object")
+        return cfg
+    if default is None:
+        raise InvalidReply("it declares no model config and the strategy has none")
+    return default
+
+
+def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: Optional[dict[str, Any]],
+                reference_norm: Optional[float] = None, same_shape: bool = True, max_norm_ratio: float = 100.0,
+                max_abs: float = 1e6) -> tuple[dict[str, Any], dict[str, torch.Tensor], float]:
+    """Return (config, state dict, weight) of a valid reply, else raise ``InvalidReply``."""
+    metrics = list(content.metric_records.values())
+    if not metrics or weight_key not in metrics[0]:
+        raise InvalidReply(f"its metrics have no '{weight_key}'")
+    weight = metrics[0][weight_key]
+    if not isinstance(weight, (int, float)) or not math.isfinite(float(weight)) or float(weight) <= 0:
+        raise InvalidReply(f"'{weight_key}' is {weight!r}, not a positive number")
+    if arrays_key not in content.array_records:
+        raise InvalidReply(f"it carries no ArrayRecord '{arrays_key}'")
+    cfg = declared_config(content, reference_config)
+    if reference_config is not None:
+        for key in ("arch", "n_layer", "vocab_size", "block_size", "image_size", "patch_size", "channels", "num_classes"):
+            if key in reference_config and cfg.get(key) != reference_config[key]:
+                raise InvalidReply(f"its model config has {key}={cfg.get(key)!r}, the federation's is {reference_config[key]!r}")
+        if same_shape:
+            for key in ("d_model", "n_head", "d_ff", "d_head"):
+                if cfg.get(key) != reference_config.get(key):
+                    raise InvalidReply(f"its width {key}={cfg.get(key)!r} does not match the global model's "
+                                       f"{reference_config.get(key)!r} (use HeteroWidthFedAvg for mixed widths)")
+    try:
+        template = from_config(cfg).state_dict()
+    except (ValueError, TypeError, KeyError) as e:
+        raise InvalidReply(f"its model config is invalid ({e})") from None
+    try:
+        sd = content[arrays_key].to_torch_state_dict()
+    except Exception as e:  # a malformed record must not take the round down
+        raise InvalidReply(f"its arrays cannot be read ({type(e).__name__}: {e})") from None
+    missing, extra = sorted(set(template) - set(sd)), sorted(set(sd) - set(template))
+    if missing:
+        raise InvalidReply(f"it misses {len(missing)} tensor(s) its config needs, e.g. {missing[0]}")
+    if extra:
+        raise InvalidReply(f"it carries {len(extra)} tensor(s) its config does not have, e.g. {extra[0]}")
+    for k, t in template.items():
+        if tuple(sd[k].shape) != tuple(t.shape):
+            raise InvalidReply(f"{k} has shape {tuple(sd[k].shape)}, its declared config needs {tuple(t.shape)}")
+    total = 0.0
+    for k, v in sd.items():
+        if not v.is_floating_point():
+            raise InvalidReply(f"{k} is not a floating-point tensor ({v.dtype})")
+        if not bool(torch.isfinite(v).all()):
+            raise InvalidReply(f"{k} contains NaN or Inf")
+        peak = float(v.abs().max()) if v.numel() else 0.0
+        if peak > max_abs:
+            raise InvalidReply(f"{k} has an entry of magnitude {peak:.3g} (> {max_abs:.0g})")
+        total += float(v.double().pow(2).sum())
+    norm = total ** 0.5
+    if reference_norm is not None and reference_norm > 0 and norm > max_norm_ratio * reference_norm:
+        raise InvalidReply(f"its weight norm {norm:.3g} is {norm / reference_norm:.0f}× the global model's "
+                           f"(limit {max_norm_ratio:g}×)")
+    return cfg, sd, float(weight)
