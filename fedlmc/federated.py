@@ -55,6 +55,7 @@ class Settings:
     out_dir: str = "runs/flwr"
     round_timeout: float = 3600.0
     device: str = ""
+    resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
     threads: int = 0  # torch intra-op threads in the apps (0: torch's default); 1 avoids oversubscription on small hosts
 
     @classmethod

@@ -2,7 +2,9 @@
 
 Per round it writes ``<out-dir>/metrics.json`` (test loss/accuracy of the global model, round wall
 time, what the strategy did: alignment seconds, distances from identity, guard decisions, client /
-plain / aggregate losses) and at the end the global model to ``<out-dir>/final`` (safetensors + JSON).
+plain / aggregate losses, excluded replies) and the whole server state to ``<out-dir>/state``
+(atomically; ``resume=true`` continues from it), and at the end the global model to
+``<out-dir>/final`` (safetensors + JSON).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from flwr.supercore import log
 
 from fedlmc import io
 from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
+from strategies.checkpoint import load_state, save_state
 from strategies.factory import build_strategy
 from strategies.records import model_from_arrays, state_arrays
 
@@ -55,17 +58,41 @@ def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
     out = Path(s.out_dir).expanduser()
     strategy = build_strategy(s, model.config.to_dict(), splits)
     recorder = Recorder(out / "metrics.json", s)
+    initial, done = state_arrays(model), 0
+    state = load_state(out / "state") if s.resume else None
+    if state is not None:
+        done, initial = state.round, state.arrays
+        strategy.global_config, strategy.history, strategy.round_offset = state.global_config, state.history, done
+        if hasattr(strategy, "_transforms"):
+            strategy._transforms = state.transforms
+        recorder.doc = state.metrics
+        recorder.doc.pop("finished", None)
+        log(INFO, "fedlmc: resuming from %s after round %d of %d", out / "state", done, s.num_server_rounds)
+    elif s.resume:
+        log(INFO, "fedlmc: resume requested but %s holds no state: starting from round 1", out / "state")
     log(INFO, "fedlmc: %s on %s (%s, %s partitions), %d rounds → %s", type(strategy).__name__, s.preset,
         splits.summary(), s.partitioner, s.num_server_rounds, out)
 
     def evaluate_fn(rnd: int, arrays) -> MetricRecord:
+        real = rnd + done
         m = model_from_arrays(arrays, strategy.global_config or model.config.to_dict())
         ev = evaluate_model(m, splits.test, s.eval_batches)
-        hist = strategy.history[-1] if rnd > 0 and strategy.history and strategy.history[-1]["round"] == rnd else None
-        recorder.add(rnd, ev, hist)
+        if rnd == 0 and done:  # the resumed model was scored when its round ended
+            return MetricRecord({"test-loss": ev["loss"], "test-acc": ev["acc"]})
+        hist = strategy.history[-1] if real > 0 and strategy.history and strategy.history[-1]["round"] == real else None
+        recorder.add(real, ev, hist)
+        if real > 0:
+            save_state(out / "state", real, arrays, strategy, recorder.doc)
+            if os.environ.get("FEDLMC_CRASH_AFTER_ROUND") == str(real):  # crash injection for the resume test
+                log(INFO, "fedlmc: FEDLMC_CRASH_AFTER_ROUND=%d: exiting hard", real)
+                os._exit(17)
         return MetricRecord({"test-loss": ev["loss"], "test-acc": ev["acc"]})
 
-    result = strategy.start(grid=grid, initial_arrays=state_arrays(model), num_rounds=s.num_server_rounds,
+    remaining = s.num_server_rounds - done
+    if remaining <= 0:
+        log(INFO, "fedlmc: all %d rounds already done", s.num_server_rounds)
+        return recorder.doc
+    result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=remaining,
                             train_config=ConfigRecord({}), evaluate_config=ConfigRecord({}),
                             timeout=s.round_timeout, evaluate_fn=evaluate_fn)
     final = model_from_arrays(result.arrays, strategy.global_config or model.config.to_dict())

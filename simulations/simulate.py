@@ -49,25 +49,36 @@ def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client:
 
 
 def run_in_subprocess(settings: dict[str, Any], num_supernodes: int = 2, timeout: float = 600,
-                      cpus_per_client: float = 1.0, log_path: Optional[Path] = None) -> dict[str, Any]:
+                      cpus_per_client: float = 1.0, log_path: Optional[Path] = None,
+                      env: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """``simulate`` in a fresh Python process, killed after ``timeout`` seconds (Ray never outlives it,
     a crashed run never hangs the caller). Returns the metrics document."""
+    import signal
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "simulations.simulate", "--settings", json.dumps(settings),
            "--supernodes", str(num_supernodes), "--cpus-per-client", str(cpus_per_client)]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+                            start_new_session=True, env={**os.environ, **(env or {})})
     try:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                              cwd=Path(__file__).resolve().parents[1], start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"simulation did not finish within {timeout:.0f} s (log: {log_path})") from e
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
     finally:
+        # whatever happened, nothing of the run (Ray workers included) outlives it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
         if log_path:
             out.close()
-    if proc.returncode != 0:
-        raise RuntimeError(f"simulation failed with exit code {proc.returncode} (log: {log_path})")
+    if code is None:
+        raise RuntimeError(f"simulation did not finish within {timeout:.0f} s (log: {log_path})")
+    if code != 0:
+        raise RuntimeError(f"simulation failed with exit code {code} (log: {log_path})")
     return json.loads((Path(settings.get("out-dir", "runs/flwr")).expanduser() / "metrics.json").read_text())
 
 

@@ -84,6 +84,12 @@ class FedlmcMixin:
             return None
         return kept, models, weights
 
+    round_offset: int = 0  # rounds completed before this run started (a resumed run continues numbering)
+
+    def real_round(self, server_round: int) -> int:
+        """Flower's round counter shifted by ``round_offset`` (set when a run resumes from a checkpoint)."""
+        return server_round + getattr(self, "round_offset", 0)
+
     def _with_config(self, config: ConfigRecord) -> ConfigRecord:
         if self.global_config is not None:
             config[MODEL_CONFIG_KEY] = json.dumps(self.global_config)
@@ -144,10 +150,12 @@ class AlignedFedAvg(FedlmcMixin, FedAvg):
         self.device = device
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        server_round = self.real_round(server_round)
         self._previous = arrays  # the universe of this round starts from the current global model
         return super().configure_train(server_round, arrays, self._with_config(config), grid)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        server_round = self.real_round(server_round)
         return super().configure_evaluate(server_round, arrays, self._with_config(config), grid)
 
     def align(self, models: list[nn.Module], weights: list[float], init: Optional[nn.Module]):
@@ -156,6 +164,7 @@ class AlignedFedAvg(FedlmcMixin, FedAvg):
                               keep_layernorm=self.keep_layernorm, residual=self.residual, device=self.device)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        server_round = self.real_round(server_round)
         accepted = self.accept(server_round, replies)
         if accepted is None:
             return None, None

@@ -19,12 +19,15 @@ class ReportingFedAvg(FedlmcMixin, FedAvg):
         self._init_fedlmc(model_config, report_data, report_batches)
 
     def configure_train(self, server_round, arrays, config, grid):
+        server_round = self.real_round(server_round)
         return super().configure_train(server_round, arrays, self._with_config(config), grid)
 
     def configure_evaluate(self, server_round, arrays, config, grid):
+        server_round = self.real_round(server_round)
         return super().configure_evaluate(server_round, arrays, self._with_config(config), grid)
 
     def aggregate_train(self, server_round, replies):
+        server_round = self.real_round(server_round)
         replies = list(replies)
         t0 = time.time()
         arrays, metrics = super().aggregate_train(server_round, replies)

@@ -67,15 +67,18 @@ class HeteroWidthFedAvg(FedlmcMixin, FedAvg):
         return out
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        server_round = self.real_round(server_round)
         self._previous = arrays
         msgs = super().configure_train(server_round, arrays, self._with_config(config), grid)
         return self._per_node(msgs, config, MessageType.TRAIN)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        server_round = self.real_round(server_round)
         msgs = super().configure_evaluate(server_round, arrays, self._with_config(config), grid)
         return self._per_node(msgs, config, MessageType.EVALUATE)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        server_round = self.real_round(server_round)
         # replies differ in shapes (and may differ in norm form): each is checked against its own declared config
         accepted = self.accept(server_round, replies, same_shape=False)
         if accepted is None:
@@ -111,13 +114,16 @@ class SlicingFedAvg(FedlmcMixin, FedAvg):
         self._init_fedlmc(model_config, report_data, report_batches, min_replies)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        server_round = self.real_round(server_round)
         self._previous = arrays
         return super().configure_train(server_round, arrays, self._with_config(config), grid)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        server_round = self.real_round(server_round)
         return super().configure_evaluate(server_round, arrays, self._with_config(config), grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        server_round = self.real_round(server_round)
         if self._previous is None or self.global_config is None:
             raise ValueError("SlicingFedAvg needs model_config and a previous global model (configure_train)")
         accepted = self.accept(server_round, replies, same_shape=False)

@@ -97,3 +97,28 @@ def test_dropin_example_swaps_fedavg_for_aligned():
     assert proc.returncode == 0, out[-3000:]
     line = next(l for l in out.splitlines() if "dropin result:" in l)
     assert "'loss'" in line and "AlignedFedAvg round 2" in out
+
+
+@pytest.mark.timeout(600)
+def test_crashed_server_resumes_to_the_same_result():
+    """A server killed hard after round 2 of 3 and restarted with resume=true ends exactly where an
+    uninterrupted run with the same seeds ends."""
+    base = {"strategy": "aligned", "num-server-rounds": 3, "preset": "vit-digits", "local-steps": 4, "threads": 1}
+    a, b = _short_tmp("fl-full-"), _short_tmp("fl-crash-")
+    try:
+        full = run_in_subprocess({**base, "out-dir": str(a)}, timeout=300, log_path=a / "log.txt")
+        with pytest.raises(RuntimeError, match="exit code"):
+            run_in_subprocess({**base, "out-dir": str(b)}, timeout=300, log_path=b / "log1.txt",
+                              env={"FEDLMC_CRASH_AFTER_ROUND": "2"})
+        assert not (b / "final").exists() and (b / "state" / "state.json").is_file()
+        assert json.loads((b / "state" / "state.json").read_text())["round"] == 2
+        resumed = run_in_subprocess({**base, "out-dir": str(b), "resume": True}, timeout=300, log_path=b / "log2.txt")
+        assert "resuming" in (b / "log2.txt").read_text()
+        assert [r["round"] for r in resumed["rounds"]] == [0, 1, 2, 3]
+        assert resumed["rounds"][-1]["test_loss"] == pytest.approx(full["rounds"][-1]["test_loss"], abs=1e-6)
+        fa, fb = io.load(a / "final").state_dict(), io.load(b / "final").state_dict()
+        assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) < 1e-6
+        assert len(resumed["rounds"][-1]["strategy"]["client_losses"]) == 2
+    finally:
+        shutil.rmtree(a, ignore_errors=True)
+        shutil.rmtree(b, ignore_errors=True)
