@@ -1,0 +1,96 @@
+"""Real deployment on loopback: a SuperLink and SuperNodes as separate processes (deploy/start.sh),
+insecure and with TLS + SuperNode authentication; ``flwr run`` against them; an unregistered key is
+refused. Everything is stopped (deploy/stop.sh) whatever happens; each step is bounded in time."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(d: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "DIR": str(d), "BIN": str(Path(sys.executable).parent), "FLWR_TELEMETRY_ENABLED": "0",
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **extra}
+
+
+def _deploy_and_run(mode: str, d: Path) -> dict:
+    port, node_port = _free_port(), _free_port()
+    env = _env(d, MODE=mode, N="2", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
+    subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
+    out = d / "out"
+    run = subprocess.run(["flwr", "run", ".", "fedlmc-deploy", "--stream", "-c",
+                          f"num-server-rounds=1 local-steps=3 out-dir='{out}'"],
+                         cwd=ROOT, env={**env, "FLWR_HOME": str(d / "flwr")}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for _ in range(60):  # --stream returns when the run ends; the final checkpoint is written just before
+        if (out / "metrics.json").is_file() and "finished" in json.loads((out / "metrics.json").read_text()):
+            break
+        time.sleep(1)
+    doc = json.loads((out / "metrics.json").read_text())
+    assert [r["round"] for r in doc["rounds"]] == [0, 1]
+    assert len(doc["rounds"][1]["strategy"]["client_losses"]) == 2  # both SuperNodes trained
+    return {"env": env, "port": port, "doc": doc}
+
+
+def _node(res: dict, log: Path, *tls: str) -> subprocess.Popen:
+    return subprocess.Popen(["flower-supernode", *tls, "--superlink", f"127.0.0.1:{res['port']}", "--node-config",
+                             "partition-id=0 num-partitions=2", "--port", str(_free_port()), "--max-retries", "2",
+                             "--max-wait-time", "20"], env=res["env"], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@pytest.mark.timeout(600)
+def test_insecure_deployment_runs_a_round():
+    d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
+    try:
+        _deploy_and_run("insecure", d)
+    finally:
+        subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)
+def test_tls_and_node_authentication_refuse_an_unregistered_key():
+    d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
+    rogue, procs = None, []
+    try:
+        res = _deploy_and_run("secure", d)
+        for i in range(2):
+            assert "registered successfully" in (d / f"register{i}.log").read_text()
+        subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(d / "rogue")], check=True)
+        # output to files, each in its own process group: a SuperNode's SuperExec child would hold a pipe open
+        rogue = _node(res, d / "rogue.log", "--root-certificates", str(d / "certs/ca.crt"),
+                      "--auth-supernode-private-key", str(d / "rogue"))
+        assert rogue.wait(timeout=180) != 0
+        assert "Failed to activate SuperNode" in (d / "rogue.log").read_text()
+        # a plaintext client cannot talk to the TLS SuperLink either
+        plain = _node(res, d / "plain.log", "--insecure")
+        procs.append(plain)
+        assert plain.wait(timeout=180) != 0
+    finally:
+        for p in [rogue, *procs]:
+            if p is not None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
+        shutil.rmtree(d, ignore_errors=True)
