@@ -94,3 +94,40 @@ def test_tls_and_node_authentication_refuse_an_unregistered_key():
                     pass
         subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.timeout(900)
+def test_a_supernode_killed_mid_round_does_not_stop_the_run():
+    """3 SuperNodes, one killed while round 1 trains: the round times out on it, aggregates the other
+    two, and round 2 runs with the survivors (min-nodes=2)."""
+    d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
+    try:
+        port, node_port = _free_port(), _free_port()
+        env = _env(d, MODE="insecure", N="3", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
+        subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
+        pids = [int(x) for x in (d / "pids").read_text().split()]
+        out, log = d / "out", d / "run.log"
+        run = subprocess.Popen(["flwr", "run", ".", "fedlmc-deploy", "--stream", "-c",
+                                f"num-server-rounds=2 local-steps=150 min-nodes=2 round-timeout=90.0 out-dir='{out}'"],
+                               cwd=ROOT, env={**env, "FLWR_HOME": str(d / "flwr")}, stdout=open(log, "w"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+        for _ in range(240):
+            if "[ROUND 1/2]" in log.read_text():
+                break
+            time.sleep(0.5)
+        time.sleep(2)
+        victim = pids[3]  # the third SuperNode (pids: SuperLink, node0, node1, node2)
+        subprocess.run(["pkill", "-KILL", "-P", str(victim)])
+        os.kill(victim, signal.SIGKILL)
+        assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
+        for _ in range(60):
+            if (out / "metrics.json").is_file() and "finished" in json.loads((out / "metrics.json").read_text()):
+                break
+            time.sleep(1)
+        doc = json.loads((out / "metrics.json").read_text())
+        assert [r["round"] for r in doc["rounds"]] == [0, 1, 2]
+        assert len(doc["rounds"][1]["strategy"]["client_losses"]) == 2
+        assert len(doc["rounds"][2]["strategy"]["client_losses"]) == 2
+    finally:
+        subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
+        shutil.rmtree(d, ignore_errors=True)
