@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("universe", help="M seeds of a preset: vanilla vs universe vs refined merge (table + simplex)")
     u.add_argument("--preset", required=True)
     u.add_argument("--models", type=int, default=4)
-    u.add_argument("--iterations", type=int, default=5)
+    u.add_argument("--iterations", type=int, default=10, help="universe iterations (stops earlier once it stops moving)")
     u.add_argument("--alpha", type=float, default=0.1)
     u.add_argument("--refine-steps", type=int, default=200, help="refinement steps")
     u.add_argument("--forms", nargs="+", default=["factored"], choices=["factored", "circuit"])

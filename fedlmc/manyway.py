@@ -89,7 +89,8 @@ def plot_simplex(panels: dict[str, list[dict]], path: Path, title: str = "") -> 
 
 def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200, alpha: float = 0.1,
                    iterations: int = 5, log: Callable[[str], None] = print, progress: bool = True,
-                   simplex_n: int = 0, max_batches: Optional[int] = None, forms: Sequence[str] = ("factored",)) -> dict[str, Any]:
+                   simplex_n: int = 0, max_batches: Optional[int] = None, forms: Sequence[str] = ("factored",),
+                   tol: float = 1e-6) -> dict[str, Any]:
     """Vanilla average vs universe (weight matching) vs Dirichlet-refined universe of ``models``:
     test loss of each merge and its excess over the mean endpoint loss. With ``simplex_n`` > 0 and
     the first three models, also the loss over their 2-simplex for each method."""
@@ -106,14 +107,14 @@ def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200,
     t = time.time()
     row("vanilla", merge(models, [1 / n] * n), time.time() - t)
     t = time.time()
-    uni, T_wm = universe_merge(models, iterations=iterations, progress=progress)
+    uni, T_wm = universe_merge(models, iterations=iterations, tol=tol, progress=progress)
     row("universe", uni, time.time() - t)
     for form in forms:
         if form != "factored":
             t = time.time()
-            row(f"universe ({form})", universe_merge(models, iterations=iterations, form=form)[0], time.time() - t)
+            row(f"universe ({form})", universe_merge(models, iterations=iterations, tol=tol, form=form)[0], time.time() - t)
     t = time.time()
-    ref, T_ref = universe_merge(models, method="refine", iterations=iterations, data=splits.train, alpha=alpha,
+    ref, T_ref = universe_merge(models, method="refine", iterations=iterations, tol=tol, data=splits.train, alpha=alpha,
                                 refine_steps=refine_steps, progress=progress)
     row("refined", ref, time.time() - t)
     v = rows["vanilla"]["excess"]
