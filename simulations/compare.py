@@ -161,20 +161,40 @@ def markdown(setting: str, preset: str, rows: dict[str, Any], seeds: list[int], 
 
 
 def plot(rows: dict[str, Any], path: Path, title: str) -> Path:
+    """Loss and accuracy against the round; a one-round (one-shot) run gets bars of the final loss per
+    strategy with each seed's value and the mean client loss instead."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in rows.items():
-        axes[0].plot(range(len(r["per_round_loss"])), r["per_round_loss"], marker="o", label=name)
-        axes[1].plot(range(len(r["per_round_acc"])), r["per_round_acc"], marker="o", label=name)
-    axes[0].set(xlabel="round", ylabel="global test loss (mean over seeds)", title=title)
-    axes[1].set(xlabel="round", ylabel="global test accuracy")
+    one_shot = all(len(r["per_round_loss"]) <= 2 for r in rows.values())
+    if one_shot:
+        names = list(rows)
+        for i, name in enumerate(names):
+            r = rows[name]
+            axes[0].bar(i, r["final_loss"][0], yerr=r["final_loss"][1], color=f"C{i}", alpha=0.7, capsize=4)
+            axes[0].scatter([i] * len(r["final_loss_per_seed"]), r["final_loss_per_seed"], color="k", s=12, zorder=3)
+            axes[1].bar(i, r["excess"][0], yerr=r["excess"][1], color=f"C{i}", alpha=0.7, capsize=4)
+            axes[1].scatter([i] * len(r["excess_per_seed"]), r["excess_per_seed"], color="k", s=12, zorder=3)
+        for ax in axes:
+            ax.set_xticks(range(len(names)), names)
+        axes[0].set(ylabel="global test loss after aggregation", title=title)
+        axes[1].set(ylabel="excess over the mean client loss")
+        axes[1].axhline(0, color="grey", lw=0.8)
+    else:
+        for name, r in rows.items():
+            axes[0].plot(range(len(r["per_round_loss"])), r["per_round_loss"], marker="o", label=name)
+            axes[1].plot(range(len(r["per_round_acc"])), r["per_round_acc"], marker="o", label=name)
+        axes[0].set(xlabel="round", ylabel="global test loss (mean over seeds)", title=title)
+        axes[1].set(xlabel="round", ylabel="global test accuracy")
+        for ax in axes:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.legend()
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -214,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.md").write_text(md + "\n")
     (out / f"{stem}.json").write_text(json.dumps({"setting": args.setting, "preset": args.preset, "seeds": args.seeds,
                                                   "config": cfg, "rows": rows}, indent=1, default=float))
-    png = plot(rows, out / f"{stem}.png", f"{args.setting}, {args.preset}")
+    part = cfg.get("partitioner", "iid") + (f"({cfg['alpha']})" if cfg.get("partitioner") == "dirichlet" else "")
+    png = plot(rows, out / f"{stem}.png", f"{args.setting}, {args.preset}, {part}, {clients} clients, seeds {args.seeds}")
     print(md)
     console.print(f"wrote {out / (stem + '.md')}, {out / (stem + '.json')}, {png}")
     return 0
