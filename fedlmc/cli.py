@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--preset", required=True)
     u.add_argument("--models", type=int, default=4)
     u.add_argument("--iterations", type=int, default=10, help="universe iterations (stops earlier once it stops moving)")
-    u.add_argument("--alpha", type=float, default=0.1)
+    u.add_argument("--alpha", type=float, nargs="+", default=[0.1], help="Dirichlet concentration(s) of the refinement")
     u.add_argument("--refine-steps", type=int, default=200, help="refinement steps")
     u.add_argument("--forms", nargs="+", default=["factored"], choices=["factored", "circuit"])
     u.add_argument("--simplex-n", type=int, default=8, help="simplex plot grid (0: no plot)")

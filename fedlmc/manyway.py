@@ -87,7 +87,7 @@ def plot_simplex(panels: dict[str, list[dict]], path: Path, title: str = "") -> 
     return path
 
 
-def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200, alpha: float = 0.1,
+def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200, alpha: float | Sequence[float] = 0.1,
                    iterations: int = 5, log: Callable[[str], None] = print, progress: bool = True,
                    simplex_n: int = 0, max_batches: Optional[int] = None, forms: Sequence[str] = ("factored",),
                    tol: float = 1e-6) -> dict[str, Any]:
@@ -113,19 +113,23 @@ def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200,
         if form != "factored":
             t = time.time()
             row(f"universe ({form})", universe_merge(models, iterations=iterations, tol=tol, form=form)[0], time.time() - t)
-    t = time.time()
-    ref, T_ref = universe_merge(models, method="refine", iterations=iterations, tol=tol, data=splits.train, alpha=alpha,
+    alphas = [alpha] if isinstance(alpha, (int, float)) else list(alpha)
+    T_ref = None
+    for a in alphas:
+        t = time.time()
+        ref, T = universe_merge(models, method="refine", iterations=iterations, tol=tol, data=splits.train, alpha=a,
                                 refine_steps=refine_steps, progress=progress)
-    row("refined", ref, time.time() - t)
+        row(f"refined (α={a:g})" if len(alphas) > 1 else "refined", ref, time.time() - t)
+        T_ref = T_ref or T
     v = rows["vanilla"]["excess"]
     for name in rows:
         rows[name]["ratio"] = rows[name]["excess"] / v if v > 0 else float("nan")
-    out: dict[str, Any] = {"endpoints": ends, "rows": rows, "alpha": alpha, "refine_steps": refine_steps,
+    out: dict[str, Any] = {"endpoints": ends, "rows": rows, "alpha": alphas, "refine_steps": refine_steps,
                            "iterations": iterations}
     if simplex_n and n >= 3:
         three = list(models[:3])
         panels = {"vanilla": simplex_losses(three, splits.test, simplex_n, max_batches=max_batches)}
-        for name, Ts in (("universe", T_wm), ("refined", T_ref)):
+        for name, Ts in (("universe", T_wm), (f"refined (α={alphas[0]:g})", T_ref)):
             al, masks = aligned_models(three, Ts[:3])
             panels[name] = simplex_losses(al, splits.test, simplex_n, masks=masks, max_batches=max_batches)
         out["simplex"] = panels
@@ -139,7 +143,7 @@ def universe_markdown(preset: str, result: dict[str, Any], seeds: Sequence[int])
     for name, r in result["rows"].items():
         lines.append(f"| {name} | {r['loss']:.4f} | {r['acc']:.4f} | {r['excess']:+.4f} | {r['ratio']:.3f} | {r['seconds']:.0f} |")
     lines.append("")
-    lines.append(f"Refinement: Dirichlet α = {result['alpha']}, {result['refine_steps']} steps; "
+    lines.append(f"Refinement: Dirichlet α = {', '.join(f'{a:g}' for a in result['alpha'])}, {result['refine_steps']} steps; "
                  f"universe: {result['iterations']} iterations of weight matching.")
     return "\n".join(lines)
 
