@@ -116,7 +116,8 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
                    weights: Optional[Sequence[float]] = None, init: Optional[nn.Module] = None,
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
                    data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
-                   progress: bool = False, warm_start: bool = True, **matching: Any) -> tuple[nn.Module, list[Transform]]:
+                   progress: bool = False, warm_start: bool = True, match_init: str = "both",
+                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
     Start from ``init`` (e.g. the previous global model) or the largest-weight model; align every model
@@ -131,6 +132,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     shape into the universe (a rectangular residual map; ``info['client_config']`` records its
     shape), so ``project(universe, T)`` returns a model of the client's shape.
 
+    ``match_init``: weight matching's start on the first iteration ("both", "paper", "identity").
     ``warm_start``: later iterations descend from each model's previous transform (much cheaper than
     the fresh paper/identity starts; the identity is still scored as the do-no-harm candidate).
 
@@ -139,7 +141,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     """
     from .matching import weight_matching
     from .symmetry import apply_transform
-    from .widths import common_shape, lift_residual, pad, permute_masks, same_shape, unit_masks
+    from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks
 
     if method not in ("wm", "refine"):
         raise ValueError(f"universe_merge method must be 'wm' or 'refine', got {method!r}")
@@ -176,15 +178,28 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
         matching.setdefault("keep_layernorm", True)
     transforms: list[Transform] = []
     live = [i for i in range(n) if w[i] > 0]
+
+    def aligned_masks(i: int) -> Optional[dict]:
+        """Model i's real heads / FF neurons after its permutations, and the universe subspace its
+        residual occupies (so every entry is averaged over the models that hold it)."""
+        if masks[i] is None:
+            return None
+        out = permute_masks(masks[i], transforms[i])
+        d_c = models[i].config.d_model
+        if d_c < shape["d_model"]:
+            out["residual"] = residual_projector(transforms[i], d_c, shape["d_model"])
+        return out
+
     kept_w = [w[i] for i in live]
     kept: list[nn.Module] = []
     kept_masks: list[Optional[dict]] = []
     for it in range(max(1, iterations)):
         # from the second iteration on, each model's descent starts from its previous transform
-        transforms = [weight_matching(universe, padded[i], start=transforms[i] if it and warm_start else None, **matching)
+        transforms = [weight_matching(universe, padded[i], start=transforms[i] if it and warm_start else None,
+                                      init=match_init, **matching)
                       if w[i] > 0 else Transform() for i in range(n)]
         kept = [apply_transform(padded[i], transforms[i]) for i in live]
-        kept_masks = [permute_masks(masks[i], transforms[i]) if masks[i] is not None else None for i in live]
+        kept_masks = [aligned_masks(i) for i in live]
         new = merge(kept, kept_w, masks=kept_masks)
         moved = _relative_change(universe, new)
         universe = new
@@ -202,7 +217,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
         for i, T in zip(live, refined):
             transforms[i] = T
         kept = [apply_transform(padded[i], transforms[i]) for i in live]
-        kept_masks = [permute_masks(masks[i], transforms[i]) if masks[i] is not None else None for i in live]
+        kept_masks = [aligned_masks(i) for i in live]
         universe = merge(kept, kept_w, masks=kept_masks)
     if form == "circuit":  # the last aligned models, merged as circuits
         universe = merge(kept, kept_w, form="circuit", masks=kept_masks)

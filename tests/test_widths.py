@@ -89,3 +89,21 @@ def test_mixed_width_one_hot_weight_returns_the_narrow_model(record):
     with torch.no_grad():
         record("mixed widths, one-hot weight on the narrow model", float((merged(x) - small(x)).abs().max()), 1e-10)
         record("... projected back", float((project(merged, Ts[1])(x) - small(x)).abs().max()), 1e-10)
+
+
+def test_residual_directions_only_wide_models_span_are_not_diluted():
+    """Averaging a wide model with a narrower one lifted into its first 16 coordinates: the last 16
+    residual coordinates are the wide model's own (not halved by the narrow model's zeros); the first
+    16 are the mean of both."""
+    from fedlmc.merge import merge
+
+    wide = canonicalize(_vit(1))
+    narrow = pad(canonicalize(_vit(2, d_model=16, n_head=4, d_ff=64, d_head=8)), {"d_model": 32})
+    P = torch.zeros(32, 32, dtype=torch.float64)
+    P[:16, :16] = torch.eye(16, dtype=torch.float64)
+    merged = merge([wide, narrow], [0.5, 0.5], masks=[None, {"residual": P}])
+    a, b, m = (x.state_dict()["patch_emb.weight"] for x in (wide, narrow, merged))  # writer: residual axis 0
+    assert torch.allclose(m[16:], a[16:], atol=1e-12)
+    assert torch.allclose(m[:16], (a[:16] + b[:16]) / 2, atol=1e-12)
+    r_a, r_m = wide.state_dict()["blocks.0.mlp.fc1.weight"], merged.state_dict()["blocks.0.mlp.fc1.weight"]
+    assert torch.allclose(r_m[:, 16:], r_a[:, 16:], atol=1e-12)  # reader: residual axis 1
