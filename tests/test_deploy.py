@@ -68,6 +68,8 @@ def test_insecure_deployment_runs_a_round():
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(not (shutil.which("openssl") and shutil.which("ssh-keygen")),
+                    reason="deploy/certs.sh needs openssl and ssh-keygen")
 def test_tls_and_node_authentication_refuse_an_unregistered_key():
     d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
     rogue, procs = None, []
