@@ -270,14 +270,18 @@ def cmd_widths(args: argparse.Namespace) -> int:
     d = cfg.d_model
     wide = trained(args.preset, 0, splits, Path(args.cache), progress=not args.quiet, **over)
     narrow = {}
-    for f in args.factors:
+    if args.narrow_steps and len(args.narrow_steps) != len(args.factors):
+        raise ValueError("--narrow-steps needs one value per factor")
+    for j, f in enumerate(args.factors):
         if d % f:
             raise ValueError(f"width {d} is not divisible by {f}")
+        budget_f = {**over, **({"steps": args.narrow_steps[j]} if args.narrow_steps else {})}
         # only the residual width shrinks (heads and FF keep their sizes), as in the paper
         narrow[d // f] = trained(args.preset, 1, splits, Path(args.cache), progress=not args.quiet,
-                                 model_overrides={"d_model": d // f, "d_head": cfg.d_head}, **over)
+                                 model_overrides={"d_model": d // f, "d_head": cfg.d_head}, **budget_f)
     res = width_experiment(wide, narrow, splits.test, log=console.print, max_batches=args.max_batches)
-    res.update(preset=args.preset, d=d, factors=args.factors, budget=over)
+    res.update(preset=args.preset, d=d, factors=args.factors, budget=over, narrow_steps=args.narrow_steps,
+               steps={str(k): m.meta.get("steps") for k, m in narrow.items()} | {"wide": wide.meta.get("steps")})
     md = width_markdown(args.preset, res, d)
     files = write(Path(args.out), f"widths_{args.preset}", res, md)
     files.append(plot_width_curves(res, Path(args.out) / f"widths_{args.preset}.png",
@@ -368,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("widths", help="width experiment: one model of width d vs d/2, d/4, d/8 (barriers)")
     w.add_argument("--preset", default="gpt2-tiny")
     w.add_argument("--factors", nargs="+", type=int, default=[2, 4, 8])
+    w.add_argument("--narrow-steps", type=int, nargs="+", help="training steps of each narrow model (default: the budget)")
     w.add_argument("--max-batches", type=int)
     w.add_argument("--out", default="results")
     w.add_argument("--cache", default="runs/cache")

@@ -181,12 +181,12 @@ def width_experiment(wide: nn.Module, narrow: dict[int, nn.Module], data, log: C
 
 def width_markdown(preset: str, result: dict[str, Any], d: int) -> str:
     lines = [f"### {preset}: one model of width {d} vs narrower ones (interpolation barrier, test split)", "",
-             f"Wide model test loss {result['wide_loss']:.4f}.", "",
-             "| narrow width | ratio | narrow loss | barrier, lifted by [I;0] | barrier, aligned | align s |",
-             "|---|---|---|---|---|---|"]
+             f"Wide model test loss {result['wide_loss']:.4f} ({result.get('steps', {}).get('wide', '?')} steps).", "",
+             "| narrow width | ratio | training steps | narrow loss | barrier, lifted by [I;0] | barrier, aligned | align s |",
+             "|---|---|---|---|---|---|---|"]
     for dn, r in result["rows"].items():
-        lines.append(f"| {dn} | {r['ratio']:.3g} | {r['narrow_loss']:.4f} | {r['lifted']:.4f} | {r['aligned']:.4f} | "
-                     f"{r['align_seconds']:.0f} |")
+        lines.append(f"| {dn} | {r['ratio']:.3g} | {result.get('steps', {}).get(dn, '?')} | {r['narrow_loss']:.4f} | "
+                     f"{r['lifted']:.4f} | {r['aligned']:.4f} | {r['align_seconds']:.0f} |")
     return "\n".join(lines)
 
 
