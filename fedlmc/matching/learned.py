@@ -49,6 +49,21 @@ def _orth(latent: torch.Tensor) -> torch.Tensor:
     return _Polar.apply(latent)
 
 
+def endless_batches(data, batch_size: int, gen: torch.Generator):
+    """Shuffled batches of ``data``, epoch after epoch (the latents train for a number of steps)."""
+    while True:
+        yield from data.batches(batch_size, shuffle=True, generator=gen)
+
+
+def descend(opt: torch.optim.Optimizer, loss: torch.Tensor, trace: list[float]) -> float:
+    """One optimiser step on ``loss``; appends its value to ``trace`` and returns it."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    trace.append(float(loss.detach()))
+    return trace[-1]
+
+
 def learned_matching(
     model_a: nn.Module,
     model_b: nn.Module,
@@ -122,17 +137,13 @@ def learned_matching(
     template = from_config(merged_cfg).to(dev).eval()
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    batches = data.batches(batch_size, shuffle=True, generator=gen)
+    batches = endless_batches(data, batch_size, gen)
     trace: list[float] = []
     running = None
     with _progress(progress) as bar:
         task = bar.add_task("learned matching", total=steps, info="")
         for step in range(steps):
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                batches = data.batches(batch_size, shuffle=True, generator=gen)
-                x, y = next(batches)
+            x, y = next(batches)
             x, y = x.to(dev), y.to(dev)
             O = residual_map()
             perms = hard()
@@ -144,11 +155,7 @@ def learned_matching(
             lam = rng.uniform(*lam_range)
             sd = circuit_state([A, Bt], [lam, 1 - lam], cfg)[0] if form == "circuit" else weighted_state([A, Bt], [lam, 1 - lam])
             loss, _ = loss_and_correct(functional_call(template, sd, (x,)), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            lv = float(loss.detach())
-            trace.append(lv)
+            lv = descend(opt, loss, trace)
             running = lv if running is None else 0.9 * running + 0.1 * lv
             bar.update(task, completed=step + 1, info=f"loss {running:.4f}")
     with torch.no_grad():

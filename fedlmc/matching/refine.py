@@ -23,7 +23,7 @@ from ..models import from_config
 from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct, pick_device
 from .common import apply_elements, assignment, gauge_step
-from .learned import _orth
+from .learned import _orth, descend, endless_batches
 from .weight import canonical_state
 
 
@@ -132,17 +132,13 @@ def dirichlet_refine(
     template = from_config(merged_cfg).to(dev).eval()
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
-    batches = data.batches(batch_size, shuffle=True, generator=gen)
+    batches = endless_batches(data, batch_size, gen)
     trace: list[float] = []
     running = None
     with _progress(progress) as bar:
         task = bar.add_task(f"Dirichlet refinement ({M} models, α={alpha:g})", total=steps, info="")
         for step in range(steps):
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                batches = data.batches(batch_size, shuffle=True, generator=gen)
-                x, y = next(batches)
+            x, y = next(batches)
             x, y = x.to(dev), y.to(dev)
             aligned, step_masks = [], []
             for i in range(M):
@@ -160,11 +156,7 @@ def dirichlet_refine(
             lam = [float(v) for v in rng.dirichlet([alpha] * M)]
             sd = _merged_state(aligned, lam, step_masks, cfg, form)
             loss, _ = loss_and_correct(functional_call(template, sd, (x,)), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            lv = float(loss.detach())
-            trace.append(lv)
+            lv = descend(opt, loss, trace)
             running = lv if running is None else 0.95 * running + 0.05 * lv
             bar.update(task, completed=step + 1, info=f"loss {running:.4f}")
     out: list[Transform] = []
