@@ -166,10 +166,6 @@ def local_train(model: nn.Module, data: Data, s: Settings, seed: int) -> dict[st
     return train(model, data, s.train_config(seed), progress=False)
 
 
-def config_json(cfg: TransformerConfig) -> str:
-    return json.dumps(cfg.to_dict())
-
-
 def config_from_json(text: str) -> TransformerConfig:
     from .models import ARCHS
 
