@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 FLWR_ENV := PATH=$(CURDIR)/$(BIN):$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
 	RAY_TMPDIR=/tmp/ray-$$(id -u) FLWR_TELEMETRY_ENABLED=0
 
-.PHONY: setup run demo compare test clean
+.PHONY: setup run demo compare test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,8 @@ setup: $(STAMP)
 # The main job: a Flower federation (AlignedFedAvg, 2 SuperNodes, embedded digits) on the Ray engine.
 run: $(STAMP)
 	mkdir -p /tmp/ray-$$(id -u)
-	$(FLWR_ENV) $(BIN)/flwr run . --stream
+	# simulations.launch = `flwr run . --stream`, but exits non-zero when the ServerApp failed
+	$(FLWR_ENV) $(BIN)/python -m simulations.launch .
 
 # Two seeds of the tiny presets and their vanilla barrier (results/demo).
 demo: $(STAMP)
@@ -34,8 +35,15 @@ demo: $(STAMP)
 compare: $(STAMP)
 	$(BIN)/python -m simulations.compare --setting oneshot --preset vit-tiny
 
+# Everything (what CI runs: .ci/run): the fast suite and the slow tests (real Ray simulations,
+# deployments, training). About 15 minutes on an idle 2-core machine.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
+
+# The everyday suite (no test marked slow): exactness, matching on tiny models, strategies on crafted
+# replies, data. At most 5 minutes on 2 cores.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=15 -m "not slow"
 
 clean:
 	rm -rf $(VENV) results/demo runs

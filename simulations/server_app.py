@@ -45,9 +45,15 @@ class Recorder:
         self.save()
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.doc, indent=1, default=float))
-        os.replace(tmp, self.path)
+        write_json(self.path, self.doc)
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Replace ``path`` by ``doc`` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=float))
+    os.replace(tmp, path)
 
 
 def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
@@ -95,7 +101,10 @@ def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=remaining,
                             train_config=ConfigRecord({}), evaluate_config=ConfigRecord({}),
                             timeout=s.round_timeout, evaluate_fn=evaluate_fn)
-    final = model_from_arrays(result.arrays, strategy.global_config or model.config.to_dict())
+    # Flower's Result holds arrays only from a round that aggregated something: when every round kept
+    # the previous model (no valid reply), the run's final model is the one it started from.
+    arrays = result.arrays if len(result.arrays) > 0 else initial
+    final = model_from_arrays(arrays, strategy.global_config or model.config.to_dict())
     final.meta = {"dataset": splits.name, "preset": s.preset, **{k: v for k, v in splits.meta.items()
                                                                   if k in ("chars", "block_size", "source")}}
     io.save(final, out / "final", {**final.meta, "settings": s.to_run_config(),
@@ -113,9 +122,33 @@ def make_app(overrides: Optional[dict[str, Any]] = None) -> ServerApp:
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        run_federation(grid, Settings.from_run_config({**overrides, **context.run_config}))
+        serve(grid, Settings.from_run_config({**overrides, **context.run_config}))
 
     return server
+
+
+def serve(grid: Grid, s: Settings) -> dict[str, Any]:
+    """``run_federation``; if it raises, the error is first written into ``<out-dir>/metrics.json``."""
+    try:
+        return run_federation(grid, s)
+    except BaseException as e:
+        record_failure(Path(s.out_dir).expanduser() / "metrics.json", e)
+        raise
+
+
+def record_failure(path: Path, error: BaseException) -> None:
+    """Write the ServerApp's error into ``metrics.json`` (``failed``, ``error``), so whoever started the
+    run sees it: ``flwr run`` itself exits 0 when the ServerApp crashes (``simulations.launch`` checks)."""
+    import traceback
+
+    try:
+        doc = json.loads(path.read_text()) if path.is_file() else {"rounds": []}
+    except ValueError:
+        doc = {"rounds": []}
+    doc.pop("finished", None)
+    doc["failed"] = time.time()
+    doc["error"] = "".join(traceback.format_exception(error)).strip()[-4000:]
+    write_json(path, doc)
 
 
 app = make_app()

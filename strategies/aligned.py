@@ -48,6 +48,8 @@ class FedlmcMixin:
         self.min_replies, self.max_norm_ratio = max(1, int(min_replies)), max_norm_ratio
         self.history = []
         self._previous: Optional[ArrayRecord] = None
+        self._excluded: list[dict[str, Any]] = []
+        self._failures: list[dict[str, Any]] = []
 
     def accept(self, server_round: int, replies: Iterable[Message], same_shape: bool = True):
         """The replies that pass validation (see ``strategies.validation``) as (messages, models, weights);
@@ -55,7 +57,11 @@ class FedlmcMixin:
         the previous global model is kept) when fewer than ``min_replies`` remain."""
         from .validation import InvalidReply, check_reply
 
-        ok, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
+        replies = list(replies)
+        ok, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
+        self._failures = [{"node": m.metadata.src_node_id, "reason": str(m.error.reason)} for m in failed]
+        log(INFO, "%s round %d: replies from nodes %s; failures from nodes %s", type(self).__name__, server_round,
+            sorted(m.metadata.src_node_id for m in ok) or "none", [f["node"] for f in self._failures] or "none")
         ref_norm = None
         if self._previous is not None:
             ref_norm = sum(float(t.double().pow(2).sum()) for t in self._previous.to_torch_state_dict().values()) ** 0.5
@@ -79,10 +85,15 @@ class FedlmcMixin:
         if len(kept) < self.min_replies:
             log(WARNING, "%s round %d: only %d valid replies (minimum %d): keeping the previous global model",
                 type(self).__name__, server_round, len(kept), self.min_replies)
-            self.history.append({"round": server_round, "strategy": type(self).__name__, "kept": "previous",
-                                 "excluded": excluded, "align_seconds": 0.0})
+            self.history.append(self.round_record(server_round, kept="previous", align_seconds=0.0))
             return None
         return kept, models, weights
+
+    def round_record(self, server_round: int, **fields: Any) -> dict[str, Any]:
+        """The history record of a round: what every strategy logs (replies excluded by validation,
+        failed messages) plus ``fields``."""
+        return {"round": server_round, "strategy": type(self).__name__, **fields,
+                "excluded": self._excluded, "failures": self._failures}
 
     round_offset: int = 0  # rounds completed before this run started (a resumed run continues numbering)
 
@@ -175,9 +186,8 @@ class AlignedFedAvg(FedlmcMixin, FedAvg):
         t0 = time.time()
         merged, transforms = self.align(models, weights, self.previous_model())
         seconds = time.time() - t0
-        record: dict[str, Any] = {"round": server_round, "strategy": type(self).__name__, "align_seconds": seconds,
-                                  "moved": [transform_distance(T) for T in transforms], "kept": "aligned",
-                                  "excluded": self._excluded}
+        record = self.round_record(server_round, align_seconds=seconds, moved=[transform_distance(T) for T in transforms],
+                                   kept="aligned")
         total = sum(weights)
         plain = merge(models, [w / total for w in weights]) if self.guard_data is not None or self.report_data is not None else None
         result = merged

@@ -11,7 +11,8 @@ from .records import model_from_arrays
 
 
 class ReportingFedAvg(FedlmcMixin, FedAvg):
-    """Flower's FedAvg aggregation, plus the model config in every message and a per-round history."""
+    """Flower's FedAvg aggregation of the replies that pass fedlmc's validation, plus the model config in
+    every message and a per-round history."""
 
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, report_data=None,
                  report_batches: Optional[int] = None, **fedavg: Any) -> None:
@@ -28,13 +29,14 @@ class ReportingFedAvg(FedlmcMixin, FedAvg):
 
     def aggregate_train(self, server_round, replies):
         server_round = self.real_round(server_round)
-        replies = list(replies)
+        accepted = self.accept(server_round, replies)  # the same reply validation as every fedlmc strategy
+        if accepted is None:
+            return None, None
+        valid, models, weights = accepted
         t0 = time.time()
-        arrays, metrics = super().aggregate_train(server_round, replies)
-        record: dict[str, Any] = {"round": server_round, "strategy": "FedAvg", "align_seconds": time.time() - t0}
-        if arrays is not None and self.report_data is not None:
-            valid, _ = self._check_and_log_replies(replies, is_train=True)
-            models, weights = self.reply_models([m.content for m in valid])
+        arrays, metrics = super().aggregate_train(server_round, valid)
+        record = self.round_record(server_round, align_seconds=time.time() - t0, kept="plain")
+        if arrays is not None:
             self.report(record, models, weights, model_from_arrays(arrays, self.global_config), None)
         self.history.append(record)
         return arrays, metrics

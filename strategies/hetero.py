@@ -93,9 +93,8 @@ class HeteroWidthFedAvg(FedlmcMixin, FedAvg):
         seconds = time.time() - t0
         self._universe = universe
         self._transforms.update(zip(nodes, transforms))
-        record: dict[str, Any] = {"round": server_round, "strategy": type(self).__name__, "align_seconds": seconds,
-                                  "moved": [transform_distance(T) for T in transforms],
-                                  "widths": [int(m.config.d_model) for m in models], "excluded": self._excluded}
+        record = self.round_record(server_round, align_seconds=seconds, moved=[transform_distance(T) for T in transforms],
+                                   widths=[int(m.config.d_model) for m in models])
         self.report(record, models, weights, universe, None)
         log(INFO, "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d in %.2fs",
             server_round, len(models), sorted(set(record["widths"])), universe.config.d_model, seconds)
@@ -137,9 +136,8 @@ class SlicingFedAvg(FedlmcMixin, FedAvg):
         sd = prefix_average([m.state_dict() for m in models], [w / total for w in weights], previous)
         result = from_config(self.global_config)
         result.load_state_dict(sd)
-        record: dict[str, Any] = {"round": server_round, "strategy": type(self).__name__,
-                                  "align_seconds": time.time() - t0, "widths": [int(m.config.d_model) for m in models],
-                                  "excluded": self._excluded}
+        record = self.round_record(server_round, align_seconds=time.time() - t0,
+                                   widths=[int(m.config.d_model) for m in models])
         self.report(record, models, weights, result.eval(), None)
         self.history.append(record)
         return state_arrays(result), self.train_metrics_aggr_fn(contents, self.weighted_by_key)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
@@ -46,7 +47,9 @@ def test_planted_replies_aggregate_to_the_model(record):
     record("AlignedFedAvg on 3 planted replies: relative |Δlogits|", gap, 1e-3)
     assert fedavg_gap > 0.1, fedavg_gap  # plain FedAvg of the same replies is a different function
     assert merged.config.norm == "layernorm" and isinstance(metrics, MetricRecord)
-    assert strategy.history and strategy.history[0]["align_seconds"] > 0
+    rec = strategy.history[0]
+    assert rec["kept"] == "aligned" and rec["excluded"] == [] and rec["failures"] == []
+    assert len(rec["moved"]) == 3 and max(rec["moved"]) > 0.5  # the planted clients had to be moved
 
 
 def _planted_clients(n=3):
@@ -90,30 +93,61 @@ def test_refined_strategy_on_planted_replies(record):
     assert rec["plain_excess"] > rec["excess"] + 0.1
 
 
-def test_guard_keeps_plain_average_when_alignment_is_worse():
-    """Shared-init replies that barely moved: if the aligned aggregate is not better on the server data,
-    plain averaging is kept (do no harm), and the history says so."""
-    base, _ = _planted_clients(1)
-    data = _labelled(base)
+def _near_copies(base, n=2, scale=1e-3):
+    """Shared-init replies that barely moved from ``base``."""
     near = []
-    for s in range(2):
+    for s in range(n):
         m = from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
         m.load_state_dict(base.state_dict())
         g = torch.Generator().manual_seed(s)
         with torch.no_grad():
             for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+                p.add_(torch.randn(p.shape, generator=g) * scale)
         near.append(m.eval())
-    replies = [_reply(c, 50, node=i + 1) for i, c in enumerate(near)]
-    strategy = AlignedFedAvg(model_config=base.config.to_dict(), guard_data=data)
+    return near
+
+
+def test_guard_keeps_plain_average_when_alignment_is_worse():
+    """When the aligned aggregate is worse on the server data than the plain average of the same
+    replies, the plain average is what the round returns (do no harm), and the history says so."""
+    from fedlmc.train import evaluate
+
+    base, _ = _planted_clients(1)
+    data = _labelled(base)
+    replies = [_reply(c, 50, node=i + 1) for i, c in enumerate(_near_copies(base))]
+
+    class BrokenAlignment(AlignedFedAvg):
+        """An alignment that returns a damaged model: the guard must refuse it."""
+
+        def align(self, models, weights, init):
+            merged, transforms = super().align(models, weights, init)
+            with torch.no_grad():
+                for p in merged.parameters():
+                    p.add_(torch.randn_like(p))
+            return merged, transforms
+
+    strategy = BrokenAlignment(model_config=base.config.to_dict(), guard_data=data)
     strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     rec = strategy.history[0]
-    assert rec["kept"] == ("plain" if rec["guard_plain"] < rec["guard_aligned"] else "aligned")
-    merged = model_from_arrays(arrays, strategy.global_config)
-    plain = model_from_arrays(FedAvg().aggregate_train(1, replies)[0], base.config.to_dict())
-    from fedlmc.train import evaluate
-    assert evaluate(merged, data)["loss"] <= evaluate(plain, data)["loss"] + 1e-6
+    assert rec["kept"] == "plain" and rec["guard_plain"] < rec["guard_aligned"] - 0.1
+    plain = FedAvg().aggregate_train(1, replies)[0].to_torch_state_dict()
+    kept = arrays.to_torch_state_dict()
+    assert max(float((kept[k] - plain[k]).abs().max()) for k in plain) < 1e-6  # exactly the plain average
+    assert evaluate(model_from_arrays(arrays, strategy.global_config), data)["loss"] == pytest.approx(
+        rec["guard_plain"], abs=1e-5)
+
+
+def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
+    """Planted replies (one function in three coordinate systems): aligned is far better than plain,
+    and the guard keeps it."""
+    base, clients = _planted_clients()
+    data = _labelled(base)
+    strategy = AlignedFedAvg(model_config=base.config.to_dict(), guard_data=data)
+    strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
+    strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
+    rec = strategy.history[0]
+    assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_plain"] - 0.1
 
 
 def test_hetero_width_strategy_aligns_and_projects(record):

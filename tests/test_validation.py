@@ -9,7 +9,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedlmc.models import from_preset
-from strategies import AlignedFedAvg, HeteroWidthFedAvg
+from strategies import AlignedFedAvg, HeteroWidthFedAvg, ReportingFedAvg
 from strategies.records import config_record
 
 from test_strategies import _reply
@@ -92,3 +92,18 @@ def test_hetero_accepts_declared_narrower_widths_but_not_lies():
     assert arrays is not None
     assert [e["node"] for e in strategy.history[-1]["excluded"]] == [99]  # only the one whose arrays lie
     assert sorted(strategy.history[-1]["widths"]) == [16, 32]
+
+
+def test_the_fedavg_baseline_validates_replies_too():
+    """The baseline aggregates exactly what Flower's FedAvg would of the valid replies; a NaN reply is
+    excluded and named instead of poisoning the average."""
+    from flwr.serverapp.strategy import FedAvg
+
+    good = [_model(1), _model(2)]
+    replies = [_reply(g, 10, node=i + 1) for i, g in enumerate(good)]
+    strategy = ReportingFedAvg(model_config=good[0].config.to_dict())
+    arrays, _ = strategy.aggregate_train(1, replies + [_bad("nan")])
+    assert [e["node"] for e in strategy.history[-1]["excluded"]] == [99]
+    out, ref = arrays.to_torch_state_dict(), FedAvg().aggregate_train(1, replies)[0].to_torch_state_dict()
+    assert all(torch.isfinite(v).all() for v in out.values())
+    assert max(float((out[k] - ref[k]).abs().max()) for k in ref) == 0.0

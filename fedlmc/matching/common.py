@@ -29,6 +29,26 @@ def procrustes_fix_ones(M: torch.Tensor) -> torch.Tensor:
     return Q @ torch.block_diag(torch.ones(1, 1, dtype=M.dtype, device=M.device), R) @ Q.T
 
 
+def exact_elements(elements: dict[str, torch.Tensor], keep_ones: bool = False) -> Elements:
+    """Learned elements as exact group elements, on the CPU in float64.
+
+    Latents train in float32, where the polar factor is orthogonal only to ~1e-6 (enough to change a
+    model's outputs by ~1e-5): the residual map is re-polarised in float64 (the nearest orthogonal
+    matrix; with ``keep_ones`` the nearest one with O·1 = 1). Permutations stay index tensors; gauges
+    act through their exact inverses, so any invertible float64 matrix is exact.
+    """
+    out: Elements = {}
+    for name, el in elements.items():
+        el = el.detach().cpu()
+        if not el.is_floating_point():
+            out[name] = el
+        elif name == "residual":
+            out[name] = (procrustes_fix_ones if keep_ones else procrustes)(el.to(torch.float64))
+        else:
+            out[name] = el.to(torch.float64)
+    return out
+
+
 def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
     """The permutation ``perm`` (``new[i] = old[perm[i]]``) maximising ``Σ_i score[i, perm[i]]``."""
     best = score.argmax(1) if maximize else score.argmin(1)

@@ -20,7 +20,7 @@ from ..merge import circuit_state, weighted_state
 from ..models import from_config
 from ..symmetry import Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct, pick_device
-from .common import apply_elements, assignment, gauge_step
+from .common import apply_elements, assignment, exact_elements, gauge_step
 from .weight import canonical_state, weight_matching
 
 
@@ -164,4 +164,4 @@ def learned_matching(
         final = {"residual": O, **perms, **gauges(O, perms)}
     info = {"method": "learned", "perms_only": perms_only, "steps": steps, "lr": lr, "loss": trace,
             "seconds": time.time() - t0, "init": init.info}
-    return Transform({k: v.detach().cpu().to(torch.float64) if v.is_floating_point() else v.cpu() for k, v in final.items()}, info)
+    return Transform(exact_elements(final, keep_layernorm), info)

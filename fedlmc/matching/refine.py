@@ -22,7 +22,7 @@ from ..merge import circuit_state, weighted_state
 from ..models import from_config
 from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct, pick_device
-from .common import apply_elements, assignment, gauge_step
+from .common import apply_elements, assignment, exact_elements, gauge_step
 from .learned import _orth, descend, endless_batches
 from .weight import canonical_state
 
@@ -166,8 +166,7 @@ def dirichlet_refine(
             continue
         O, perms = hard(i)
         els = {"residual": O, **perms, **gauges(i, O, perms)}
-        out.append(Transform({k: v.detach().cpu().to(torch.float64) if v.is_floating_point() else v.cpu()
-                              for k, v in els.items()},
+        out.append(Transform(exact_elements(els, keep_layernorm),
                              {"method": "dirichlet", "alpha": alpha, "steps": steps, "loss": trace,
                               "seconds": time.time() - t0, "init": T.info}))
     return out

@@ -1,0 +1,79 @@
+"""``flwr run`` that tells you when the ServerApp failed.
+
+``flwr run . --stream`` exits 0 even when the ServerApp raised: the failure is only in the streamed
+log and in the run's status on the SuperLink (``finished:failed``). This wrapper runs ``flwr run``
+with ``--stream``, passes its output through, then asks the SuperLink (``flwr ls --run-id``) how the
+run ended and exits non-zero unless it completed::
+
+    python -m simulations.launch . [SUPERLINK] [flwr run options...]
+
+It is what ``make run`` and the deployment tests use.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from typing import Optional
+
+RUN_ID = re.compile(r"run_id `?(\d+)`?")
+
+
+def run_status(run_id: int, superlink: Optional[str], timeout: float = 60) -> str:
+    """The SuperLink's status of run ``run_id`` as ``status:sub-status`` (e.g. ``finished:completed``)."""
+    cmd = ["flwr", "ls", *([superlink] if superlink else []), "--run-id", str(run_id), "--format", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).stdout
+    try:
+        runs = json.loads(out[out.index("{"):]).get("runs", [])
+    except ValueError:
+        return "unknown"
+    return str(runs[0].get("status", "unknown")) if runs else "unknown"
+
+
+def _superlink(args: list[str]) -> Optional[str]:
+    """The SuperLink connection named on the command line (the positional after the app), if any."""
+    positional = [a for a in args if not a.startswith("-")]
+    # flags with a value (-c/--run-config, --federation-config) leave their value as a positional too
+    values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-c", "--run-config", "--federation-config")}
+    rest = [a for a in positional if a not in values]
+    return rest[1] if len(rest) > 1 else None
+
+
+def launch(args: list[str], timeout: Optional[float] = None) -> int:
+    """Run ``flwr run ARGS --stream``; 0 only if the SuperLink reports the run completed."""
+    proc = subprocess.Popen(["flwr", "run", *args, "--stream"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    run_id = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        match = RUN_ID.search(line)
+        if run_id is None and match:
+            run_id = int(match.group(1))
+    code = proc.wait(timeout=timeout)
+    if code != 0:
+        return code
+    if run_id is None:
+        print("fedlmc: flwr run printed no run id: cannot tell how the run ended", file=sys.stderr)
+        return 1
+    status = run_status(run_id, _superlink(args))
+    for _ in range(30):  # the log stream can end a moment before the SuperLink records the outcome
+        if status.startswith("finished"):
+            break
+        time.sleep(1)
+        status = run_status(run_id, _superlink(args))
+    if not status.endswith("completed"):
+        print(f"fedlmc: run {run_id} ended as {status!r}: the ServerApp failed (see the log above and "
+              f"`flwr log {run_id}`)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return launch(list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

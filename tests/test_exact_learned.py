@@ -1,0 +1,74 @@
+"""Transforms that come out of learning (learned matching, Dirichlet refinement, refined universes) are
+exact group elements: applied to a model in float64 they keep its function to ≤ 1e-10, like weight
+matching's (the latents train in float32; the residual map is re-polarised in float64)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedlmc.canonical import canonicalize
+from fedlmc.data.base import ArrayData, TokenData
+from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.merge import universe_merge
+from fedlmc.symmetry import apply_transform
+from fedlmc.widths import into_universe
+
+from conftest import inputs_for
+from test_matching import make
+from test_widths import _gpt, _vit
+
+
+def _data(model, n=96):
+    """Training batches of the model's kind (labels are arbitrary: only exactness is checked here)."""
+    g = torch.Generator().manual_seed(5)
+    cfg = model.config
+    if cfg.arch == "gpt2":
+        return TokenData(torch.randint(0, cfg.vocab_size, (n * 4,), generator=g), block_size=8)
+    x = torch.randn(n, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+    return ArrayData(x, torch.randint(0, 10, (n,), generator=g))
+
+
+def _gap(a, b, x) -> float:
+    with torch.no_grad():
+        return float((a(x) - b(x)).abs().max())
+
+
+def _orthogonality(O: torch.Tensor) -> float:
+    return float((O.T @ O - torch.eye(O.shape[1], dtype=O.dtype)).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "vit"])
+@pytest.mark.parametrize("keep_layernorm", [False, True])
+def test_learned_matching_returns_an_exact_symmetry(arch, keep_layernorm, record):
+    A, B = make(arch, 0), make(arch, 1)  # float64, LayerNorm models with every parameter moved
+    init = weight_matching(A, B, keep_layernorm=keep_layernorm)
+    T = learned_matching(A, B, _data(A), init=init, steps=8, lr=0.05, keep_layernorm=keep_layernorm,
+                         progress=False)
+    O = T["residual"]
+    assert O.dtype == torch.float64 and float((O - init["residual"]).abs().max()) > 1e-4  # O really moved
+    record(f"learned {arch}{' +LN' if keep_layernorm else ''}: |OᵀO − I|", _orthogonality(O), 1e-12)
+    if keep_layernorm:
+        ones = torch.ones(len(O), dtype=O.dtype)
+        record(f"learned {arch} +LN: |O·1 − 1|", float((O @ ones - ones).abs().max()), 1e-12)
+    x = inputs_for(A)
+    record(f"learned {arch}{' +LN' if keep_layernorm else ''}: aligned B vs B (float64)",
+           _gap(B, apply_transform(B, T), x), 1e-10)
+
+
+@pytest.mark.parametrize("make_model", [_vit, _gpt])
+def test_refined_universe_transforms_are_exact_also_for_mixed_widths(make_model, record):
+    """Three models, one narrower: every refined transform maps its model into the universe exactly."""
+    models = [canonicalize(make_model(0)), canonicalize(make_model(1)),
+              canonicalize(make_model(2, d_model=16, n_head=2, d_ff=40, d_head=8))]
+    _, Ts = universe_merge(models, method="refine", iterations=1, data=_data(models[0]), refine_steps=6,
+                           alpha=1.0, refine_lr=0.05)
+    x = inputs_for(models[0])
+    arch = models[0].config.arch
+    for i, (m, T) in enumerate(zip(models, Ts)):
+        O = T.get("residual")  # the universe's anchor may keep its own coordinates (no residual map)
+        if O is not None:
+            record(f"refined {arch} model {i} (d={m.config.d_model}): |OᵀO − I|", _orthogonality(O), 1e-12)
+        else:
+            assert i == 0
+        record(f"refined {arch} model {i} (d={m.config.d_model}): into universe vs model",
+               _gap(m, into_universe(m, T), x), 1e-10)

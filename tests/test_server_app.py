@@ -1,0 +1,83 @@
+"""The ServerApp's round loop on a scripted Grid (no SuperLink, no Ray): what it writes when rounds
+aggregate nothing, and what it leaves behind when it crashes."""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Error, Message, Metadata, MessageType
+
+from fedlmc import io
+from fedlmc.federated import Settings, global_model
+from simulations.server_app import run_federation, serve
+
+
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch):
+    """Messages take their run / node / task ids from the process's task identity (set by Flower's runtime)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1, raising=False)
+
+
+class ScriptedGrid:
+    """Just enough of ``flwr.serverapp.Grid`` for ``Strategy.start``: two nodes that answer every
+    message with ``reply(message)`` (or raise ``fail``)."""
+
+    def __init__(self, reply=None, fail: Exception | None = None) -> None:
+        self.reply, self.fail, self.sent = reply, fail, 0
+
+    def get_node_ids(self):
+        return [1, 2]
+
+    def send_and_receive(self, messages, timeout=None):
+        if self.fail is not None:
+            raise self.fail
+        messages = list(messages)
+        self.sent += len(messages)
+        return [self.reply(m) for m in messages]
+
+
+def node_unavailable(msg: Message) -> Message:
+    """The reply the SuperLink makes for a node that stopped sending heartbeats."""
+    md = Metadata(run_id=1, message_id="", src_node_id=msg.metadata.dst_node_id, dst_node_id=0,
+                  reply_to_message_id="x", group_id="1", created_at=time.time(), ttl=60.0,
+                  message_type=MessageType.TRAIN)
+    return Message(error=Error(code=5, reason="Node Unavailable"), metadata=md)
+
+
+def _settings(out: Path, **kw) -> Settings:
+    return Settings.from_run_config({"num-server-rounds": 2, "out-dir": str(out), "eval-batches": 2, **kw})
+
+
+def test_rounds_that_aggregate_nothing_end_normally_with_the_initial_model():
+    out = Path(tempfile.mkdtemp(prefix="srv-"))
+    s = _settings(out)
+    grid = ScriptedGrid(reply=node_unavailable)
+    doc = run_federation(grid, s)
+    assert grid.sent == 4  # 2 rounds x 2 nodes
+    assert "finished" in doc and [r["round"] for r in doc["rounds"]] == [0, 1, 2]
+    for r in doc["rounds"][1:]:
+        rec = r["strategy"]
+        assert rec["kept"] == "previous" and sorted(f["node"] for f in rec["failures"]) == [1, 2]
+        assert "Node Unavailable" in rec["failures"][0]["reason"]
+    final = io.load(out / "final")
+    initial = global_model(s)
+    for k, v in initial.state_dict().items():
+        assert torch.equal(final.state_dict()[k].float(), v.float()), k
+    assert doc["rounds"][2]["test_loss"] == pytest.approx(doc["rounds"][0]["test_loss"])
+
+
+def test_a_crash_is_written_into_metrics_json():
+    out = Path(tempfile.mkdtemp(prefix="srv-"))
+    grid = ScriptedGrid(fail=RuntimeError("the grid went away"))
+    with pytest.raises(RuntimeError, match="went away"):
+        serve(grid, _settings(out))  # what the ServerApp's main runs
+    doc = json.loads((out / "metrics.json").read_text())
+    assert "failed" in doc and "the grid went away" in doc["error"] and "finished" not in doc
+    assert [r["round"] for r in doc["rounds"]] == [0]  # what was recorded before the crash is kept
