@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .data import Data
-from .merge import interpolate as interpolate_models
+from .averaging import interpolate as interpolate_models
 from .train import evaluate
 
 LAMBDAS = tuple(round(0.1 * i, 10) for i in range(11))

@@ -9,11 +9,12 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
+import torch
 import torch.nn as nn
 
-from .data import Data, Splits, load
+from .data import ArrayData, Data, Splits, TokenData, load
 from .data.partition import partition
-from .models import from_config, preset_config, preset_dataset
+from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
 from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
@@ -84,8 +85,6 @@ class Settings:
     def apply_threads(self) -> None:
         """Set torch's intra-op threads when ``threads`` asks for it (in the app's own process)."""
         if self.threads > 0:
-            import torch
-
             torch.set_num_threads(self.threads)
 
     def to_run_config(self) -> dict[str, Any]:
@@ -154,8 +153,6 @@ def client_data(s: Settings, partition_id: int, num_partitions: int) -> tuple[Da
 
 def fresh_client_model(s: Settings, partition_id: int, cfg: TransformerConfig) -> nn.Module:
     """An independently initialised client model (its own seed) for the one-shot / fusion setting."""
-    import torch
-
     torch.manual_seed(1000 * (s.seed + 1) + partition_id)
     model = from_config(cfg)
     return model
@@ -167,8 +164,6 @@ def local_train(model: nn.Module, data: Data, s: Settings, seed: int) -> dict[st
 
 
 def config_from_json(text: str) -> TransformerConfig:
-    from .models import ARCHS
-
     d = json.loads(text)
     return ARCHS[d["arch"]][0].from_dict(d)
 
@@ -179,8 +174,6 @@ def evaluate_model(model: nn.Module, data: Data, max_batches: int = 0) -> dict[s
 
 def halves(data: Data) -> tuple[Data, Data]:
     """Two disjoint halves of a data set (the server refines on one and guards on the other)."""
-    from .data.base import ArrayData, TokenData
-
     if isinstance(data, TokenData):
         mid = len(data.tokens) // 2
         return TokenData(data.tokens[:mid], data.block_size), TokenData(data.tokens[mid:], data.block_size)

@@ -15,9 +15,10 @@ import torch.nn as nn
 
 from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .matching import weight_matching
-from .merge import merge, universe_merge
+from .averaging import merge
+from .universe import universe_merge
 from .train import evaluate
-from .widths import into_universe, permute_masks, unit_masks
+from .widths import into_universe, pad, permute_masks, shape_of, unit_masks
 
 
 def aligned_models(models: Sequence[nn.Module], transforms) -> tuple[list[nn.Module], list[Optional[dict]]]:
@@ -156,7 +157,6 @@ def width_experiment(wide: nn.Module, narrow: dict[int, nn.Module], data, log: C
     ``[I; 0]`` ("lifted": no alignment) and by a universe merge with the wide model ("aligned": the
     rectangular orthogonal map and permutations of weight matching), then interpolated with it.
     """
-    from .widths import pad, shape_of
 
     curves: dict[str, Curve] = {}
     rows: dict[str, Any] = {}

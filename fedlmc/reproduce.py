@@ -13,30 +13,27 @@ import torch.nn as nn
 
 from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .canonical import canonicalize
-from .merge import interpolate
+from .averaging import interpolate
+from .matching import activation_matching, learned_matching, residual_activation_cross, weight_matching
 from .symmetry import Transform, apply_transform
 
 
 def _wm(**kw) -> Callable:
     def run(a, b, splits, ctx):
-        from .matching import weight_matching
         return weight_matching(a, b, **kw)
     return run
 
 
 def _act(a, b, splits, ctx):
-    from .matching import activation_matching
     return activation_matching(a, b, splits.train)
 
 
 def _wm_act(a, b, splits, ctx):
-    from .matching import residual_activation_cross, weight_matching
     return weight_matching(a, b, residual_acts=residual_activation_cross(a, b, splits.train))
 
 
 def _learned(perms_only: bool) -> Callable:
     def run(a, b, splits, ctx):
-        from .matching import learned_matching
         return learned_matching(a, b, splits.train, init=ctx["wm-orth-factored"], steps=ctx["learned_steps"],
                                 perms_only=perms_only, progress=ctx["progress"])
     return run

@@ -23,9 +23,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .canonical import canonicalize
+from .models import from_config
 from .models.layers import TransformerConfig
-from .symmetry import StateDict, Transform, apply_transform, rebuild, spec_for
+from .symmetry import StateDict, Transform, apply_transform, canonicalize, is_permutation, perm_matrix, rebuild, spec_for
 
 SHAPE = ("d_model", "n_head", "d_ff", "d_head")
 
@@ -177,8 +177,6 @@ def into_universe(model: nn.Module, transform: Transform) -> nn.Module:
 def lift_residual(transform: Transform, d_small: int) -> Transform:
     """Compose a square residual map found on a residual-padded model with the ``[I; 0]`` lift, giving
     the client's own rectangular map (``d_u × d_small``)."""
-    from .symmetry import is_permutation, perm_matrix
-
     R = transform.get("residual")
     if R is None:
         return transform
@@ -189,71 +187,9 @@ def lift_residual(transform: Transform, d_small: int) -> Transform:
     return Transform(els, dict(transform.info))
 
 
-def unit_weighted(states: Sequence[StateDict], weights: Sequence[float], masks: Sequence[Optional[dict[str, torch.Tensor]]],
-                  cfg: TransformerConfig, base: Optional[StateDict] = None) -> StateDict:
-    """``Σ w_m θ_m`` where every entry is averaged only over the models that hold it.
-
-    Heads and FF neurons: a mask per model (``unit_masks`` after permutation) says which units are its
-    own; each unit is averaged over its holders. Residual stream: ``masks[m]["residual"]`` (optional)
-    is the projector ``P_m = O_m O_mᵀ`` onto the subspace a narrower model was lifted into; along the
-    residual axis the merge is ``(Σ w_m P_m)⁺ Σ w_m θ_m`` — in a direction only the wide models span,
-    only they count, instead of being shrunk by the narrow models' zeros. Other tensors: plain averages.
-    """
-    from .merge import weighted_state
-
-    out = dict(base) if base is not None else weighted_state(states, weights)
-    spec = spec_for(cfg)
-    res_axis = {m.param: m.axis for m in spec.residual.members}
-    projs = [m.get("residual") if m is not None else None for m in masks]
-    use_proj = any(P is not None for P in projs)
-    unit_of = {}
-    for name, g in spec.groups.items():
-        if g.kind == "permutation" and name != "residual" and any(m is not None and name in m for m in masks):
-            for mem in g.members:
-                unit_of[mem.param] = (name, g, mem)
-    for k in states[0]:
-        raxis = res_axis.get(k) if use_proj else None
-        if k not in unit_of and raxis is None:
-            continue
-        if k not in unit_of:
-            out[k] = _combine([sd[k] for sd in states], list(weights), projs, raxis)
-            continue
-        name, g, mem = unit_of[k]
-        held = torch.stack([(m[name] if m is not None and name in m else torch.ones(g.size, dtype=torch.bool)).bool().cpu()
-                            for m in masks])  # (M, units)
-        result = torch.empty_like(states[0][k])
-        for pattern in torch.unique(held, dim=1).T:
-            units = torch.nonzero((held == pattern[:, None]).all(0)).flatten()
-            idx = (units[:, None] * mem.block + torch.arange(mem.block)).flatten().to(result.device)
-            w = [float(wi) if bool(p) else 0.0 for wi, p in zip(weights, pattern)]
-            if sum(w) <= 0:  # a unit no weighted model holds: plain mean
-                w = [1.0] * len(states)
-            parts = [sd[k].index_select(mem.axis, idx) for sd in states]
-            merged = _combine(parts, w, projs, raxis)
-            result.index_copy_(mem.axis, idx, merged)
-        out[k] = result
-    return out
-
-
-def _combine(ts: Sequence[torch.Tensor], w: Sequence[float], projs, axis: Optional[int]) -> torch.Tensor:
-    """``Σ w_i t_i / Σ w_i``, or along the residual ``axis`` ``(Σ w_i P_i)⁺ Σ w_i t_i`` (identity P when None)."""
-    acc = sum(wi * t for wi, t in zip(w, ts) if wi)
-    if axis is None:
-        return acc / sum(w)
-    d = ts[0].shape[axis]
-    A = torch.zeros(d, d, dtype=torch.float64)
-    for wi, P in zip(w, projs):
-        if wi:
-            A += wi * (P.to(torch.float64).cpu() if P is not None else torch.eye(d, dtype=torch.float64))
-    Ainv = torch.linalg.pinv(A, hermitian=True).to(acc)
-    return (acc.movedim(axis, -1) @ Ainv).movedim(-1, axis)
-
-
 def residual_projector(transform: Transform, d_small: int, d_large: int) -> torch.Tensor:
     """``P = O Oᵀ`` with ``O`` the first ``d_small`` columns of a padded model's square residual map
     (identity when the transform has none): the subspace of the universe the narrower model occupies."""
-    from .symmetry import is_permutation, perm_matrix
-
     R = transform.get("residual")
     if R is None:
         R = torch.eye(d_large, dtype=torch.float64)
@@ -279,8 +215,6 @@ def width_config(cfg: TransformerConfig, factor: float) -> TransformerConfig:
 
 def slice_prefix(model: nn.Module, client: TransformerConfig) -> nn.Module:
     """HeteroFL's sub-model: every tensor's leading block of the client's sizes (no alignment)."""
-    from .models import from_config
-
     template = from_config(client.replace(norm=model.config.norm, norm_bias=model.config.norm_bias))
     src = model.state_dict()
     sd = {}

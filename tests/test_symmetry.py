@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedlmc.canonical import canonicalize, lift, residual_offcentre, to_layernorm
+from fedlmc.canonical import canonicalize, residual_offcentre, to_layernorm
 from fedlmc.models import from_preset
 from fedlmc.symmetry import Transform, apply_to_state, apply_transform, perm_matrix, random_transform, spec_for
 
@@ -85,7 +85,7 @@ def test_width_lift_is_exact(arch, norm_bias, record):
     x = inputs_for(m, seed=5)
     d = c.config.d_model
     for width in (d + 1, 2 * d, 5 * d):
-        lifted = lift(c, width, seed=width)
+        lifted = apply_transform(c, random_transform(c, seed=width, groups=["residual"], width=width))
         assert lifted.config.d_model == width
         assert abs(lifted.config.norm_eps - c.config.norm_eps * d / width) < 1e-20
         record(f"{arch}: lift {d}->{width}{' (biased RMSNorm)' if norm_bias else ''}", maxdiff(c(x), lifted(x)), BOUND)

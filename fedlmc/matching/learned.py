@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from ..merge import circuit_state, weighted_state
+from ..averaging import circuit_state, weighted_state
 from ..models import from_config
 from ..symmetry import Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct, pick_device

@@ -18,10 +18,11 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from ..merge import circuit_state, weighted_state
+from ..averaging import circuit_state, unit_weighted, weighted_state
 from ..models import from_config
 from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct, pick_device
+from ..widths import permute_masks
 from .common import apply_elements, assignment, exact_elements, gauge_step
 from .learned import _orth, descend, endless_batches
 from .weight import canonical_state
@@ -31,8 +32,6 @@ def _merged_state(states: Sequence[StateDict], lam: Sequence[float], masks, cfg,
     if form == "circuit":
         return circuit_state(states, lam, cfg, masks)[0]
     if masks is not None and any(m is not None for m in masks):
-        from ..widths import unit_weighted
-
         return unit_weighted(states, lam, masks, cfg)
     return weighted_state(states, lam)
 
@@ -64,8 +63,6 @@ def dirichlet_refine(
     ``keep_layernorm`` keeps every ``O_m·1 = 1`` (learning only the centred block).
     Returns the refined transforms (``info['loss']`` holds the loss trace).
     """
-    from ..widths import permute_masks
-
     M = len(models)
     if M != len(transforms):
         raise ValueError("dirichlet_refine needs one transform per model")

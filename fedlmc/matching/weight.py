@@ -14,8 +14,9 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..canonical import canonicalize
-from ..symmetry import StateDict, Transform, is_permutation, perm_matrix, spec_for
+from ..averaging import interpolate
+from ..symmetry import StateDict, Transform, apply_transform, canonicalize, is_permutation, perm_matrix, spec_for
+from ..train import evaluate, pick_device
 from .common import (Elements, anchors, apply_elements, as_rows, ff_step, gauge_step, heads_step, residual_cross,
                      residual_element)
 
@@ -178,7 +179,6 @@ def weight_matching(
     the previous universe iteration's); with ``init="both"`` the identity is still scored.
     ``T.info`` records the objective of each candidate, which one won, iterations and seconds.
     """
-    from ..train import pick_device
 
     t0 = time.time()
     canon = dict(norm="rmsnorm", norm_bias=False, norm_eps=model_a.config.norm_eps)  # a lift rescales eps only
@@ -222,9 +222,6 @@ def weight_matching(
 def midpoint_loss(model_a: nn.Module, model_b: nn.Module, T: Transform, data, form: str = "factored",
                   max_batches: int = 4) -> float:
     """Loss of the λ = 0.5 merge of A and T(B) on the first ``max_batches`` batches of ``data``."""
-    from ..merge import interpolate
-    from ..symmetry import apply_transform
-    from ..train import evaluate
 
     b = apply_transform(model_b, T.to(dtype=next(model_b.parameters()).dtype)) if T.elements else model_b
     return evaluate(interpolate(model_a, b, 0.5, form=form), data, max_batches=max_batches)["loss"]

@@ -1,0 +1,168 @@
+"""Averages of aligned models, with no matching inside: plain / weighted (``weighted_state``), masked
+(``unit_weighted``: each head, FF neuron and residual direction averaged over the models that hold
+it), and circuit (``circuit_state``) — and ``merge`` / ``interpolate`` on models, in three forms.
+
+* ``form="factored"`` (default) — plain interpolation of the (aligned) weights: a model of the same
+  shape, which is what a federated client must receive. Matching aligns the intra-head gauges too, so
+  Q/K and V/O factors are comparable.
+* ``form="circuit"`` — the paper's merge: each head's bias-augmented QK circuit ``Q̃ᵀK̃`` and OV circuit
+  ``O Ṽ`` are interpolated exactly, by concatenating the two models' heads (head width doubles, the
+  attention scale is kept). Invariant to the intra-head gauges.
+* ``keep_layernorm=True`` — the merged canonical model is converted back to an ordinary LayerNorm model
+  (exact when the residual maps fixed the all-ones direction, as ``keep_layernorm`` matching does).
+
+Both models must share one architecture and width. LayerNorm models are canonicalised when mixed
+with canonical ones or merged as circuits; two LayerNorm models in the factored form are averaged as
+they are, so the identity transform gives exactly plain averaging (FedAvg).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .models.layers import TransformerConfig
+from .symmetry import StateDict, canonicalize, rebuild, spec_for, to_layernorm
+
+FORMS = ("factored", "circuit")
+
+
+def _check_same_shape(models: Sequence[nn.Module]) -> None:
+    first = models[0].config
+    for m in models[1:]:
+        # a width lift rescales eps by d/d_u (see apply_to_state); at 1e-5 that is immaterial to a merge
+        if m.config.replace(norm=first.norm, norm_bias=first.norm_bias, norm_eps=first.norm_eps) != first:
+            raise ValueError(f"models differ in shape:\n  {first}\n  {m.config}\n(lift or project them to one width first)")
+
+
+def weighted_state(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
+    """``Σ w_m θ_m`` tensor by tensor."""
+    return {k: sum(w * sd[k] for w, sd in zip(weights, states)) for k in states[0]}
+
+
+def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg,
+                  masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None) -> tuple[StateDict, object]:
+    """Merge heads as circuits: concatenate every model's heads, weighting one factor of each circuit.
+    ``masks`` (see ``widths.unit_masks``) weight each head and FF neuron only over the models having it."""
+    spec = spec_for(cfg)
+    H, dh = cfg.n_head, cfg.d_head
+    if masks is not None and any(m is not None for m in masks):
+        out = unit_weighted(states, weights, masks, cfg)
+    else:
+        out = weighted_state(states, weights)
+    for kind in ("qk", "ov"):
+        for g in spec.layer_groups(kind):
+            head_w = _head_weights(weights, masks, f"heads.{g.layer}", H, states[0][g.members[0].param])
+            for m in g.members:
+                # the transposed side (Q of QK, O of OV) carries the weights; the other side is shared
+                scaled = m.fn in ("MT", "MinvT")
+                parts = []
+                for i, sd in enumerate(states):
+                    t = sd[m.param].movedim(m.axis, 0).reshape(H, dh, *sd[m.param].movedim(m.axis, 0).shape[1:])
+                    if scaled:
+                        t = t * head_w[i].reshape(H, *([1] * (t.dim() - 1)))
+                    parts.append(t)
+                cat = torch.cat(parts, dim=1)
+                out[m.param] = cat.reshape(H * dh * len(states), *cat.shape[2:]).movedim(0, m.axis)
+    return out, cfg.replace(d_head=dh * len(states), attn_scale=cfg.attn_scale)
+
+
+def _head_weights(weights, masks, name: str, H: int, ref: torch.Tensor) -> torch.Tensor:
+    """(M, H) per-head merge weights: ``w_m`` renormalised over the models that have each head."""
+    W = torch.stack([w * ((m[name] if m is not None and name in m else torch.ones(H, dtype=torch.bool)).to(ref))
+                     for w, m in zip(weights, masks or [None] * len(weights))])
+    den = W.sum(0, keepdim=True)
+    return torch.where(den > 0, W / den.clamp_min(1e-30), torch.full_like(W, 1.0 / len(weights)))
+
+
+def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "factored",
+          keep_layernorm: bool = False, masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None) -> nn.Module:
+    """``Σ w_m θ_m`` of same-shape (already aligned) models, in the given form.
+
+    ``masks`` (one per model, from ``widths.unit_masks``/``permute_masks``) mark padded heads and FF
+    neurons; each unit is then averaged only over the models that really have it."""
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
+    if len(models) != len(weights) or not models:
+        raise ValueError("merge needs one weight per model")
+    _check_same_shape(models)
+    if form == "circuit" or not all(m.config.norm == "layernorm" for m in models):
+        models = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
+    # else: LayerNorm models in the factored form are averaged as they are (exactly FedAvg; the result
+    # is a LayerNorm model, so keep_layernorm holds without a conversion)
+    ref = models[0]
+    states = [{k: v.detach().to(next(ref.parameters())) for k, v in m.state_dict().items()} for m in models]
+    masked = masks is not None and any(m is not None for m in masks)
+    if form == "circuit":
+        sd, cfg = circuit_state(states, weights, ref.config, masks if masked else None)
+    elif masked:
+        sd, cfg = unit_weighted(states, weights, masks, ref.config), ref.config
+    else:
+        sd, cfg = weighted_state(states, weights), ref.config
+    out = rebuild(ref, sd, cfg)
+    return to_layernorm(out) if keep_layernorm and out.config.norm != "layernorm" else out
+
+
+def interpolate(model_a: nn.Module, model_b: nn.Module, lam: float, form: str = "factored",
+                keep_layernorm: bool = False) -> nn.Module:
+    """``λ·A + (1−λ)·B`` of two same-shape models (B already aligned to A), in the given ``form``."""
+    return merge([model_a, model_b], [lam, 1.0 - lam], form=form, keep_layernorm=keep_layernorm)
+
+
+def unit_weighted(states: Sequence[StateDict], weights: Sequence[float], masks: Sequence[Optional[dict[str, torch.Tensor]]],
+                  cfg: TransformerConfig, base: Optional[StateDict] = None) -> StateDict:
+    """``Σ w_m θ_m`` where every entry is averaged only over the models that hold it.
+
+    Heads and FF neurons: a mask per model (``unit_masks`` after permutation) says which units are its
+    own; each unit is averaged over its holders. Residual stream: ``masks[m]["residual"]`` (optional)
+    is the projector ``P_m = O_m O_mᵀ`` onto the subspace a narrower model was lifted into; along the
+    residual axis the merge is ``(Σ w_m P_m)⁺ Σ w_m θ_m`` — in a direction only the wide models span,
+    only they count, instead of being shrunk by the narrow models' zeros. Other tensors: plain averages.
+    """
+    out = dict(base) if base is not None else weighted_state(states, weights)
+    spec = spec_for(cfg)
+    res_axis = {m.param: m.axis for m in spec.residual.members}
+    projs = [m.get("residual") if m is not None else None for m in masks]
+    use_proj = any(P is not None for P in projs)
+    unit_of = {}
+    for name, g in spec.groups.items():
+        if g.kind == "permutation" and name != "residual" and any(m is not None and name in m for m in masks):
+            for mem in g.members:
+                unit_of[mem.param] = (name, g, mem)
+    for k in states[0]:
+        raxis = res_axis.get(k) if use_proj else None
+        if k not in unit_of and raxis is None:
+            continue
+        if k not in unit_of:
+            out[k] = _combine([sd[k] for sd in states], list(weights), projs, raxis)
+            continue
+        name, g, mem = unit_of[k]
+        held = torch.stack([(m[name] if m is not None and name in m else torch.ones(g.size, dtype=torch.bool)).bool().cpu()
+                            for m in masks])  # (M, units)
+        result = torch.empty_like(states[0][k])
+        for pattern in torch.unique(held, dim=1).T:
+            units = torch.nonzero((held == pattern[:, None]).all(0)).flatten()
+            idx = (units[:, None] * mem.block + torch.arange(mem.block)).flatten().to(result.device)
+            w = [float(wi) if bool(p) else 0.0 for wi, p in zip(weights, pattern)]
+            if sum(w) <= 0:  # a unit no weighted model holds: plain mean
+                w = [1.0] * len(states)
+            parts = [sd[k].index_select(mem.axis, idx) for sd in states]
+            merged = _combine(parts, w, projs, raxis)
+            result.index_copy_(mem.axis, idx, merged)
+        out[k] = result
+    return out
+
+
+def _combine(ts: Sequence[torch.Tensor], w: Sequence[float], projs, axis: Optional[int]) -> torch.Tensor:
+    """``Σ w_i t_i / Σ w_i``, or along the residual ``axis`` ``(Σ w_i P_i)⁺ Σ w_i t_i`` (identity P when None)."""
+    acc = sum(wi * t for wi, t in zip(w, ts) if wi)
+    if axis is None:
+        return acc / sum(w)
+    d = ts[0].shape[axis]
+    A = torch.zeros(d, d, dtype=torch.float64)
+    for wi, P in zip(w, projs):
+        if wi:
+            A += wi * (P.to(torch.float64).cpu() if P is not None else torch.eye(d, dtype=torch.float64))
+    Ainv = torch.linalg.pinv(A, hermitian=True).to(acc)
+    return (acc.movedim(axis, -1) @ Ainv).movedim(-1, axis)

@@ -1,0 +1,16 @@
+"""The symmetry layer: the declarative spec of each architecture (``spec``), group elements and their
+exact action (``transform``), the canonical form on which the residual orthogonal group acts
+(``canonical``), and random elements for tests and planted experiments (``random``).
+
+Everything downstream (matching, merging, strategies) walks the spec; only spec builders name
+parameters.
+"""
+from .canonical import apply_transform, canonicalize, residual_offcentre, to_layernorm
+from .random import invert_transform, ones_basis, random_invertible, random_orthogonal, random_transform
+from .spec import Group, Member, SpecBuilder, StateDict, SymmetrySpec, register_spec, spec_for, transformer_spec
+from .transform import Transform, act, apply_to_state, is_permutation, perm_matrix, rebuild
+
+__all__ = ["Group", "Member", "SpecBuilder", "StateDict", "SymmetrySpec", "Transform", "act", "apply_to_state",
+           "apply_transform", "canonicalize", "invert_transform", "is_permutation", "ones_basis", "perm_matrix",
+           "random_invertible", "random_orthogonal", "random_transform", "rebuild", "register_spec",
+           "residual_offcentre", "spec_for", "to_layernorm", "transformer_spec"]

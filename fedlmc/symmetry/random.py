@@ -1,0 +1,94 @@
+"""Random group elements (Haar orthogonal maps, permutations, invertible gauges) and inverses."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..models.layers import TransformerConfig
+from .spec import spec_for
+from .transform import Transform, is_permutation
+
+
+def random_orthogonal(d_new: int, d: int, generator: torch.Generator, dtype=torch.float64, fix_ones: bool = False) -> torch.Tensor:
+    """A Haar-random ``d_new x d`` matrix with orthonormal columns. ``fix_ones`` requires d_new == d and O·1 = 1."""
+    if fix_ones:
+        if d_new != d:
+            raise ValueError("fix_ones needs a square residual map")
+        Q = ones_basis(d, dtype)
+        R = random_orthogonal(d - 1, d - 1, generator, dtype)
+        return Q @ torch.block_diag(torch.ones(1, 1, dtype=dtype), R) @ Q.T
+    A = torch.randn(d_new, d, generator=generator, dtype=dtype)
+    Q, r = torch.linalg.qr(A)
+    return Q * torch.sign(torch.diagonal(r))  # sign fix makes the distribution Haar
+
+
+def ones_basis(d: int, dtype=torch.float64) -> torch.Tensor:
+    """An orthogonal matrix whose first column is 1/sqrt(d) (the rest span the centred subspace)."""
+    A = torch.eye(d, dtype=dtype)
+    A[:, 0] = 1.0
+    Q, _ = torch.linalg.qr(A)
+    return Q * torch.sign(Q[0, 0])
+
+
+def random_invertible(count: int, k: int, generator: torch.Generator, dtype=torch.float64, spread: float = 0.5) -> torch.Tensor:
+    """``count`` well-conditioned random ``k x k`` matrices (singular values in ``exp([-spread, spread])``)."""
+    U = torch.linalg.qr(torch.randn(count, k, k, generator=generator, dtype=dtype))[0]
+    V = torch.linalg.qr(torch.randn(count, k, k, generator=generator, dtype=dtype))[0]
+    s = torch.exp((torch.rand(count, k, generator=generator, dtype=dtype) * 2 - 1) * spread)
+    return U @ torch.diag_embed(s) @ V
+
+
+def random_transform(
+    model: Union[nn.Module, TransformerConfig],
+    seed: int = 0,
+    groups: Iterable[str] = ("residual", "heads", "qk", "ov", "ff"),
+    width: Optional[int] = None,
+    fix_ones: bool = False,
+    residual: str = "orthogonal",
+    dtype: torch.dtype = torch.float64,
+) -> Transform:
+    """Draw a random element of the model's symmetry group.
+
+    ``groups`` picks which kinds to draw (the rest stay identity); ``width`` > d draws a rectangular
+    residual lift; ``fix_ones`` restricts O to O·1 = 1 (keeps a centred residual centred, so the model
+    can go back to LayerNorm); ``residual="permutation"`` draws a residual permutation instead.
+    """
+    spec = spec_for(model)
+    g = torch.Generator().manual_seed(seed)
+    kinds = set(groups)
+    out: dict[str, torch.Tensor] = {}
+    for name, grp in spec.groups.items():
+        kind = name.split(".")[0]
+        if kind not in kinds:
+            continue
+        if grp.kind == "orthogonal":
+            if residual == "permutation":
+                out[name] = torch.randperm(grp.size, generator=g)
+            else:
+                out[name] = random_orthogonal(width or grp.size, grp.size, g, dtype, fix_ones)
+        elif grp.kind == "permutation":
+            out[name] = torch.randperm(grp.size, generator=g)
+        else:
+            out[name] = random_invertible(grp.count, grp.size, g, dtype)
+    return Transform(out)
+
+
+def invert_transform(transform: Transform) -> Transform:
+    """The inverse element: ``apply_transform(apply_transform(m, T), invert_transform(T))`` computes m's
+    function in m's coordinates. A semi-orthogonal residual ``O`` (``d' x d``) inverts to ``Oᵀ`` (the
+    projection back to width d, exact on lifted models). Gauges act after their layer's head
+    permutation, so the inverse gauges are re-indexed by the inverse permutation."""
+    out: dict[str, torch.Tensor] = {}
+    for name, el in transform.elements.items():
+        kind, _, layer = name.partition(".")
+        if kind == "residual":
+            out[name] = torch.argsort(el) if is_permutation(el) else el.transpose(0, 1)
+        elif is_permutation(el):
+            out[name] = torch.argsort(el)
+        else:  # gauge: x_new[i] = G[i] x_old[π[i]]  ⇒  x_old[j] = G[σ[j]]⁻¹ x_new[σ[j]], σ = π⁻¹
+            perm = transform.elements.get(f"heads.{layer}")
+            sigma = torch.argsort(perm) if perm is not None else torch.arange(el.shape[0])
+            out[name] = torch.linalg.inv(el[sigma])
+    return Transform(out)

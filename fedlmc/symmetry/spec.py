@@ -1,0 +1,158 @@
+"""The declarative symmetry spec: which tensor axes each symmetry group of an architecture acts on.
+
+The declarative symmetry spec, group elements (transforms) and their action on a model.
+
+A ``SymmetrySpec`` lists, per architecture, every symmetry group and the tensor axes it acts on:
+
+* ``residual`` — one orthogonal map O of the residual stream (``d_new x d``; rectangular O with
+  orthonormal columns lifts a model to a wider residual). It acts on every residual *writer* on its
+  output axis and every *reader* on its input axis. Valid on the canonical (RMSNorm) form only.
+* ``heads.{l}`` — a permutation of layer l's heads: blocks of ``d_head`` rows of Q/K/V and columns of O.
+* ``qk.{l}`` / ``ov.{l}`` — one invertible ``d_head x d_head`` matrix per head (the intra-head gauge):
+  ``q_h -> A^T q_h``, ``k_h -> A^{-1} k_h`` keeps ``q^T k``; ``v_h -> B v_h``, ``O_h -> O_h B^{-1}`` keeps ``O_h v_h``.
+* ``ff.{l}`` — a permutation of layer l's FF neurons: fc1 rows and bias, fc2 columns.
+
+Every member says which matrix acts on the vectors that lie along its axis: ``M``, ``M^T``, ``M^{-1}``
+or ``M^{-T}`` of the group element M. Permutations are stored as index tensors with the convention
+``new[i] = old[perm[i]]`` (the permutation matrix P has ``P[i, perm[i]] = 1``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..models.layers import TransformerConfig
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One tensor axis a group acts on.
+
+    ``fn`` names the matrix applied to vectors along ``axis`` ("M", "MT", "Minv", "MinvT"). ``block``
+    is the block size for head-structured groups (heads, gauges). For the residual group, ``role`` is
+    "writer", "reader" or "norm"; readers name the norm that feeds them and their bias, which is what
+    the canonical form needs to fold a LayerNorm's affine into them.
+    """
+
+    param: str
+    axis: int
+    fn: str = "M"
+    block: int = 1
+    role: Optional[str] = None
+    norm: Optional[str] = None
+    bias: Optional[str] = None
+
+
+@dataclass
+class Group:
+    """A symmetry group: ``kind`` is "orthogonal", "permutation" or "gauge" (``count`` matrices of ``size``)."""
+
+    name: str
+    kind: str
+    size: int
+    members: list[Member]
+    layer: Optional[int] = None
+    count: int = 1
+    probe: Optional[str] = None  # module whose activations show this group's units (activation matching)
+
+
+@dataclass
+class SymmetrySpec:
+    """All groups of one architecture, plus the norm modules the canonical form rewrites."""
+
+    arch: str
+    groups: dict[str, Group]
+    norms: list[str]
+    residual_probes: list[str] = field(default_factory=list)  # modules whose outputs are residual states
+
+    @property
+    def residual(self) -> Group:
+        return self.groups["residual"]
+
+    def layer_groups(self, kind: str) -> list[Group]:
+        """The per-layer groups whose name starts with ``kind`` ("heads", "qk", "ov", "ff"), by layer."""
+        return [g for name, g in self.groups.items() if name.split(".")[0] == kind]
+
+    def writers(self) -> list[Member]:
+        return [m for m in self.residual.members if m.role == "writer"]
+
+    def readers(self) -> list[Member]:
+        return [m for m in self.residual.members if m.role == "reader"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Spec builders, one per architecture. A new architecture registers its own with ``register_spec``.
+
+SpecBuilder = Callable[[TransformerConfig], SymmetrySpec]
+_BUILDERS: dict[str, SpecBuilder] = {}
+
+
+def register_spec(arch: str, builder: SpecBuilder) -> None:
+    """Make ``spec_for`` know architecture ``arch`` (its configs' ``arch`` attribute)."""
+    _BUILDERS[arch] = builder
+
+
+def _norm_members(cfg: TransformerConfig, norm: str) -> list[Member]:
+    # Only a biased RMSNorm carries residual-indexed parameters; LayerNorm's are folded away first.
+    return [Member(f"{norm}.bias", 0, role="norm")] if cfg.norm == "rmsnorm" and cfg.norm_bias else []
+
+
+def transformer_spec(cfg: TransformerConfig, embed_writers: list[Member], head: str = "head") -> SymmetrySpec:
+    """The spec of a pre-norm Transformer with ``cfg.n_layer`` standard blocks under ``blocks.{l}``.
+
+    ``embed_writers`` are the architecture's input writers (embeddings, positions, CLS); ``head`` is the
+    output linear map, read through ``ln_f``.
+    """
+    H, dh = cfg.n_head, cfg.d_head
+    residual: list[Member] = list(embed_writers)
+    groups: dict[str, Group] = {}
+    norms: list[str] = []
+    for l in range(cfg.n_layer):
+        b = f"blocks.{l}"
+        ln1, ln2 = f"{b}.ln1", f"{b}.ln2"
+        norms += [ln1, ln2]
+        residual += _norm_members(cfg, ln1) + _norm_members(cfg, ln2)
+        residual += [Member(f"{b}.attn.{p}.weight", 1, role="reader", norm=ln1, bias=f"{b}.attn.{p}.bias") for p in "qkv"]
+        residual += [Member(f"{b}.attn.o.weight", 0, role="writer"), Member(f"{b}.attn.o.bias", 0, role="writer")]
+        residual += [Member(f"{b}.mlp.fc1.weight", 1, role="reader", norm=ln2, bias=f"{b}.mlp.fc1.bias")]
+        residual += [Member(f"{b}.mlp.fc2.weight", 0, role="writer"), Member(f"{b}.mlp.fc2.bias", 0, role="writer")]
+        qkv = [Member(f"{b}.attn.{p}.{t}", 0, block=dh) for p in "qkv" for t in ("weight", "bias")]
+        groups[f"heads.{l}"] = Group(f"heads.{l}", "permutation", H, qkv + [Member(f"{b}.attn.o.weight", 1, block=dh)], l,
+                                     probe=f"{b}.attn.o")
+        groups[f"qk.{l}"] = Group(f"qk.{l}", "gauge", dh, [
+            Member(f"{b}.attn.q.weight", 0, "MT", dh), Member(f"{b}.attn.q.bias", 0, "MT", dh),
+            Member(f"{b}.attn.k.weight", 0, "Minv", dh), Member(f"{b}.attn.k.bias", 0, "Minv", dh)], l, count=H)
+        groups[f"ov.{l}"] = Group(f"ov.{l}", "gauge", dh, [
+            Member(f"{b}.attn.v.weight", 0, "M", dh), Member(f"{b}.attn.v.bias", 0, "M", dh),
+            Member(f"{b}.attn.o.weight", 1, "MinvT", dh)], l, count=H)
+        groups[f"ff.{l}"] = Group(f"ff.{l}", "permutation", cfg.d_ff, [
+            Member(f"{b}.mlp.fc1.weight", 0), Member(f"{b}.mlp.fc1.bias", 0), Member(f"{b}.mlp.fc2.weight", 1)], l,
+            probe=f"{b}.mlp.fc2")
+    norms.append("ln_f")
+    residual += _norm_members(cfg, "ln_f")
+    residual.append(Member(f"{head}.weight", 1, role="reader", norm="ln_f", bias=f"{head}.bias"))
+    all_groups = {"residual": Group("residual", "orthogonal", cfg.d_model, residual)}
+    all_groups.update(groups)
+    return SymmetrySpec(cfg.arch, all_groups, norms, [f"blocks.{l}" for l in range(cfg.n_layer)])
+
+
+register_spec("gpt2", lambda cfg: transformer_spec(
+    cfg, [Member("tok_emb.weight", 1, role="writer"), Member("pos_emb", 1, role="writer")]))
+register_spec("vit", lambda cfg: transformer_spec(cfg, [
+    Member("patch_emb.weight", 0, role="writer"), Member("patch_emb.bias", 0, role="writer"),
+    Member("cls_token", 2, role="writer"), Member("pos_emb", 1, role="writer")]))
+
+
+def spec_for(model: Union[nn.Module, TransformerConfig]) -> SymmetrySpec:
+    """The symmetry spec of a model (or config). Raises for architectures nobody registered."""
+    cfg = model if isinstance(model, TransformerConfig) else getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "arch", None) not in _BUILDERS:
+        raise ValueError(f"no symmetry spec for {type(model).__name__}; known architectures: {sorted(_BUILDERS)}")
+    return _BUILDERS[cfg.arch](cfg)
+
+

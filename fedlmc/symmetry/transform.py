@@ -1,0 +1,163 @@
+"""A ``Transform`` (one element of the product group: a dict from group name to element; missing groups
+are the identity) and its exact action on a state dict. Permutations are index tensors with the
+convention ``new[i] = old[perm[i]]`` (the permutation matrix P has ``P[i, perm[i]] = 1``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..models import from_config
+from ..models.layers import TransformerConfig
+from .spec import Group, StateDict, spec_for
+
+
+@dataclass
+class Transform:
+    """One group element per named group; absent groups act as the identity."""
+
+    elements: dict[str, torch.Tensor] = field(default_factory=dict)
+    info: dict = field(default_factory=dict, compare=False)  # diagnostics from whoever built it
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.elements[name]
+
+    def get(self, name: str) -> Optional[torch.Tensor]:
+        return self.elements.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.elements
+
+    def to(self, dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> "Transform":
+        """Float elements to ``dtype``/``device``; permutations stay integer."""
+        out = {}
+        for k, v in self.elements.items():
+            out[k] = v.to(device=device) if not v.is_floating_point() else v.to(device=device, dtype=dtype or v.dtype)
+        return Transform(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# The action.
+
+def _matrix(M: torch.Tensor, fn: str) -> torch.Tensor:
+    if fn == "M":
+        return M
+    if fn == "MT":
+        return M.transpose(-1, -2)
+    if fn == "Minv":
+        return torch.linalg.inv(M)
+    if fn == "MinvT":
+        return torch.linalg.inv(M).transpose(-1, -2)
+    raise ValueError(f"unknown member fn {fn!r}")
+
+
+def _apply_along(t: torch.Tensor, axis: int, M: torch.Tensor) -> torch.Tensor:
+    """Replace every vector v along ``axis`` by ``M v`` (M may be rectangular)."""
+    x = t.movedim(axis, -1)
+    return (x @ M.transpose(0, 1).to(x)).movedim(-1, axis)
+
+
+def _permute_along(t: torch.Tensor, axis: int, perm: torch.Tensor, block: int) -> torch.Tensor:
+    perm = perm.to(t.device)
+    if block > 1:
+        perm = (perm[:, None] * block + torch.arange(block, device=t.device)).reshape(-1)
+    return t.index_select(axis, perm)
+
+
+def _gauge_along(t: torch.Tensor, axis: int, Ms: torch.Tensor, block: int) -> torch.Tensor:
+    """Per-block matrices: block h of the vectors along ``axis`` becomes ``Ms[h] @ block_h``."""
+    x = t.movedim(axis, -1)
+    shape = x.shape
+    x = x.reshape(*shape[:-1], Ms.shape[0], block)
+    x = torch.einsum("...hj,hij->...hi", x, Ms.to(x))
+    return x.reshape(shape).movedim(-1, axis)
+
+
+def is_permutation(element: torch.Tensor) -> bool:
+    """An index-vector permutation (as opposed to a matrix element)."""
+    return element.dim() == 1 and not element.is_floating_point()
+
+
+def perm_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The matrix P with ``P[i, perm[i]] = 1`` (so ``P @ old = old[perm]``)."""
+    n = len(perm)
+    P = torch.zeros(n, n, dtype=dtype, device=perm.device)
+    P[torch.arange(n, device=perm.device), perm] = 1
+    return P
+
+
+def act(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
+    """Apply one group element to a state dict (returns a new dict; untouched tensors are shared).
+    Members whose tensor is absent from ``sd`` are skipped, so a partial state can be acted on."""
+    out = dict(sd)
+    if group.kind == "orthogonal" and not is_permutation(element):
+        d_new, d_old = element.shape
+        if d_old != group.size:
+            raise ValueError(f"residual element is {d_new}x{d_old} but the model's residual width is {group.size}")
+        # A width lift rescales RMSNorm's output by sqrt(d_new/d_old); readers absorb the inverse.
+        scale = math.sqrt(d_old / d_new)
+        for m in group.members:
+            if m.param not in sd:  # partial states (matching works on the tensors a step needs)
+                continue
+            t = _apply_along(sd[m.param], m.axis, element)
+            if d_new != d_old and m.role == "reader":
+                t = t * scale
+            elif d_new != d_old and m.role == "norm":  # a biased RMSNorm's output grows by 1/scale too
+                t = t / scale
+            out[m.param] = t
+        return out
+    for m in group.members:
+        if m.param not in sd:
+            continue
+        t = sd[m.param]
+        if group.kind in ("permutation", "orthogonal") and element.is_floating_point():
+            # a permutation given as a (possibly relaxed, differentiable) matrix P: new = P old, per block
+            P = torch.kron(element, torch.eye(m.block, dtype=element.dtype, device=element.device)) if m.block > 1 else element
+            out[m.param] = _apply_along(t, m.axis, P)
+        elif group.kind in ("permutation", "orthogonal"):
+            out[m.param] = _permute_along(t, m.axis, element, m.block)
+        elif group.kind == "gauge":
+            out[m.param] = _gauge_along(t, m.axis, _matrix(element, m.fn), m.block)
+        else:
+            raise ValueError(f"unknown group kind {group.kind!r}")
+    return out
+
+
+def _order(name: str) -> tuple[int, int]:
+    # Residual first, then per layer: heads before their gauges (gauge h refers to the permuted head h).
+    kind, _, layer = name.partition(".")
+    rank = {"residual": 0, "heads": 1, "qk": 2, "ov": 3, "ff": 4}.get(kind, 5)
+    return (int(layer) if layer.isdigit() else -1, rank)
+
+
+def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform) -> tuple[StateDict, TransformerConfig]:
+    """Apply ``transform`` to a state dict of config ``cfg``; returns the new state dict and config."""
+    spec = spec_for(cfg)
+    unknown = set(transform.elements) - set(spec.groups)
+    if unknown:
+        raise ValueError(f"transform names groups this model does not have: {sorted(unknown)}")
+    R = transform.get("residual")
+    if R is not None and cfg.norm != "rmsnorm":
+        raise ValueError("the residual group acts on the canonical (RMSNorm) form: call canonicalize(model) first")
+    for name in sorted(transform.elements, key=_order):
+        sd = act(sd, spec.groups[name], transform.elements[name])
+    if R is not None and not is_permutation(R) and R.shape[0] != R.shape[1]:
+        d_new, d_old = R.shape
+        cfg = cfg.replace(d_model=d_new, norm_eps=cfg.norm_eps * d_old / d_new)
+    return sd, cfg
+
+
+def rebuild(model: nn.Module, sd: StateDict, cfg: Optional[TransformerConfig] = None) -> nn.Module:
+    """A new model of config ``cfg`` (default: the model's) holding ``sd``, on the model's dtype/device."""
+    ref = next(model.parameters())
+    with torch.device("meta"):  # no random init of weights that are overwritten right away
+        new = from_config(cfg or model.config)
+    # copy=True: the new model must never share storage with the one it came from
+    new.load_state_dict({k: v.detach().to(device=ref.device, dtype=ref.dtype, copy=True) for k, v in sd.items()}, assign=True)
+    new.train(model.training)
+    if hasattr(model, "meta"):
+        new.meta = dict(model.meta)
+    return new

@@ -1,0 +1,150 @@
+"""Universe merging: M models (mixed widths allowed) aligned by weight matching to one universe,
+averaged there, optionally refined (Dirichlet), and projected back to each client's shape."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch.nn as nn
+
+from .averaging import FORMS, merge
+from .matching import weight_matching
+from .matching.refine import dirichlet_refine
+from .models import ARCHS
+from .symmetry import Transform, apply_transform, canonicalize, invert_transform, to_layernorm
+from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks, unpad
+
+
+def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: int = 5,
+                   weights: Optional[Sequence[float]] = None, init: Optional[nn.Module] = None,
+                   form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
+                   data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
+                   progress: bool = False, warm_start: bool = True, match_init: str = "both",
+                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
+    """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
+
+    Start from ``init`` (e.g. the previous global model) or the largest-weight model; align every model
+    to the universe with weight matching; set the universe to the (``weights``-weighted) mean of the
+    aligned models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done.
+    ``method="refine"`` then learns every model's alignment with Dirichlet(``alpha``) refinement on
+    ``data`` (``refine_steps`` steps, see ``matching.refine``).
+
+    Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
+    architecture must agree): each is padded exactly into the largest shape (``widths.pad``), its
+    padded heads and FF neurons are masked out of the averages, and its transform maps *its own*
+    shape into the universe (a rectangular residual map; ``info['client_config']`` records its
+    shape), so ``project(universe, T)`` returns a model of the client's shape.
+
+    ``match_init``: weight matching's start on the first iteration ("both", "paper", "identity").
+    ``warm_start``: later iterations descend from each model's previous transform (much cheaper than
+    the fresh paper/identity starts; the identity is still scored as the do-no-harm candidate).
+
+    Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each
+    model's transform. ``matching`` options go to ``weight_matching``.
+    """
+    if method not in ("wm", "refine"):
+        raise ValueError(f"universe_merge method must be 'wm' or 'refine', got {method!r}")
+    if method == "refine" and data is None:
+        raise ValueError("method='refine' needs data (a small training set) for the Dirichlet refinement")
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
+    if not models:
+        raise ValueError("universe_merge needs at least one model")
+    n = len(models)
+    w = [1.0 / n] * n if weights is None else [float(x) for x in weights]
+    if len(w) != n or any(x < 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
+    w = [x / sum(w) for x in w]
+    configs = [m.config for m in models] + ([init.config] if init is not None else [])
+    shape = common_shape(configs)
+    hetero = not same_shape(configs)
+    if hetero and keep_layernorm and len({c.d_model for c in configs}) > 1:
+        raise ValueError("keep_layernorm needs one residual width: a lifted model's stream is not centred in the universe")
+    canon = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
+    scale = None
+    if hetero:
+        scale = next((c.attn_scale for c in configs if c.d_head == shape["d_head"]), shape["d_head"] ** -0.5)
+        padded = [pad(m, shape, attn_scale=scale) for m in canon]
+        masks: list[Optional[dict]] = [unit_masks(m.config, shape) for m in models]
+    else:
+        padded, masks = canon, [None] * n
+    if init is not None:
+        universe = pad(init, shape, attn_scale=scale) if hetero else init
+    else:
+        universe = padded[int(max(range(n), key=lambda i: w[i]))]
+    universe = canonicalize(universe) if universe.config.norm == "layernorm" else universe
+    if keep_layernorm:
+        matching.setdefault("keep_layernorm", True)
+    transforms: list[Transform] = []
+    live = [i for i in range(n) if w[i] > 0]
+
+    def aligned_masks(i: int) -> Optional[dict]:
+        """Model i's real heads / FF neurons after its permutations, and the universe subspace its
+        residual occupies (so every entry is averaged over the models that hold it)."""
+        if masks[i] is None:
+            return None
+        out = permute_masks(masks[i], transforms[i])
+        d_c = models[i].config.d_model
+        if d_c < shape["d_model"]:
+            out["residual"] = residual_projector(transforms[i], d_c, shape["d_model"])
+        return out
+
+    kept_w = [w[i] for i in live]
+    kept: list[nn.Module] = []
+    kept_masks: list[Optional[dict]] = []
+    for it in range(max(1, iterations)):
+        # from the second iteration on, each model's descent starts from its previous transform
+        transforms = [weight_matching(universe, padded[i], start=transforms[i] if it and warm_start else None,
+                                      init=match_init, **matching)
+                      if w[i] > 0 else Transform() for i in range(n)]
+        kept = [apply_transform(padded[i], transforms[i]) for i in live]
+        kept_masks = [aligned_masks(i) for i in live]
+        new = merge(kept, kept_w, masks=kept_masks)
+        moved = _relative_change(universe, new)
+        universe = new
+        if progress:
+            print(f"universe iteration {it + 1}: moved {moved:.2e}")
+        if moved < tol:
+            break
+    if method == "refine" and len(live) > 1:
+        refined = dirichlet_refine([padded[i] for i in live], [transforms[i] for i in live], data,
+                                   masks=[masks[i] for i in live], weights=kept_w, alpha=alpha, steps=refine_steps,
+                                   lr=refine_lr, form=form, keep_layernorm=keep_layernorm, reference=universe,
+                                   progress=progress, device=matching.get("device"))
+        for i, T in zip(live, refined):
+            transforms[i] = T
+        kept = [apply_transform(padded[i], transforms[i]) for i in live]
+        kept_masks = [aligned_masks(i) for i in live]
+        universe = merge(kept, kept_w, masks=kept_masks)
+    if form == "circuit":  # the last aligned models, merged as circuits
+        universe = merge(kept, kept_w, form="circuit", masks=kept_masks)
+    if hetero:
+        for i, m in enumerate(models):
+            T = lift_residual(transforms[i], m.config.d_model) if m.config.d_model != shape["d_model"] else transforms[i]
+            T.info.update(shape=shape, attn_scale=scale, client_config=m.config.to_dict())
+            transforms[i] = T
+    return (to_layernorm(universe) if keep_layernorm else universe), transforms
+
+
+def _relative_change(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    num = sum(float((sa[k] - sb[k]).pow(2).sum()) for k in sa)
+    den = sum(float(sa[k].pow(2).sum()) for k in sa)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def project(universe: nn.Module, transform: Transform) -> nn.Module:
+    """A client's own-width model from the universe: the inverse of the client's transform into it.
+
+    ``transform`` maps the client (width d_c) into the universe (width d_u ≥ d_c); its residual element
+    is ``d_u × d_c`` with orthonormal columns, so the projection is its transpose (and every other group
+    is inverted too, returning the client's own unit order). A transform from a mixed-width
+    ``universe_merge`` also records the client's shape: padded heads and FF neurons are dropped.
+    Exact on a lifted model.
+    """
+    client = transform.info.get("client_config")
+    if client is not None and not isinstance(client, type(universe.config)):
+        client = ARCHS[client["arch"]][0].from_dict(client)
+    if transform.info.get("shape") and universe.config.d_head != transform.info["shape"]["d_head"]:
+        raise ValueError("project needs the universe in the factored form (a circuit merge changed the head width)")
+    out = apply_transform(universe, invert_transform(transform)) if transform.elements else universe
+    return unpad(out, client) if client is not None else out
