@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 from rich.console import Console
 
+from .vocabulary import method_name
+
 console = Console(stderr=True)
 
 
@@ -194,7 +196,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    """Merge saved models (plain average, universe or Dirichlet-refined universe); mixed widths allowed."""
+    """Merge saved models (``average``, ``aligned`` universe or ``refined`` universe); mixed widths allowed."""
     from . import io
     from .manyway import aligned_models, excess, plot_simplex, simplex_losses
     from .merge import merge, universe_merge
@@ -205,10 +207,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ValueError("fedlmc merge needs at least two checkpoints")
     splits = _splits_for(models[0], args)
     t = time.time()
-    if args.method == "average":
+    method = method_name(args.method, ("average", "aligned", "refined"))
+    if method == "average":
         merged, Ts = merge(models, args.weights or [1 / len(models)] * len(models), form=args.form), None
     else:
-        merged, Ts = universe_merge(models, method="refine" if args.method == "refine" else "wm",
+        merged, Ts = universe_merge(models, method=method,
                                     iterations=args.iterations, weights=args.weights, form=args.form,
                                     keep_layernorm=args.keep_layernorm, data=splits.train, alpha=args.alpha,
                                     refine_steps=args.steps, progress=not args.quiet)
@@ -216,12 +219,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     data = getattr(splits, args.split)
     ends = [evaluate(m, data, max_batches=args.max_batches)["loss"] for m in models]
     ev = evaluate(merged, data, max_batches=args.max_batches)
-    meta = {"merged_from": [str(p) for p in args.models], "method": args.method, "form": args.form,
+    meta = {"merged_from": [str(p) for p in args.models], "method": method, "form": args.form,
             "dataset": models[0].meta.get("dataset"), "source": models[0].meta.get("source"),
             "chars": models[0].meta.get("chars"), "block_size": models[0].meta.get("block_size"),
             args.split: ev, "endpoint_loss": ends, "excess": excess(ev["loss"], ends), "seconds": seconds}
     io.save(merged, args.out, meta)
-    result = {"out": str(args.out), "method": args.method, args.split: ev, "endpoint_loss": ends,
+    result = {"out": str(args.out), "method": method, args.split: ev, "endpoint_loss": ends,
               "excess": meta["excess"], "seconds": round(seconds, 1)}
     if args.plot:
         if len(models) != 3:
@@ -229,7 +232,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         panels = {"vanilla": simplex_losses(models, data, args.simplex_n, max_batches=args.max_batches)}
         if Ts is not None:
             al, masks = aligned_models(models, Ts)
-            panels[args.method] = simplex_losses(al, data, args.simplex_n, masks=masks, max_batches=args.max_batches)
+            panels[method] = simplex_losses(al, data, args.simplex_n, masks=masks, max_batches=args.max_batches)
         result["plot"] = str(plot_simplex(panels, Path(args.plot), title=f"{args.split} loss over the 2-simplex"))
     print(json.dumps(result, default=float))
     return 0
@@ -335,9 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget_args(r)
     r.set_defaults(func=cmd_reproduce)
 
-    m = sub.add_parser("merge", help="merge saved models: plain average, universe (weight matching) or refined")
-    m.add_argument("models", nargs="+", help="checkpoint directories (widths may differ for universe/refine)")
-    m.add_argument("--method", default="universe", choices=["average", "universe", "refine"])
+    m = sub.add_parser("merge", help="merge saved models: average, aligned (weight matching to a universe) or refined")
+    m.add_argument("models", nargs="+", help="checkpoint directories (widths may differ for aligned/refined)")
+    m.add_argument("--method", default="aligned", choices=["average", "aligned", "refined", "universe", "refine"],
+                   help="average | aligned | refined ('universe' and 'refine' are deprecated names)")
     m.add_argument("--out", required=True, help="checkpoint directory for the merged model")
     m.add_argument("--weights", nargs="+", type=float, help="merge weights (default: equal)")
     m.add_argument("--form", default="factored", choices=["factored", "circuit"])

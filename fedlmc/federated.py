@@ -17,9 +17,10 @@ from .data.partition import partition
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
 from .train import TrainConfig, evaluate, model_for_data, train
+from .vocabulary import method_name
 from .widths import width_config
 
-STRATEGIES = ("fedavg", "aligned", "refined", "hetero", "slicing")
+STRATEGIES = ("average", "aligned", "refined", "hetero", "slicing")
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Settings:
     refine_steps: int = 100
     refine_alpha: float = 0.1
     eval_batches: int = 0  # 0: the whole test split
+    report: bool = False  # record every client's, the plain average's and the aggregate's test loss each round
     out_dir: str = "runs/flwr"
     round_timeout: float = 3600.0
     device: str = ""
@@ -73,9 +75,8 @@ class Settings:
                 value = value.strip().lower() in ("1", "true", "yes", "on")
             values[name] = typ(value)
         s = cls(**values)
-        if s.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {s.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if any(f != 1 for f in s.factors()) and s.strategy in ("fedavg", "aligned", "refined"):
+        s.strategy = method_name(s.strategy, STRATEGIES, "strategy")
+        if any(f != 1 for f in s.factors()) and s.strategy in ("average", "aligned", "refined"):
             raise ValueError(f"width-factors {s.width_factors!r} make a mixed-width federation: use strategy "
                              "'hetero' (aligned) or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
         if s.partitioner not in ("iid", "dirichlet"):

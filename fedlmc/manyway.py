@@ -118,7 +118,7 @@ def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200,
     T_ref = None
     for a in alphas:
         t = time.time()
-        ref, T = universe_merge(models, method="refine", iterations=iterations, tol=tol, data=splits.train, alpha=a,
+        ref, T = universe_merge(models, method="refined", iterations=iterations, tol=tol, data=splits.train, alpha=a,
                                 refine_steps=refine_steps, progress=progress)
         row(f"refined (α={a:g})" if len(alphas) > 1 else "refined", ref, time.time() - t)
         T_ref = T_ref or T

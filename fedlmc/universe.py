@@ -10,11 +10,12 @@ from .averaging import FORMS, merge
 from .matching import weight_matching
 from .matching.refine import dirichlet_refine
 from .models import ARCHS
+from .vocabulary import method_name
 from .symmetry import Transform, apply_transform, canonicalize, invert_transform, to_layernorm
 from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks, unpad
 
 
-def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: int = 5,
+def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterations: int = 5,
                    weights: Optional[Sequence[float]] = None, init: Optional[nn.Module] = None,
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
                    data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
@@ -25,7 +26,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     Start from ``init`` (e.g. the previous global model) or the largest-weight model; align every model
     to the universe with weight matching; set the universe to the (``weights``-weighted) mean of the
     aligned models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done.
-    ``method="refine"`` then learns every model's alignment with Dirichlet(``alpha``) refinement on
+    ``method="refined"`` then learns every model's alignment with Dirichlet(``alpha``) refinement on
     ``data`` (``refine_steps`` steps, see ``matching.refine``).
 
     Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
@@ -41,10 +42,9 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
     Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each
     model's transform. ``matching`` options go to ``weight_matching``.
     """
-    if method not in ("wm", "refine"):
-        raise ValueError(f"universe_merge method must be 'wm' or 'refine', got {method!r}")
-    if method == "refine" and data is None:
-        raise ValueError("method='refine' needs data (a small training set) for the Dirichlet refinement")
+    method = method_name(method, ("aligned", "refined"))
+    if method == "refined" and data is None:
+        raise ValueError("method='refined' needs data (a small training set) for the Dirichlet refinement")
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
     if not models:
@@ -105,7 +105,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "wm", iterations: 
             print(f"universe iteration {it + 1}: moved {moved:.2e}")
         if moved < tol:
             break
-    if method == "refine" and len(live) > 1:
+    if method == "refined" and len(live) > 1:
         refined = dirichlet_refine([padded[i] for i in live], [transforms[i] for i in live], data,
                                    masks=[masks[i] for i in live], weights=kept_w, alpha=alpha, steps=refine_steps,
                                    lr=refine_lr, form=form, keep_layernorm=keep_layernorm, reference=universe,

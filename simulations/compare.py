@@ -28,11 +28,11 @@ console = Console(stderr=True)
 
 SETTINGS: dict[str, dict[str, Any]] = {
     # one-shot model fusion: independent inits, one round of long local training, one aggregation
-    "oneshot": dict(strategies=["fedavg", "aligned", "refined"], clients=4,
+    "oneshot": dict(strategies=["average", "aligned", "refined"], clients=4,
                     config={"num-server-rounds": 1, "independent-start": True, "partitioner": "dirichlet",
                             "alpha": 0.5, "local-epochs": 20.0}),
     # federated training from a shared init under strong label skew
-    "multiround": dict(strategies=["fedavg", "aligned", "refined"], clients=4,
+    "multiround": dict(strategies=["average", "aligned", "refined"], clients=4,
                        config={"num-server-rounds": 5, "independent-start": False, "partitioner": "dirichlet",
                                "alpha": 0.1, "local-epochs": 2.0}),
     # mixed widths: d, d/2, d/4 clients
@@ -66,7 +66,7 @@ def run_all(setting: str, preset: str, seeds: list[int], strategies: list[str], 
     for seed in seeds:
         for strategy in strategies:
             cfg = {**spec["config"], **PRESET_DEFAULTS.get(preset, {}), **extra, "preset": preset, "seed": seed,
-                   "strategy": strategy, "min-nodes": clients}
+                   "strategy": strategy, "min-nodes": clients, "report": True}  # excess losses need every reply scored
             tag = f"{setting}-{preset}-{cfg['partitioner']}{cfg.get('alpha', '') if cfg['partitioner'] == 'dirichlet' else ''}"
             run_dir = runs / tag / f"{strategy}-s{seed}"
             cfg["out-dir"] = str(run_dir.resolve())

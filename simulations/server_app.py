@@ -13,7 +13,7 @@ import os
 import time
 from logging import INFO
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
@@ -56,8 +56,9 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
-    """Run ``s.num_server_rounds`` rounds of ``s.strategy`` on ``grid``; returns the metrics document."""
+def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
+    """Run ``s.num_server_rounds`` rounds of ``s.strategy`` on ``grid``; returns the metrics document.
+    ``after_round(r)`` is called once round r's state is saved (tests use it to crash the server)."""
     s.apply_threads()
     splits = splits_for(s)
     model = global_model(s)
@@ -68,9 +69,8 @@ def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
     state = load_state(out / "state") if s.resume else None
     if state is not None:
         done, initial = state.round, state.arrays
-        strategy.global_config, strategy.history, strategy.round_offset = state.global_config, state.history, done
-        if hasattr(strategy, "_transforms"):
-            strategy._transforms = state.transforms
+        strategy.load_state({"global_config": state.global_config, "history": state.history,
+                             "transforms": state.transforms}, round_offset=done)
         recorder.doc = state.metrics
         recorder.doc.pop("finished", None)
         log(INFO, "fedlmc: resuming from %s after round %d of %d", out / "state", done, s.num_server_rounds)
@@ -89,9 +89,8 @@ def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
         recorder.add(real, ev, hist)
         if real > 0:
             save_state(out / "state", real, arrays, strategy, recorder.doc)
-            if os.environ.get("FEDLMC_CRASH_AFTER_ROUND") == str(real):  # crash injection for the resume test
-                log(INFO, "fedlmc: FEDLMC_CRASH_AFTER_ROUND=%d: exiting hard", real)
-                os._exit(17)
+            if after_round is not None:
+                after_round(real)
         return MetricRecord({"test-loss": ev["loss"], "test-acc": ev["acc"]})
 
     remaining = s.num_server_rounds - done
@@ -114,7 +113,8 @@ def run_federation(grid: Grid, s: Settings) -> dict[str, Any]:
     return recorder.doc
 
 
-def make_app(overrides: Optional[dict[str, Any]] = None) -> ServerApp:
+def make_app(overrides: Optional[dict[str, Any]] = None,
+             after_round: Optional[Callable[[int], None]] = None) -> ServerApp:
     """A ServerApp whose settings default to ``overrides`` (run_config keys win). ``flwr run`` uses
     ``app``; in-process simulations (``simulations.compare``) build one per experiment."""
     overrides = dict(overrides or {})
@@ -122,15 +122,15 @@ def make_app(overrides: Optional[dict[str, Any]] = None) -> ServerApp:
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        serve(grid, Settings.from_run_config({**overrides, **context.run_config}))
+        serve(grid, Settings.from_run_config({**overrides, **context.run_config}), after_round)
 
     return server
 
 
-def serve(grid: Grid, s: Settings) -> dict[str, Any]:
+def serve(grid: Grid, s: Settings, after_round: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
     """``run_federation``; if it raises, the error is first written into ``<out-dir>/metrics.json``."""
     try:
-        return run_federation(grid, s)
+        return run_federation(grid, s, after_round)
     except BaseException as e:
         record_failure(Path(s.out_dir).expanduser() / "metrics.json", e)
         raise

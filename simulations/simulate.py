@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fedlmc.federated import Settings
 
@@ -25,9 +25,11 @@ def ray_env() -> None:
 
 
 def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client: float = 1.0,
-             gpus_per_client: float = 0.0, total_cpus: Optional[int] = None, verbose: bool = False) -> dict[str, Any]:
+             gpus_per_client: float = 0.0, total_cpus: Optional[int] = None, verbose: bool = False,
+             after_round: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
     """Run the federation ``settings`` (run_config keys) on ``num_supernodes`` virtual SuperNodes; returns
-    the metrics document the ServerApp wrote (``<out-dir>/metrics.json``)."""
+    the metrics document the ServerApp wrote (``<out-dir>/metrics.json``). ``after_round``: see
+    ``server_app.run_federation``."""
     from flwr.simulation import run_simulation
 
     from clients.app import make_app as client_app
@@ -37,7 +39,7 @@ def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client:
     ray_env()
     backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": gpus_per_client},
                "init_args": {"num_cpus": total_cpus or os.cpu_count() or 1, "include_dashboard": False}}
-    run_simulation(server_app=server_app(settings), client_app=client_app(settings), num_supernodes=num_supernodes,
+    run_simulation(server_app=server_app(settings, after_round), client_app=client_app(settings), num_supernodes=num_supernodes,
                    backend_config=backend, verbose_logging=verbose)
     path = Path(s.out_dir).expanduser() / "metrics.json"
     if not path.is_file():
@@ -50,14 +52,16 @@ def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client:
 
 def run_in_subprocess(settings: dict[str, Any], num_supernodes: int = 2, timeout: float = 600,
                       cpus_per_client: float = 1.0, log_path: Optional[Path] = None,
-                      env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+                      env: Optional[dict[str, str]] = None, script: Optional[Path] = None) -> dict[str, Any]:
     """``simulate`` in a fresh Python process, killed after ``timeout`` seconds (Ray never outlives it,
-    a crashed run never hangs the caller). Returns the metrics document."""
+    a crashed run never hangs the caller). Returns the metrics document. ``script``: a Python file to
+    run instead of this module's ``main`` (same arguments)."""
     import signal
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "simulations.simulate", "--settings", json.dumps(settings),
+    entry = [str(script)] if script is not None else ["-m", "simulations.simulate"]
+    cmd = [sys.executable, *entry, "--settings", json.dumps(settings),
            "--supernodes", str(num_supernodes), "--cpus-per-client", str(cpus_per_client)]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],

@@ -2,8 +2,9 @@
 
 All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used.
 """
-from .aligned import AlignedFedAvg, FedlmcMixin, RefinedFedAvg
+from .aligned import AlignedFedAvg, RefinedFedAvg
+from .base import FedlmcStrategy
 from .fedavg import ReportingFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
-__all__ = ["AlignedFedAvg", "RefinedFedAvg", "HeteroWidthFedAvg", "SlicingFedAvg", "ReportingFedAvg", "FedlmcMixin"]
+__all__ = ["AlignedFedAvg", "RefinedFedAvg", "HeteroWidthFedAvg", "SlicingFedAvg", "ReportingFedAvg", "FedlmcStrategy"]

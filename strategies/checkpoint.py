@@ -51,14 +51,15 @@ def save_state(path: Path, server_round: int, arrays: ArrayRecord, strategy, met
     tmp.mkdir(parents=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in arrays.to_torch_state_dict().items()}, str(tmp / GLOBAL))
     tensors, infos = {}, {}
-    for node, T in (getattr(strategy, "_transforms", None) or {}).items():
+    kept = strategy.state()
+    for node, T in kept["transforms"].items():
         for name, el in T.elements.items():
             tensors[f"{node}/{name}"] = el.detach().cpu().contiguous()
         infos[str(node)] = {k: _jsonable(v) for k, v in T.info.items() if k in ("shape", "attn_scale", "client_config")}
     if tensors:
         save_file(tensors, str(tmp / TRANSFORMS))
     save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-    doc = {"round": server_round, "global_config": strategy.global_config, "history": strategy.history,
+    doc = {"round": server_round, "global_config": kept["global_config"], "history": kept["history"],
            "transform_info": infos, "metrics": metrics, "python_random": _py_state()}
     (tmp / STATE).write_text(json.dumps(doc, default=float))
     for f in tmp.iterdir():  # make the files durable before the swap

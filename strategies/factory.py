@@ -10,24 +10,25 @@ from .fedavg import ReportingFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
 
-def build_strategy(s: Settings, model_config: dict[str, Any], splits, report: bool = True):
-    """``fedavg`` | ``aligned`` | ``refined`` | ``hetero`` | ``slicing`` for the run's settings.
+def build_strategy(s: Settings, model_config: dict[str, Any], splits):
+    """``average`` | ``aligned`` | ``refined`` | ``hetero`` | ``slicing`` for the run's settings.
 
     The server's validation split is cut in two: the refinement learns on one half, the do-no-harm
     guard judges on the other (so the guard never scores a model on data it was refined on).
-    ``report`` gives every strategy the test split to record client / plain / aggregate losses.
+    ``s.report`` gives every strategy the test split to record client / plain / aggregate losses each
+    round (it evaluates every reply: the comparison runner turns it on).
     """
     common: dict[str, Any] = dict(fraction_train=s.fraction_train, fraction_evaluate=s.fraction_evaluate,
                                   min_train_nodes=s.min_nodes, min_available_nodes=s.min_nodes,
                                   min_evaluate_nodes=s.min_nodes if s.fraction_evaluate > 0 else 0,
                                   model_config=model_config)
-    if report:
+    if s.report:
         common.update(report_data=splits.test, report_batches=s.eval_batches or None)
     refine_half, guard_half = halves(splits.val)
     aligned = dict(iterations=s.iterations, residual=s.residual, form=s.form, keep_layernorm=s.keep_layernorm,
                    guard_data=guard_half if s.guard else None, guard_batches=s.guard_batches or None,
                    device=s.device or None)
-    if s.strategy == "fedavg":
+    if s.strategy == "average":
         return ReportingFedAvg(**common)
     if s.strategy == "aligned":
         return AlignedFedAvg(**common, **aligned)

@@ -9,7 +9,10 @@ import torch
 MEASURED: list[tuple[str, float, float]] = []
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One torch thread: on a 2-core machine that is busy with anything else, two OpenMP threads spin-wait
+# for each other and the fast suite goes from ~20 s to over 10 minutes (measured; see the CI note in
+# README "Development"). FEDLMC_TEST_THREADS overrides it.
+torch.set_num_threads(int(os.environ.get("FEDLMC_TEST_THREADS", "1")))
 
 
 @pytest.fixture

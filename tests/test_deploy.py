@@ -37,13 +37,13 @@ def _deploy_and_run(mode: str, d: Path) -> dict:
     subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
     out = d / "out"
     run = subprocess.run([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c",
-                          f"num-server-rounds=1 local-steps=3 out-dir='{out}'"],
+                          f"num-server-rounds=1 local-steps=3 threads=1 out-dir='{out}'"],
                          cwd=ROOT, env={**env, "FLWR_HOME": str(d / "flwr")}, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads((out / "metrics.json").read_text())
     assert "finished" in doc
     assert [r["round"] for r in doc["rounds"]] == [0, 1]
-    assert len(doc["rounds"][1]["strategy"]["client_losses"]) == 2  # both SuperNodes trained
+    assert len(doc["rounds"][1]["strategy"]["nodes"]) == 2  # both SuperNodes trained and were aggregated
     return {"env": env, "port": port, "doc": doc}
 
 
@@ -137,7 +137,7 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run():
         doc = json.loads((out / "metrics.json").read_text())
         assert "finished" in doc and [r["round"] for r in doc["rounds"]] == [0, 1, 2]
         first, second = doc["rounds"][1]["strategy"], doc["rounds"][2]["strategy"]
-        assert len(first["client_losses"]) == 2 and len(second["client_losses"]) == 2
+        assert len(first["nodes"]) == 2 and len(second["nodes"]) == 2 and set(first["nodes"]) == set(second["nodes"])
         assert len(first["failures"]) == 1 and "Node Unavailable" in first["failures"][0]["reason"]
         assert second["failures"] == []
     finally:

@@ -60,7 +60,7 @@ def test_refined_universe_transforms_are_exact_also_for_mixed_widths(make_model,
     """Three models, one narrower: every refined transform maps its model into the universe exactly."""
     models = [canonicalize(make_model(0)), canonicalize(make_model(1)),
               canonicalize(make_model(2, d_model=16, n_head=2, d_ff=40, d_head=8))]
-    _, Ts = universe_merge(models, method="refine", iterations=1, data=_data(models[0]), refine_steps=6,
+    _, Ts = universe_merge(models, method="refined", iterations=1, data=_data(models[0]), refine_steps=6,
                            alpha=1.0, refine_lr=0.05)
     x = inputs_for(models[0])
     arch = models[0].config.arch

@@ -28,7 +28,7 @@ def test_refine_keeps_a_planted_universe(record):
     copies = [_noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
               for s in range(3)]
     wm, _ = universe_merge(copies, iterations=2)
-    refined, Ts = universe_merge(copies, method="refine", iterations=2, data=data, refine_steps=15, alpha=0.1)
+    refined, Ts = universe_merge(copies, method="refined", iterations=2, data=data, refine_steps=15, alpha=0.1)
     assert len(Ts) == 3 and len(Ts[1].info["loss"]) == 15
     for T in Ts:
         O = T["residual"]
@@ -46,4 +46,4 @@ def test_refine_keeps_a_planted_universe(record):
 def test_refine_needs_data():
     base = _base()
     with pytest.raises(ValueError, match="needs data"):
-        universe_merge([base, base], method="refine")
+        universe_merge([base, base], method="refined")

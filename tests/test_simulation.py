@@ -26,13 +26,14 @@ def _short_tmp(prefix: str) -> Path:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("strategy,factors", [("fedavg", ""), ("aligned", ""), ("refined", ""), ("hetero", "1,2"),
+@pytest.mark.parametrize("strategy,factors", [("average", ""), ("aligned", ""), ("refined", ""), ("hetero", "1,2"),
                                               ("slicing", "1,2")])
 def test_strategy_runs_in_a_ray_simulation(strategy, factors):
     out = _short_tmp(f"fl-{strategy}-")
     try:
-        settings = {"strategy": strategy, "num-server-rounds": 2, "preset": "vit-digits", "local-steps": 4,
-                    "refine-steps": 5, "width-factors": factors, "out-dir": str(out), "fraction-evaluate": 1.0}
+        settings = {"strategy": strategy, "num-server-rounds": 2, "preset": "vit-digits", "local-steps": 4, "threads": 1,
+                    "refine-steps": 5, "width-factors": factors, "out-dir": str(out), "fraction-evaluate": 1.0,
+                    "report": True}
         doc = run_in_subprocess(settings, num_supernodes=2, timeout=300, log_path=out / "log.txt")
         rounds = doc["rounds"]
         assert [r["round"] for r in rounds] == [0, 1, 2] and "finished" in doc
@@ -65,7 +66,7 @@ def test_flwr_run_works_offline_with_the_defaults():
            "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}"}
     launch = [os.sys.executable, "-m", "simulations.launch", "."]
     try:
-        proc = subprocess.run([*launch, "-c", f"num-server-rounds=1 local-steps=3 out-dir='{out}'"],
+        proc = subprocess.run([*launch, "-c", f"num-server-rounds=1 local-steps=3 threads=1 out-dir='{out}'"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         doc = json.loads((out / "metrics.json").read_text())
@@ -101,7 +102,7 @@ def _stop_local_superlink(home: Path) -> None:
 def test_dropin_example_swaps_fedavg_for_aligned():
     """examples/dropin: an unmodified quickstart-style ClientApp with AlignedFedAvg on the server."""
     proc = subprocess.run([os.sys.executable, "-m", "examples.dropin.app"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+                          timeout=300, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "OMP_NUM_THREADS": "1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     line = next(l for l in out.splitlines() if "dropin result:" in l)
@@ -112,13 +113,14 @@ def test_dropin_example_swaps_fedavg_for_aligned():
 def test_crashed_server_resumes_to_the_same_result():
     """A server killed hard after round 2 of 3 and restarted with resume=true ends exactly where an
     uninterrupted run with the same seeds ends."""
-    base = {"strategy": "aligned", "num-server-rounds": 3, "preset": "vit-digits", "local-steps": 4, "threads": 1}
+    base = {"strategy": "aligned", "num-server-rounds": 3, "preset": "vit-digits", "local-steps": 4, "threads": 1,
+            "report": True}
     a, b = _short_tmp("fl-full-"), _short_tmp("fl-crash-")
     try:
         full = run_in_subprocess({**base, "out-dir": str(a)}, timeout=300, log_path=a / "log.txt")
         with pytest.raises(RuntimeError, match="exit code"):
             run_in_subprocess({**base, "out-dir": str(b)}, timeout=300, log_path=b / "log1.txt",
-                              env={"FEDLMC_CRASH_AFTER_ROUND": "2"})
+                              script=Path(__file__).with_name("crashing_server.py"))
         assert not (b / "final").exists() and (b / "state" / "state.json").is_file()
         assert json.loads((b / "state" / "state.json").read_text())["round"] == 2
         resumed = run_in_subprocess({**base, "out-dir": str(b), "resume": True}, timeout=300, log_path=b / "log2.txt")

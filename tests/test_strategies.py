@@ -89,8 +89,8 @@ def test_refined_strategy_on_planted_replies(record):
                float((merged(x) - base(x)).abs().max() / base(x).abs().max()), 1e-2)
     rec = strategy.history[0]
     # the guard compared both and the report measured client / plain / kept losses
-    assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_plain"]
-    assert rec["plain_excess"] > rec["excess"] + 0.1
+    assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_average"]
+    assert rec["average_excess"] > rec["excess"] + 0.1
 
 
 def _near_copies(base, n=2, scale=1e-3):
@@ -130,12 +130,12 @@ def test_guard_keeps_plain_average_when_alignment_is_worse():
     strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     rec = strategy.history[0]
-    assert rec["kept"] == "plain" and rec["guard_plain"] < rec["guard_aligned"] - 0.1
+    assert rec["kept"] == "average" and rec["guard_average"] < rec["guard_aligned"] - 0.1
     plain = FedAvg().aggregate_train(1, replies)[0].to_torch_state_dict()
     kept = arrays.to_torch_state_dict()
     assert max(float((kept[k] - plain[k]).abs().max()) for k in plain) < 1e-6  # exactly the plain average
     assert evaluate(model_from_arrays(arrays, strategy.global_config), data)["loss"] == pytest.approx(
-        rec["guard_plain"], abs=1e-5)
+        rec["guard_average"], abs=1e-5)
 
 
 def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
@@ -147,7 +147,7 @@ def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
     strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
     strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
     rec = strategy.history[0]
-    assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_plain"] - 0.1
+    assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_average"] - 0.1
 
 
 def test_hetero_width_strategy_aligns_and_projects(record):

@@ -123,11 +123,11 @@ def test_cli_merge_universe_refine_and_mixed_widths(tmp_path, capsys):
         assert main(["train", "--preset", "vit-digits", "--seed", str(seed), "--epochs", "1", "--quiet",
                      "--out", str(tmp_path / f"m{seed}")]) == 0
     capsys.readouterr()
-    assert main(["merge", *(str(tmp_path / f"m{s}") for s in range(3)), "--method", "refine", "--steps", "5",
+    assert main(["merge", *(str(tmp_path / f"m{s}") for s in range(3)), "--method", "refined", "--steps", "5",
                  "--iterations", "2", "--quiet", "--out", str(tmp_path / "merged"), "--plot", str(tmp_path / "s.png"),
                  "--simplex-n", "2"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["method"] == "refine" and len(res["endpoint_loss"]) == 3 and (tmp_path / "s.png").is_file()
+    assert res["method"] == "refined" and len(res["endpoint_loss"]) == 3 and (tmp_path / "s.png").is_file()
     merged = io.load(tmp_path / "merged")
     assert merged.meta["excess"] == pytest.approx(res["excess"])
     # a narrower model (half the residual width, fewer FF neurons) joins the universe

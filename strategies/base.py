@@ -1,0 +1,177 @@
+"""What every fedlmc strategy shares, written once: Flower's round counter shifted for resumed runs, the
+global model's config attached to every message, reply validation (baselines included), the
+``aggregate_train`` skeleton, per-round history, optional reporting, and public ``state()`` /
+``load_state()`` for checkpoints. A strategy only says how it combines the accepted replies
+(``combine``) and, if it must, what each node is sent (``messages_for``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any, Optional
+
+import torch.nn as nn
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore import log
+
+from fedlmc.models import from_config
+from fedlmc.train import evaluate
+
+from .records import MODEL_CONFIG_KEY, model_from_arrays, state_arrays
+from .validation import InvalidReply, check_reply
+
+
+class FedlmcStrategy(FedAvg):
+    """``FedAvg`` with fedlmc's shared machinery; subclasses implement ``combine``.
+
+    Parameters (beyond FedAvg's): ``model_config`` — the global model's ``config.to_dict()`` (sent to
+    clients with every message; used for replies that carry no ``model`` ConfigRecord);
+    ``report_data``/``report_batches`` — an optional data set (e.g. the test split) on which every round
+    also records each client model's loss, the plain average's and the aggregate's (costly: opt-in);
+    ``min_replies`` — fewest valid replies a round aggregates (else the previous model is kept);
+    ``max_norm_ratio`` — a reply whose weight norm exceeds this multiple of the global model's is excluded.
+    """
+
+    same_shape = True  # replies must have the global model's shape (mixed-width strategies say False)
+
+    def __init__(self, *, model_config: Optional[dict[str, Any]] = None, report_data=None,
+                 report_batches: Optional[int] = None, min_replies: int = 1, max_norm_ratio: float = 100.0,
+                 **fedavg: Any) -> None:
+        super().__init__(**fedavg)
+        self.global_config = model_config
+        self.report_data, self.report_batches = report_data, report_batches
+        self.min_replies, self.max_norm_ratio = max(1, int(min_replies)), max_norm_ratio
+        self.history: list[dict[str, Any]] = []
+        self.round_offset = 0  # rounds completed before this run started (a resumed run continues numbering)
+        self._previous: Optional[ArrayRecord] = None
+        self._excluded: list[dict[str, Any]] = []
+        self._failures: list[dict[str, Any]] = []
+
+    # ---- what subclasses provide ------------------------------------------------------------------
+    def combine(self, server_round: int, replies: list[Message], models: list[nn.Module],
+                weights: list[float]) -> tuple[nn.Module, dict[str, Any], Optional[nn.Module]]:
+        """The aggregate of the accepted ``replies`` (also given as ``models`` and their ``weights``),
+        the fields it adds to the round's record, and the plain average when it was built (for the
+        report). Must be overridden."""
+        raise NotImplementedError
+
+    def messages_for(self, messages: Iterable[Message], config: ConfigRecord, message_type: str) -> Iterable[Message]:
+        """The messages actually sent (default: Flower's, unchanged)."""
+        return messages
+
+    # ---- Flower's hooks -------------------------------------------------------------------------------
+    def real_round(self, server_round: int) -> int:
+        """Flower's round counter shifted by ``round_offset`` (set when a run resumes from a checkpoint)."""
+        return server_round + self.round_offset
+
+    def _with_config(self, config: ConfigRecord) -> ConfigRecord:
+        if self.global_config is not None:
+            config[MODEL_CONFIG_KEY] = json.dumps(self.global_config)
+        return config
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        self._previous = arrays  # this round's aggregate starts from (and is checked against) the global model
+        msgs = super().configure_train(self.real_round(server_round), arrays, self._with_config(config), grid)
+        return self.messages_for(msgs, config, MessageType.TRAIN)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        msgs = super().configure_evaluate(self.real_round(server_round), arrays, self._with_config(config), grid)
+        return self.messages_for(msgs, config, MessageType.EVALUATE)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        server_round = self.real_round(server_round)
+        accepted = self.accept(server_round, replies)
+        if accepted is None:
+            return None, None
+        valid, models, weights = accepted
+        if self.global_config is None:
+            self.global_config = models[0].config.to_dict()
+        t0 = time.time()
+        result, fields, plain = self.combine(server_round, valid, models, weights)
+        record = self.round_record(server_round, nodes=[m.metadata.src_node_id for m in valid], **fields)
+        record.setdefault("align_seconds", time.time() - t0)
+        self.report(record, models, result, plain)
+        record["seconds"] = time.time() - t0
+        self.history.append(record)
+        self.global_config = result.config.to_dict()
+        metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
+        return state_arrays(result), metrics
+
+    # ---- shared pieces ----------------------------------------------------------------------------------
+    def accept(self, server_round: int, replies: Iterable[Message]):
+        """The replies that pass validation (see ``strategies.validation``) as (messages, models, weights);
+        each excluded reply gets one log line naming its node and the reason, and every failed message is
+        logged and recorded. Returns None (and logs that the previous global model is kept) when fewer
+        than ``min_replies`` remain."""
+        replies = list(replies)
+        ok, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
+        self._failures = [{"node": m.metadata.src_node_id, "reason": str(m.error.reason)} for m in failed]
+        log(INFO, "%s round %d: replies from nodes %s; failures from nodes %s", type(self).__name__, server_round,
+            sorted(m.metadata.src_node_id for m in ok) or "none", [f["node"] for f in self._failures] or "none")
+        ref_norm = None
+        if self._previous is not None:
+            ref_norm = sum(float(t.double().pow(2).sum()) for t in self._previous.to_torch_state_dict().values()) ** 0.5
+        kept, models, weights, self._excluded = [], [], [], []
+        for msg in ok:
+            try:
+                cfg, sd, w = check_reply(msg.content, arrays_key=self.arrayrecord_key, weight_key=self.weighted_by_key,
+                                         reference_config=self.global_config, reference_norm=ref_norm,
+                                         same_shape=self.same_shape, max_norm_ratio=self.max_norm_ratio)
+            except InvalidReply as e:
+                node = msg.metadata.src_node_id
+                log(WARNING, "%s round %d: excluded the reply of node %s: %s", type(self).__name__, server_round, node, e)
+                self._excluded.append({"node": node, "reason": str(e)})
+                continue
+            model = from_config(cfg)
+            model.load_state_dict({k: v.float() for k, v in sd.items()})
+            kept.append(msg)
+            models.append(model.eval())
+            weights.append(w)
+        if len(kept) < self.min_replies:
+            log(WARNING, "%s round %d: only %d valid replies (minimum %d): keeping the previous global model",
+                type(self).__name__, server_round, len(kept), self.min_replies)
+            self.history.append(self.round_record(server_round, kept="previous", align_seconds=0.0))
+            return None
+        return kept, models, weights
+
+    def round_record(self, server_round: int, **fields: Any) -> dict[str, Any]:
+        """The history record of a round: what every strategy logs (replies excluded by validation,
+        failed messages) plus ``fields``."""
+        return {"round": server_round, "strategy": type(self).__name__, **fields,
+                "excluded": self._excluded, "failures": self._failures}
+
+    def previous_model(self) -> Optional[nn.Module]:
+        """The current global model (the one this round's replies started from), if known."""
+        if self._previous is None or self.global_config is None:
+            return None
+        return model_from_arrays(self._previous, self.global_config)
+
+    def loss(self, model: nn.Module, data, batches: Optional[int]) -> float:
+        return float(evaluate(model, data, max_batches=batches)["loss"])
+
+    def report(self, record: dict[str, Any], models: list[nn.Module], result: nn.Module,
+               plain: Optional[nn.Module]) -> None:
+        """With ``report_data``: each client's loss, the aggregate's, its excess over the mean client,
+        and the plain average's (when built)."""
+        if self.report_data is None:
+            return
+        clients = [self.loss(m, self.report_data, self.report_batches) for m in models]
+        record["client_losses"] = clients
+        record["mean_client_loss"] = sum(clients) / len(clients)
+        record["global_loss"] = self.loss(result, self.report_data, self.report_batches)
+        record["excess"] = record["global_loss"] - record["mean_client_loss"]
+        if plain is not None:
+            record["average_loss"] = self.loss(plain, self.report_data, self.report_batches)
+            record["average_excess"] = record["average_loss"] - record["mean_client_loss"]
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint must keep to resume this strategy (JSON-able, plus ``transforms``)."""
+        return {"global_config": self.global_config, "history": self.history, "transforms": {}}
+
+    def load_state(self, state: dict[str, Any], round_offset: int) -> None:
+        """Continue from ``state()`` after ``round_offset`` completed rounds."""
+        self.global_config, self.history, self.round_offset = state["global_config"], state["history"], round_offset
