@@ -1,0 +1,192 @@
+"""The one optimiser behind learned matching and Dirichlet refinement: learn every moving model's
+alignment (residual map O and head / FF permutations) so that merges of the aligned models have low
+loss on training batches.
+
+Each step draws merge weights λ (learned matching: (u, 1 − u) with u ~ U(0.4, 0.6) for a pair;
+refinement: λ ~ Dirichlet(α·1_M)) and minimises ``L(Σ_m λ_m π_m(θ_m))``. One model stays fixed: a
+symmetry applied to all models at once changes nothing. ``O`` is the polar factor of a square latent
+(differentiable, with a stable gradient); permutations are Hungarian projections of their latents with
+a straight-through gradient; intra-head gauges (factored merge) are re-aligned to a reference by
+Procrustes from the current hard alignment at every step (constants for the gradient). What comes out
+is an exact group element in float64 (``common.exact_elements``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.func import functional_call
+
+from ..averaging import circuit_state, unit_weighted, weighted_state
+from ..models import from_config
+from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
+from ..train import _progress, loss_and_correct
+from ..widths import permute_masks
+from .common import Elements, apply_elements, assignment, exact_elements, gauge_step
+
+
+class _Polar(torch.autograd.Function):
+    """The orthogonal polar factor ``U Vᵀ`` of a square matrix with a stable gradient.
+
+    Differentiating U and V separately (as SVD's backward does) divides by ``s_i² − s_j²``, which is
+    infinite at an orthogonal start; the polar factor itself only needs ``1/(s_i + s_j)``:
+    ``∂L/∂X = U [(Ĝ − Ĝᵀ) / (s_i + s_j)] Vᵀ`` with ``Ĝ = Uᵀ (∂L/∂O) V``.
+    """
+
+    @staticmethod
+    def forward(ctx, X: torch.Tensor) -> torch.Tensor:
+        U, S, Vh = torch.linalg.svd(X)
+        ctx.save_for_backward(U, S, Vh)
+        return U @ Vh
+
+    @staticmethod
+    def backward(ctx, G: torch.Tensor) -> torch.Tensor:
+        U, S, Vh = ctx.saved_tensors
+        Gh = U.T @ G @ Vh.T
+        return U @ ((Gh - Gh.T) / (S[:, None] + S[None, :]).clamp_min(1e-12)) @ Vh
+
+
+def endless_batches(data, batch_size: int, gen: torch.Generator):
+    """Shuffled batches of ``data``, epoch after epoch (the latents train for a number of steps)."""
+    while True:
+        yield from data.batches(batch_size, shuffle=True, generator=gen)
+
+
+@dataclass
+class Options:
+    """How the alignments are learned (shared by learned matching and refinement)."""
+
+    steps: int = 200
+    lr: float = 1e-3  # the residual latents'
+    perm_lr: float = 0.05  # permutation latents start as 0/1 matrices: one changes once it moves by ~1
+    batch_size: int = 64
+    form: str = "factored"
+    keep_layernorm: bool = False  # keep every O·1 = 1 (learn only the centred block)
+    gauge: Optional[str] = "orthogonal"
+    learn_residual: bool = True  # False: O stays at its start, only permutations learn
+    seed: int = 0
+    progress: bool = True
+
+
+class Latents:
+    """One moving model's latents: a square residual latent and one matrix per head / FF group."""
+
+    def __init__(self, start: Transform, spec, d: int, Q: Optional[torch.Tensor], learn_residual: bool,
+                 dtype: torch.dtype, dev: torch.device) -> None:
+        O0 = start.get("residual")
+        O0 = torch.eye(d, dtype=dtype, device=dev) if O0 is None else (
+            O0 if O0.is_floating_point() else perm_matrix(O0, dtype).to(dev))
+        self.Q = Q
+        self.o = ((Q.T @ O0 @ Q)[1:, 1:] if Q is not None else O0).clone().requires_grad_(learn_residual)
+        self.p: dict[str, torch.Tensor] = {}
+        for g in spec.layer_groups("heads") + spec.layer_groups("ff"):
+            el = start.get(g.name)
+            first = torch.arange(g.size, device=dev) if el is None else el
+            self.p[g.name] = perm_matrix(first, dtype).to(dev).requires_grad_(True)
+
+    def residual(self) -> torch.Tensor:
+        R = _Polar.apply(self.o)
+        if self.Q is None:
+            return R
+        one = torch.ones(1, 1, dtype=R.dtype, device=R.device)
+        return self.Q @ torch.block_diag(one, R) @ self.Q.T
+
+    def hard(self) -> dict[str, torch.Tensor]:
+        return {k: assignment(v).to(v.device) for k, v in self.p.items()}
+
+    def straight_through(self, perms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward: the hard permutation matrices; backward: the gradient goes to the latents."""
+        return {k: perm_matrix(perms[k], v.dtype).to(v.device) + v - v.detach() for k, v in self.p.items()}
+
+
+def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transform], data, fixed: int,
+                     sample_weights: Callable[[], list[float]], opts: Options,
+                     masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
+                     reference: Optional[StateDict] = None, label: str = "learning alignments"
+                     ) -> tuple[list[Optional[Elements]], list[float], float]:
+    """Learn the alignment of every model but ``fixed`` (canonical ``states`` of config ``cfg``, same
+    shape), starting from ``starts``; ``sample_weights()`` draws each step's merge weights; ``masks``
+    mark padded units; the gauges align to ``reference`` (default: the fixed model aligned).
+
+    Returns each model's final elements (None for the fixed one, exact, CPU float64), the loss trace
+    and the seconds it took."""
+    t0 = time.time()
+    ref_t = states[fixed][next(iter(states[fixed]))]
+    dtype, dev, M = ref_t.dtype, ref_t.device, len(states)
+    spec = spec_for(cfg)
+    Q = ones_basis(cfg.d_model, dtype).to(dev) if opts.keep_layernorm else None
+    starts = [T.to(dtype=dtype, device=dev) for T in starts]
+    lat = [None if i == fixed else Latents(starts[i], spec, cfg.d_model, Q, opts.learn_residual, dtype, dev)
+           for i in range(M)]
+    groups = [{"params": [v for la in lat if la for v in la.p.values()], "lr": opts.perm_lr}]
+    if opts.learn_residual:
+        groups.append({"params": [la.o for la in lat if la], "lr": opts.lr})
+    opt = torch.optim.Adam(groups, lr=opts.lr)
+    masks = list(masks) if masks is not None else [None] * M
+    fixed_state = apply_to_state(states[fixed], cfg, starts[fixed])[0]
+    fixed_mask = permute_masks(masks[fixed], starts[fixed]) if masks[fixed] is not None else None
+    ref = reference if reference is not None else fixed_state
+
+    def gauges(i: int, O: torch.Tensor, perms: dict[str, torch.Tensor]) -> Elements:
+        if opts.form != "factored" or not opts.gauge:
+            return {}
+        with torch.no_grad():
+            B = apply_elements(states[i], cfg, {"residual": O.detach(), **perms}, kinds=("residual", "heads"))
+            return gauge_step(ref, B, spec, cfg.n_head, opts.gauge)
+
+    def aligned(i: int) -> tuple[StateDict, Optional[dict]]:
+        if i == fixed:
+            return fixed_state, fixed_mask
+        O, perms = lat[i].residual(), lat[i].hard()
+        el = {"residual": O, **gauges(i, O, perms), **lat[i].straight_through(perms)}
+        mask = permute_masks(masks[i], Transform(perms)) if masks[i] is not None else None
+        return apply_to_state(states[i], cfg, Transform(el))[0], mask
+
+    trace = _descend(states, cfg, data, opts, opt, aligned, sample_weights, label)
+    out: list[Optional[Elements]] = []
+    with torch.no_grad():
+        for i in range(M):
+            if i == fixed:
+                out.append(None)
+                continue
+            O, perms = lat[i].residual(), lat[i].hard()
+            out.append(exact_elements({"residual": O, **perms, **gauges(i, O, perms)}, opts.keep_layernorm))
+    return out, trace, time.time() - t0
+
+
+def merged_state(states: Sequence[StateDict], lam: Sequence[float], masks, cfg, form: str) -> StateDict:
+    """``Σ λ_m θ_m`` in ``form`` (masked over the models holding each unit when masks are given)."""
+    if form == "circuit":
+        return circuit_state(states, lam, cfg, masks)[0]
+    if masks is not None and any(m is not None for m in masks):
+        return unit_weighted(states, lam, masks, cfg)
+    return weighted_state(states, lam)
+
+
+def _descend(states, cfg, data, opts: Options, opt, aligned, sample_weights, label: str) -> list[float]:
+    """The training loop: each step aligns every model, merges at fresh weights, steps on the loss."""
+    M = len(states)
+    merged_cfg = circuit_state([states[0]] * M, [1.0 / M] * M, cfg)[1] if opts.form == "circuit" else cfg
+    dev = next(iter(states[0].values())).device
+    template = from_config(merged_cfg).to(dev).eval()
+    batches = endless_batches(data, opts.batch_size, torch.Generator().manual_seed(opts.seed))
+    trace: list[float] = []
+    running = None
+    with _progress(opts.progress) as bar:
+        task = bar.add_task(label, total=opts.steps, info="")
+        for step in range(opts.steps):
+            x, y = next(batches)
+            x, y = x.to(dev), y.to(dev)
+            pairs = [aligned(i) for i in range(M)]
+            masks = [m for _, m in pairs]
+            sd = merged_state([s for s, _ in pairs], sample_weights(), masks if any(masks) else None, cfg, opts.form)
+            loss, _ = loss_and_correct(functional_call(template, sd, (x,)), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            trace.append(float(loss.detach()))
+            running = trace[-1] if running is None else 0.9 * running + 0.1 * trace[-1]
+            bar.update(task, completed=step + 1, info=f"loss {running:.4f}")
+    return trace
