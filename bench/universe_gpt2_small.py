@@ -50,7 +50,7 @@ def main() -> None:
         copies.append(c)
     noisy0 = _rel(copies[0].state_dict(), clean0)
     t0 = time.time()
-    merged, Ts = universe_merge(copies, iterations=args.iterations, match_init=args.init, progress=True)
+    merged, Ts = universe_merge(copies, iterations=args.iterations, starts=args.init, progress=True)
     secs = time.time() - t0
     dist = _rel(merged.state_dict(), clean0)
     res = {"model": "gpt2-small shape", "layers": args.layers, "models": args.models,

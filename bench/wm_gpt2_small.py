@@ -39,7 +39,7 @@ def main() -> None:
         for p_ in planted.parameters():
             p_.add_(0.01 * p_.std() * torch.randn_like(p_))
     n_params = sum(p.numel() for p in a.parameters())
-    configs = {"independent": (b, {}), "independent-paper-init": (b, {"init": "paper"}), "planted": (planted, {})}
+    configs = {"independent": (b, {}), "independent-paper-init": (b, {"starts": "paper"}), "planted": (planted, {})}
     results = {"model": "gpt2-small shape", "layers": args.layers, "params": n_params, "device": str(pick_device()),
                "threads": torch.get_num_threads(), "machine": platform.machine(), "runs": {}}
     for name in args.configs:

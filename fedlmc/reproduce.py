@@ -34,7 +34,7 @@ def _wm_act(a, b, splits, ctx):
 
 def _learned(perms_only: bool) -> Callable:
     def run(a, b, splits, ctx):
-        return learned_matching(a, b, splits.train, init=ctx["wm-orth-factored"], steps=ctx["learned_steps"],
+        return learned_matching(a, b, splits.train, start=ctx["wm-orth-factored"], steps=ctx["learned_steps"],
                                 perms_only=perms_only, progress=ctx["progress"])
     return run
 

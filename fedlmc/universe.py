@@ -2,6 +2,8 @@
 averaged there, optionally refined (Dirichlet), and projected back to each client's shape."""
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch.nn as nn
@@ -15,19 +17,90 @@ from .symmetry import Transform, apply_transform, canonicalize, invert_transform
 from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks, unpad
 
 
+@dataclass
+class Members:
+    """The models of a universe, each padded exactly to the common shape (with masks marking its padded
+    heads / FF neurons when widths differ) and canonical; ``weights`` sum to one."""
+
+    models: Sequence[nn.Module]
+    weights: list[float]
+    shape: dict[str, int]
+    padded: list[nn.Module]
+    masks: list[Optional[dict]]
+    attn_scale: Optional[float]  # the universe's attention scale (mixed widths only)
+    hetero: bool  # widths differ: models are padded and masked
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i, w in enumerate(self.weights) if w > 0]
+
+    def aligned_masks(self, i: int, T: Transform) -> Optional[dict]:
+        """Model i's real heads / FF neurons after its permutations, and the universe subspace its
+        residual occupies (so every entry is averaged over the models that hold it)."""
+        if self.masks[i] is None:
+            return None
+        out = permute_masks(self.masks[i], T)
+        d_c = self.models[i].config.d_model
+        if d_c < self.shape["d_model"]:
+            out["residual"] = residual_projector(T, d_c, self.shape["d_model"])
+        return out
+
+    def merge(self, transforms: list[Transform], form: str = "factored") -> nn.Module:
+        """The weighted average of the live models, each aligned by its transform."""
+        live = self.live
+        aligned = [apply_transform(self.padded[i], transforms[i]) for i in live]
+        return merge(aligned, [self.weights[i] for i in live], form=form,
+                     masks=[self.aligned_masks(i, transforms[i]) for i in live])
+
+    def client_transforms(self, transforms: list[Transform]) -> list[Transform]:
+        """Each model's map from *its own* shape into the universe (a rectangular residual map for a
+        narrower model; ``info`` records the shapes ``project`` needs)."""
+        if not self.hetero:
+            return transforms
+        out = []
+        for m, T in zip(self.models, transforms):
+            if m.config.d_model != self.shape["d_model"]:
+                T = lift_residual(T, m.config.d_model)
+            T.info.update(shape=self.shape, attn_scale=self.attn_scale, client_config=m.config.to_dict())
+            out.append(T)
+        return out
+
+
+def members(models: Sequence[nn.Module], weights: Optional[Sequence[float]], start: Optional[nn.Module],
+            keep_layernorm: bool) -> Members:
+    """Validate and prepare the models of a universe (see ``Members``)."""
+    if not models:
+        raise ValueError("universe_merge needs at least one model")
+    n = len(models)
+    w = [1.0 / n] * n if weights is None else [float(x) for x in weights]
+    if len(w) != n or any(x < 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
+    configs = [m.config for m in models] + ([start.config] if start is not None else [])
+    shape = common_shape(configs)
+    canon = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
+    if same_shape(configs):
+        return Members(models, [x / sum(w) for x in w], shape, canon, [None] * n, None, False)
+    if keep_layernorm and len({c.d_model for c in configs}) > 1:
+        raise ValueError("keep_layernorm needs one residual width: a lifted model's stream is not centred in the universe")
+    scale = next((c.attn_scale for c in configs if c.d_head == shape["d_head"]), shape["d_head"] ** -0.5)
+    return Members(models, [x / sum(w) for x in w], shape, [pad(m, shape, attn_scale=scale) for m in canon],
+                   [unit_masks(m.config, shape) for m in models], scale, True)
+
+
 def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterations: int = 5,
-                   weights: Optional[Sequence[float]] = None, init: Optional[nn.Module] = None,
+                   weights: Optional[Sequence[float]] = None, start: Optional[nn.Module] = None,
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
                    data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
-                   progress: bool = False, warm_start: bool = True, match_init: str = "both",
-                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
+                   progress: bool = False, **matching: Any) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
-    Start from ``init`` (e.g. the previous global model) or the largest-weight model; align every model
+    Start from ``start`` (e.g. the previous global model) or the largest-weight model; align every model
     to the universe with weight matching; set the universe to the (``weights``-weighted) mean of the
-    aligned models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done.
-    ``method="refined"`` then learns every model's alignment with Dirichlet(``alpha``) refinement on
-    ``data`` (``refine_steps`` steps, see ``matching.refine``).
+    aligned models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done;
+    from the second iteration on, each model's matching descends from its previous transform (the
+    identity is still scored as the do-no-harm candidate). ``method="refined"`` then learns every
+    model's alignment with Dirichlet(``alpha``) refinement on ``data`` (``refine_steps`` steps, see
+    ``matching.refine``).
 
     Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
     architecture must agree): each is padded exactly into the largest shape (``widths.pad``), its
@@ -35,94 +108,49 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     shape into the universe (a rectangular residual map; ``info['client_config']`` records its
     shape), so ``project(universe, T)`` returns a model of the client's shape.
 
-    ``match_init``: weight matching's start on the first iteration ("both", "paper", "identity").
-    ``warm_start``: later iterations descend from each model's previous transform (much cheaper than
-    the fresh paper/identity starts; the identity is still scored as the do-no-harm candidate).
-
     Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each
     model's transform. ``matching`` options go to ``weight_matching``.
     """
+    if "init" in matching:
+        warnings.warn("universe_merge(init=...) is deprecated: use start=", DeprecationWarning, stacklevel=2)
+        start = matching.pop("init")
     method = method_name(method, ("aligned", "refined"))
     if method == "refined" and data is None:
         raise ValueError("method='refined' needs data (a small training set) for the Dirichlet refinement")
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
-    if not models:
-        raise ValueError("universe_merge needs at least one model")
-    n = len(models)
-    w = [1.0 / n] * n if weights is None else [float(x) for x in weights]
-    if len(w) != n or any(x < 0 for x in w) or sum(w) <= 0:
-        raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
-    w = [x / sum(w) for x in w]
-    configs = [m.config for m in models] + ([init.config] if init is not None else [])
-    shape = common_shape(configs)
-    hetero = not same_shape(configs)
-    if hetero and keep_layernorm and len({c.d_model for c in configs}) > 1:
-        raise ValueError("keep_layernorm needs one residual width: a lifted model's stream is not centred in the universe")
-    canon = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
-    scale = None
-    if hetero:
-        scale = next((c.attn_scale for c in configs if c.d_head == shape["d_head"]), shape["d_head"] ** -0.5)
-        padded = [pad(m, shape, attn_scale=scale) for m in canon]
-        masks: list[Optional[dict]] = [unit_masks(m.config, shape) for m in models]
+    mem = members(models, weights, start, keep_layernorm)
+    if start is not None:
+        universe = pad(start, mem.shape, attn_scale=mem.attn_scale) if mem.hetero else start
     else:
-        padded, masks = canon, [None] * n
-    if init is not None:
-        universe = pad(init, shape, attn_scale=scale) if hetero else init
-    else:
-        universe = padded[int(max(range(n), key=lambda i: w[i]))]
+        universe = mem.padded[max(range(len(models)), key=lambda i: mem.weights[i])]
     universe = canonicalize(universe) if universe.config.norm == "layernorm" else universe
     if keep_layernorm:
         matching.setdefault("keep_layernorm", True)
-    transforms: list[Transform] = []
-    live = [i for i in range(n) if w[i] > 0]
-
-    def aligned_masks(i: int) -> Optional[dict]:
-        """Model i's real heads / FF neurons after its permutations, and the universe subspace its
-        residual occupies (so every entry is averaged over the models that hold it)."""
-        if masks[i] is None:
-            return None
-        out = permute_masks(masks[i], transforms[i])
-        d_c = models[i].config.d_model
-        if d_c < shape["d_model"]:
-            out["residual"] = residual_projector(transforms[i], d_c, shape["d_model"])
-        return out
-
-    kept_w = [w[i] for i in live]
-    kept: list[nn.Module] = []
-    kept_masks: list[Optional[dict]] = []
+    transforms: list[Transform] = [Transform() for _ in models]
     for it in range(max(1, iterations)):
-        # from the second iteration on, each model's descent starts from its previous transform
-        transforms = [weight_matching(universe, padded[i], start=transforms[i] if it and warm_start else None,
-                                      init=match_init, **matching)
-                      if w[i] > 0 else Transform() for i in range(n)]
-        kept = [apply_transform(padded[i], transforms[i]) for i in live]
-        kept_masks = [aligned_masks(i) for i in live]
-        new = merge(kept, kept_w, masks=kept_masks)
+        transforms = [weight_matching(universe, mem.padded[i], start=transforms[i] if it else None, **matching)
+                      if mem.weights[i] > 0 else Transform() for i in range(len(models))]
+        new = mem.merge(transforms)
         moved = _relative_change(universe, new)
         universe = new
         if progress:
             print(f"universe iteration {it + 1}: moved {moved:.2e}")
         if moved < tol:
             break
+    live = mem.live
     if method == "refined" and len(live) > 1:
-        refined = dirichlet_refine([padded[i] for i in live], [transforms[i] for i in live], data,
-                                   masks=[masks[i] for i in live], weights=kept_w, alpha=alpha, steps=refine_steps,
-                                   lr=refine_lr, form=form, keep_layernorm=keep_layernorm, reference=universe,
-                                   progress=progress, device=matching.get("device"))
+        refined = dirichlet_refine([mem.padded[i] for i in live], [transforms[i] for i in live], data,
+                                   masks=[mem.masks[i] for i in live], weights=[mem.weights[i] for i in live],
+                                   alpha=alpha, steps=refine_steps, lr=refine_lr, form=form,
+                                   keep_layernorm=keep_layernorm, reference=universe, progress=progress,
+                                   device=matching.get("device"))
         for i, T in zip(live, refined):
             transforms[i] = T
-        kept = [apply_transform(padded[i], transforms[i]) for i in live]
-        kept_masks = [aligned_masks(i) for i in live]
-        universe = merge(kept, kept_w, masks=kept_masks)
+        universe = mem.merge(transforms)
     if form == "circuit":  # the last aligned models, merged as circuits
-        universe = merge(kept, kept_w, form="circuit", masks=kept_masks)
-    if hetero:
-        for i, m in enumerate(models):
-            T = lift_residual(transforms[i], m.config.d_model) if m.config.d_model != shape["d_model"] else transforms[i]
-            T.info.update(shape=shape, attn_scale=scale, client_config=m.config.to_dict())
-            transforms[i] = T
-    return (to_layernorm(universe) if keep_layernorm else universe), transforms
+        universe = mem.merge(transforms, form="circuit")
+    return (to_layernorm(universe) if keep_layernorm else universe), mem.client_transforms(transforms)
 
 
 def _relative_change(a: nn.Module, b: nn.Module) -> float:

@@ -44,9 +44,9 @@ class AlignedFedAvg(FedlmcStrategy):
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
         self.device = device
 
-    def align(self, models: list[nn.Module], weights: list[float], init: Optional[nn.Module]):
+    def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
-        return universe_merge(models, weights=weights, init=init, iterations=self.iterations, form=self.form,
+        return universe_merge(models, weights=weights, start=start, iterations=self.iterations, form=self.form,
                               keep_layernorm=self.keep_layernorm, residual=self.residual, device=self.device)
 
     def combine(self, server_round, replies, models, weights):
@@ -81,8 +81,8 @@ class RefinedFedAvg(AlignedFedAvg):
             raise ValueError("RefinedFedAvg needs refine_data (a small server-side data set)")
         self.refine_data, self.alpha, self.refine_steps = refine_data, alpha, refine_steps
 
-    def align(self, models, weights, init):
-        return universe_merge(models, method="refined", weights=weights, init=init, iterations=self.iterations,
+    def align(self, models, weights, start):
+        return universe_merge(models, method="refined", weights=weights, start=start, iterations=self.iterations,
                               form=self.form, keep_layernorm=self.keep_layernorm, residual=self.residual,
                               data=self.refine_data, alpha=self.alpha, refine_steps=self.refine_steps, device=self.device)
 

@@ -65,7 +65,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         return out
 
     def combine(self, server_round, replies, models, weights):
-        universe, transforms = universe_merge(models, weights=weights, init=self.previous_model(),
+        universe, transforms = universe_merge(models, weights=weights, start=self.previous_model(),
                                               iterations=self.iterations, residual=self.residual, device=self.device)
         self._universe = universe
         self.transforms.update(zip([m.metadata.src_node_id for m in replies], transforms))

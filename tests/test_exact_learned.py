@@ -42,7 +42,7 @@ def _orthogonality(O: torch.Tensor) -> float:
 def test_learned_matching_returns_an_exact_symmetry(arch, keep_layernorm, record):
     A, B = make(arch, 0), make(arch, 1)  # float64, LayerNorm models with every parameter moved
     init = weight_matching(A, B, keep_layernorm=keep_layernorm)
-    T = learned_matching(A, B, _data(A), init=init, steps=8, lr=0.05, keep_layernorm=keep_layernorm,
+    T = learned_matching(A, B, _data(A), start=init, steps=8, lr=0.05, keep_layernorm=keep_layernorm,
                          progress=False)
     O = T["residual"]
     assert O.dtype == torch.float64 and float((O - init["residual"]).abs().max()) > 1e-4  # O really moved

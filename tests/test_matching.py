@@ -137,7 +137,7 @@ def test_learned_matching_lowers_the_midpoint_loss(digits, trained_a):
     A = trained_a
     B = _train(model_for_data("vit-digits", digits, 1), digits.train, 1)
     init = weight_matching(A, B)
-    T = learned_matching(A, B, digits.train, init=init, steps=60, progress=False)
+    T = learned_matching(A, B, digits.train, start=init, steps=60, progress=False)
     before = midpoint_loss(A, B, init, digits.train, max_batches=20)
     after = midpoint_loss(A, B, T, digits.train, max_batches=20)
     print(f"learned matching midpoint loss on train: {before:.3f} -> {after:.3f}")

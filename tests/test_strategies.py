@@ -119,8 +119,8 @@ def test_guard_keeps_plain_average_when_alignment_is_worse():
     class BrokenAlignment(AlignedFedAvg):
         """An alignment that returns a damaged model: the guard must refuse it."""
 
-        def align(self, models, weights, init):
-            merged, transforms = super().align(models, weights, init)
+        def align(self, models, weights, start):
+            merged, transforms = super().align(models, weights, start)
             with torch.no_grad():
                 for p in merged.parameters():
                     p.add_(torch.randn_like(p))

@@ -5,6 +5,7 @@ loss on training batches."""
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Optional
 
 import torch
@@ -16,21 +17,24 @@ from .optimise import Options, learn_alignments
 from .weight import canonical_state, weight_matching
 
 
-def learned_matching(model_a: nn.Module, model_b: nn.Module, data, init: Optional[Transform] = None,
+def learned_matching(model_a: nn.Module, model_b: nn.Module, data, start: Optional[Transform] = None,
                      steps: int = 300, lr: float = 1e-3, perm_lr: float = 0.05, batch_size: int = 64,
                      perms_only: bool = False, form: str = "factored", keep_layernorm: bool = False,
                      gauge: Optional[str] = "orthogonal", seed: int = 0, progress: bool = True,
-                     device: Optional[str] = None) -> Transform:
+                     device: Optional[str] = None, init: Optional[Transform] = None) -> Transform:
     """Learn T (residual O, head and FF permutations) minimising the merged model's loss on ``data``.
 
-    ``init`` (the start) defaults to ``weight_matching(A, B)``; ``perms_only`` keeps O at its start and
+    ``start`` defaults to ``weight_matching(A, B)`` (``init`` is its deprecated name); ``perms_only`` keeps O at its start and
     learns only the permutations; ``perm_lr`` is the permutation latents' learning rate (they start as
     0/1 matrices, so a permutation changes once a latent moves by about one). Returns an exact group
     element whose ``info['loss']`` holds the loss trace.
     """
     dev = pick_device(device)
-    if init is None:
-        init = weight_matching(model_a, model_b, keep_layernorm=keep_layernorm, gauge=gauge, device=dev)
+    if init is not None:
+        warnings.warn("learned_matching(init=...) is deprecated: use start=", DeprecationWarning, stacklevel=2)
+        start = init
+    if start is None:
+        start = weight_matching(model_a, model_b, keep_layernorm=keep_layernorm, gauge=gauge, device=dev)
     states = [canonical_state(m, dev, torch.float32) for m in (model_a, model_b)]
     cfg = model_b.config.replace(norm="rmsnorm", norm_bias=False)  # the canonical form's config
     rng = random.Random(seed)
@@ -42,9 +46,9 @@ def learned_matching(model_a: nn.Module, model_b: nn.Module, data, init: Optiona
     opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,
                    keep_layernorm=keep_layernorm, gauge=gauge, learn_residual=not perms_only, seed=seed,
                    progress=progress)
-    (_, elements), trace, seconds = learn_alignments(states, cfg, [Transform(), init], data, fixed=0,
+    (_, elements), trace, seconds = learn_alignments(states, cfg, [Transform(), start], data, fixed=0,
                                                      sample_weights=midpoint_region, opts=opts,
                                                      label="learned matching")
     info = {"method": "learned", "perms_only": perms_only, "steps": steps, "lr": lr, "loss": trace,
-            "seconds": seconds, "init": init.info}
+            "seconds": seconds, "init": start.info}
     return Transform(elements, info)

@@ -150,13 +150,12 @@ def weight_matching(
     residual: str = "orthogonal",
     keep_layernorm: bool = False,
     max_iter: int = 15,
-    init: str = "both",
+    starts: str = "both",
     gauge: Optional[str] = "orthogonal",
     guard_data=None,
     guard_batches: int = 4,
     form: str = "factored",
     residual_acts: Optional[torch.Tensor] = None,
-    act_weight: float = 1.0,
     device: Union[str, torch.device, None] = None,
     dtype: Optional[torch.dtype] = None,
     start: Optional[Transform] = None,
@@ -165,18 +164,18 @@ def weight_matching(
 
     ``residual``: "orthogonal" (the paper) or "permutation" (Git Re-Basin-style baseline).
     ``keep_layernorm``: restrict O to O·1 = 1 so the merge can go back to a LayerNorm model.
-    ``init``: "paper" (residual map from the anchor blocks), "identity" (all blocks from the identity
+    ``starts``: "paper" (residual map from the anchor blocks), "identity" (all blocks from the identity
     correspondence) or "both" (run both, keep the lower objective; also compare with the identity
     transform itself, which wins unless a matched transform is better — the do-no-harm guard for models
     sharing an initialisation). With ``guard_data`` (a data set), candidates are finally compared by the
     loss of their λ = 0.5 merge in ``form`` on ``guard_batches`` batches.
     ``residual_acts``: a precomputed activation cross-covariance (see ``activation.residual_activation_cross``)
-    mixed into every residual step with weight ``act_weight`` (the data-light residual option).
+    added to every residual step (the data-light residual option).
     ``dtype``: float64 below 20M parameters, else float32 (default).
     ``gauge``: how to align the intra-head gauges (needed by the factored merge): "orthogonal"
     (Procrustes), "invertible" (least squares, recovers any invertible gauge) or None.
     ``start``: a transform to descend from *instead of* the paper/identity starts (a warm start, e.g.
-    the previous universe iteration's); with ``init="both"`` the identity is still scored.
+    the previous universe iteration's); with ``starts="both"`` the identity is still scored.
     ``T.info`` records the objective of each candidate, which one won, iterations and seconds.
     """
 
@@ -191,22 +190,22 @@ def weight_matching(
     P = Problem(canonical_state(model_a, dev, dtype), canonical_state(model_b, dev, dtype), cfg)
     Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
     opts = dict(residual=residual, keep_layernorm=keep_layernorm, gauge=gauge, max_iter=max_iter,
-                M_extra=Mx, extra_weight=act_weight if Mx is not None else 0.0)
+                M_extra=Mx, extra_weight=1.0 if Mx is not None else 0.0)
     candidates: dict[str, Elements] = {}
     info: dict = {"iterations": {}}
     if start is not None:
         el = identity_elements(cfg, dev, dtype, residual)
         el.update({k: (v.to(device=dev, dtype=dtype) if v.is_floating_point() else v.to(dev)) for k, v in start.elements.items()})
         candidates["warm"], info["iterations"]["warm"] = coordinate_descent(P, el, **opts)
-    if init in ("paper", "both") and start is None:
+    if starts in ("paper", "both") and start is None:
         el = paper_init(P, residual=residual, keep_layernorm=keep_layernorm, M_extra=Mx, extra_weight=opts["extra_weight"])
         candidates["paper"], info["iterations"]["paper"] = coordinate_descent(P, el, **opts)
-    if init in ("identity", "both") and start is None:
+    if starts in ("identity", "both") and start is None:
         el = identity_elements(cfg, dev, dtype, residual)
         candidates["identity-start"], info["iterations"]["identity-start"] = coordinate_descent(P, el, **opts)
     if not candidates:
-        raise ValueError(f"init must be 'paper', 'identity' or 'both', got {init!r}")
-    if init == "both":
+        raise ValueError(f"starts must be 'paper', 'identity' or 'both', got {starts!r}")
+    if starts == "both":
         candidates["identity"] = {}
     scores = {k: P.objective(el) for k, el in candidates.items()}
     info["objective"] = scores
