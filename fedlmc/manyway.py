@@ -26,8 +26,7 @@ def aligned_models(models: Sequence[nn.Module], transforms) -> tuple[list[nn.Mod
     out, masks = [], []
     for m, T in zip(models, transforms):
         out.append(into_universe(m, T))
-        shape = T.info.get("shape")
-        masks.append(permute_masks(unit_masks(m.config, shape), T) if shape else None)
+        masks.append(permute_masks(unit_masks(m.config, T.width_map.shape), T) if T.width_map else None)
     return out, masks
 
 

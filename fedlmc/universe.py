@@ -11,9 +11,8 @@ import torch.nn as nn
 from .averaging import FORMS, merge
 from .matching import weight_matching
 from .matching.refine import dirichlet_refine
-from .models import ARCHS
 from .vocabulary import method_name
-from .symmetry import Transform, apply_transform, canonicalize, invert_transform, to_layernorm
+from .symmetry import Transform, WidthMap, apply_transform, canonicalize, invert_transform, to_layernorm
 from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks, unpad
 
 
@@ -61,8 +60,7 @@ class Members:
         for m, T in zip(self.models, transforms):
             if m.config.d_model != self.shape["d_model"]:
                 T = lift_residual(T, m.config.d_model)
-            T.info.update(shape=self.shape, attn_scale=self.attn_scale, client_config=m.config.to_dict())
-            out.append(T)
+            out.append(Transform(T.elements, T.info, WidthMap(dict(self.shape), self.attn_scale, m.config)))
         return out
 
 
@@ -105,8 +103,8 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
     architecture must agree): each is padded exactly into the largest shape (``widths.pad``), its
     padded heads and FF neurons are masked out of the averages, and its transform maps *its own*
-    shape into the universe (a rectangular residual map; ``info['client_config']`` records its
-    shape), so ``project(universe, T)`` returns a model of the client's shape.
+    shape into the universe (a rectangular residual map; ``T.width_map`` records the shapes), so
+    ``project(universe, T)`` returns a model of the client's shape.
 
     Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each
     model's transform. ``matching`` options go to ``weight_matching``.
@@ -169,10 +167,8 @@ def project(universe: nn.Module, transform: Transform) -> nn.Module:
     ``universe_merge`` also records the client's shape: padded heads and FF neurons are dropped.
     Exact on a lifted model.
     """
-    client = transform.info.get("client_config")
-    if client is not None and not isinstance(client, type(universe.config)):
-        client = ARCHS[client["arch"]][0].from_dict(client)
-    if transform.info.get("shape") and universe.config.d_head != transform.info["shape"]["d_head"]:
+    wm = transform.width_map
+    if wm is not None and universe.config.d_head != wm.shape["d_head"]:
         raise ValueError("project needs the universe in the factored form (a circuit merge changed the head width)")
     out = apply_transform(universe, invert_transform(transform)) if transform.elements else universe
-    return unpad(out, client) if client is not None else out
+    return unpad(out, wm.client) if wm is not None else out

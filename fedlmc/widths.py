@@ -167,10 +167,10 @@ def permute_masks(masks: dict[str, torch.Tensor], transform: Transform) -> dict[
 
 def into_universe(model: nn.Module, transform: Transform) -> nn.Module:
     """Apply a client's transform into the universe: pad its units to the universe's sizes (from the
-    transform's ``info['shape']``), then apply the elements (whose residual may be rectangular)."""
-    shape = transform.info.get("shape")
-    if shape:
-        model = pad(model, shape, residual=False, attn_scale=transform.info.get("attn_scale"))
+    transform's ``width_map``), then apply the elements (whose residual may be rectangular)."""
+    wm = transform.width_map
+    if wm is not None:
+        model = pad(model, wm.shape, residual=False, attn_scale=wm.attn_scale)
     return apply_transform(model, transform)
 
 
@@ -184,7 +184,7 @@ def lift_residual(transform: Transform, d_small: int) -> Transform:
         R = perm_matrix(R)
     els = dict(transform.elements)
     els["residual"] = R[:, :d_small].clone()
-    return Transform(els, dict(transform.info))
+    return Transform(els, dict(transform.info), transform.width_map)
 
 
 def residual_projector(transform: Transform, d_small: int, d_large: int) -> torch.Tensor:

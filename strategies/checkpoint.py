@@ -20,7 +20,7 @@ import torch
 from flwr.app import ArrayRecord
 from safetensors.torch import load_file, save_file
 
-from fedlmc.symmetry import Transform
+from fedlmc.symmetry import Transform, WidthMap
 
 GLOBAL, TRANSFORMS, STATE = "global.safetensors", "transforms.safetensors", "state.json"
 
@@ -35,14 +35,6 @@ class ServerState:
     transforms: dict[int, Transform] = field(default_factory=dict)
 
 
-def _jsonable(x: Any) -> Any:
-    try:
-        json.dumps(x)
-        return x
-    except TypeError:
-        return None
-
-
 def save_state(path: Path, server_round: int, arrays: ArrayRecord, strategy, metrics: dict[str, Any]) -> Path:
     """Write the state after ``server_round`` to ``path`` (a directory), atomically."""
     path = Path(path)
@@ -55,7 +47,7 @@ def save_state(path: Path, server_round: int, arrays: ArrayRecord, strategy, met
     for node, T in kept["transforms"].items():
         for name, el in T.elements.items():
             tensors[f"{node}/{name}"] = el.detach().cpu().contiguous()
-        infos[str(node)] = {k: _jsonable(v) for k, v in T.info.items() if k in ("shape", "attn_scale", "client_config")}
+        infos[str(node)] = T.width_map.to_dict() if T.width_map is not None else None
     if tensors:
         save_file(tensors, str(tmp / TRANSFORMS))
     save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
@@ -92,7 +84,8 @@ def load_state(path: Path) -> Optional[ServerState]:
     if (cand / TRANSFORMS).is_file():
         for key, t in load_file(str(cand / TRANSFORMS)).items():
             node, name = key.split("/", 1)
-            transforms.setdefault(int(node), Transform({}, dict(doc["transform_info"].get(node, {}))))
+            wm = doc["transform_info"].get(node)
+            transforms.setdefault(int(node), Transform({}, {}, WidthMap.from_dict(wm) if wm else None))
             transforms[int(node)].elements[name] = t
     if (cand / "rng.safetensors").is_file():
         torch.set_rng_state(load_file(str(cand / "rng.safetensors"))["torch_rng"])

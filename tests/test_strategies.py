@@ -174,6 +174,24 @@ def test_hetero_width_strategy_aligns_and_projects(record):
     assert sent.config.d_model == 16 and sent.config.d_ff == 32 and strategy.model_for(3) is None
     with torch.no_grad():
         record("HeteroWidthFedAvg: model sent to the narrow node vs narrow", float((sent(x) - ref).abs().max() / ref.abs().max()), 1e-3)
+    # the per-node transforms (typed width maps included) survive a checkpoint: a resumed server sends
+    # the narrow node the same model
+    import tempfile
+    from pathlib import Path
+
+    from strategies.checkpoint import load_state, save_state
+
+    path = Path(tempfile.mkdtemp(prefix="ckpt-")) / "state"
+    save_state(path, 1, arrays, strategy, {"rounds": []})
+    state = load_state(path)
+    resumed = HeteroWidthFedAvg(model_config=wide_cfg.to_dict())
+    resumed.load_state({"global_config": state.global_config, "history": state.history,
+                        "transforms": state.transforms}, round_offset=state.round)
+    resumed._universe = model_from_arrays(state.arrays, state.global_config)
+    again = resumed.model_for(2)
+    assert again.config == sent.config and resumed.transforms[2].width_map == strategy.transforms[2].width_map
+    with torch.no_grad():
+        assert float((again(x) - sent(x)).abs().max()) < 1e-6
 
 
 def test_slicing_baseline_averages_each_entry_over_its_holders():

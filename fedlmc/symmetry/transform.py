@@ -10,17 +10,37 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..models import from_config
+from ..models import ARCHS, from_config
 from ..models.layers import TransformerConfig
 from .spec import Group, StateDict, spec_for
 
 
+@dataclass(frozen=True)
+class WidthMap:
+    """How a client of another shape enters a wider universe (typed, so nothing downstream reads it out
+    of ``info``): the universe's unit sizes it is padded to (``d_model``, ``n_head``, ``d_head``,
+    ``d_ff``), the universe's attention scale, and the client's own config (what ``project`` returns to)."""
+
+    shape: dict[str, int]
+    attn_scale: float
+    client: TransformerConfig
+
+    def to_dict(self) -> dict:
+        return {"shape": dict(self.shape), "attn_scale": self.attn_scale, "client": self.client.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WidthMap":
+        return cls(dict(d["shape"]), float(d["attn_scale"]), ARCHS[d["client"]["arch"]][0].from_dict(d["client"]))
+
+
 @dataclass
 class Transform:
-    """One group element per named group; absent groups act as the identity."""
+    """One group element per named group (absent groups act as the identity); ``width_map`` when the
+    transform maps a client of another shape into a wider universe; ``info`` is diagnostics only."""
 
     elements: dict[str, torch.Tensor] = field(default_factory=dict)
     info: dict = field(default_factory=dict, compare=False)  # diagnostics from whoever built it
+    width_map: Optional[WidthMap] = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.elements[name]
@@ -36,7 +56,7 @@ class Transform:
         out = {}
         for k, v in self.elements.items():
             out[k] = v.to(device=device) if not v.is_floating_point() else v.to(device=device, dtype=dtype or v.dtype)
-        return Transform(out)
+        return Transform(out, width_map=self.width_map)
 
 
 # --------------------------------------------------------------------------------------------------
