@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from .models.layers import TransformerConfig
-from .symmetry import StateDict, canonicalize, rebuild, spec_for, to_layernorm
+from .symmetry import StateDict, canonical, rebuild, spec_for, to_layernorm
 
 FORMS = ("factored", "circuit")
 
@@ -53,7 +53,7 @@ def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg,
         out = weighted_state(states, weights)
     for kind in ("qk", "ov"):
         for g in spec.layer_groups(kind):
-            head_w = _head_weights(weights, masks, f"heads.{g.layer}", H, states[0][g.members[0].param])
+            head_w = _head_weights(weights, masks, g.heads, H, states[0][g.members[0].param])
             for m in g.members:
                 # the transposed side (Q of QK, O of OV) carries the weights; the other side is shared
                 scaled = m.fn in ("MT", "MinvT")
@@ -88,7 +88,7 @@ def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "fa
         raise ValueError("merge needs one weight per model")
     _check_same_shape(models)
     if form == "circuit" or not all(m.config.norm == "layernorm" for m in models):
-        models = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
+        models = [canonical(m) for m in models]
     # else: LayerNorm models in the factored form are averaged as they are (exactly FedAvg; the result
     # is a LayerNorm model, so keep_layernorm holds without a conversion)
     ref = models[0]

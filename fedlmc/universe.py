@@ -12,7 +12,7 @@ from .averaging import FORMS, merge
 from .matching import weight_matching
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
-from .symmetry import Transform, WidthMap, apply_transform, canonicalize, invert_transform, to_layernorm
+from .symmetry import Transform, WidthMap, apply_transform, canonical, invert_transform, spec_for, to_layernorm
 from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks, unpad
 
 
@@ -75,7 +75,7 @@ def members(models: Sequence[nn.Module], weights: Optional[Sequence[float]], sta
         raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
     configs = [m.config for m in models] + ([start.config] if start is not None else [])
     shape = common_shape(configs)
-    canon = [canonicalize(m) if m.config.norm == "layernorm" else m for m in models]
+    canon = [canonical(m) for m in models]
     if same_shape(configs):
         return Members(models, [x / sum(w) for x in w], shape, canon, [None] * n, None, False)
     if keep_layernorm and len({c.d_model for c in configs}) > 1:
@@ -122,7 +122,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
         universe = pad(start, mem.shape, attn_scale=mem.attn_scale) if mem.hetero else start
     else:
         universe = mem.padded[max(range(len(models)), key=lambda i: mem.weights[i])]
-    universe = canonicalize(universe) if universe.config.norm == "layernorm" else universe
+    universe = canonical(universe)
     if keep_layernorm:
         matching.setdefault("keep_layernorm", True)
     transforms: list[Transform] = [Transform() for _ in models]
@@ -170,5 +170,5 @@ def project(universe: nn.Module, transform: Transform) -> nn.Module:
     wm = transform.width_map
     if wm is not None and universe.config.d_head != wm.shape["d_head"]:
         raise ValueError("project needs the universe in the factored form (a circuit merge changed the head width)")
-    out = apply_transform(universe, invert_transform(transform)) if transform.elements else universe
+    out = apply_transform(universe, invert_transform(transform, spec_for(universe))) if transform.elements else universe
     return unpad(out, wm.client) if wm is not None else out

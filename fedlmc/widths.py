@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .models import from_config
 from .models.layers import TransformerConfig
-from .symmetry import StateDict, Transform, apply_transform, canonicalize, is_permutation, perm_matrix, rebuild, spec_for
+from .symmetry import StateDict, Transform, apply_transform, is_permutation, perm_matrix, rebuild, spec_for
 
 SHAPE = ("d_model", "n_head", "d_ff", "d_head")
 
@@ -76,21 +76,18 @@ def _resize_units(model: nn.Module, n_head: int, d_head: int, d_ff: int, attn_sc
     spec = spec_for(cfg)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     H, dh = cfg.n_head, cfg.d_head
-    for l in range(cfg.n_layer):
-        b = f"blocks.{l}"
-        # Q absorbs the change of attention scale so scores stay the same
-        for key in (f"{b}.attn.q.weight", f"{b}.attn.q.bias"):
-            sd[key] = sd[key] * (cfg.attn_scale / attn_scale)
-        for m in spec.groups[f"heads.{l}"].members:
-            if grow:
-                sd[m.param] = _pad_axis(sd[m.param], m.axis, H, dh, n_head, d_head)
-            else:
-                sd[m.param] = _slice_axis(sd[m.param], m.axis, H, dh, n_head, d_head)
-        for m in spec.groups[f"ff.{l}"].members:
-            if grow:
-                sd[m.param] = _pad_axis(sd[m.param], m.axis, cfg.d_ff, 1, d_ff, 1)
-            else:
-                sd[m.param] = _slice_axis(sd[m.param], m.axis, cfg.d_ff, 1, d_ff, 1)
+    resize = _pad_axis if grow else _slice_axis
+    for g in spec.layer_groups("qk"):
+        # the query side (q → Aᵀq) absorbs the change of attention scale, so scores stay the same
+        for m in g.members:
+            if m.fn == "MT":
+                sd[m.param] = sd[m.param] * (cfg.attn_scale / attn_scale)
+    for g in spec.layer_groups("heads"):
+        for m in g.members:
+            sd[m.param] = resize(sd[m.param], m.axis, H, dh, n_head, d_head)
+    for g in spec.layer_groups("ff"):
+        for m in g.members:
+            sd[m.param] = resize(sd[m.param], m.axis, cfg.d_ff, 1, d_ff, 1)
     return rebuild(model, sd, cfg.replace(n_head=n_head, d_head=d_head, d_ff=d_ff, attn_scale=attn_scale))
 
 
@@ -118,8 +115,6 @@ def pad(model: nn.Module, shape: dict[str, int], residual: bool = True, attn_sca
         out = _resize_units(model, target["n_head"], target["d_head"], target["d_ff"], scale, grow=True)
     if residual and target["d_model"] != cfg.d_model:
         ref = next(out.parameters())
-        if out.config.norm == "layernorm":
-            out = canonicalize(out)
         out = apply_transform(out, Transform({"residual": residual_lift(cfg.d_model, target["d_model"], ref.dtype)}))
     return out
 
@@ -134,8 +129,6 @@ def unpad(model: nn.Module, client: TransformerConfig) -> nn.Module:
     cfg = model.config
     out = model
     if cfg.d_model != client.d_model:
-        if out.config.norm == "layernorm":
-            out = canonicalize(out)
         ref = next(out.parameters())
         out = apply_transform(out, Transform({"residual": residual_lift(client.d_model, cfg.d_model, ref.dtype).T}))
     c = out.config
@@ -148,10 +141,9 @@ def unpad(model: nn.Module, client: TransformerConfig) -> nn.Module:
 
 def unit_masks(cfg: TransformerConfig, shape: dict[str, int], device=None) -> dict[str, torch.Tensor]:
     """Which heads and FF neurons of a model padded into ``shape`` are real (True) or padding (False)."""
-    out: dict[str, torch.Tensor] = {}
-    for l in range(cfg.n_layer):
-        out[f"heads.{l}"] = torch.arange(shape["n_head"], device=device) < cfg.n_head
-        out[f"ff.{l}"] = torch.arange(shape["d_ff"], device=device) < cfg.d_ff
+    spec = spec_for(cfg)
+    out = {g.name: torch.arange(shape["n_head"], device=device) < cfg.n_head for g in spec.layer_groups("heads")}
+    out.update({g.name: torch.arange(shape["d_ff"], device=device) < cfg.d_ff for g in spec.layer_groups("ff")})
     return out
 
 

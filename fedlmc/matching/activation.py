@@ -12,7 +12,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
-from ..canonical import canonicalize
+from ..symmetry import canonical, canonical_config
 from ..symmetry import Transform, spec_for
 from .common import apply_elements, assignment, gauge_step, residual_element
 from .weight import canonical_state, identity_elements
@@ -45,7 +45,7 @@ def _hooks(model: nn.Module, spec) -> Iterable[dict]:
 @torch.no_grad()
 def activations(model: nn.Module, batches, device=None) -> dict[str, torch.Tensor]:
     """Probe activations of the canonical model on ``batches`` (an iterable of (x, y)), rows = tokens."""
-    c = canonicalize(model) if model.config.norm == "layernorm" else model
+    c = canonical(model)
     c.eval()
     dev = device or next(c.parameters()).device
     spec = spec_for(c)
@@ -83,7 +83,7 @@ def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches:
     merge) then come from the weights, as in weight matching."""
     batches = _batches(data, n_batches, batch_size)
     a, b = activations(model_a, batches), activations(model_b, batches)
-    cfg = model_b.config.replace(norm="rmsnorm", norm_bias=False)  # the canonical form's config
+    cfg = canonical_config(model_b.config)
     spec = spec_for(cfg)
     keys = [k for k in a if k == "input" or k in spec.residual_probes]
     M = sum(a[k].T @ b[k] / len(a[k]) for k in keys)
@@ -96,8 +96,8 @@ def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches:
     for g in spec.layer_groups("heads"):
         # each head's contribution to the residual stream, B's mapped into A's frame by O
         H, dh = g.size, g.members[0].block
-        Wo_a = next(A[m.param] for m in g.members if m.axis == 1)  # the out projection (d, H·dh)
-        Wo_b = next(B[m.param] for m in g.members if m.axis == 1)
+        out = next(m.param for m in g.members if m.role == "out")  # the out projection (d, H·dh)
+        Wo_a, Wo_b = A[out], B[out]
         ya, yb = a[g.name].reshape(-1, H, dh), b[g.name].reshape(-1, H, dh)
         ca = torch.einsum("nhk,dhk->hnd", ya, Wo_a.reshape(-1, H, dh))
         cb = torch.einsum("nhk,dhk->hnd", yb, (Om @ Wo_b).reshape(-1, H, dh))

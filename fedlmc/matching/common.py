@@ -115,12 +115,13 @@ def circuit_inner(XA: torch.Tensor, YA: torch.Tensor, XB: torch.Tensor, YB: torc
 CIRCUITS = {"qk": (("MT",), ("Minv",)), "ov": (("MinvT",), ("M",))}
 
 
-def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, layer: int, n_head: int) -> torch.Tensor:
-    """Squared distances between A's and B's heads in layer ``layer``: bias-augmented QK and OV
+def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str, n_head: int) -> torch.Tensor:
+    """Squared distances between A's and B's heads of heads group ``heads``: bias-augmented QK and OV
     circuits, each normalised by A's mean circuit norm so that neither dominates. Gauge-invariant."""
     D = 0.0
+    gauges = spec.gauges_of(heads)
     for kind, (xs, ys) in CIRCUITS.items():
-        g = spec.groups[f"{kind}.{layer}"]
+        g = gauges[kind]
         XA, YA = head_side(A, g, n_head, xs), head_side(A, g, n_head, ys)
         XB, YB = head_side(B, g, n_head, xs), head_side(B, g, n_head, ys)
         nA = circuit_inner(XA, YA, XA, YA).diagonal()
@@ -132,7 +133,7 @@ def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, layer: int, n
 
 def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec, n_head: int) -> Elements:
     """Head permutations of every layer from circuit distances (B already carries the residual map)."""
-    return {g.name: assignment(-head_distances(A, B_res, spec, g.layer, n_head)) for g in spec.layer_groups("heads")}
+    return {g.name: assignment(-head_distances(A, B_res, spec, g.name, n_head)) for g in spec.layer_groups("heads")}
 
 
 def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, n_head: int, mode: str = "orthogonal") -> Elements:

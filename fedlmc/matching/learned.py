@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..symmetry import Transform
+from ..symmetry import Transform, canonical_config
 from ..train import pick_device
 from .optimise import Options, learn_alignments
 from .weight import canonical_state, weight_matching
@@ -36,7 +36,7 @@ def learned_matching(model_a: nn.Module, model_b: nn.Module, data, start: Option
     if start is None:
         start = weight_matching(model_a, model_b, keep_layernorm=keep_layernorm, gauge=gauge, device=dev)
     states = [canonical_state(m, dev, torch.float32) for m in (model_a, model_b)]
-    cfg = model_b.config.replace(norm="rmsnorm", norm_bias=False)  # the canonical form's config
+    cfg = canonical_config(model_b.config)
     rng = random.Random(seed)
 
     def midpoint_region() -> list[float]:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..symmetry import Transform
+from ..symmetry import Transform, canonical_config
 from ..train import pick_device
 from .optimise import Options, learn_alignments
 from .weight import canonical_state
@@ -44,7 +44,7 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
         return list(transforms)
     dev = pick_device(device)
     states = [canonical_state(m, dev, torch.float32) for m in models]
-    cfg = models[0].config.replace(norm="rmsnorm", norm_bias=False)
+    cfg = canonical_config(models[0].config)
     fixed = int(np.argmax(weights)) if weights is not None else 0
     rng = np.random.default_rng(seed)
     opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,

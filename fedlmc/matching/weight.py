@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..averaging import interpolate
-from ..symmetry import StateDict, Transform, apply_transform, canonicalize, is_permutation, perm_matrix, spec_for
+from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, is_permutation, perm_matrix, spec_for
 from ..train import evaluate, pick_device
 from .common import (Elements, anchors, apply_elements, as_rows, ff_step, gauge_step, heads_step, residual_cross,
                      residual_element)
@@ -23,7 +23,7 @@ from .common import (Elements, anchors, apply_elements, as_rows, ff_step, gauge_
 
 def canonical_state(model: nn.Module, device: torch.device, dtype: torch.dtype) -> StateDict:
     """The canonical form's weights, detached, on ``device`` in ``dtype``."""
-    c = canonicalize(model) if model.config.norm == "layernorm" else model
+    c = canonical(model)
     return {k: v.detach().to(device=device, dtype=dtype) for k, v in c.state_dict().items()}
 
 
@@ -186,7 +186,7 @@ def weight_matching(
     dev = pick_device(device) if device is None or isinstance(device, str) else device
     if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32
         dtype = torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
-    cfg = model_b.config.replace(norm="rmsnorm", norm_bias=False)  # the canonical form's config
+    cfg = canonical_config(model_b.config)
     P = Problem(canonical_state(model_a, dev, dtype), canonical_state(model_b, dev, dtype), cfg)
     Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
     opts = dict(residual=residual, keep_layernorm=keep_layernorm, gauge=gauge, max_iter=max_iter,

@@ -50,7 +50,17 @@ def canonicalize(model: nn.Module) -> nn.Module:
         for m in spec.writers() + spec.readers():
             t = sd[m.param]
             sd[m.param] = t - t.mean(dim=m.axis, keepdim=True)  # C t along the axis, without a d×d product
-    return rebuild(model, sd, cfg.replace(norm="rmsnorm", norm_bias=False))
+    return rebuild(model, sd, canonical_config(cfg))
+
+
+def canonical(model: nn.Module) -> nn.Module:
+    """The model in canonical (RMSNorm) form: canonicalised if it has LayerNorms, else itself."""
+    return canonicalize(model) if model.config.norm == "layernorm" else model
+
+
+def canonical_config(cfg):
+    """The config of a model's canonical form (parameter-free RMSNorm)."""
+    return cfg.replace(norm="rmsnorm", norm_bias=False)
 
 
 def residual_offcentre(model: nn.Module) -> float:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..models.layers import TransformerConfig
-from .spec import spec_for
+from .spec import SymmetrySpec, spec_for
 from .transform import Transform, is_permutation
 
 
@@ -75,20 +75,20 @@ def random_transform(
     return Transform(out)
 
 
-def invert_transform(transform: Transform) -> Transform:
-    """The inverse element: ``apply_transform(apply_transform(m, T), invert_transform(T))`` computes m's
+def invert_transform(transform: Transform, spec: SymmetrySpec) -> Transform:
+    """The inverse element: ``apply_transform(apply_transform(m, T), invert_transform(T, spec_for(m)))`` computes m's
     function in m's coordinates. A semi-orthogonal residual ``O`` (``d' x d``) inverts to ``Oᵀ`` (the
     projection back to width d, exact on lifted models). Gauges act after their layer's head
     permutation, so the inverse gauges are re-indexed by the inverse permutation."""
     out: dict[str, torch.Tensor] = {}
     for name, el in transform.elements.items():
-        kind, _, layer = name.partition(".")
-        if kind == "residual":
+        group = spec.groups[name]
+        if group.kind == "orthogonal":
             out[name] = torch.argsort(el) if is_permutation(el) else el.transpose(0, 1)
         elif is_permutation(el):
             out[name] = torch.argsort(el)
         else:  # gauge: x_new[i] = G[i] x_old[π[i]]  ⇒  x_old[j] = G[σ[j]]⁻¹ x_new[σ[j]], σ = π⁻¹
-            perm = transform.elements.get(f"heads.{layer}")
+            perm = transform.elements.get(group.heads)
             sigma = torch.argsort(perm) if perm is not None else torch.arange(el.shape[0])
             out[name] = torch.linalg.inv(el[sigma])
     return Transform(out)

@@ -36,7 +36,8 @@ class Member:
     ``fn`` names the matrix applied to vectors along ``axis`` ("M", "MT", "Minv", "MinvT"). ``block``
     is the block size for head-structured groups (heads, gauges). For the residual group, ``role`` is
     "writer", "reader" or "norm"; readers name the norm that feeds them and their bias, which is what
-    the canonical form needs to fold a LayerNorm's affine into them.
+    the canonical form needs to fold a LayerNorm's affine into them. In a heads group, ``role="out"``
+    marks the output projection (whose columns carry each head's contribution to the stream).
     """
 
     param: str
@@ -59,6 +60,13 @@ class Group:
     layer: Optional[int] = None
     count: int = 1
     probe: Optional[str] = None  # module whose activations show this group's units (activation matching)
+    heads: Optional[str] = None  # a gauge group: the heads group whose permutation it follows
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Where the group acts in a transform: the residual map first, then layer by layer, a layer's
+        permutations before its gauges (gauge h refers to the permuted head h)."""
+        return (-1 if self.layer is None else self.layer, {"orthogonal": 0, "permutation": 1, "gauge": 2}[self.kind])
 
 
 @dataclass
@@ -77,6 +85,10 @@ class SymmetrySpec:
     def layer_groups(self, kind: str) -> list[Group]:
         """The per-layer groups whose name starts with ``kind`` ("heads", "qk", "ov", "ff"), by layer."""
         return [g for name, g in self.groups.items() if name.split(".")[0] == kind]
+
+    def gauges_of(self, heads: str) -> dict[str, Group]:
+        """The gauge groups that follow heads group ``heads``, by kind ("qk", "ov")."""
+        return {name.split(".")[0]: g for name, g in self.groups.items() if g.heads == heads}
 
     def writers(self) -> list[Member]:
         return [m for m in self.residual.members if m.role == "writer"]
@@ -122,14 +134,15 @@ def transformer_spec(cfg: TransformerConfig, embed_writers: list[Member], head: 
         residual += [Member(f"{b}.mlp.fc1.weight", 1, role="reader", norm=ln2, bias=f"{b}.mlp.fc1.bias")]
         residual += [Member(f"{b}.mlp.fc2.weight", 0, role="writer"), Member(f"{b}.mlp.fc2.bias", 0, role="writer")]
         qkv = [Member(f"{b}.attn.{p}.{t}", 0, block=dh) for p in "qkv" for t in ("weight", "bias")]
-        groups[f"heads.{l}"] = Group(f"heads.{l}", "permutation", H, qkv + [Member(f"{b}.attn.o.weight", 1, block=dh)], l,
-                                     probe=f"{b}.attn.o")
+        out = Member(f"{b}.attn.o.weight", 1, block=dh, role="out")
+        groups[f"heads.{l}"] = Group(f"heads.{l}", "permutation", H, qkv + [out], l, probe=f"{b}.attn.o")
         groups[f"qk.{l}"] = Group(f"qk.{l}", "gauge", dh, [
             Member(f"{b}.attn.q.weight", 0, "MT", dh), Member(f"{b}.attn.q.bias", 0, "MT", dh),
-            Member(f"{b}.attn.k.weight", 0, "Minv", dh), Member(f"{b}.attn.k.bias", 0, "Minv", dh)], l, count=H)
+            Member(f"{b}.attn.k.weight", 0, "Minv", dh), Member(f"{b}.attn.k.bias", 0, "Minv", dh)], l, count=H,
+            heads=f"heads.{l}")
         groups[f"ov.{l}"] = Group(f"ov.{l}", "gauge", dh, [
             Member(f"{b}.attn.v.weight", 0, "M", dh), Member(f"{b}.attn.v.bias", 0, "M", dh),
-            Member(f"{b}.attn.o.weight", 1, "MinvT", dh)], l, count=H)
+            Member(f"{b}.attn.o.weight", 1, "MinvT", dh)], l, count=H, heads=f"heads.{l}")
         groups[f"ff.{l}"] = Group(f"ff.{l}", "permutation", cfg.d_ff, [
             Member(f"{b}.mlp.fc1.weight", 0), Member(f"{b}.mlp.fc1.bias", 0), Member(f"{b}.mlp.fc2.weight", 1)], l,
             probe=f"{b}.mlp.fc2")

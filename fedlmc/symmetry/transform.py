@@ -146,13 +146,6 @@ def act(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
     return out
 
 
-def _order(name: str) -> tuple[int, int]:
-    # Residual first, then per layer: heads before their gauges (gauge h refers to the permuted head h).
-    kind, _, layer = name.partition(".")
-    rank = {"residual": 0, "heads": 1, "qk": 2, "ov": 3, "ff": 4}.get(kind, 5)
-    return (int(layer) if layer.isdigit() else -1, rank)
-
-
 def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform) -> tuple[StateDict, TransformerConfig]:
     """Apply ``transform`` to a state dict of config ``cfg``; returns the new state dict and config."""
     spec = spec_for(cfg)
@@ -162,7 +155,7 @@ def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform) 
     R = transform.get("residual")
     if R is not None and cfg.norm != "rmsnorm":
         raise ValueError("the residual group acts on the canonical (RMSNorm) form: call canonicalize(model) first")
-    for name in sorted(transform.elements, key=_order):
+    for name in sorted(transform.elements, key=lambda n: spec.groups[n].rank):
         sd = act(sd, spec.groups[name], transform.elements[name])
     if R is not None and not is_permutation(R) and R.shape[0] != R.shape[1]:
         d_new, d_old = R.shape
