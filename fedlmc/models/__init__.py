@@ -22,6 +22,12 @@ PRESETS: dict[str, tuple[type, dict[str, Any], str]] = {
 ARCHS: dict[str, tuple[type, type]] = {"gpt2": (GPT2Config, GPT2), "vit": (ViTConfig, ViT)}
 
 
+def register_architecture(arch: str, config_cls: type, model_cls: type) -> None:
+    """Make ``from_config`` build ``model_cls`` for configs whose ``arch`` is ``arch`` (a user's own
+    Transformer; describe its symmetries with ``fedlmc.symmetry.register_spec`` too)."""
+    ARCHS[arch] = (config_cls, model_cls)
+
+
 def preset_config(name: str, **overrides: Any) -> TransformerConfig:
     """The config of preset ``name`` with ``overrides`` applied (e.g. ``d_model=64``)."""
     if name not in PRESETS:
@@ -53,4 +59,4 @@ def from_preset(name: str, **overrides: Any) -> nn.Module:
 
 
 __all__ = ["GPT2", "GPT2Config", "ViT", "ViTConfig", "RMSNorm", "TransformerConfig", "PRESETS",
-           "from_preset", "from_config", "preset_config", "preset_dataset"]
+           "from_preset", "from_config", "preset_config", "preset_dataset", "register_architecture"]

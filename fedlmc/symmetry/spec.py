@@ -18,7 +18,7 @@ or ``M^{-T}`` of the group element M. Permutations are stored as index tensors w
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Union
 
 import torch
@@ -85,6 +85,16 @@ class SymmetrySpec:
     def layer_groups(self, kind: str) -> list[Group]:
         """The per-layer groups whose name starts with ``kind`` ("heads", "qk", "ov", "ff"), by layer."""
         return [g for name, g in self.groups.items() if name.split(".")[0] == kind]
+
+    def renamed(self, rename: Callable[[str], str], arch: Optional[str] = None) -> "SymmetrySpec":
+        """The same spec for a model whose parameters and modules are named ``rename(name)``: how an
+        architecture with the same mathematics under other names describes itself."""
+        def member(m: Member) -> Member:
+            return replace(m, param=rename(m.param), norm=m.norm and rename(m.norm), bias=m.bias and rename(m.bias))
+        groups = {n: replace(g, members=[member(m) for m in g.members], probe=g.probe and rename(g.probe))
+                  for n, g in self.groups.items()}
+        return SymmetrySpec(arch or self.arch, groups, [rename(n) for n in self.norms],
+                            [rename(p) for p in self.residual_probes])
 
     def gauges_of(self, heads: str) -> dict[str, Group]:
         """The gauge groups that follow heads group ``heads``, by kind ("qk", "ov")."""
