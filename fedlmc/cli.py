@@ -1,19 +1,12 @@
-"""The ``fedlmc`` command: ``train``, ``barrier``, ``demo`` (more subcommands register themselves)."""
+"""The ``fedlmc`` command line: its argument parsers and ``main`` (the subcommands live in ``commands``)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import sys
-import time
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from rich.console import Console
-
-from .vocabulary import method_name
-
-console = Console(stderr=True)
+from .commands import (cmd_barrier, cmd_demo, cmd_merge, cmd_reproduce, cmd_train, cmd_universe, cmd_widths,
+                       console)
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -30,277 +23,21 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA when present)")
 
 
-def load_splits(preset: str, args: argparse.Namespace, seed: int = 0):
-    """The data splits a preset trains on, honouring --dataset/--data-dir/--text."""
-    from .data import load
-    from .models import preset_config, preset_dataset
-
-    cfg = preset_config(preset)
-    return load(getattr(args, "dataset", None) or preset_dataset(preset), data_dir=getattr(args, "data_dir", None),
-                block_size=getattr(cfg, "block_size", 64), text_file=getattr(args, "text", None), seed=seed)
-
-
-def budget(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, device=args.device)
-
-
-def trained(preset: str, seed: int, splits, cache: Path, progress: bool = True,
-            model_overrides: Optional[dict[str, Any]] = None, **over: Any):
-    """Train (or reuse from ``cache``) preset ``preset`` with ``seed``; returns the loaded model.
-    ``model_overrides`` change the architecture (e.g. ``{"d_model": 64}``), ``over`` the budget."""
-    from . import io
-    from .train import train_config_for, train_preset
-
-    cfg = train_config_for(preset, seed, **over)
-    parts: list[Any] = [preset, splits.name, splits.meta.get("source"), cfg.__dict__]
-    if model_overrides:  # only when given, so earlier caches keep their names
-        parts.append(model_overrides)
-    key = json.dumps(parts, sort_keys=True, default=str)
-    tag = "".join(f"-{k}{v}" for k, v in sorted((model_overrides or {}).items())).replace("_", "")
-    path = cache / f"{preset}{tag}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-    if (path / io.WEIGHTS).is_file():
-        console.print(f"[dim]reusing {path}[/dim]")
-        return io.load(path)
-    model, hist = train_preset(preset, splits, seed=seed, progress=progress, model_overrides=model_overrides, **over)
-    io.save(model, path, model.meta)
-    console.print(f"{preset} seed {seed}: test loss {hist['test']['loss']:.4f} acc {hist['test']['acc']:.4f} "
-                  f"({hist['seconds']:.0f} s) → {path}")
-    return model
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from . import io
-    from .train import train_preset
-
-    splits = load_splits(args.preset, args)
-    console.print(f"data {splits.summary()}")
-    model, hist = train_preset(args.preset, splits, seed=args.seed, progress=not args.quiet, **budget(args))
-    io.save(model, args.out, model.meta)
-    (Path(args.out) / "history.json").write_text(json.dumps(hist, indent=2, default=float))
-    print(json.dumps({"out": str(args.out), "test": hist["test"], "seconds": round(hist["seconds"], 1)}))
-    return 0
-
-
-def _eval_split(model, args: argparse.Namespace):
-    """The split a saved model should be evaluated on: its own data set unless --dataset says otherwise."""
-    return getattr(_splits_for(model, args), args.split)
-
-
-def _splits_for(model, args: argparse.Namespace):
-    """The data splits of a saved model: its own data set unless --dataset says otherwise."""
-    from .data import load
-
-    meta = getattr(model, "meta", {})
-    name = args.dataset or meta.get("dataset")
-    if not name:
-        raise SystemExit("the checkpoint does not record its data set: pass --dataset")
-    text = args.text or (meta.get("source") if name not in ("digits", "mnist", "cifar10", "shakespeare") else None)
-    return load(name if name in ("digits", "mnist", "cifar10", "shakespeare") else "text", data_dir=args.data_dir,
-                block_size=getattr(model.config, "block_size", 64), text_file=text)
-
-
-def cmd_barrier(args: argparse.Namespace) -> int:
-    from . import io
-    from .barrier import barrier, interpolation_curve, plot_curves
-
-    a, b = io.load(args.model_a), io.load(args.model_b)
-    data = _eval_split(a, args)
-    curve = interpolation_curve(a, b, data, max_batches=args.max_batches)
-    out = {"model_a": args.model_a, "model_b": args.model_b, "split": args.split, "method": "vanilla",
-           "barrier": barrier(curve), "curve": curve.to_dict()}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2))
-    if args.plot:
-        plot_curves({"vanilla": curve}, args.plot, title=f"{Path(args.model_a).name} ↔ {Path(args.model_b).name}")
-    print(json.dumps({"barrier": out["barrier"], "loss": curve.loss, "acc": curve.acc}))
-    return 0
-
-
-DEMO_BUDGETS = {"vit-tiny": dict(epochs=15), "gpt2-tiny": dict(steps=500), "vit-digits": dict(epochs=30)}
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Train two seeds of each preset and measure their vanilla interpolation barrier."""
-    from .barrier import barrier, interpolation_curve, plot_curves
-    from .data import DataNotFound
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {}
-    for preset in args.presets:
-        try:
-            splits = load_splits(preset, args)
-        except DataNotFound as e:
-            console.print(f"[yellow]skipping {preset}:[/yellow] {e}")
-            if preset.startswith("vit") and "vit-digits" not in args.presets:
-                console.print("[yellow]using the embedded scikit-learn digits with vit-digits instead[/yellow]")
-                preset, splits = "vit-digits", load_splits("vit-digits", args)
-            else:
-                continue
-        console.rule(f"{preset} on {splits.summary()}")
-        over = {**DEMO_BUDGETS.get(preset, {}), **{k: v for k, v in budget(args).items() if v is not None}}
-        t0 = time.time()
-        models = [trained(preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in args.seeds[:2]]
-        train_s = time.time() - t0
-        curve = interpolation_curve(models[0], models[1], splits.test)
-        png = plot_curves({"vanilla": curve}, out / f"barrier_{preset}.png", title=f"{preset}: seed {args.seeds[0]} ↔ {args.seeds[1]}")
-        summary[preset] = {"dataset": splits.name, "budget": over, "train_seconds": round(train_s, 1),
-                           "test": [m.meta.get("test") for m in models],
-                           "barrier": barrier(curve), "curve": curve.to_dict(), "plot": str(png)}
-        console.print(f"{preset}: test loss {[round(t['loss'], 4) for t in summary[preset]['test']]}, "
-                      f"vanilla barrier {summary[preset]['barrier']:.4f}  → {png}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: {"barrier": round(v["barrier"], 4), "test": v["test"]} for k, v in summary.items()}, indent=1))
-    return 0
-
-
-def cmd_reproduce(args: argparse.Namespace) -> int:
-    """Train the seeds a Table-1 reproduction needs (cached) and measure every method's barrier."""
-    from .reproduce import METHODS, markdown, pair_curves, seed_pairs, summarise, write_results
-
-    methods = args.methods or list(METHODS)
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
-    splits = load_splits(args.preset, args)
-    pairs = seed_pairs(args.pairs)
-    seeds = sorted({s for p in pairs for s in p})
-    console.rule(f"{args.preset}: seeds {seeds}, pairs {pairs} on {splits.summary()}")
-    over = {k: v for k, v in budget(args).items() if v is not None}
-    models = {s: trained(args.preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in seeds}
-    per_pair = []
-    for a, b in pairs:
-        # a pair's curves are kept beside its models, so a larger --pairs run reuses the smaller one's work
-        key = hashlib.sha1(json.dumps([models[a].meta.get("seed"), models[b].meta.get("seed"), models[a].meta.get("seconds"),
-                                       models[b].meta.get("seconds"), sorted(methods), args.learned_steps]).encode()).hexdigest()[:12]
-        cached = Path(args.cache) / f"pair-{args.preset}-{a}-{b}-{key}.json"
-        if cached.is_file():
-            console.print(f"pair ({a}, {b}): reusing {cached}")
-            per_pair.append(json.loads(cached.read_text()))
-            continue
-        console.print(f"pair ({a}, {b})")
-        per_pair.append(pair_curves(models[a], models[b], splits, methods, args.learned_steps, progress=not args.quiet,
-                                    log=console.print))
-        cached.write_text(json.dumps(per_pair[-1]))
-    rows = summarise(per_pair, methods)
-    test_losses = {s: (m.meta.get("test") or {}).get("loss", float("nan")) for s, m in models.items()}
-    md = markdown(args.preset, rows, pairs, show_acc=models[seeds[0]].config.arch == "vit", test_losses=test_losses)
-    payload = {"preset": args.preset, "pairs": pairs, "dataset": splits.name, "budget": over,
-               "learned_steps": args.learned_steps, "test": {s: m.meta.get("test") for s, m in models.items()},
-               "summary": rows, "per_pair": per_pair}
-    files = write_results(Path(args.out), args.preset, payload, md, per_pair, methods)
-    print(md)
-    console.print(f"wrote {files}")
-    return 0
-
-
-def cmd_merge(args: argparse.Namespace) -> int:
-    """Merge saved models (``average``, ``aligned`` universe or ``refined`` universe); mixed widths allowed."""
-    from . import io
-    from .manyway import aligned_models, excess, plot_simplex, simplex_losses
-    from .merge import merge, universe_merge
-    from .train import evaluate
-
-    models = [io.load(p) for p in args.models]
-    if len(models) < 2:
-        raise ValueError("fedlmc merge needs at least two checkpoints")
-    splits = _splits_for(models[0], args)
-    t = time.time()
-    method = method_name(args.method, ("average", "aligned", "refined"))
-    if method == "average":
-        merged, Ts = merge(models, args.weights or [1 / len(models)] * len(models), form=args.form), None
-    else:
-        merged, Ts = universe_merge(models, method=method,
-                                    iterations=args.iterations, weights=args.weights, form=args.form,
-                                    keep_layernorm=args.keep_layernorm, data=splits.train, alpha=args.alpha,
-                                    refine_steps=args.steps, progress=not args.quiet)
-    seconds = time.time() - t
-    data = getattr(splits, args.split)
-    ends = [evaluate(m, data, max_batches=args.max_batches)["loss"] for m in models]
-    ev = evaluate(merged, data, max_batches=args.max_batches)
-    meta = {"merged_from": [str(p) for p in args.models], "method": method, "form": args.form,
-            "dataset": models[0].meta.get("dataset"), "source": models[0].meta.get("source"),
-            "chars": models[0].meta.get("chars"), "block_size": models[0].meta.get("block_size"),
-            args.split: ev, "endpoint_loss": ends, "excess": excess(ev["loss"], ends), "seconds": seconds}
-    io.save(merged, args.out, meta)
-    result = {"out": str(args.out), "method": method, args.split: ev, "endpoint_loss": ends,
-              "excess": meta["excess"], "seconds": round(seconds, 1)}
-    if args.plot:
-        if len(models) != 3:
-            raise ValueError("--plot draws the loss over the 2-simplex: give exactly three models")
-        panels = {"vanilla": simplex_losses(models, data, args.simplex_n, max_batches=args.max_batches)}
-        if Ts is not None:
-            al, masks = aligned_models(models, Ts)
-            panels[method] = simplex_losses(al, data, args.simplex_n, masks=masks, max_batches=args.max_batches)
-        result["plot"] = str(plot_simplex(panels, Path(args.plot), title=f"{args.split} loss over the 2-simplex"))
-    print(json.dumps(result, default=float))
-    return 0
-
-
-def cmd_universe(args: argparse.Namespace) -> int:
-    """Train (cached) M seeds of a preset and compare vanilla / universe / refined merges (+ simplex plot)."""
-    from .manyway import plot_simplex, universe_markdown, universe_table, write
-
-    splits = load_splits(args.preset, args)
-    seeds = list(range(args.models))
-    over = {k: v for k, v in budget(args).items() if v is not None}
-    console.rule(f"{args.preset}: universe of {len(seeds)} models on {splits.summary()}")
-    models = [trained(args.preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in seeds]
-    res = universe_table(models, splits, refine_steps=args.refine_steps, alpha=args.alpha, iterations=args.iterations,
-                         log=console.print, progress=not args.quiet, simplex_n=args.simplex_n,
-                         max_batches=args.max_batches, forms=args.forms)
-    res.update(preset=args.preset, seeds=seeds, dataset=splits.name, budget=over)
-    md = universe_markdown(args.preset, res, seeds)
-    stem = f"universe_{args.preset}"
-    files = write(Path(args.out), stem, res, md)
-    if "simplex" in res:
-        files.append(plot_simplex(res["simplex"], Path(args.out) / f"simplex_{args.preset}.png",
-                                  title=f"{args.preset}: test loss over the simplex of seeds 0, 1, 2"))
-    print(md)
-    console.print(f"wrote {[str(f) for f in files]}")
-    return 0
-
-
-def cmd_widths(args: argparse.Namespace) -> int:
-    """One model of the preset's width vs models of d/2, d/4, d/8 (trained, cached): barriers."""
-    from .manyway import plot_width_curves, width_experiment, width_markdown, write
-    from .models import preset_config
-
-    splits = load_splits(args.preset, args)
-    over = {k: v for k, v in budget(args).items() if v is not None}
-    cfg = preset_config(args.preset)
-    d = cfg.d_model
-    wide = trained(args.preset, 0, splits, Path(args.cache), progress=not args.quiet, **over)
-    narrow = {}
-    if args.narrow_steps and len(args.narrow_steps) != len(args.factors):
-        raise ValueError("--narrow-steps needs one value per factor")
-    for j, f in enumerate(args.factors):
-        if d % f:
-            raise ValueError(f"width {d} is not divisible by {f}")
-        budget_f = {**over, **({"steps": args.narrow_steps[j]} if args.narrow_steps else {})}
-        # only the residual width shrinks (heads and FF keep their sizes), as in the paper
-        narrow[d // f] = trained(args.preset, 1, splits, Path(args.cache), progress=not args.quiet,
-                                 model_overrides={"d_model": d // f, "d_head": cfg.d_head}, **budget_f)
-    res = width_experiment(wide, narrow, splits.test, log=console.print, max_batches=args.max_batches)
-    res.update(preset=args.preset, d=d, factors=args.factors, budget=over, narrow_steps=args.narrow_steps,
-               steps={str(k): m.meta.get("steps") for k, m in narrow.items()} | {"wide": wide.meta.get("steps")})
-    md = width_markdown(args.preset, res, d)
-    files = write(Path(args.out), f"widths_{args.preset}", res, md)
-    files.append(plot_width_curves(res, Path(args.out) / f"widths_{args.preset}.png",
-                                   f"{args.preset}: width {d} ↔ narrower models"))
-    print(md)
-    console.print(f"wrote {[str(f) for f in files]}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedlmc", description="Federated learning of Transformers merged modulo symmetries.")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_model_commands(sub)
+    _add_merge_commands(sub)
+    return p
+
+
+def _add_model_commands(sub) -> None:
+    """train, barrier, demo, reproduce."""
+    from .models import PRESETS
 
     t = sub.add_parser("train", help="train a preset on its data set and save a checkpoint")
-    t.add_argument("--preset", required=True)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--preset", required=True, help=f"architecture and data: {', '.join(PRESETS)}")
+    t.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
     t.add_argument("--out", required=True, help="checkpoint directory")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_data_args(t)
@@ -338,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget_args(r)
     r.set_defaults(func=cmd_reproduce)
 
+
+def _add_merge_commands(sub) -> None:
+    """merge, universe, widths."""
     m = sub.add_parser("merge", help="merge saved models: average, aligned (weight matching to a universe) or refined")
     m.add_argument("models", nargs="+", help="checkpoint directories (widths may differ for aligned/refined)")
     m.add_argument("--method", default="aligned", choices=["average", "aligned", "refined", "universe", "refine"],
@@ -384,7 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(w)
     _add_budget_args(w)
     w.set_defaults(func=cmd_widths)
-    return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
