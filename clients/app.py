@@ -3,15 +3,16 @@
 Node config: ``partition-id`` and ``num-partitions`` (set by the simulation engine, or by
 ``flower-supernode --node-config``), optionally ``width-factor`` (this node trains at 1/width-factor of
 the width). Run config: see ``fedlmc.federated.Settings``. A train reply carries the weights
-(``arrays``), metrics with ``num-examples`` (``metrics``) and the model's config (``model``), so the
-server knows every client's architecture and width.
+(``arrays``), metrics (``metrics``: ``num-examples`` and the train loss — only quantities whose
+weighted mean means something), the model's config (``model``: architecture and width) and who the
+client is (``client``: partition id, training seconds).
 """
 from __future__ import annotations
 
 import time
 from typing import Optional
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlmc.federated import (Settings, client_config, client_data, config_from_json, evaluate_model,
@@ -54,10 +55,12 @@ def train(msg: Message, context: Context, overrides: Optional[dict] = None) -> M
     t0 = time.time()
     hist = local_train(model, data, s, seed=1000 * (s.seed + 1) + 100 * rnd + pid)
     last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
-    metrics = MetricRecord({"num-examples": len(data), "train-loss": sum(last) / len(last),
-                            "train-seconds": time.time() - t0, "partition-id": pid, "d-model": int(model.config.d_model)})
+    # only quantities whose num-examples-weighted mean means something are metrics; who the client is
+    # (partition, width) and how long it took travel as configuration
+    metrics = MetricRecord({"num-examples": len(data), "train-loss": sum(last) / len(last)})
+    client = ConfigRecord({"partition-id": pid, "train-seconds": time.time() - t0})
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict={k: v.detach().cpu().float() for k, v in model.state_dict().items()}),
-                          "metrics": metrics, "model": config_record(model)})
+                          "metrics": metrics, "model": config_record(model), "client": client})
     return Message(content=content, reply_to=msg)
 
 

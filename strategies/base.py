@@ -95,9 +95,10 @@ class FedlmcStrategy(FedAvg):
         record.setdefault("align_seconds", time.time() - t0)
         self.report(record, models, result, plain)
         record["seconds"] = time.time() - t0
+        metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
+        record["train_metrics"] = dict(metrics) if metrics is not None else {}
         self.history.append(record)
         self.global_config = result.config.to_dict()
-        metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         return state_arrays(result), metrics
 
     # ---- shared pieces ----------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ def test_strategy_runs_in_a_ray_simulation(strategy, factors):
             assert rec["round"] == r["round"] and rec["excluded"] == [] and rec["failures"] == []
             assert len(rec["client_losses"]) == 2  # both SuperNodes replied and were evaluated
             assert rec["global_loss"] == pytest.approx(r["test_loss"], abs=1e-5)  # the model the round kept
+            # aggregated client metrics are measurements only: no partition ids or widths averaged
+            assert "train-loss" in rec["train_metrics"] and set(rec["train_metrics"]) <= {"train-loss", "num-examples"}
             if factors:
                 assert sorted(rec["widths"]) == [16, 32]  # vit-digits d=32 and its half-width client
         final = io.load(out / "final")
