@@ -94,6 +94,22 @@ def test_tinyshakespeare():
     assert x.shape == (4, 64) and torch.equal(x[:, 1:], y[:, :-1])
 
 
+def test_tinyshakespeare_ships_with_the_package(monkeypatch, tmp_path):
+    """With no data folder anywhere (no ../shared, an empty working directory), the packaged copy is
+    found, and it is the published corpus byte for byte."""
+    import hashlib
+
+    import fedlmc.data as data_mod
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FEDLMC_DATA", raising=False)
+    monkeypatch.setattr(data_mod, "search_dirs", lambda data_dir=None: [tmp_path, data_mod.PACKAGED])
+    s = data_mod.load("shakespeare", block_size=64)
+    assert s.meta["vocab_size"] == 65 and "fedlmc/data/tinyshakespeare.txt" in str(s.meta.get("source", ""))
+    digest = hashlib.sha256((data_mod.PACKAGED / "tinyshakespeare.txt").read_bytes()).hexdigest()
+    assert digest == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
 def test_token_batches_cover_the_stream_in_order():
     t = TokenData(torch.arange(101), 10)
     xs = torch.cat([x for x, _ in t.batches(3)])

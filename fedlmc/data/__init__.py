@@ -1,7 +1,10 @@
 """Data: where it lives, the loaders, and federated partitions.
 
 Search order for a data directory: the explicit ``data_dir`` (``--data-dir``), then ``$FEDLMC_DATA``,
-then ``../shared/data`` next to the working directory or the project checkout.
+then ``../shared/data`` next to the working directory or the project checkout, and last the data that
+ships with the package (``fedlmc/data/``: Tiny Shakespeare, public domain; scikit-learn's digits come
+with scikit-learn). MNIST and CIFAR-10 do not ship: they are looked for, with one clear error naming
+every place.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from .partition import partition, partition_indices
 from .text import CharTokenizer, find_shakespeare, load_text
 
 DATASETS = ("digits", "mnist", "cifar10", "shakespeare", "text")
+PACKAGED = Path(__file__).resolve().parent  # tinyshakespeare.txt ships here
 
 
 def search_dirs(data_dir: Union[str, Path, None] = None) -> list[Path]:
@@ -27,6 +31,7 @@ def search_dirs(data_dir: Union[str, Path, None] = None) -> list[Path]:
     project = Path(__file__).resolve().parents[2]
     for base in (Path.cwd(), project):
         dirs.append((base / ".." / "shared" / "data").resolve())
+    dirs.append(PACKAGED)
     return list(dict.fromkeys(dirs))
 
 
