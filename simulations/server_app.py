@@ -25,6 +25,8 @@ from strategies.checkpoint import load_state, save_state
 from strategies.factory import build_strategy
 from strategies.records import model_from_arrays, state_arrays
 
+from simulations.summary import plot_rounds, summary_table
+
 class Recorder:
     """Collects one record per round and rewrites ``metrics.json`` atomically after each."""
 
@@ -110,6 +112,10 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
                                    "test": recorder.doc["rounds"][-1] if recorder.doc["rounds"] else None})
     recorder.doc["finished"] = time.time()
     recorder.save()
+    png = plot_rounds(recorder.doc, out / "rounds.png")
+    for line in summary_table(recorder.doc).splitlines():
+        log(INFO, "%s", line)
+    log(INFO, "fedlmc: results in %s (per round), %s (plot), %s (final model)", out / "metrics.json", png, out / "final")
     return recorder.doc
 
 

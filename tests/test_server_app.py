@@ -71,6 +71,21 @@ def test_rounds_that_aggregate_nothing_end_normally_with_the_initial_model():
     for k, v in initial.state_dict().items():
         assert torch.equal(final.state_dict()[k].float(), v.float()), k
     assert doc["rounds"][2]["test_loss"] == pytest.approx(doc["rounds"][0]["test_loss"])
+    assert (out / "rounds.png").stat().st_size > 1000  # the per-round plot beside metrics.json
+
+
+def test_the_summary_table_says_what_each_round_did():
+    from simulations.summary import summary_table
+
+    doc = {"settings": {"strategy": "aligned", "preset": "vit-digits"}, "rounds": [
+        {"round": 0, "test_loss": 2.3, "test_acc": 0.1},
+        {"round": 1, "test_loss": 0.5, "test_acc": 0.91, "strategy": {
+            "align_seconds": 1.25, "kept": "aligned", "guard_aligned": 0.4, "guard_average": 0.9,
+            "nodes": [1, 2, 3], "excluded": [{"node": 4, "reason": "NaN"}], "failures": []}}]}
+    text = summary_table(doc)
+    row = next(line for line in text.splitlines() if "0.9100" in line or "0.910" in line)
+    assert "0.5000" in row and "1.25" in row and "aligned (Δ -0.500)" in row
+    assert [c.strip() for c in row.split("│")[-4:-1]] == ["3", "1", "0"]  # replies, excluded, failed
 
 
 def test_a_crash_is_written_into_metrics_json():
