@@ -6,8 +6,10 @@ STAMP := $(VENV)/.installed
 
 # Flower: never let the SuperLink install the app's dependencies (it would fetch a CUDA torch), keep
 # Ray's socket paths short, telemetry off.
+# FLWR_HOME: each checkout keeps its own Flower state (and local SuperLink, stopped after each run),
+# so two clones never run on each other's SuperLink.
 FLWR_ENV := PATH=$(CURDIR)/$(BIN):$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
-	RAY_TMPDIR=/tmp/ray-$$(id -u) FLWR_TELEMETRY_ENABLED=0
+	RAY_TMPDIR=/tmp/ray-$$(id -u) FLWR_TELEMETRY_ENABLED=0 FLWR_HOME=$(CURDIR)/.flwr
 
 .PHONY: setup run demo compare test test-fast clean
 
@@ -46,4 +48,4 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not slow"
 
 clean:
-	rm -rf $(VENV) results/demo runs
+	rm -rf $(VENV) results/demo runs .flwr

@@ -7,15 +7,19 @@ run ended and exits non-zero unless it completed::
 
     python -m simulations.launch . [SUPERLINK] [flwr run options...]
 
-It is what ``make run`` and the deployment tests use.
+A local SuperLink that ``flwr run`` started for this run (``flwr run .`` without a SuperLink of
+one's own) is stopped when the run ends. It is what ``make run`` and the deployment tests use.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 RUN_ID = re.compile(r"run_id `?(\d+)`?")
@@ -41,8 +45,52 @@ def _superlink(args: list[str]) -> Optional[str]:
     return rest[1] if len(rest) > 1 else None
 
 
+def local_superlinks(flwr_home: Path) -> set[int]:
+    """Pids of the local SuperLinks ``flwr run`` started for this Flower home."""
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    mark = str(flwr_home / "local-superlink")
+    return {int(line.split()[0]) for line in ps.splitlines() if "flower-superlink" in line and mark in line}
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    ps = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    children: dict[int, list[int]] = {}
+    for child, parent in zip(ps[::2], ps[1::2]):
+        children.setdefault(int(parent), []).append(int(child))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def stop_tree(pid: int) -> None:
+    """Stop ``pid`` and every process below it (SuperExec, simulation, ClientApp processes)."""
+    tree = process_tree(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in tree:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(1)
+
+
 def launch(args: list[str], timeout: Optional[float] = None) -> int:
-    """Run ``flwr run ARGS --stream``; 0 only if the SuperLink reports the run completed."""
+    """Run ``flwr run ARGS --stream``; 0 only if the SuperLink reports the run completed. A local
+    SuperLink that this run started is stopped afterwards, so nothing outlives the command and another
+    checkout's run never lands on it."""
+    home = Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")).expanduser().resolve()
+    before = local_superlinks(home)
+    try:
+        return _run_and_check(args, timeout)
+    finally:
+        for pid in local_superlinks(home) - before:
+            stop_tree(pid)
+
+
+def _run_and_check(args: list[str], timeout: Optional[float]) -> int:
     proc = subprocess.Popen(["flwr", "run", *args, "--stream"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     run_id = None

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from simulations.launch import process_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -128,8 +130,8 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run():
         victim_log = d / "supernode2.log"
         assert _wait_for(victim_log, "Start `flwr-clientapp` process", 300), victim_log.read_text()[-2000:]
         victim = pids[3]  # the third SuperNode (pids: SuperLink, node0, node1, node2)
-        subprocess.run(["pkill", "-KILL", "-P", str(victim)])
-        os.kill(victim, signal.SIGKILL)
+        for pid in process_tree(victim):  # the node, its SuperExec and the ClientApp it started: all at once
+            os.kill(pid, signal.SIGKILL)
         code = run.wait(timeout=780)
         text = log.read_text(errors="replace")
         print("\n".join(line for line in text.splitlines() if "round" in line.lower() or "fail" in line.lower()))

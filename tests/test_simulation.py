@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fedlmc import io
+from simulations.launch import local_superlinks
 from simulations.simulate import run_in_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,9 @@ def test_flwr_run_works_offline_with_the_defaults():
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         doc = json.loads((out / "metrics.json").read_text())
         assert [r["round"] for r in doc["rounds"]] == [0, 1] and doc["settings"]["strategy"] == "aligned"
-        assert "finished" in doc and (out / "final" / io.WEIGHTS).is_file()
+        assert "finished" in doc and (out / "final" / io.WEIGHTS).is_file() and (out / "rounds.png").is_file()
+        assert "fedlmc: results in" in proc.stdout  # the closing summary reaches the user's terminal
+        assert local_superlinks(home) == set()  # the local SuperLink this run started was stopped
         # a ServerApp that crashes (here: an unknown preset) is a failed run for whoever started it,
         # although `flwr run` itself exits 0
         bad = home / "bad"
