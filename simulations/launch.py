@@ -90,7 +90,8 @@ def launch(args: list[str], timeout: Optional[float] = None) -> int:
             stop_tree(pid)
 
 
-def _run_and_check(args: list[str], timeout: Optional[float]) -> int:
+def _submit(args: list[str], timeout: Optional[float]) -> tuple[int, Optional[int]]:
+    """``flwr run ARGS --stream`` with its output passed through: (exit code, run id if one was made)."""
     proc = subprocess.Popen(["flwr", "run", *args, "--stream"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     run_id = None
@@ -100,7 +101,19 @@ def _run_and_check(args: list[str], timeout: Optional[float]) -> int:
         match = RUN_ID.search(line)
         if run_id is None and match:
             run_id = int(match.group(1))
-    code = proc.wait(timeout=timeout)
+    return proc.wait(timeout=timeout), run_id
+
+
+def _run_and_check(args: list[str], timeout: Optional[float], attempts: int = 3) -> int:
+    for attempt in range(attempts):
+        code, run_id = _submit(args, timeout)
+        # No run id: nothing was submitted (on a loaded machine the CLI's 0.4 s probe of its local
+        # SuperLink can time out and it gives up), so trying again cannot run anything twice.
+        if code == 0 or run_id is not None or attempt == attempts - 1:
+            break
+        print(f"fedlmc: flwr run exited {code} before submitting a run; trying again ({attempt + 2}/{attempts})",
+              file=sys.stderr)
+        time.sleep(5)
     if code != 0:
         return code
     if run_id is None:

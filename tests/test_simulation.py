@@ -83,7 +83,8 @@ def test_flwr_run_works_offline_with_the_defaults():
         proc = subprocess.run([*launch, "-c", f"num-server-rounds=1 preset='no-such-preset' out-dir='{bad}'"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "finished:failed" in proc.stderr and "no-such-preset" in json.loads((bad / "metrics.json").read_text())["error"]
+        assert "finished:failed" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "no-such-preset" in json.loads((bad / "metrics.json").read_text())["error"]
     finally:
         _stop_local_superlink(home)
         shutil.rmtree(home, ignore_errors=True)
