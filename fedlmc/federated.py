@@ -38,12 +38,12 @@ class Settings:
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     min_nodes: int = 2
-    local_epochs: float = 1.0
+    local_epochs: float = 30.0
     local_steps: int = 0  # > 0 overrides local_epochs
     lr: float = 2e-3
     batch_size: int = 32
     seed: int = 0
-    independent_start: bool = False  # round 1: every client starts from its own seed (one-shot / fusion)
+    independent_start: bool = True  # round 1: every client starts from its own seed (one-shot / fusion)
     width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
     iterations: int = 3  # universe iterations
     residual: str = "orthogonal"
@@ -59,7 +59,7 @@ class Settings:
     round_timeout: float = 3600.0
     device: str = ""
     resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
-    threads: int = 0  # torch intra-op threads in the apps (0: torch's default); 1 avoids oversubscription on small hosts
+    threads: int = 1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "Settings":
