@@ -100,6 +100,7 @@ def same(ours: torch.Tensor | dict, other, what: str, tol: float = 1e-6) -> None
         for k, v in ours.items():
             same(v, other[rename(k)], f"{what}: {k}", tol)
         return
+    ours, other = ours.detach(), other.detach()
     err = float((ours.double() - other.double()).abs().max()) if ours.numel() else 0.0
     assert err <= tol * max(1.0, float(ours.double().abs().max())), f"{what}: {err:.3e}"
 

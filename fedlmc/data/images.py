@@ -50,7 +50,7 @@ def _split(x: np.ndarray, y: np.ndarray, n_test: int, val_fraction: float, seed:
 
 def _to_splits(name: str, train, val, test, meta: dict) -> Splits:
     """uint8/float numpy (N,C,H,W) → standardised float tensors."""
-    xs = [torch.as_tensor(np.ascontiguousarray(a[0]), dtype=torch.float32) for a in (train, val, test)]
+    xs = [torch.as_tensor(np.array(a[0]), dtype=torch.float32) for a in (train, val, test)]  # a writable copy
     mean = xs[0].mean(dim=(0, 2, 3), keepdim=True)
     std = xs[0].std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
     parts = [ArrayData((x - mean) / std, torch.as_tensor(a[1], dtype=torch.long)) for x, a in zip(xs, (train, val, test))]
