@@ -109,6 +109,7 @@ class FedlmcStrategy(FedAvg):
         than ``min_replies`` remain."""
         replies = list(replies)
         ok, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
+        ok.sort(key=reply_order)
         self._failures = [{"node": m.metadata.src_node_id, "reason": str(m.error.reason)} for m in failed]
         log(INFO, "%s round %d: replies from nodes %s; failures from nodes %s", type(self).__name__, server_round,
             sorted(m.metadata.src_node_id for m in ok) or "none", [f["node"] for f in self._failures] or "none")
@@ -176,3 +177,13 @@ class FedlmcStrategy(FedAvg):
     def load_state(self, state: dict[str, Any], round_offset: int) -> None:
         """Continue from ``state()`` after ``round_offset`` completed rounds."""
         self.global_config, self.history, self.round_offset = state["global_config"], state["history"], round_offset
+
+
+def reply_order(msg: Message) -> tuple[int, int]:
+    """A fixed order for the replies of a round, whatever order they arrived in: by the partition id a
+    fedlmc client declares (its ``client`` ConfigRecord), then by node id. Alignment is discrete, so
+    with independently started clients float sums in another order can change what matching finds;
+    a resumed run must aggregate exactly as an uninterrupted one."""
+    client = msg.content.config_records.get("client") if not msg.has_error() else None
+    pid = client.get("partition-id") if client is not None else None
+    return (int(pid) if isinstance(pid, int) else -1, int(msg.metadata.src_node_id))

@@ -213,3 +213,18 @@ def test_slicing_baseline_averages_each_entry_over_its_holders():
     g = glob.state_dict()["blocks.0.mlp.fc1.weight"]
     assert torch.allclose(w[:32, :16], g[:32, :16] + 0.5, atol=1e-6)  # held by both: the mean
     assert torch.allclose(w[32:, :], g[32:, :], atol=1e-6) and torch.allclose(w[:, 16:], g[:, 16:], atol=1e-6)
+
+
+def test_the_aggregate_does_not_depend_on_the_order_replies_arrive_in():
+    """Independently started clients: the same replies in another arrival order give the same bits
+    (a resumed run must aggregate exactly as an uninterrupted one)."""
+    models = [perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12,
+                                    patch_size=4), s, 0.3).float() for s in range(3)]
+    replies = [_reply(m, 50 + i, node=10 - i) for i, m in enumerate(models)]
+    out = []
+    for order in (replies, replies[::-1], [replies[1], replies[2], replies[0]]):
+        strategy = AlignedFedAvg(model_config=models[0].config.to_dict())
+        strategy._previous = ArrayRecord(torch_state_dict=models[0].state_dict())
+        out.append(strategy.aggregate_train(1, list(order))[0].to_torch_state_dict())
+    for other in out[1:]:
+        assert all(torch.equal(out[0][k], other[k]) for k in out[0])
