@@ -48,4 +48,4 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not slow"
 
 clean:
-	rm -rf $(VENV) results/demo runs .flwr
+	rm -rf $(VENV) runs .flwr
