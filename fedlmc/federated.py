@@ -6,13 +6,15 @@ Flower's apps (``clients/``, ``simulations/``) stay thin: they translate message
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
-from .data import ArrayData, Data, Splits, TokenData, load
+from .data import ArrayData, Data, DataNotFound, Splits, TokenData, load
 from .data.partition import partition
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
@@ -107,8 +109,11 @@ def splits_for(s: Settings) -> Splits:
     key = (s.preset, s.dataset, s.data_dir, s.text_file, s.seed)
     if key not in _SPLITS:
         cfg = preset_config(s.preset)
-        _SPLITS[key] = load(s.dataset or preset_dataset(s.preset), data_dir=s.data_dir or None,
-                            block_size=getattr(cfg, "block_size", 64), text_file=s.text_file or None, seed=0)
+        try:
+            _SPLITS[key] = load(s.dataset or preset_dataset(s.preset), data_dir=s.data_dir or None,
+                                block_size=getattr(cfg, "block_size", 64), text_file=s.text_file or None, seed=0)
+        except DataNotFound as e:  # told as a federation user provides data: a run_config key
+            raise e.in_federation(Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr"))) from None
     return _SPLITS[key]
 
 

@@ -96,3 +96,27 @@ def test_a_crash_is_written_into_metrics_json():
     doc = json.loads((out / "metrics.json").read_text())
     assert "failed" in doc and "the grid went away" in doc["error"] and "finished" not in doc
     assert [r["round"] for r in doc["rounds"]] == [0]  # what was recorded before the crash is kept
+
+
+def test_missing_data_in_a_federation_names_the_run_config_key(monkeypatch, tmp_path):
+    """Before any client trains, one clear message: the run_config key to set, no CLI flag, and no place
+    inside Flower's unpacked app folder; the run is recorded as failed."""
+    from fedlmc.data import DataNotFound
+
+    home = tmp_path / "flwr"
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    monkeypatch.setenv("FEDLMC_DATA", str(tmp_path / "nowhere"))
+    import fedlmc.data as data_mod
+
+    # as inside a Flower run: the user's data-dir, $FEDLMC_DATA, and the app's unpacked copy's neighbours
+    monkeypatch.setattr(data_mod, "search_dirs", lambda d=None: [Path(d), tmp_path / "nowhere",
+                                                                 home / "apps" / "x" / "shared" / "data"])
+    out = tmp_path / "out"
+    grid = ScriptedGrid(reply=node_unavailable)
+    with pytest.raises(DataNotFound) as e:
+        serve(grid, _settings(out, preset="vit-tiny", **{"data-dir": str(tmp_path / "mine")}))
+    msg = str(e.value)
+    assert "data-dir" in msg and "flwr run . -c" in msg and "--data-dir" not in msg
+    assert str(tmp_path / "mine") in msg and str(home) not in msg
+    assert grid.sent == 0  # nothing was sent to any client
+    assert "MNIST not found" in json.loads((out / "metrics.json").read_text())["error"]

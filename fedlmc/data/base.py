@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -10,11 +11,21 @@ import torch
 class DataNotFound(FileNotFoundError):
     """A dataset is not where we looked; the message names every place looked and how to provide it."""
 
-    def __init__(self, what: str, looked: list, how: str) -> None:
+    CLI = "then pass --data-dir DIR or set FEDLMC_DATA=DIR."
+    FEDERATION = ("then set the run_config key data-dir to that directory, as an absolute path (the "
+                  "SuperLink resolves relative ones from its own working directory): "
+                  "flwr run . -c \"data-dir='/abs/path'\"")
+
+    def __init__(self, what: str, looked: list, how: str, provide: str = CLI) -> None:
         places = "\n".join(f"  - {p}" for p in dict.fromkeys(str(p) for p in looked))
-        self.what, self.looked = what, list(looked)
-        super().__init__(f"{what} not found. Looked in:\n{places}\nTo provide it: {how}; "
-                         "then pass --data-dir DIR or set FEDLMC_DATA=DIR.")
+        self.what, self.looked, self.how = what, list(looked), how
+        super().__init__(f"{what} not found. Looked in:\n{places}\nTo provide it: {how}; {provide}")
+
+    def in_federation(self, flower_home: Path) -> "DataNotFound":
+        """The same error told to someone running a Flower federation: the run_config key to set, and
+        only the places that mean something to them (not the app's unpacked copy under Flower's home)."""
+        looked = [p for p in self.looked if not str(Path(p).resolve()).startswith(str(flower_home.resolve()))]
+        return DataNotFound(self.what, looked, self.how, self.FEDERATION)
 
     def __str__(self) -> str:
         return self.args[0]
