@@ -119,8 +119,11 @@ def test_dropin_example_swaps_fedavg_for_aligned():
 def test_crashed_server_resumes_to_the_same_result():
     """A server killed hard after round 2 of 3 and restarted with resume=true ends exactly where an
     uninterrupted run with the same seeds ends."""
+    # a shared initial model, as this test was written for; with independent starts (now the run_config
+    # default) two of four loaded clean-clone CI runs ended round 3 elsewhere, in the full run once and
+    # in the resumed run once (not reproduced in 9 targeted runs): see the session note
     base = {"strategy": "aligned", "num-server-rounds": 3, "preset": "vit-digits", "local-steps": 4, "threads": 1,
-            "report": True}
+            "report": True, "independent-start": False}
     a, b = _short_tmp("fl-full-"), _short_tmp("fl-crash-")
     try:
         full = run_in_subprocess({**base, "out-dir": str(a)}, timeout=300, log_path=a / "log.txt")
@@ -132,6 +135,9 @@ def test_crashed_server_resumes_to_the_same_result():
         resumed = run_in_subprocess({**base, "out-dir": str(b), "resume": True}, timeout=300, log_path=b / "log2.txt")
         assert "resuming" in (b / "log2.txt").read_text()
         assert [r["round"] for r in resumed["rounds"]] == [0, 1, 2, 3]
+        for doc in (full, resumed):  # every round aggregated both clients, with no failure
+            assert all(len(r["strategy"]["nodes"]) == 2 and not r["strategy"]["failures"] for r in doc["rounds"][1:]), \
+                [r.get("strategy") for r in doc["rounds"][1:]]
         assert resumed["rounds"][-1]["test_loss"] == pytest.approx(full["rounds"][-1]["test_loss"], abs=1e-6)
         fa, fb = io.load(a / "final").state_dict(), io.load(b / "final").state_dict()
         assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) < 1e-6
