@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from fedlmc import io
-from simulations.launch import local_superlinks
+from simulations.launch import local_superlinks, stop_tree
 from simulations.simulate import run_in_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,17 +89,9 @@ def test_flwr_run_works_offline_with_the_defaults():
 
 
 def _stop_local_superlink(home: Path) -> None:
-    """The CLI leaves its local SuperLink running in the background: stop the one this test started."""
-    # -ww: never truncate (ps honours $COLUMNS, which pytest sets to the terminal's width)
-    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    pids = [int(line.split()[0]) for line in ps.splitlines()[1:] if str(home) in line and "flower-superlink" in line]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(2)
+    """A safety net if the test failed before ``launch`` stopped the local SuperLink it started."""
+    for pid in local_superlinks(home):
+        stop_tree(pid)
 
 
 @pytest.mark.timeout(400)
