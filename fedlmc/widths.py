@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .models import from_config
 from .models.layers import TransformerConfig
-from .symmetry import StateDict, Transform, apply_transform, is_permutation, perm_matrix, rebuild, spec_for
+from .symmetry import StateDict, Transform, apply_transform, perm_matrix, rebuild, spec_for
 
 SHAPE = ("d_model", "n_head", "d_ff", "d_head")
 
@@ -153,7 +153,7 @@ def permute_masks(masks: dict[str, torch.Tensor], transform: Transform) -> dict[
     for name, mask in masks.items():
         perm = transform.get(name)
         if perm is not None:
-            out[name] = mask[perm.to(mask.device)] if not perm.is_floating_point() else (perm.to(torch.float64) @ mask.to(torch.float64)) > 0.5
+            out[name] = mask[perm.to(mask.device)]
     return out
 
 
@@ -172,8 +172,6 @@ def lift_residual(transform: Transform, d_small: int) -> Transform:
     R = transform.get("residual")
     if R is None:
         return transform
-    if is_permutation(R):
-        R = perm_matrix(R)
     els = dict(transform.elements)
     els["residual"] = R[:, :d_small].clone()
     return Transform(els, dict(transform.info), transform.width_map)
@@ -185,8 +183,6 @@ def residual_projector(transform: Transform, d_small: int, d_large: int) -> torc
     R = transform.get("residual")
     if R is None:
         R = torch.eye(d_large, dtype=torch.float64)
-    elif is_permutation(R):
-        R = perm_matrix(R)
     O = R[:, :d_small].to(torch.float64)
     return O @ O.T
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 from flwr.supercore import log
 
 from fedlmc.averaging import merge
+from fedlmc.symmetry import spec_for
 from fedlmc.universe import universe_merge
 
 from .base import FedlmcStrategy
@@ -53,7 +54,7 @@ class AlignedFedAvg(FedlmcStrategy):
         t0 = time.time()
         merged, transforms = self.align(models, weights, self.previous_model())
         fields: dict[str, Any] = {"align_seconds": time.time() - t0, "kept": "aligned",
-                                  "moved": [transform_distance(T) for T in transforms]}
+                                  "moved": [transform_distance(T, spec_for(merged)) for T in transforms]}
         total = sum(weights)
         plain = merge(models, [w / total for w in weights]) if self.guard_data is not None or self.report_data is not None else None
         result = merged
@@ -87,12 +88,14 @@ class RefinedFedAvg(AlignedFedAvg):
                               data=self.refine_data, alpha=self.alpha, refine_steps=self.refine_steps, device=self.device)
 
 
-def transform_distance(T) -> float:
-    """How far a transform moved from the identity: ‖O − I‖_F/√d plus the fraction of moved units."""
+def transform_distance(T, spec) -> float:
+    """How far a transform moved from the identity: ‖O − I‖_F/√d plus the fraction of moved units
+    (group kinds from ``spec``, the universe's; gauges are not counted)."""
     total = 0.0
     for name, el in T.elements.items():
-        if el.is_floating_point() and el.dim() == 2:
+        kind = spec.groups[name].kind
+        if kind == "orthogonal":
             total += float((el - torch.eye(*el.shape, dtype=el.dtype)).norm() / el.shape[0] ** 0.5)
-        elif not el.is_floating_point():
+        elif kind == "permutation":
             total += float((el != torch.arange(len(el))).float().mean())
     return total

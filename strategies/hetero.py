@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.supercore import log
 
 from fedlmc.models import from_config
+from fedlmc.symmetry import spec_for
 from fedlmc.universe import project, universe_merge
 from fedlmc.widths import prefix_average
 
@@ -72,7 +73,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         widths = [int(m.config.d_model) for m in models]
         log(INFO, "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d", server_round,
             len(models), sorted(set(widths)), universe.config.d_model)
-        return universe, {"moved": [transform_distance(T) for T in transforms], "widths": widths}, None
+        return universe, {"moved": [transform_distance(T, spec_for(universe)) for T in transforms], "widths": widths}, None
 
     def state(self) -> dict[str, Any]:
         return {**super().state(), "transforms": dict(self.transforms)}

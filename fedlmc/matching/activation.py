@@ -88,8 +88,7 @@ def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches:
     keys = [k for k in a if k == "input" or k in spec.residual_probes]
     M = sum(a[k].T @ b[k] / len(a[k]) for k in keys)
     O = residual_element(M, residual, keep_layernorm)
-    Om = O if O.is_floating_point() else torch.eye(len(O), dtype=M.dtype)[O]
-    el = identity_elements(cfg, M.device, M.dtype, residual)
+    el = identity_elements(cfg, M.device, M.dtype)
     el["residual"] = O
     B = canonical_state(model_b, M.device, M.dtype)
     A = canonical_state(model_a, M.device, M.dtype)
@@ -100,7 +99,7 @@ def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches:
         Wo_a, Wo_b = A[out], B[out]
         ya, yb = a[g.name].reshape(-1, H, dh), b[g.name].reshape(-1, H, dh)
         ca = torch.einsum("nhk,dhk->hnd", ya, Wo_a.reshape(-1, H, dh))
-        cb = torch.einsum("nhk,dhk->hnd", yb, (Om @ Wo_b).reshape(-1, H, dh))
+        cb = torch.einsum("nhk,dhk->hnd", yb, (O @ Wo_b).reshape(-1, H, dh))
         ca, cb = ca / ca.norm(dim=(1, 2), keepdim=True), cb / cb.norm(dim=(1, 2), keepdim=True)
         el[g.name] = assignment(torch.einsum("ind,jnd->ij", ca, cb))
     for g in spec.layer_groups("ff"):

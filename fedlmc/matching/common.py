@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, ones_basis
+from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, ones_basis, perm_matrix
 
 Elements = dict[str, torch.Tensor]
 
@@ -29,7 +29,7 @@ def procrustes_fix_ones(M: torch.Tensor) -> torch.Tensor:
     return Q @ torch.block_diag(torch.ones(1, 1, dtype=M.dtype, device=M.device), R) @ Q.T
 
 
-def exact_elements(elements: dict[str, torch.Tensor], keep_ones: bool = False) -> Elements:
+def exact_elements(elements: dict[str, torch.Tensor], spec: SymmetrySpec, keep_ones: bool = False) -> Elements:
     """Learned elements as exact group elements, on the CPU in float64.
 
     Latents train in float32, where the polar factor is orthogonal only to ~1e-6 (enough to change a
@@ -40,9 +40,10 @@ def exact_elements(elements: dict[str, torch.Tensor], keep_ones: bool = False) -
     out: Elements = {}
     for name, el in elements.items():
         el = el.detach().cpu()
-        if not el.is_floating_point():
+        kind = spec.groups[name].kind
+        if kind == "permutation":
             out[name] = el
-        elif name == "residual":
+        elif kind == "orthogonal":
             out[name] = (procrustes_fix_ones if keep_ones else procrustes)(el.to(torch.float64))
         else:
             out[name] = el.to(torch.float64)
@@ -66,8 +67,8 @@ def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
 
 def residual_element(M: torch.Tensor, residual: str, keep_layernorm: bool) -> torch.Tensor:
     """The residual group element maximising ``tr(Oᵀ M)`` in the requested subgroup."""
-    if residual == "permutation":
-        return assignment(M)
+    if residual == "permutation":  # Git Re-Basin's baseline, as the orthogonal group's matrix
+        return perm_matrix(assignment(M), M.dtype).to(M.device)
     if residual != "orthogonal":
         raise ValueError(f"residual must be 'orthogonal' or 'permutation', got {residual!r}")
     return procrustes_fix_ones(M) if keep_layernorm else procrustes(M)

@@ -76,8 +76,7 @@ class Latents:
     def __init__(self, start: Transform, spec, d: int, Q: Optional[torch.Tensor], learn_residual: bool,
                  dtype: torch.dtype, dev: torch.device) -> None:
         O0 = start.get("residual")
-        O0 = torch.eye(d, dtype=dtype, device=dev) if O0 is None else (
-            O0 if O0.is_floating_point() else perm_matrix(O0, dtype).to(dev))
+        O0 = torch.eye(d, dtype=dtype, device=dev) if O0 is None else O0
         self.Q = Q
         self.o = ((Q.T @ O0 @ Q)[1:, 1:] if Q is not None else O0).clone().requires_grad_(learn_residual)
         self.p: dict[str, torch.Tensor] = {}
@@ -142,7 +141,7 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
         O, perms = lat[i].residual(), lat[i].hard()
         el = {"residual": O, **gauges(i, O, perms), **lat[i].straight_through(perms)}
         mask = permute_masks(masks[i], Transform(perms)) if masks[i] is not None else None
-        return apply_to_state(states[i], cfg, Transform(el))[0], mask
+        return apply_to_state(states[i], cfg, Transform(el), relaxed=True)[0], mask
 
     trace = _descend(states, cfg, data, opts, opt, aligned, sample_weights, label)
     out: list[Optional[Elements]] = []
@@ -152,7 +151,7 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
                 out.append(None)
                 continue
             O, perms = lat[i].residual(), lat[i].hard()
-            out.append(exact_elements({"residual": O, **perms, **gauges(i, O, perms)}, opts.keep_layernorm))
+            out.append(exact_elements({"residual": O, **perms, **gauges(i, O, perms)}, spec, opts.keep_layernorm))
     return out, trace, time.time() - t0
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..averaging import interpolate
-from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, is_permutation, perm_matrix, spec_for
+from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
 from ..train import evaluate, pick_device
 from .common import (Elements, anchors, apply_elements, as_rows, ff_step, gauge_step, heads_step, residual_cross,
                      residual_element)
@@ -61,8 +61,6 @@ class Problem:
         O = elements.get("residual")
         if O is None:
             O = torch.eye(self.cfg.d_model, dtype=self.M_anchor.dtype, device=self.M_anchor.device)
-        elif is_permutation(O):
-            O = perm_matrix(O, self.M_anchor.dtype).to(self.M_anchor.device)
         for cross, const, na in self._anchor_terms:
             total += const - 2 * float((cross * O).sum() / na)
         return total
@@ -73,10 +71,7 @@ def _changed(old: Elements, new: Elements, tol: float = 1e-6) -> bool:
         o = old.get(k)
         if o is None or o.shape != v.shape:
             return True
-        if is_permutation(v):
-            if not torch.equal(o, v):
-                return True
-        elif (o - v).abs().max() > tol:
+        if (o.double() - v.double()).abs().max() > tol:  # a moved index differs by ≥ 1
             return True
     return False
 
@@ -120,12 +115,12 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     return elements, it
 
 
-def identity_elements(cfg, device, dtype, residual: str = "orthogonal") -> Elements:
+def identity_elements(cfg, device, dtype) -> Elements:
     spec = spec_for(cfg)
     out: Elements = {}
     for name, g in spec.groups.items():
         if g.kind == "orthogonal":
-            out[name] = torch.arange(g.size, device=device) if residual == "permutation" else torch.eye(g.size, device=device, dtype=dtype)
+            out[name] = torch.eye(g.size, device=device, dtype=dtype)
         elif g.kind == "permutation":
             out[name] = torch.arange(g.size, device=device)
         else:
@@ -139,7 +134,7 @@ def paper_init(P: Problem, *, residual: str, keep_layernorm: bool, M_extra: Opti
     M = P.M_anchor
     if M_extra is not None and extra_weight > 0:
         M = M / M.norm() + extra_weight * M_extra / M_extra.norm()
-    el = identity_elements(P.cfg, M.device, M.dtype, residual)
+    el = identity_elements(P.cfg, M.device, M.dtype)
     el["residual"] = residual_element(M, residual, keep_layernorm)
     return el
 
@@ -194,14 +189,14 @@ def weight_matching(
     candidates: dict[str, Elements] = {}
     info: dict = {"iterations": {}}
     if start is not None:
-        el = identity_elements(cfg, dev, dtype, residual)
-        el.update({k: (v.to(device=dev, dtype=dtype) if v.is_floating_point() else v.to(dev)) for k, v in start.elements.items()})
+        el = identity_elements(cfg, dev, dtype)
+        el.update(start.to(dtype=dtype, device=dev).elements)
         candidates["warm"], info["iterations"]["warm"] = coordinate_descent(P, el, **opts)
     if starts in ("paper", "both") and start is None:
         el = paper_init(P, residual=residual, keep_layernorm=keep_layernorm, M_extra=Mx, extra_weight=opts["extra_weight"])
         candidates["paper"], info["iterations"]["paper"] = coordinate_descent(P, el, **opts)
     if starts in ("identity", "both") and start is None:
-        el = identity_elements(cfg, dev, dtype, residual)
+        el = identity_elements(cfg, dev, dtype)
         candidates["identity-start"], info["iterations"]["identity-start"] = coordinate_descent(P, el, **opts)
     if not candidates:
         raise ValueError(f"starts must be 'paper', 'identity' or 'both', got {starts!r}")

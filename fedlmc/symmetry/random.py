@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..models.layers import TransformerConfig
 from .spec import SymmetrySpec, spec_for
-from .transform import Transform, is_permutation
+from .transform import Transform, perm_matrix
 
 
 def random_orthogonal(d_new: int, d: int, generator: torch.Generator, dtype=torch.float64, fix_ones: bool = False) -> torch.Tensor:
@@ -65,7 +65,7 @@ def random_transform(
             continue
         if grp.kind == "orthogonal":
             if residual == "permutation":
-                out[name] = torch.randperm(grp.size, generator=g)
+                out[name] = perm_matrix(torch.randperm(grp.size, generator=g), dtype)
             else:
                 out[name] = random_orthogonal(width or grp.size, grp.size, g, dtype, fix_ones)
         elif grp.kind == "permutation":
@@ -84,8 +84,8 @@ def invert_transform(transform: Transform, spec: SymmetrySpec) -> Transform:
     for name, el in transform.elements.items():
         group = spec.groups[name]
         if group.kind == "orthogonal":
-            out[name] = torch.argsort(el) if is_permutation(el) else el.transpose(0, 1)
-        elif is_permutation(el):
+            out[name] = el.transpose(0, 1)
+        elif group.kind == "permutation":
             out[name] = torch.argsort(el)
         else:  # gauge: x_new[i] = G[i] x_old[π[i]]  ⇒  x_old[j] = G[σ[j]]⁻¹ x_new[σ[j]], σ = π⁻¹
             perm = transform.elements.get(group.heads)

@@ -1,6 +1,14 @@
 """A ``Transform`` (one element of the product group: a dict from group name to element; missing groups
-are the identity) and its exact action on a state dict. Permutations are index tensors with the
-convention ``new[i] = old[perm[i]]`` (the permutation matrix P has ``P[i, perm[i]] = 1``)."""
+are the identity) and its exact action on a state dict.
+
+One representation per group kind, read from the spec (never from a tensor's dtype):
+- ``permutation``: an index tensor with the convention ``new[i] = old[perm[i]]`` (the permutation
+  matrix P has ``P[i, perm[i]] = 1``);
+- ``orthogonal`` (the residual map): a float matrix ``d' × d`` (a residual *permutation*, Git
+  Re-Basin's baseline, is its permutation matrix);
+- ``gauge``: a float tensor of per-head invertible matrices ``(count, size, size)``.
+The learned optimiser differentiates through a *relaxed* action (``relaxed=True``) in which a
+permutation group's element is a (straight-through) float matrix instead."""
 from __future__ import annotations
 
 import math
@@ -53,9 +61,8 @@ class Transform:
 
     def to(self, dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> "Transform":
         """Float elements to ``dtype``/``device``; permutations stay integer."""
-        out = {}
-        for k, v in self.elements.items():
-            out[k] = v.to(device=device) if not v.is_floating_point() else v.to(device=device, dtype=dtype or v.dtype)
+        out = {k: v.to(device=device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
+               for k, v in self.elements.items()}
         return Transform(out, width_map=self.width_map)
 
 
@@ -96,11 +103,6 @@ def _gauge_along(t: torch.Tensor, axis: int, Ms: torch.Tensor, block: int) -> to
     return x.reshape(shape).movedim(-1, axis)
 
 
-def is_permutation(element: torch.Tensor) -> bool:
-    """An index-vector permutation (as opposed to a matrix element)."""
-    return element.dim() == 1 and not element.is_floating_point()
-
-
 def perm_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The matrix P with ``P[i, perm[i]] = 1`` (so ``P @ old = old[perm]``)."""
     n = len(perm)
@@ -109,45 +111,66 @@ def perm_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch
     return P
 
 
-def act(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
+def check_element(group: Group, element: torch.Tensor, relaxed: bool = False) -> None:
+    """Raise a clear error unless ``element`` has its group kind's representation (module docstring)."""
+    if group.kind == "permutation" and relaxed:
+        ok = element.is_floating_point() and element.shape == (group.size, group.size)
+    elif group.kind == "permutation":
+        ok = element.dim() == 1 and not element.is_floating_point() and len(element) == group.size
+    elif group.kind == "orthogonal":
+        ok = element.is_floating_point() and element.dim() == 2 and element.shape[1] == group.size
+    elif group.kind == "gauge":
+        ok = element.is_floating_point() and element.shape == (group.count, group.size, group.size)
+    else:
+        raise ValueError(f"unknown group kind {group.kind!r}")
+    if not ok:
+        raise ValueError(f"group {group.name!r} ({group.kind}, size {group.size}) got an element of shape "
+                         f"{tuple(element.shape)} and dtype {element.dtype}")
+
+
+def act(sd: StateDict, group: Group, element: torch.Tensor, relaxed: bool = False) -> StateDict:
     """Apply one group element to a state dict (returns a new dict; untouched tensors are shared).
-    Members whose tensor is absent from ``sd`` are skipped, so a partial state can be acted on."""
+    Members whose tensor is absent from ``sd`` are skipped, so a partial state can be acted on.
+    ``relaxed``: permutation elements are (differentiable) matrices P, acting as ``new = P old``."""
+    check_element(group, element, relaxed)
+    if group.kind == "orthogonal":
+        return _act_orthogonal(sd, group, element)
     out = dict(sd)
-    if group.kind == "orthogonal" and not is_permutation(element):
-        d_new, d_old = element.shape
-        if d_old != group.size:
-            raise ValueError(f"residual element is {d_new}x{d_old} but the model's residual width is {group.size}")
-        # A width lift rescales RMSNorm's output by sqrt(d_new/d_old); readers absorb the inverse.
-        scale = math.sqrt(d_old / d_new)
-        for m in group.members:
-            if m.param not in sd:  # partial states (matching works on the tensors a step needs)
-                continue
-            t = _apply_along(sd[m.param], m.axis, element)
-            if d_new != d_old and m.role == "reader":
-                t = t * scale
-            elif d_new != d_old and m.role == "norm":  # a biased RMSNorm's output grows by 1/scale too
-                t = t / scale
-            out[m.param] = t
-        return out
     for m in group.members:
-        if m.param not in sd:
+        if m.param not in sd:  # partial states (matching works on the tensors a step needs)
             continue
         t = sd[m.param]
-        if group.kind in ("permutation", "orthogonal") and element.is_floating_point():
-            # a permutation given as a (possibly relaxed, differentiable) matrix P: new = P old, per block
+        if group.kind == "permutation" and relaxed:
             P = torch.kron(element, torch.eye(m.block, dtype=element.dtype, device=element.device)) if m.block > 1 else element
             out[m.param] = _apply_along(t, m.axis, P)
-        elif group.kind in ("permutation", "orthogonal"):
+        elif group.kind == "permutation":
             out[m.param] = _permute_along(t, m.axis, element, m.block)
-        elif group.kind == "gauge":
-            out[m.param] = _gauge_along(t, m.axis, _matrix(element, m.fn), m.block)
         else:
-            raise ValueError(f"unknown group kind {group.kind!r}")
+            out[m.param] = _gauge_along(t, m.axis, _matrix(element, m.fn), m.block)
     return out
 
 
-def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform) -> tuple[StateDict, TransformerConfig]:
-    """Apply ``transform`` to a state dict of config ``cfg``; returns the new state dict and config."""
+def _act_orthogonal(sd: StateDict, group: Group, element: torch.Tensor) -> StateDict:
+    out = dict(sd)
+    d_new, d_old = element.shape
+    # A width lift rescales RMSNorm's output by sqrt(d_new/d_old); readers absorb the inverse.
+    scale = math.sqrt(d_old / d_new)
+    for m in group.members:
+        if m.param not in sd:
+            continue
+        t = _apply_along(sd[m.param], m.axis, element)
+        if d_new != d_old and m.role == "reader":
+            t = t * scale
+        elif d_new != d_old and m.role == "norm":  # a biased RMSNorm's output grows by 1/scale too
+            t = t / scale
+        out[m.param] = t
+    return out
+
+
+def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform,
+                   relaxed: bool = False) -> tuple[StateDict, TransformerConfig]:
+    """Apply ``transform`` to a state dict of config ``cfg``; returns the new state dict and config
+    (``relaxed``: see ``act``)."""
     spec = spec_for(cfg)
     unknown = set(transform.elements) - set(spec.groups)
     if unknown:
@@ -156,8 +179,8 @@ def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform) 
     if R is not None and cfg.norm != "rmsnorm":
         raise ValueError("the residual group acts on the canonical (RMSNorm) form: call canonicalize(model) first")
     for name in sorted(transform.elements, key=lambda n: spec.groups[n].rank):
-        sd = act(sd, spec.groups[name], transform.elements[name])
-    if R is not None and not is_permutation(R) and R.shape[0] != R.shape[1]:
+        sd = act(sd, spec.groups[name], transform.elements[name], relaxed)
+    if R is not None and R.shape[0] != R.shape[1]:
         d_new, d_old = R.shape
         cfg = cfg.replace(d_model=d_new, norm_eps=cfg.norm_eps * d_old / d_new)
     return sd, cfg
