@@ -3,21 +3,27 @@
 Writes results/bench_universe_gpt2_small.json. Usage: python bench/universe_gpt2_small.py [--models 8]
 The 8 models are one random gpt2-small under 8 random group elements (residual O, head and FF
 permutations) plus 1 % noise each, so the answer is known: the universe must be that model (in the
-first copy's coordinates), with its noise averaged down. Reports wall time, per-iteration seconds and
-the relative distance of the universe to the clean model.
+first copy's coordinates), with its noise averaged down. Reports wall time, per-model seconds, a
+profile of where the time went, the peak resident memory of the process during the merge (sampled
+every 20 ms) against the (M + 4) × model-size budget, and the relative distance of the universe to
+the clean model.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 from fedlmc.canonical import canonicalize
-from fedlmc.merge import universe_merge
+from fedlmc.matching.profile import profiling
+from fedlmc.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.train import pick_device
@@ -28,6 +34,47 @@ def _rel(a: dict, b: dict) -> float:
     return (num / sum(float(b[k].float().pow(2).sum()) for k in b)) ** 0.5
 
 
+def clean_copy(layers: int, s: int) -> torch.nn.Module:
+    """Copy ``s``: one fixed random gpt2-small (canonical) under the random group element of seed 100 + s."""
+    torch.manual_seed(0)
+    base = canonicalize(from_preset("gpt2-small", n_layer=layers).eval())
+    return apply_transform(base, random_transform(base, seed=100 + s, groups=["residual", "heads", "ff"], dtype=torch.float32))
+
+
+def noisy_copy(layers: int, s: int) -> torch.nn.Module:
+    """``clean_copy`` plus 1 % Gaussian noise per tensor."""
+    c = clean_copy(layers, s)
+    g = torch.Generator().manual_seed(1000 + s)
+    with torch.no_grad():
+        for p_ in c.parameters():
+            p_.add_(0.01 * p_.std() * torch.randn(p_.shape, generator=g))
+    return c
+
+
+class PeakMemory:
+    """Peak resident memory (bytes) of this process while the block runs, sampled in a thread."""
+
+    def __enter__(self) -> "PeakMemory":
+        self.peak, self.start = 0, self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.02)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", type=int, default=8)
@@ -35,32 +82,34 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--init", default="paper", help="weight matching start for the first iteration (paper|both)")
     p.add_argument("--out", default="results/bench_universe_gpt2_small.json")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, i.e. all cores)")
     args = p.parse_args()
-    torch.manual_seed(0)
-    base = canonicalize(from_preset("gpt2-small", n_layer=args.layers).eval())
-    copies, clean0 = [], None
-    for s in range(args.models):
-        T = random_transform(base, seed=100 + s, groups=["residual", "heads", "ff"], dtype=torch.float32)
-        c = apply_transform(base, T)
-        if s == 0:
-            clean0 = {k: v.clone() for k, v in c.state_dict().items()}
-        with torch.no_grad():
-            for p_ in c.parameters():
-                p_.add_(0.01 * p_.std() * torch.randn_like(p_))
-        copies.append(c)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    copies = [noisy_copy(args.layers, s) for s in range(args.models)]
+    model_bytes = 4 * sum(p.numel() for p in copies[0].parameters())
+    # the server holds the M replies and nothing else (the clean model is rebuilt afterwards)
+    gc.collect()
+    with profiling() as prof, PeakMemory() as mem:
+        t0 = time.time()
+        merged, Ts = universe_merge(copies, iterations=args.iterations, starts=args.init, progress=True)
+        secs = time.time() - t0
+    clean0 = clean_copy(args.layers, 0).state_dict()
     noisy0 = _rel(copies[0].state_dict(), clean0)
-    t0 = time.time()
-    merged, Ts = universe_merge(copies, iterations=args.iterations, starts=args.init, progress=True)
-    secs = time.time() - t0
     dist = _rel(merged.state_dict(), clean0)
     res = {"model": "gpt2-small shape", "layers": args.layers, "models": args.models,
-           "params_per_model": sum(p.numel() for p in base.parameters()), "device": str(pick_device()),
+           "params_per_model": sum(p.numel() for p in copies[0].parameters()), "device": str(pick_device()),
            "threads": torch.get_num_threads(), "machine": platform.machine(), "iterations": args.iterations,
-           "init": args.init, "seconds": round(secs, 1), "target_seconds": 180,
+           "init": args.init, "seconds": round(secs, 1), "target_seconds": 120, "profile_seconds": prof,
+           "peak_rss_gb": round(mem.peak / 1e9, 2), "rss_before_merge_gb": round(mem.start / 1e9, 2),
+           "model_float32_gb": round(model_bytes / 1e9, 3),
+           "peak_rss_in_models": round(mem.peak / model_bytes, 1), "budget_in_models": args.models + 4,
            "relative_distance_to_clean_model": dist, "one_noisy_copy_distance": noisy0,
            "per_model": [{"chosen": T.info.get("chosen"), "iterations": T.info.get("iterations"),
                           "seconds": round(T.info.get("seconds", 0.0), 1)} for T in Ts]}
-    print(f"{args.models} models: {secs:.0f} s; universe vs clean model {dist:.4f} (one noisy copy {noisy0:.4f})")
+    print(f"{args.models} models: {secs:.0f} s; universe vs clean model {dist:.4f} (one noisy copy {noisy0:.4f}); "
+          f"peak RSS {mem.peak / 1e9:.2f} GB = {mem.peak / model_bytes:.1f} models (budget {args.models + 4})")
+    print("profile (s):", json.dumps(prof))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))

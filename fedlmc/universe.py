@@ -12,7 +12,7 @@ from .averaging import FORMS, merge
 from .matching import weight_matching
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
-from .symmetry import Transform, WidthMap, apply_transform, canonical, invert_transform, spec_for, to_layernorm
+from .symmetry import StateDict, Transform, WidthMap, apply_transform, canonical, invert_transform, rebuild, spec_for, to_layernorm
 from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks, unpad
 
 
@@ -47,9 +47,26 @@ class Members:
     def merge(self, transforms: list[Transform], form: str = "factored") -> nn.Module:
         """The weighted average of the live models, each aligned by its transform."""
         live = self.live
+        if form == "factored" and not self.hetero:
+            return self._streamed_average(transforms)
         aligned = [apply_transform(self.padded[i], transforms[i]) for i in live]
         return merge(aligned, [self.weights[i] for i in live], form=form,
                      masks=[self.aligned_masks(i, transforms[i]) for i in live])
+
+    def _streamed_average(self, transforms: list[Transform]) -> nn.Module:
+        """The plain weighted average, aligning one model at a time: the server holds the M models plus
+        two (the running sum and one aligned model), not 2M (at gpt2-small size, 8 × 650 MB saved)."""
+        acc: Optional[StateDict] = None
+        for i in self.live:
+            sd = apply_transform(self.padded[i], transforms[i]).state_dict()
+            w = self.weights[i]
+            if acc is None:
+                acc = {k: v.detach() * w for k, v in sd.items()}
+            else:
+                for k, v in sd.items():
+                    acc[k].add_(v.detach(), alpha=w)
+            del sd
+        return rebuild(self.padded[self.live[0]], acc)
 
     def client_transforms(self, transforms: list[Transform]) -> list[Transform]:
         """Each model's map from *its own* shape into the universe (a rectangular residual map for a

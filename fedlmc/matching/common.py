@@ -5,11 +5,17 @@ on from the spec, never a parameter name.
 """
 from __future__ import annotations
 
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Optional
 
 import torch
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
+from .profile import section
 from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, ones_basis, perm_matrix
 
 Elements = dict[str, torch.Tensor]
@@ -58,10 +64,42 @@ def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
     if len(torch.unique(best)) == len(best):
         # every row's best column is distinct: that assignment is optimal, no solver needed
         return best.cpu()
-    s = score.detach().to("cpu", torch.float64).numpy()
-    rows, cols = linear_sum_assignment(s, maximize=maximize)
+    with section("assignment solves"):
+        s = score.detach().to("cpu", torch.float64).numpy()
+        rows, cols = linear_sum_assignment(s, maximize=maximize)
     perm = torch.empty(len(rows), dtype=torch.long)
     perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
+    return perm
+
+
+def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``assignment`` restricted to each row's and each column's ``candidates`` best partners, plus
+    ``current`` (so a full matching always exists and the result never scores below ``current``).
+
+    Exact whenever the optimal assignment uses only candidate edges, which on matching scores it does
+    with a wide margin (a neuron's partner ranks far above its 64th-best alternative; tested against the
+    dense solver). The sparse solver (LAPJVsp) is ~3× faster than the dense one at 3072 units.
+    """
+    n = score.shape[0]
+    best = score.argmax(1)
+    if len(torch.unique(best)) == n:
+        return best.cpu()
+    if not torch.isfinite(score).all():
+        raise ValueError("assignment scores contain NaN/Inf")
+    k = min(candidates, n)
+    with section("assignment solves"):
+        mask = torch.zeros(n, n, dtype=torch.bool, device=score.device)
+        mask.scatter_(1, score.topk(k, dim=1).indices, True)
+        mask.scatter_(0, score.topk(k, dim=0).indices, True)
+        if current is not None:
+            mask[torch.arange(n, device=score.device), current.to(score.device)] = True
+        rows, cols = mask.nonzero(as_tuple=True)
+        vals = score[rows, cols].to("cpu", torch.float64)
+        cost = (vals.max() - vals + 1.0).numpy()  # positive: the sparse solver reads 0 as "no edge"
+        graph = csr_matrix((cost, (rows.cpu().numpy(), cols.cpu().numpy())), shape=(n, n))
+        r, c = min_weight_full_bipartite_matching(graph)
+    perm = torch.empty(n, dtype=torch.long)
+    perm[torch.as_tensor(r, dtype=torch.long)] = torch.as_tensor(c, dtype=torch.long)
     return perm
 
 
@@ -116,25 +154,45 @@ def circuit_inner(XA: torch.Tensor, YA: torch.Tensor, XB: torch.Tensor, YB: torc
 CIRCUITS = {"qk": (("MT",), ("Minv",)), "ov": (("MinvT",), ("M",))}
 
 
-def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str, n_head: int) -> torch.Tensor:
+def circuit_norms(sd: StateDict, spec: SymmetrySpec, heads: str, n_head: int) -> dict[str, torch.Tensor]:
+    """Each head's squared QK and OV circuit norms (invariant under the residual map, permutations and
+    gauges, so a matching computes them once per model)."""
+    out = {}
+    for kind, (xs, ys) in CIRCUITS.items():
+        g = spec.gauges_of(heads)[kind]
+        X, Y = head_side(sd, g, n_head, xs), head_side(sd, g, n_head, ys)
+        out[kind] = ((X @ X.transpose(1, 2)) * (Y @ Y.transpose(1, 2))).sum((-1, -2))
+    return out
+
+
+def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str, n_head: int,
+                   norms: Optional[tuple[dict, dict]] = None) -> torch.Tensor:
     """Squared distances between A's and B's heads of heads group ``heads``: bias-augmented QK and OV
-    circuits, each normalised by A's mean circuit norm so that neither dominates. Gauge-invariant."""
+    circuits, each normalised by A's mean circuit norm so that neither dominates. Gauge-invariant.
+    ``norms``: A's and B's ``circuit_norms`` when already known."""
     D = 0.0
     gauges = spec.gauges_of(heads)
+    nAs, nBs = norms or (circuit_norms(A, spec, heads, n_head), circuit_norms(B, spec, heads, n_head))
     for kind, (xs, ys) in CIRCUITS.items():
         g = gauges[kind]
         XA, YA = head_side(A, g, n_head, xs), head_side(A, g, n_head, ys)
         XB, YB = head_side(B, g, n_head, xs), head_side(B, g, n_head, ys)
-        nA = circuit_inner(XA, YA, XA, YA).diagonal()
-        nB = circuit_inner(XB, YB, XB, YB).diagonal()
+        nA, nB = nAs[kind], nBs[kind]
         d = nA[:, None] + nB[None, :] - 2 * circuit_inner(XA, YA, XB, YB)
         D = D + d / nA.mean().clamp_min(1e-30)
     return D
 
 
-def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec, n_head: int) -> Elements:
-    """Head permutations of every layer from circuit distances (B already carries the residual map)."""
-    return {g.name: assignment(-head_distances(A, B_res, spec, g.name, n_head)) for g in spec.layer_groups("heads")}
+def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec, n_head: int,
+               norms: Optional[dict[str, tuple[dict, dict]]] = None) -> Elements:
+    """Head permutations of every layer from circuit distances (B already carries the residual map);
+    ``norms``: each heads group's (A, B) ``circuit_norms``, when known."""
+    out: Elements = {}
+    for g in spec.layer_groups("heads"):
+        with section("head circuit distances"):
+            D = head_distances(A, B_res, spec, g.name, n_head, norms[g.name] if norms else None)
+        out[g.name] = assignment(-D)
+    return out
 
 
 def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, n_head: int, mode: str = "orthogonal") -> Elements:
@@ -178,6 +236,48 @@ def unit_features(sd: StateDict, group: Group) -> torch.Tensor:
     return torch.cat([sd[m.param].movedim(m.axis, 0).reshape(group.size, -1) for m in group.members], dim=1)
 
 
-def ff_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec) -> Elements:
-    """FF permutations of every layer by linear assignment on fc1 rows, fc1 bias and fc2 columns."""
-    return {g.name: assignment(unit_features(A, g) @ unit_features(B_res, g).T) for g in spec.layer_groups("ff")}
+@functools.cache
+def _native_bf16() -> bool:
+    """Whether this CPU has native bfloat16 dot products (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def similarity(FA: torch.Tensor, FB: torch.Tensor) -> torch.Tensor:
+    """``FA FBᵀ``: the FF neurons' similarity scores. Large float32 problems on a CPU with native
+    bfloat16 dot products multiply in bfloat16 (1.75× faster at gpt2-small size, conversions included):
+    scores carry ~3 significant digits, which only decides between near-ties, and the descent's
+    objective, which accepts or rejects each iteration, stays exact. Float64 problems (small models,
+    hence every reproduction table) and GPUs compute exactly."""
+    if FA.dtype == torch.float32 and FA.device.type == "cpu" and FA.shape[0] >= 1024 and _native_bf16():
+        return (FA.to(torch.bfloat16) @ FB.to(torch.bfloat16).T).float()
+    return FA @ FB.T
+
+
+def ff_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec, current: Optional[Elements] = None,
+            candidates: Optional[int] = None) -> Elements:
+    """FF permutations of every layer by linear assignment on fc1 rows, fc1 bias and fc2 columns.
+    ``candidates``: solve on each neuron's best candidates only (``sparse_assignment``, starting from
+    ``current``) for groups larger than 4 × candidates; None: the dense solver everywhere.
+
+    Layer l's assignment is solved in a worker thread (scipy releases the GIL) while layer l + 1's
+    similarity is computed, and at most two similarity matrices are alive at once."""
+    current = current or {}
+
+    def solve(S: torch.Tensor, g: Group) -> torch.Tensor:
+        if candidates and g.size > 4 * candidates:
+            return sparse_assignment(S, candidates, current.get(g.name))
+        return assignment(S)
+
+    pending: list[tuple[str, Future]] = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for g in spec.layer_groups("ff"):
+            with section("FF similarity products"):
+                S = similarity(unit_features(A, g), unit_features(B_res, g))
+            if len(pending) >= 1:
+                pending[-1][1].result()
+            pending.append((g.name, pool.submit(solve, S, g)))
+        return {name: f.result() for name, f in pending}

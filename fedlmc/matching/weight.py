@@ -9,6 +9,7 @@ Procrustes, FF neurons by assignment.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -17,14 +18,17 @@ import torch.nn as nn
 from ..averaging import interpolate
 from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
 from ..train import evaluate, pick_device
-from .common import (Elements, anchors, apply_elements, as_rows, ff_step, gauge_step, heads_step, residual_cross,
+from .profile import section
+from .common import (Elements, anchors, apply_elements, as_rows, circuit_norms, ff_step, gauge_step, heads_step, residual_cross,
                      residual_element)
 
 
 def canonical_state(model: nn.Module, device: torch.device, dtype: torch.dtype) -> StateDict:
     """The canonical form's weights, detached, on ``device`` in ``dtype``."""
-    c = canonical(model)
-    return {k: v.detach().to(device=device, dtype=dtype) for k, v in c.state_dict().items()}
+    with section("canonicalisation"):
+        c = canonical(model)
+    with section("copies and dtype conversions"):
+        return {k: v.detach().to(device=device, dtype=dtype) for k, v in c.state_dict().items()}
 
 
 class Problem:
@@ -33,37 +37,60 @@ class Problem:
     Coordinate descent only transforms the *moving* tensors (those some non-residual group touches);
     anchors enter through their cross-covariances, computed once, and tensors no group touches through
     a constant. That keeps huge embeddings and output heads (e.g. 50k × 768) out of every iteration.
+    Head circuit norms are invariant under every group element: computed once too.
     """
 
     def __init__(self, A: StateDict, B: StateDict, cfg) -> None:
         self.A, self.B, self.cfg = A, B, cfg
         self.spec = spec_for(cfg)
-        moved = {m.param for g in self.spec.groups.values() if g.name != "residual" for m in g.members}
+        # in spec order (not a set's): sums over tensors, and so the residual map's arbitrary sign on a
+        # direction every tensor leaves null (the all-ones one of a LayerNorm model), do not depend on names
+        moved = list(dict.fromkeys(m.param for g in self.spec.groups.values() if g.name != "residual" for m in g.members))
         self.A_mov = {k: A[k] for k in moved}
         self.B_mov = {k: B[k] for k in moved}
         self.anchor_members = anchors(self.spec)
         self.moving_members = [m for m in self.spec.residual.members if m.param in moved]
-        self.M_anchor = residual_cross(A, B, self.anchor_members)
-        # per-tensor pieces of the objective for tensors outside the moving set
+        # per-tensor pieces of the objective for tensors outside the moving set, and (from the same
+        # products) the anchors' fixed part of every residual step
         self._anchor_terms = []
+        self.M_anchor = 0.0
         for m in self.anchor_members:
             a, b = as_rows(A[m.param], m.axis), as_rows(B[m.param], m.axis)
             na = a.pow(2).sum().clamp_min(1e-30)
-            self._anchor_terms.append((a.T @ b, float((a.pow(2).sum() + b.pow(2).sum()) / na), na))
+            cross = a.T @ b
+            self._anchor_terms.append((cross, float((a.pow(2).sum() + b.pow(2).sum()) / na), na))
+            self.M_anchor = self.M_anchor + cross / a.shape[0]
         untouched = [k for k in A if k not in moved and k not in {m.param for m in self.anchor_members}]
         self._constant = float(sum((A[k] - B[k]).pow(2).sum() / A[k].pow(2).sum().clamp_min(1e-30) for k in untouched))
+        self.head_norms = {g.name: (circuit_norms(A, self.spec, g.name, cfg.n_head), circuit_norms(B, self.spec, g.name, cfg.n_head))
+                           for g in self.spec.layer_groups("heads")}
+
+    def anchor_objective(self, O: Optional[torch.Tensor]) -> float:
+        """The anchors' and untouched tensors' part of the objective under residual map ``O``."""
+        if O is None:
+            O = torch.eye(self.cfg.d_model, dtype=self.M_anchor.dtype, device=self.M_anchor.device)
+        return self._constant + sum(const - 2 * float((cross * O).sum() / na) for cross, const, na in self._anchor_terms)
 
     def objective(self, elements: Elements) -> float:
         """``Σ_tensors ‖A − T(B)‖² / ‖A‖²`` (the criterion that compares candidate transforms)."""
         Bt = apply_elements(self.B_mov, self.cfg, elements)
-        total = self._constant + float(sum((self.A_mov[k] - Bt[k]).pow(2).sum() / self.A_mov[k].pow(2).sum().clamp_min(1e-30)
-                                           for k in self.A_mov))
-        O = elements.get("residual")
-        if O is None:
-            O = torch.eye(self.cfg.d_model, dtype=self.M_anchor.dtype, device=self.M_anchor.device)
-        for cross, const, na in self._anchor_terms:
-            total += const - 2 * float((cross * O).sum() / na)
-        return total
+        return self.anchor_objective(elements.get("residual")) + self.moving_objective(Bt)[0]
+
+    def moving_objective(self, Bt: StateDict) -> tuple[float, torch.Tensor]:
+        """The moving tensors' part of the objective for the transformed ``Bt``, and (in one pass) their
+        residual cross-covariance ``Σ_blocks (1/rows) A_blockᵀ Bt_block``."""
+        total, M = 0.0, torch.zeros_like(self.M_anchor)
+        axis = {m.param: m.axis for m in self.moving_members}
+        for k, a in self.A_mov.items():
+            na = a.pow(2).sum().clamp_min(1e-30)
+            if k not in axis:
+                total += float((a - Bt[k]).pow(2).sum() / na)
+                continue
+            ar, br = as_rows(a, axis[k]), as_rows(Bt[k], axis[k])
+            C = ar.T @ br
+            total += float((na + br.pow(2).sum() - 2 * C.trace()) / na)
+            M += C / ar.shape[0]
+        return total, M
 
 
 def _changed(old: Elements, new: Elements, tol: float = 1e-6) -> bool:
@@ -76,43 +103,75 @@ def _changed(old: Elements, new: Elements, tol: float = 1e-6) -> bool:
     return False
 
 
+@dataclass
+class Descent:
+    """What a coordinate descent found: the elements (None when abandoned), iterations, the objective
+    after each iteration that changed something, and the returned elements' objective (None: unknown)."""
+
+    elements: Optional[Elements]
+    iterations: int
+    trace: list[float]
+    objective: Optional[float]
+
+
 def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "orthogonal",
                        keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal", max_iter: int = 15,
                        M_extra: Optional[torch.Tensor] = None, extra_weight: float = 0.0,
-                       rtol: float = 1e-3) -> tuple[Elements, int]:
+                       rtol: float = 1e-3, candidates: Optional[int] = None,
+                       abandon_above: Optional[float] = None) -> "Descent":
     """Alternate the four steps from ``elements`` until nothing changes, the objective improves by less
-    than ``rtol`` (relative) in an iteration, or ``max_iter`` iterations are done.
+    than ``rtol`` (relative) plus 1e-5 per tensor in an iteration, or ``max_iter`` iterations are done.
 
+    Two passes over the moving tensors per iteration: the residual map applied to B (which the unit
+    steps need), and the cross-covariance of A with the fully transformed B, which gives both the
+    objective and the next residual step's matrix: ``Aᵀ U(B) = (Aᵀ U(B) Oᵀ) O`` for orthogonal O.
     ``M_extra`` (e.g. residual activations) is mixed into every residual step with ``extra_weight``.
+    ``candidates``: see ``common.ff_step``. ``abandon_above``: give up (return None for the elements)
+    when the first iteration's objective is above it.
     """
     cfg, spec, H = P.cfg, P.spec, P.cfg.n_head
     tol = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6
-    last = float("inf")
+    units = ("heads", "qk", "ov", "ff")
+    with section("residual cross-covariances"):
+        M_units = residual_cross(P.A_mov, apply_elements(P.B_mov, cfg, elements, units), P.moving_members)
+    trace: list[float] = []
+    # improvements below this are noise however small the objective (a planted pair ends at its noise
+    # level, ~1e-4 per tensor, where a relative test would keep iterating on nothing)
+    floor = 1e-5 * (len(P.A_mov) + len(P.anchor_members))
     it = 0
     for it in range(1, max_iter + 1):
         old = dict(elements)
         # residual map given the permutations and gauges (anchors do not move with them)
-        Bp = apply_elements(P.B_mov, cfg, elements, ("heads", "qk", "ov", "ff"))
-        M = residual_cross(P.A_mov, Bp, P.moving_members) + P.M_anchor
+        M = M_units + P.M_anchor
         if M_extra is not None and extra_weight > 0:
             M = M / M.norm() + extra_weight * M_extra / M_extra.norm()
-        elements["residual"] = residual_element(M, residual, keep_layernorm)
+        with section("residual SVD"):
+            O = elements["residual"] = residual_element(M, residual, keep_layernorm)
+        with section("apply residual map"):
+            B_res = apply_elements(P.B_mov, cfg, {"residual": O})
         # units given the residual map
-        B_res = apply_elements(P.B_mov, cfg, {"residual": elements["residual"]})
-        elements.update(heads_step(P.A_mov, B_res, spec, H))
-        elements.update(ff_step(P.A_mov, B_res, spec))
+        elements.update(heads_step(P.A_mov, B_res, spec, H, P.head_norms))
+        elements.update(ff_step(P.A_mov, B_res, spec, old, candidates))
         if gauge:
-            B_heads = apply_elements(B_res, cfg, {k: v for k, v in elements.items() if k.startswith("heads.")})
-            elements.update(gauge_step(P.A_mov, B_heads, spec, H, gauge))
-        if not _changed(old, elements, tol):
-            break
-        value = P.objective(elements)
-        if last - value < rtol * abs(value):
-            if value > last:  # the last step made things worse: keep the previous elements
-                elements = old
-            break
-        last = value
-    return elements, it
+            with section("gauges"):
+                B_heads = apply_elements(B_res, cfg, {k: v for k, v in elements.items() if k.startswith("heads.")})
+                elements.update(gauge_step(P.A_mov, B_heads, spec, H, gauge))
+        if not _changed(old, elements, tol):  # a fixed point: keep the elements whose objective is known
+            return Descent(old, it, trace, trace[-1] if trace else None)
+        with section("apply units (copies)"):
+            Bt = apply_elements(B_res, cfg, elements, units)
+        with section("residual cross-covariances"):
+            value, M_t = P.moving_objective(Bt)
+        value += P.anchor_objective(O)
+        M_units = M_t @ O
+        if abandon_above is not None and not trace and value > abandon_above:
+            return Descent(None, it, [value], None)
+        if trace and trace[-1] - value < rtol * abs(value) + floor:
+            if value > trace[-1]:  # the last step made things worse: keep the previous elements
+                return Descent(old, it, trace + [value], trace[-1])
+            return Descent(elements, it, trace + [value], value)
+        trace.append(value)
+    return Descent(elements, it, trace, trace[-1] if trace else None)
 
 
 def identity_elements(cfg, device, dtype) -> Elements:
@@ -154,6 +213,7 @@ def weight_matching(
     device: Union[str, torch.device, None] = None,
     dtype: Optional[torch.dtype] = None,
     start: Optional[Transform] = None,
+    candidates: Optional[int] = 64,
 ) -> Transform:
     """Align ``model_b`` to ``model_a`` without data; returns T so that ``apply_transform(B, T)`` ≈ A.
 
@@ -171,7 +231,10 @@ def weight_matching(
     (Procrustes), "invertible" (least squares, recovers any invertible gauge) or None.
     ``start``: a transform to descend from *instead of* the paper/identity starts (a warm start, e.g.
     the previous universe iteration's); with ``starts="both"`` the identity is still scored.
-    ``T.info`` records the objective of each candidate, which one won, iterations and seconds.
+    ``candidates``: FF assignments of groups over 4 × ``candidates`` neurons are solved on each neuron's
+    ``candidates`` best partners (``common.sparse_assignment``; None: the dense solver everywhere).
+    ``T.info`` records the objective of each candidate, which one won, iterations, the objective
+    after each iteration and seconds.
     """
 
     t0 = time.time()
@@ -182,35 +245,68 @@ def weight_matching(
     if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32
         dtype = torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
     cfg = canonical_config(model_b.config)
-    P = Problem(canonical_state(model_a, dev, dtype), canonical_state(model_b, dev, dtype), cfg)
+    A, B = canonical_state(model_a, dev, dtype), canonical_state(model_b, dev, dtype)
+    with section("anchor cross-covariances"):
+        P = Problem(A, B, cfg)
     Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
     opts = dict(residual=residual, keep_layernorm=keep_layernorm, gauge=gauge, max_iter=max_iter,
-                M_extra=Mx, extra_weight=1.0 if Mx is not None else 0.0)
-    candidates: dict[str, Elements] = {}
-    info: dict = {"iterations": {}}
-    if start is not None:
-        el = identity_elements(cfg, dev, dtype)
-        el.update(start.to(dtype=dtype, device=dev).elements)
-        candidates["warm"], info["iterations"]["warm"] = coordinate_descent(P, el, **opts)
-    if starts in ("paper", "both") and start is None:
-        el = paper_init(P, residual=residual, keep_layernorm=keep_layernorm, M_extra=Mx, extra_weight=opts["extra_weight"])
-        candidates["paper"], info["iterations"]["paper"] = coordinate_descent(P, el, **opts)
-    if starts in ("identity", "both") and start is None:
-        el = identity_elements(cfg, dev, dtype)
-        candidates["identity-start"], info["iterations"]["identity-start"] = coordinate_descent(P, el, **opts)
-    if not candidates:
+                M_extra=Mx, extra_weight=1.0 if Mx is not None else 0.0, candidates=candidates)
+    if starts not in ("paper", "identity", "both"):
         raise ValueError(f"starts must be 'paper', 'identity' or 'both', got {starts!r}")
-    if starts == "both":
-        candidates["identity"] = {}
-    scores = {k: P.objective(el) for k, el in candidates.items()}
-    info["objective"] = scores
-    best = min(scores, key=scores.get)
-    if guard_data is not None and len(candidates) > 1:
-        losses = {k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches) for k, el in candidates.items()}
+    found, info = _descents(P, start, starts, opts)
+    best = min(info["objective"], key=info["objective"].get)
+    if guard_data is not None and len(found) > 1:
+        losses = {k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches) for k, el in found.items()}
         info["midpoint_loss"] = losses
         best = min(losses, key=losses.get)
     info.update(chosen=best, seconds=time.time() - t0, residual=residual, keep_layernorm=keep_layernorm)
-    return Transform({k: v.cpu() for k, v in candidates[best].items()}, info)
+    return Transform({k: v.cpu() for k, v in found[best].items()}, info)
+
+
+# A descent from the identity whose first iteration is this much above the paper start's result is
+# abandoned: descents do most of their work in the first iteration (on a gpt2-small-shaped pair the
+# first lands within 7 % of the end), so it cannot plausibly win, and it would cost a full descent.
+ABANDON_ABOVE = 1.05
+
+
+def _descents(P: Problem, start: Optional[Transform], starts: str, opts: dict) -> tuple[dict[str, Elements], dict]:
+    """Run the requested descents; returns the candidates and ``info`` (iterations, objective traces,
+    each candidate's objective, which descents were abandoned)."""
+    dev, dtype = P.M_anchor.device, P.M_anchor.dtype
+    found: dict[str, Elements] = {}
+    info: dict = {"iterations": {}, "trace": {}, "objective": {}}
+
+    def run(name: str, el: Elements, abandon_above: Optional[float] = None) -> None:
+        d = coordinate_descent(P, el, abandon_above=abandon_above, **opts)
+        info["iterations"][name], info["trace"][name] = d.iterations, d.trace
+        if d.elements is None:
+            info.setdefault("abandoned", []).append(name)
+            return
+        found[name] = d.elements
+        info["objective"][name] = d.objective  # None: a fixed point from the start (filled in if compared)
+
+    if start is not None:
+        el = identity_elements(P.cfg, dev, dtype)
+        el.update(start.to(dtype=dtype, device=dev).elements)
+        run("warm", el)
+    if starts in ("paper", "both") and start is None:
+        run("paper", paper_init(P, residual=opts["residual"], keep_layernorm=opts["keep_layernorm"],
+                                M_extra=opts["M_extra"], extra_weight=opts["extra_weight"]))
+    if starts in ("identity", "both") and start is None:
+        paper = info["objective"].get("paper")
+        if "paper" in found and paper is None:
+            with section("objective"):
+                paper = info["objective"]["paper"] = P.objective(found["paper"])
+        run("identity-start", identity_elements(P.cfg, dev, dtype), ABANDON_ABOVE * paper if paper is not None else None)
+    if starts == "both":
+        found["identity"] = {}
+        info["objective"]["identity"] = None
+    if len(found) > 1:  # candidates are compared: every objective is needed
+        for name, value in info["objective"].items():
+            if value is None:
+                with section("objective"):
+                    info["objective"][name] = P.objective(found[name])
+    return found, info
 
 
 def midpoint_loss(model_a: nn.Module, model_b: nn.Module, T: Transform, data, form: str = "factored",

@@ -1,0 +1,96 @@
+"""The fast paths of weight matching give the exact path's answers: the sparse candidate assignment,
+the one-pass objective / residual cross-covariance, the abandoned identity start."""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from fedlmc.canonical import canonicalize
+from fedlmc.matching import weight_matching
+from fedlmc.matching.common import sparse_assignment
+from fedlmc.matching.weight import Problem, canonical_state
+from fedlmc.models import from_preset
+from fedlmc.symmetry import apply_transform, canonical_config, random_transform
+
+from conftest import perturbed
+
+
+def _dense(score: torch.Tensor) -> torch.Tensor:
+    rows, cols = linear_sum_assignment(score.double().numpy(), maximize=True)
+    perm = torch.empty(len(rows), dtype=torch.long)
+    perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
+    return perm
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sparse_assignment_equals_the_dense_solver_on_matching_scores(seed):
+    """Scores as matching sees them (a hidden permutation plus noise as large as the signal): the
+    candidate solver returns the dense solver's optimum."""
+    g = torch.Generator().manual_seed(seed)
+    n = 400
+    truth = torch.randperm(n, generator=g)
+    score = torch.randn(n, n, generator=g, dtype=torch.float64)
+    score[torch.arange(n), truth] += 2.0
+    assert len(torch.unique(score.argmax(1))) < n  # the argmax shortcut does not apply: a real solve
+    assert torch.equal(sparse_assignment(score, 32), _dense(score))
+
+
+def test_sparse_assignment_never_scores_below_the_current_assignment():
+    g = torch.Generator().manual_seed(0)
+    n = 300
+    score = torch.randn(n, n, generator=g, dtype=torch.float64)  # no structure at all: the worst case
+    current = torch.randperm(n, generator=g)
+    perm = sparse_assignment(score, 4, current)
+    value = lambda p: float(score[torch.arange(n), p].sum())  # noqa: E731
+    assert sorted(perm.tolist()) == list(range(n))
+    assert value(perm) >= value(current)
+
+
+def _wide_pair(seed: int = 0):
+    """A gpt2 of FF width 256 (so 16 candidates is the sparse path) and a planted, noisy copy."""
+    torch.manual_seed(seed)
+    A = canonicalize(perturbed(from_preset("gpt2-tiny", n_layer=2, d_model=32, n_head=4, d_ff=256,
+                                           vocab_size=20, block_size=16), seed, 0.2))
+    B = apply_transform(A, random_transform(A, seed=seed + 1, groups=["residual", "heads", "ff"]))
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for p in B.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return A, B
+
+
+def test_the_candidate_path_finds_the_exact_paths_permutations_on_a_planted_model():
+    A, B = _wide_pair()
+    fast = weight_matching(A, B, candidates=16)
+    exact = weight_matching(A, B, candidates=None)
+    ff = [k for k in exact.elements if k.startswith("ff.")]
+    assert ff and all(torch.equal(fast[k], exact[k]) for k in exact.elements if not k.startswith(("residual", "qk", "ov")))
+    assert torch.allclose(fast["residual"], exact["residual"], atol=1e-10)
+    assert fast.info["objective"] == pytest.approx(exact.info["objective"], rel=1e-12)
+
+
+def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
+    """The descent's trace comes from ``moving_objective`` on the transformed B; its last value must be
+    the objective of the returned elements computed from scratch."""
+    A, B = _wide_pair(1)
+    T = weight_matching(A, B, starts="paper", max_iter=3)
+    P = Problem(canonical_state(A, torch.device("cpu"), torch.float64),
+                canonical_state(B, torch.device("cpu"), torch.float64), canonical_config(B.config))
+    direct = P.objective(dict(T.elements))
+    assert T.info["objective"]["paper"] == pytest.approx(direct, rel=1e-12)
+    trace = T.info["trace"]["paper"]
+    assert len(trace) >= 2 and all(b <= a for a, b in zip(trace[:-2], trace[1:-1]))  # descends (bar a rolled-back last step)
+    assert min(trace) == pytest.approx(direct, rel=1e-6)
+
+
+def test_an_identity_start_that_cannot_win_is_abandoned_and_a_shared_init_is_not():
+    A, B = _wide_pair(2)
+    T = weight_matching(A, B)  # B is A scrambled: the identity start is hopeless
+    assert T.info["abandoned"] == ["identity-start"] and T.info["chosen"] == "paper"
+    near = canonicalize(A)  # a shared init, slightly moved: the identity start is in the running
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    T2 = weight_matching(A, near)
+    assert "abandoned" not in T2.info and "identity-start" in T2.info["objective"]
