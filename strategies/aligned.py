@@ -37,6 +37,8 @@ class AlignedFedAvg(FedlmcStrategy):
     to use; ``device`` — where matching runs.
     """
 
+    needs_architecture = True
+
     def __init__(self, *, residual: str = "orthogonal", form: str = "factored", keep_layernorm: bool = True,
                  iterations: int = 3, guard_data=None, guard_batches: Optional[int] = 8, device: Optional[str] = None,
                  **kwargs: Any) -> None:

@@ -32,16 +32,23 @@ class FedlmcStrategy(FedAvg):
     ``report_data``/``report_batches`` — an optional data set (e.g. the test split) on which every round
     also records each client model's loss, the plain average's and the aggregate's (costly: opt-in);
     ``min_replies`` — fewest valid replies a round aggregates (else the previous model is kept);
-    ``max_norm_ratio`` — a reply whose weight norm exceeds this multiple of the global model's is excluded.
+    ``max_norm_ratio`` — a reply whose weight norm exceeds this multiple of the global model's is excluded;
+    ``fallback`` — what ``start`` does with a model the strategy cannot align (no ``model_config``, or
+    initial arrays that are not a model of it): "error" (default) or "average" (plain FedAvg, warned
+    about every round).
     """
 
     same_shape = True  # replies must have the global model's shape (mixed-width strategies say False)
+    needs_architecture = False  # strategies that align or slice must know the model before round 1
 
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, report_data=None,
                  report_batches: Optional[int] = None, min_replies: int = 1, max_norm_ratio: float = 100.0,
-                 **fedavg: Any) -> None:
+                 fallback: str = "error", **fedavg: Any) -> None:
         super().__init__(**fedavg)
+        if fallback not in ("error", "average"):
+            raise ValueError(f"fallback must be 'error' or 'average', got {fallback!r}")
         self.global_config = model_config
+        self.fallback, self.plain_reason = fallback, None
         self.report_data, self.report_batches = report_data, report_batches
         self.min_replies, self.max_norm_ratio = max(1, int(min_replies)), max_norm_ratio
         self.history: list[dict[str, Any]] = []
@@ -81,7 +88,36 @@ class FedlmcStrategy(FedAvg):
         msgs = super().configure_evaluate(self.real_round(server_round), arrays, self._with_config(config), grid)
         return self.messages_for(msgs, config, MessageType.EVALUATE)
 
+    def start(self, grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any):
+        """Flower's ``start``, after checking that this strategy can handle the model at all."""
+        self.check_architecture(initial_arrays)
+        return super().start(grid, initial_arrays, *args, **kwargs)
+
+    def check_architecture(self, arrays: ArrayRecord) -> None:
+        """A model the strategy cannot align is an error before the first round (naming the fix), not a
+        federation that silently stops learning because every reply is excluded; with
+        ``fallback="average"`` it is averaged plainly instead, with a warning every round."""
+        if not self.needs_architecture:
+            return
+        name = type(self).__name__
+        if self.global_config is None:
+            reason = (f"{name} needs the model's architecture to align replies and was given none: pass "
+                      "model_config=model.config.to_dict() (a fedlmc model)")
+        else:
+            try:
+                model_from_arrays(arrays, self.global_config)
+                return
+            except Exception as e:  # noqa: BLE001 -- any mismatch is reported with its cause
+                reason = f"{name}: the initial arrays are not a model of model_config ({_key_mismatch(arrays, self.global_config) or e})"
+        if self.fallback == "error":
+            raise ValueError(reason + "; or pass fallback='average' to average such a model plainly")
+        self.plain_reason = reason
+        log(WARNING, "%s; averaging plainly (fallback='average')", reason)
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        if self.plain_reason is not None:
+            log(WARNING, "round %d: averaging plainly, not aligning: %s", self.real_round(server_round), self.plain_reason)
+            return FedAvg.aggregate_train(self, server_round, replies)
         server_round = self.real_round(server_round)
         accepted = self.accept(server_round, replies)
         if accepted is None:
@@ -187,3 +223,20 @@ def reply_order(msg: Message) -> tuple[int, int]:
     client = msg.content.config_records.get("client") if not msg.has_error() else None
     pid = client.get("partition-id") if client is not None else None
     return (int(pid) if isinstance(pid, int) else -1, int(msg.metadata.src_node_id))
+
+
+def _key_mismatch(arrays: ArrayRecord, config: dict[str, Any]) -> str:
+    """The keys a model of ``config`` lacks and has that ``arrays`` do not, briefly ('' if they agree)."""
+    try:
+        want = set(from_config(config).state_dict())
+    except Exception:  # noqa: BLE001 -- an unbuildable config is reported by the caller's exception
+        return ""
+    have = set(arrays.keys())
+
+    def few(keys: set[str]) -> str:
+        keys = sorted(keys)
+        return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+    parts = ([f"unexpected keys {few(have - want)}"] if have - want else []) + \
+            ([f"missing keys {few(want - have)}"] if want - have else [])
+    return "; ".join(parts)

@@ -34,6 +34,8 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     config travels with it (``model-config``).
     """
 
+    needs_architecture = True
+
     same_shape = False  # replies differ in shape: each is checked against its own declared config
 
     def __init__(self, *, residual: str = "orthogonal", iterations: int = 3, device: Optional[str] = None,
@@ -86,6 +88,8 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 class SlicingFedAvg(FedlmcStrategy):
     """HeteroFL-style baseline for mixed widths: clients train index prefixes of the global model
     (they slice what they receive); aggregation averages each entry over the clients that hold it."""
+
+    needs_architecture = True
 
     same_shape = False
 

@@ -84,7 +84,7 @@ def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     assert min(trace) == pytest.approx(direct, rel=1e-6)
 
 
-def test_an_identity_start_that_cannot_win_is_abandoned_and_a_shared_init_is_not():
+def test_an_identity_start_that_cannot_win_is_abandoned_and_a_shared_init_stays_put():
     A, B = _wide_pair(2)
     T = weight_matching(A, B)  # B is A scrambled: the identity start is hopeless
     assert T.info["abandoned"] == ["identity-start"] and T.info["chosen"] == "paper"
@@ -92,5 +92,6 @@ def test_an_identity_start_that_cannot_win_is_abandoned_and_a_shared_init_is_not
     with torch.no_grad():
         for p in near.parameters():
             p.add_(1e-3 * torch.randn_like(p))
-    T2 = weight_matching(A, near)
-    assert "abandoned" not in T2.info and "identity-start" in T2.info["objective"]
+    T2 = weight_matching(A, near)  # whichever start wins, it is at least as good as the identity
+    assert T2.info["objective"][T2.info["chosen"]] <= T2.info["objective"]["identity"]
+    assert all(torch.equal(v, torch.arange(len(v))) for k, v in T2.elements.items() if k.startswith(("ff.", "heads.")))

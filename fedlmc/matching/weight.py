@@ -19,7 +19,7 @@ from ..averaging import interpolate
 from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
 from ..train import evaluate, pick_device
 from .profile import section
-from .common import (Elements, anchors, apply_elements, as_rows, circuit_norms, ff_step, gauge_step, heads_step, residual_cross,
+from .common import (Elements, anchors, apply_elements, as_rows, circuit_norms, ff_step, gauge_step, heads_step,
                      residual_element)
 
 
@@ -122,9 +122,12 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     """Alternate the four steps from ``elements`` until nothing changes, the objective improves by less
     than ``rtol`` (relative) plus 1e-5 per tensor in an iteration, or ``max_iter`` iterations are done.
 
-    Two passes over the moving tensors per iteration: the residual map applied to B (which the unit
-    steps need), and the cross-covariance of A with the fully transformed B, which gives both the
-    objective and the next residual step's matrix: ``Aᵀ U(B) = (Aᵀ U(B) Oᵀ) O`` for orthogonal O.
+    The first iteration keeps the start's residual map (the paper start's comes from the anchors
+    alone, which a residual step taken with the start's unaligned units would only blur; a warm
+    start's is already good) and aligns the units to it; later iterations begin with the residual
+    step. Two passes over the moving tensors per iteration: the residual map applied to B (which the
+    unit steps need), and the cross-covariance of A with the fully transformed B, which gives both
+    the objective and the next residual step's matrix: ``Aᵀ U(B) = (Aᵀ U(B) Oᵀ) O`` for orthogonal O.
     ``M_extra`` (e.g. residual activations) is mixed into every residual step with ``extra_weight``.
     ``candidates``: see ``common.ff_step``. ``abandon_above``: give up (return None for the elements)
     when the first iteration's objective is above it.
@@ -132,21 +135,19 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     cfg, spec, H = P.cfg, P.spec, P.cfg.n_head
     tol = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6
     units = ("heads", "qk", "ov", "ff")
-    with section("residual cross-covariances"):
-        M_units = residual_cross(P.A_mov, apply_elements(P.B_mov, cfg, elements, units), P.moving_members)
     trace: list[float] = []
     # improvements below this are noise however small the objective (a planted pair ends at its noise
     # level, ~1e-4 per tensor, where a relative test would keep iterating on nothing)
     floor = 1e-5 * (len(P.A_mov) + len(P.anchor_members))
-    it = 0
+    O, M_units, it = elements["residual"], None, 0
     for it in range(1, max_iter + 1):
         old = dict(elements)
-        # residual map given the permutations and gauges (anchors do not move with them)
-        M = M_units + P.M_anchor
-        if M_extra is not None and extra_weight > 0:
-            M = M / M.norm() + extra_weight * M_extra / M_extra.norm()
-        with section("residual SVD"):
-            O = elements["residual"] = residual_element(M, residual, keep_layernorm)
+        if M_units is not None:  # residual map given the units (anchors do not move with them)
+            M = M_units + P.M_anchor
+            if M_extra is not None and extra_weight > 0:
+                M = M / M.norm() + extra_weight * M_extra / M_extra.norm()
+            with section("residual SVD"):
+                O = elements["residual"] = residual_element(M, residual, keep_layernorm)
         with section("apply residual map"):
             B_res = apply_elements(P.B_mov, cfg, {"residual": O})
         # units given the residual map
@@ -156,8 +157,8 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
             with section("gauges"):
                 B_heads = apply_elements(B_res, cfg, {k: v for k, v in elements.items() if k.startswith("heads.")})
                 elements.update(gauge_step(P.A_mov, B_heads, spec, H, gauge))
-        if not _changed(old, elements, tol):  # a fixed point: keep the elements whose objective is known
-            return Descent(old, it, trace, trace[-1] if trace else None)
+        if trace and not _changed(old, elements, tol):  # a fixed point: keep the elements whose objective is known
+            return Descent(old, it, trace, trace[-1])
         with section("apply units (copies)"):
             Bt = apply_elements(B_res, cfg, elements, units)
         with section("residual cross-covariances"):
