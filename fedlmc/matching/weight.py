@@ -53,7 +53,8 @@ class Problem:
         # per-tensor pieces of the objective for tensors outside the moving set, and (from the same
         # products) the anchors' fixed part of every residual step
         self._anchor_terms = []
-        self.M_anchor = 0.0
+        ref = next(iter(A.values()))
+        self.M_anchor = torch.zeros(cfg.d_model, cfg.d_model, dtype=ref.dtype, device=ref.device)
         for m in self.anchor_members:
             a, b = as_rows(A[m.param], m.axis), as_rows(B[m.param], m.axis)
             na = a.pow(2).sum().clamp_min(1e-30)
