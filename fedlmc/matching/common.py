@@ -56,20 +56,30 @@ def exact_elements(elements: dict[str, torch.Tensor], spec: SymmetrySpec, keep_o
     return out
 
 
-def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
-    """The permutation ``perm`` (``new[i] = old[perm[i]]``) maximising ``Σ_i score[i, perm[i]]``."""
-    best = score.argmax(1) if maximize else score.argmin(1)
+def _obvious(score: torch.Tensor, maximize: bool = True) -> Optional[torch.Tensor]:
+    """The assignment when every row's best column is distinct (then it is optimal, no solver needed)."""
     if not torch.isfinite(score).all():
         raise ValueError("assignment scores contain NaN/Inf")
-    if len(torch.unique(best)) == len(best):
-        # every row's best column is distinct: that assignment is optimal, no solver needed
-        return best.cpu()
+    best = score.argmax(1) if maximize else score.argmin(1)
+    return best.cpu() if len(torch.unique(best)) == len(best) else None
+
+
+def _perm(rows, cols, n: int) -> torch.Tensor:
+    """``perm[rows] = cols`` as a long tensor (a solver's row/column pairs as ``new[i] = old[perm[i]]``)."""
+    perm = torch.empty(n, dtype=torch.long)
+    perm[torch.as_tensor(rows, dtype=torch.long)] = torch.as_tensor(cols, dtype=torch.long)
+    return perm
+
+
+def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
+    """The permutation ``perm`` (``new[i] = old[perm[i]]``) maximising ``Σ_i score[i, perm[i]]``."""
+    best = _obvious(score, maximize)
+    if best is not None:
+        return best
     with section("assignment solves"):
         s = score.detach().to("cpu", torch.float64).numpy()
         rows, cols = linear_sum_assignment(s, maximize=maximize)
-    perm = torch.empty(len(rows), dtype=torch.long)
-    perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
-    return perm
+    return _perm(rows, cols, len(rows))
 
 
 def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -80,13 +90,10 @@ def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[to
     with a wide margin (a neuron's partner ranks far above its 64th-best alternative; tested against the
     dense solver). The sparse solver (LAPJVsp) is ~3× faster than the dense one at 3072 units.
     """
-    n = score.shape[0]
-    best = score.argmax(1)
-    if len(torch.unique(best)) == n:
-        return best.cpu()
-    if not torch.isfinite(score).all():
-        raise ValueError("assignment scores contain NaN/Inf")
-    k = min(candidates, n)
+    best = _obvious(score)
+    if best is not None:
+        return best
+    n, k = score.shape[0], min(candidates, score.shape[0])
     with section("assignment solves"):
         mask = torch.zeros(n, n, dtype=torch.bool, device=score.device)
         mask.scatter_(1, score.topk(k, dim=1).indices, True)
@@ -98,9 +105,7 @@ def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[to
         cost = (vals.max() - vals + 1.0).numpy()  # positive: the sparse solver reads 0 as "no edge"
         graph = csr_matrix((cost, (rows.cpu().numpy(), cols.cpu().numpy())), shape=(n, n))
         r, c = min_weight_full_bipartite_matching(graph)
-    perm = torch.empty(n, dtype=torch.long)
-    perm[torch.as_tensor(r, dtype=torch.long)] = torch.as_tensor(c, dtype=torch.long)
-    return perm
+    return _perm(r, c, n)
 
 
 def residual_element(M: torch.Tensor, residual: str, keep_layernorm: bool) -> torch.Tensor:

@@ -63,6 +63,7 @@ class Problem:
             self.M_anchor = self.M_anchor + cross / a.shape[0]
         untouched = [k for k in A if k not in moved and k not in {m.param for m in self.anchor_members}]
         self._constant = float(sum((A[k] - B[k]).pow(2).sum() / A[k].pow(2).sum().clamp_min(1e-30) for k in untouched))
+        self._a_norms = {k: a.pow(2).sum().clamp_min(1e-30) for k, a in self.A_mov.items()}  # A is fixed
         self.head_norms = {g.name: (circuit_norms(A, self.spec, g.name, cfg.n_head), circuit_norms(B, self.spec, g.name, cfg.n_head))
                            for g in self.spec.layer_groups("heads")}
 
@@ -83,7 +84,7 @@ class Problem:
         total, M = 0.0, torch.zeros_like(self.M_anchor)
         axis = {m.param: m.axis for m in self.moving_members}
         for k, a in self.A_mov.items():
-            na = a.pow(2).sum().clamp_min(1e-30)
+            na = self._a_norms[k]
             if k not in axis:
                 total += float((a - Bt[k]).pow(2).sum() / na)
                 continue
