@@ -123,9 +123,11 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     shape into the universe (a rectangular residual map; ``T.width_map`` records the shapes), so
     ``project(universe, T)`` returns a model of the client's shape.
 
-    Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm) and each
+    Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm; it only
+    applies to LayerNorm models: an RMSNorm model such as Llama has no centring to keep) and each
     model's transform. ``matching`` options go to ``weight_matching``.
     """
+    keep_layernorm = keep_layernorm and all(m.config.norm == "layernorm" for m in models)
     if "init" in matching:
         warnings.warn("universe_merge(init=...) is deprecated: use start=", DeprecationWarning, stacklevel=2)
         start = matching.pop("init")

@@ -42,7 +42,7 @@ def common_shape(configs: Sequence[TransformerConfig]) -> dict[str, int]:
         if c.arch != first.arch or c.n_layer != first.n_layer:
             raise ValueError(f"models must share architecture and depth to be merged: {first.arch}×{first.n_layer} "
                              f"vs {c.arch}×{c.n_layer}")
-        other = {k: v for k, v in c.to_dict().items() if k not in SHAPE + ("norm", "norm_bias", "norm_eps", "attn_scale")}
+        other = {k: v for k, v in c.to_dict().items() if k not in SHAPE + ("norm", "norm_bias", "norm_gain", "norm_eps", "attn_scale")}
         mine = {k: v for k, v in first.to_dict().items() if k in other}
         if other != mine:
             diff = sorted(k for k in other if other[k] != mine[k])
@@ -203,7 +203,8 @@ def width_config(cfg: TransformerConfig, factor: float) -> TransformerConfig:
 
 def slice_prefix(model: nn.Module, client: TransformerConfig) -> nn.Module:
     """HeteroFL's sub-model: every tensor's leading block of the client's sizes (no alignment)."""
-    template = from_config(client.replace(norm=model.config.norm, norm_bias=model.config.norm_bias))
+    template = from_config(client.replace(norm=model.config.norm, norm_bias=model.config.norm_bias,
+                                              norm_gain=model.config.norm_gain))
     src = model.state_dict()
     sd = {}
     for k, t in template.state_dict().items():

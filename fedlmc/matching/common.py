@@ -17,6 +17,7 @@ from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
 from .profile import section
 from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, ones_basis, perm_matrix
+from ..symmetry.rope import rope_fit
 
 Elements = dict[str, torch.Tensor]
 
@@ -145,8 +146,12 @@ def apply_elements(B: StateDict, cfg, elements: Elements, kinds: Optional[tuple[
 
 
 def head_side(sd: StateDict, group: Group, n_head: int, fns: tuple[str, ...]) -> torch.Tensor:
-    """Per-head factor ``(H, d_head, ·)``: the group's members with ``fn`` in ``fns``, bias-augmented."""
-    parts = [sd[m.param].movedim(m.axis, 0).reshape(n_head, m.block, -1) for m in group.members if m.fn in fns]
+    """Per-unit factor ``(count, d_head, ·)`` of gauge group ``group`` (``count`` heads, or KV heads under
+    grouped-query attention, whose query heads' factors are concatenated): its members with ``fn`` in
+    ``fns``, bias-augmented. (``n_head`` is kept for callers; the group's count decides.)"""
+    n = group.count
+    parts = [sd[m.param].movedim(m.axis, 0).reshape(n, m.repeat, m.block, -1).transpose(1, 2).reshape(n, m.block, -1)
+             for m in group.members if m.fn in fns]
     return torch.cat(parts, dim=-1)
 
 
@@ -216,7 +221,9 @@ def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, n_head: int
             inverse = tuple(f for f in ("Minv", "MinvT") if any(m.fn == f for m in g.members))
             XA, XB = head_side(A, g, n_head, direct), head_side(B_heads, g, n_head, direct)
             YA, YB = head_side(A, g, n_head, inverse), head_side(B_heads, g, n_head, inverse)
-            if mode == "orthogonal":
+            if g.structure == "rope":  # only per-frequency-pair (scaled) rotations commute with RoPE
+                G = rope_fit(XA, XB, YA, YB, scaled=mode == "invertible")
+            elif mode == "orthogonal":
                 G = procrustes(XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2))
             elif mode == "invertible":
                 G = _sylvester(YA @ YA.transpose(1, 2), XB @ XB.transpose(1, 2),

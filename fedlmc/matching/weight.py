@@ -243,7 +243,7 @@ def weight_matching(
     """
 
     t0 = time.time()
-    canon = dict(norm="rmsnorm", norm_bias=False, norm_eps=model_a.config.norm_eps)  # a lift rescales eps only
+    canon = dict(norm="rmsnorm", norm_bias=False, norm_gain=False, norm_eps=model_a.config.norm_eps)  # a lift rescales eps only
     if model_a.config.replace(**canon) != model_b.config.replace(**canon):
         raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
     dev = pick_device(device) if device is None or isinstance(device, str) else device

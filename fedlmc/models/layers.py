@@ -19,7 +19,8 @@ class TransformerConfig:
     """Fields every architecture shares. ``d_head`` defaults to ``d_model // n_head``.
 
     ``norm`` is ``"layernorm"`` (trained models) or ``"rmsnorm"`` (the canonical form: parameter-free,
-    optionally with a bias). ``attn_scale`` defaults to ``1/sqrt(d_head)``; it is stored so that a model
+    optionally with a bias; ``norm_gain`` adds Llama's learned gain, which the canonical form folds away).
+    ``activation`` is the FF nonlinearity: ``"gelu"`` (exact) or ``"gelu_tanh"`` (GPT-2's ``gelu_new``). ``attn_scale`` defaults to ``1/sqrt(d_head)``; it is stored so that a model
     whose head width changed (e.g. a circuit merge) keeps computing the same scores.
     """
 
@@ -32,6 +33,8 @@ class TransformerConfig:
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     norm_bias: bool = False
+    norm_gain: bool = False
+    activation: str = "gelu"
     attn_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -43,6 +46,8 @@ class TransformerConfig:
             self.attn_scale = 1.0 / math.sqrt(self.d_head)
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
         for name in ("n_layer", "d_model", "n_head", "d_ff", "d_head"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -63,23 +68,29 @@ class TransformerConfig:
     arch = "transformer"
 
 
-class RMSNorm(nn.Module):
-    """Parameter-free RMSNorm ``x / sqrt(mean(x^2) + eps)``, plus an optional bias."""
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
-    def __init__(self, d: int, eps: float = 1e-5, bias: bool = False) -> None:
+
+class RMSNorm(nn.Module):
+    """RMSNorm ``x / sqrt(mean(x^2) + eps)``: parameter-free (the canonical form), with an optional bias,
+    or with Llama's learned gain ``weight``."""
+
+    def __init__(self, d: int, eps: float = 1e-5, bias: bool = False, gain: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d)) if gain else None
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y * self.weight if self.weight is not None else y
         return y + self.bias if self.bias is not None else y
 
 
 def make_norm(cfg: TransformerConfig) -> nn.Module:
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-    return RMSNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.norm_bias)
+    return RMSNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.norm_bias, gain=cfg.norm_gain)
 
 
 class Attention(nn.Module):
@@ -108,10 +119,11 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.act = ACTIVATIONS[cfg.activation]
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(F.gelu(self.fc1(x))))
+        return self.drop(self.fc2(self.act(self.fc1(x))))
 
 
 class Block(nn.Module):
@@ -134,6 +146,7 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
     for m in module.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=std)
-            nn.init.zeros_(m.bias)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=std)

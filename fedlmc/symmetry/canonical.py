@@ -55,12 +55,17 @@ def canonicalize(model: nn.Module) -> nn.Module:
 
 def canonical(model: nn.Module) -> nn.Module:
     """The model in canonical (RMSNorm) form: canonicalised if it has LayerNorms, else itself."""
-    return canonicalize(model) if model.config.norm == "layernorm" else model
+    return canonicalize(model) if not is_canonical(model.config) else model
+
+
+def is_canonical(cfg) -> bool:
+    """Whether a config is in canonical form: RMSNorm without a gain (a bias is a residual member)."""
+    return cfg.norm == "rmsnorm" and not cfg.norm_gain
 
 
 def canonical_config(cfg):
     """The config of a model's canonical form (parameter-free RMSNorm)."""
-    return cfg.replace(norm="rmsnorm", norm_bias=False)
+    return cfg.replace(norm="rmsnorm", norm_bias=False, norm_gain=False)
 
 
 def residual_offcentre(model: nn.Module) -> float:
@@ -85,7 +90,7 @@ def to_layernorm(model: nn.Module, tol: float = 1e-6) -> nn.Module:
     cfg = model.config
     if cfg.norm == "layernorm":
         return rebuild(model, model.state_dict())
-    if cfg.norm_bias:
+    if cfg.norm_bias or cfg.norm_gain:
         model = canonicalize(model)
     off = residual_offcentre(model)
     if off > tol:
@@ -107,7 +112,7 @@ def apply_transform(model: nn.Module, transform: Transform) -> nn.Module:
     element (``d_new x d``, orthonormal columns) returns a model of width ``d_new`` computing the same
     function.
     """
-    if transform.get("residual") is not None and model.config.norm != "rmsnorm":
+    if transform.get("residual") is not None and not is_canonical(model.config):
         model = canonicalize(model)
     sd, cfg = apply_to_state({k: v.detach() for k, v in model.state_dict().items()}, model.config, transform)
     return rebuild(model, sd, cfg)

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..models.layers import TransformerConfig
+from .rope import random_rope_gauge
 from .spec import SymmetrySpec, spec_for
 from .transform import Transform, perm_matrix
 
@@ -70,6 +71,8 @@ def random_transform(
                 out[name] = random_orthogonal(width or grp.size, grp.size, g, dtype, fix_ones)
         elif grp.kind == "permutation":
             out[name] = torch.randperm(grp.size, generator=g)
+        elif grp.structure == "rope":
+            out[name] = random_rope_gauge(grp.count, grp.size, g, dtype)
         else:
             out[name] = random_invertible(grp.count, grp.size, g, dtype)
     return Transform(out)

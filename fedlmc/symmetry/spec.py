@@ -38,6 +38,8 @@ class Member:
     "writer", "reader" or "norm"; readers name the norm that feeds them and their bias, which is what
     the canonical form needs to fold a LayerNorm's affine into them. In a heads group, ``role="out"``
     marks the output projection (whose columns carry each head's contribution to the stream).
+    ``repeat`` > 1: each unit of the group owns ``repeat`` consecutive blocks of this tensor, all acted on
+    alike (grouped-query attention: a KV head's query heads and their output columns).
     """
 
     param: str
@@ -47,6 +49,7 @@ class Member:
     role: Optional[str] = None
     norm: Optional[str] = None
     bias: Optional[str] = None
+    repeat: int = 1
 
 
 @dataclass
@@ -61,6 +64,9 @@ class Group:
     count: int = 1
     probe: Optional[str] = None  # module whose activations show this group's units (activation matching)
     heads: Optional[str] = None  # a gauge group: the heads group whose permutation it follows
+    # a gauge group restricted to a subgroup: "rope" = per frequency pair (i, i + size/2), a scaled 2×2
+    # rotation (the maps that commute with every rotary rotation; see ``fedlmc.symmetry.rope``)
+    structure: Optional[str] = None
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -169,6 +175,45 @@ register_spec("gpt2", lambda cfg: transformer_spec(
 register_spec("vit", lambda cfg: transformer_spec(cfg, [
     Member("patch_emb.weight", 0, role="writer"), Member("patch_emb.bias", 0, role="writer"),
     Member("cls_token", 2, role="writer"), Member("pos_emb", 1, role="writer")]))
+
+
+def llama_spec(cfg) -> SymmetrySpec:
+    """Llama-style blocks: no biases, SwiGLU (``ff.{l}`` permutes gate and up rows and down columns
+    together), grouped-query attention (``heads.{l}`` permutes the ``n_kv_head`` KV heads, each carrying
+    its ``n_head / n_kv_head`` query heads and their output columns; permuting query heads *within* a
+    group is a further symmetry this spec leaves out) and RoPE (the QK gauge is restricted to scaled
+    rotations of each frequency pair, ``structure="rope"``; the OV gauge is a full invertible map per
+    KV head). RMSNorm has no centring, so the residual group is the full orthogonal group."""
+    Hkv, dh, rep = cfg.n_kv_head, cfg.d_head, cfg.n_head // cfg.n_kv_head
+    residual = [Member("tok_emb.weight", 1, role="writer")]
+    groups: dict[str, Group] = {}
+    norms: list[str] = []
+    for l in range(cfg.n_layer):
+        b = f"blocks.{l}"
+        norms += [f"{b}.ln1", f"{b}.ln2"]
+        residual += [Member(f"{b}.attn.{p}.weight", 1, role="reader", norm=f"{b}.ln1") for p in "qkv"]
+        residual += [Member(f"{b}.mlp.{p}.weight", 1, role="reader", norm=f"{b}.ln2") for p in ("gate", "up")]
+        residual += [Member(f"{b}.attn.o.weight", 0, role="writer"), Member(f"{b}.mlp.down.weight", 0, role="writer")]
+        q, k, v = (f"{b}.attn.{p}.weight" for p in "qkv")
+        o = f"{b}.attn.o.weight"
+        groups[f"heads.{l}"] = Group(f"heads.{l}", "permutation", Hkv, [
+            Member(q, 0, block=dh, repeat=rep), Member(k, 0, block=dh), Member(v, 0, block=dh),
+            Member(o, 1, block=dh, role="out", repeat=rep)], l, probe=f"{b}.attn.o")
+        groups[f"qk.{l}"] = Group(f"qk.{l}", "gauge", dh, [Member(q, 0, "MT", dh, repeat=rep), Member(k, 0, "Minv", dh)],
+                                  l, count=Hkv, heads=f"heads.{l}", structure="rope")
+        groups[f"ov.{l}"] = Group(f"ov.{l}", "gauge", dh, [Member(v, 0, "M", dh), Member(o, 1, "MinvT", dh, repeat=rep)],
+                                  l, count=Hkv, heads=f"heads.{l}")
+        groups[f"ff.{l}"] = Group(f"ff.{l}", "permutation", cfg.d_ff, [
+            Member(f"{b}.mlp.gate.weight", 0), Member(f"{b}.mlp.up.weight", 0), Member(f"{b}.mlp.down.weight", 1)],
+            l, probe=f"{b}.mlp.down")
+    norms.append("ln_f")
+    residual.append(Member("head.weight", 1, role="reader", norm="ln_f"))
+    all_groups = {"residual": Group("residual", "orthogonal", cfg.d_model, residual)}
+    all_groups.update(groups)
+    return SymmetrySpec(cfg.arch, all_groups, norms, [f"blocks.{l}" for l in range(cfg.n_layer)])
+
+
+register_spec("llama", llama_spec)
 
 
 def spec_for(model: Union[nn.Module, TransformerConfig]) -> SymmetrySpec:

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..models import ARCHS, from_config
 from ..models.layers import TransformerConfig
+from .rope import rope_structured
 from .spec import Group, StateDict, spec_for
 
 
@@ -121,6 +122,8 @@ def check_element(group: Group, element: torch.Tensor, relaxed: bool = False) ->
         ok = element.is_floating_point() and element.dim() == 2 and element.shape[1] == group.size
     elif group.kind == "gauge":
         ok = element.is_floating_point() and element.shape == (group.count, group.size, group.size)
+        if ok and group.structure == "rope":
+            ok = rope_structured(element)
     else:
         raise ValueError(f"unknown group kind {group.kind!r}")
     if not ok:
@@ -141,12 +144,14 @@ def act(sd: StateDict, group: Group, element: torch.Tensor, relaxed: bool = Fals
             continue
         t = sd[m.param]
         if group.kind == "permutation" and relaxed:
-            P = torch.kron(element, torch.eye(m.block, dtype=element.dtype, device=element.device)) if m.block > 1 else element
+            size = m.block * m.repeat
+            P = torch.kron(element, torch.eye(size, dtype=element.dtype, device=element.device)) if size > 1 else element
             out[m.param] = _apply_along(t, m.axis, P)
         elif group.kind == "permutation":
-            out[m.param] = _permute_along(t, m.axis, element, m.block)
+            out[m.param] = _permute_along(t, m.axis, element, m.block * m.repeat)
         else:
-            out[m.param] = _gauge_along(t, m.axis, _matrix(element, m.fn), m.block)
+            Ms = _matrix(element, m.fn)
+            out[m.param] = _gauge_along(t, m.axis, Ms.repeat_interleave(m.repeat, 0) if m.repeat > 1 else Ms, m.block)
     return out
 
 
@@ -176,7 +181,7 @@ def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform,
     if unknown:
         raise ValueError(f"transform names groups this model does not have: {sorted(unknown)}")
     R = transform.get("residual")
-    if R is not None and cfg.norm != "rmsnorm":
+    if R is not None and (cfg.norm != "rmsnorm" or cfg.norm_gain):
         raise ValueError("the residual group acts on the canonical (RMSNorm) form: call canonicalize(model) first")
     for name in sorted(transform.elements, key=lambda n: spec.groups[n].rank):
         sd = act(sd, spec.groups[name], transform.elements[name], relaxed)
