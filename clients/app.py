@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 from fedlmc.federated import (Settings, client_config, client_data, config_from_json, evaluate_model,
                               fresh_client_model, local_train)
 from fedlmc.widths import shape_of, slice_prefix
-from strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
+from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 
 def _node(context: Context, overrides: dict) -> tuple[Settings, int, int, object]:
     s = Settings.from_run_config({**overrides, **context.run_config})

@@ -21,9 +21,9 @@ from flwr.supercore import log
 
 from fedlmc import io
 from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
-from strategies.checkpoint import load_state, save_state
-from strategies.factory import build_strategy
-from strategies.records import model_from_arrays, state_arrays
+from fedlmc.strategies.checkpoint import load_state, save_state
+from fedlmc.strategies.factory import build_strategy
+from fedlmc.strategies.records import model_from_arrays, state_arrays
 
 from simulations.summary import plot_rounds, summary_table
 

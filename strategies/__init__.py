@@ -1,10 +1,10 @@
-"""Flower strategies (Message API) that aggregate client Transformers modulo their symmetries.
+"""Deprecated path: the strategies live in ``fedlmc.strategies``.
 
-All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used.
-"""
-from .aligned import AlignedFedAvg, RefinedFedAvg
-from .base import FedlmcStrategy
-from .fedavg import ReportingFedAvg
-from .hetero import HeteroWidthFedAvg, SlicingFedAvg
+A Flower app often has its own ``strategies`` module or package, which would shadow this one; import
+from ``fedlmc.strategies`` instead (``from fedlmc.strategies import AlignedFedAvg``)."""
+import warnings
 
-__all__ = ["AlignedFedAvg", "RefinedFedAvg", "HeteroWidthFedAvg", "SlicingFedAvg", "ReportingFedAvg", "FedlmcStrategy"]
+from fedlmc.strategies import *  # noqa: F401,F403
+from fedlmc.strategies import __all__  # noqa: F401
+
+warnings.warn("`strategies` is deprecated: import from `fedlmc.strategies`", DeprecationWarning, stacklevel=2)

@@ -46,6 +46,6 @@ def perturbed(model: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> torc
 def inputs_for(model: torch.nn.Module, seed: int = 0, batch: int = 3) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    if cfg.arch == "gpt2":
+    if hasattr(cfg, "vocab_size"):  # a language model (gpt2, llama)
         return torch.randint(0, cfg.vocab_size, (batch, min(cfg.block_size, 16)), generator=g)
     return torch.randn(batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g, dtype=torch.float64)

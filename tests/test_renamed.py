@@ -17,8 +17,8 @@ from fedlmc.matching import learned_matching, weight_matching
 from fedlmc.merge import universe_merge
 from fedlmc.models import GPT2, ViT, GPT2Config, ViTConfig, register_architecture
 from fedlmc.symmetry import apply_transform, register_spec, spec_for
-from strategies import AlignedFedAvg
-from strategies.records import model_from_arrays
+from fedlmc.strategies import AlignedFedAvg
+from fedlmc.strategies.records import model_from_arrays
 
 from conftest import inputs_for, perturbed
 from test_exact_learned import _data

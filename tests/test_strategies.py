@@ -11,8 +11,8 @@ from flwr.serverapp.strategy import FedAvg
 from fedlmc.canonical import canonicalize, to_layernorm
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, random_transform
-from strategies import AlignedFedAvg
-from strategies.records import config_record, model_from_arrays
+from fedlmc.strategies import AlignedFedAvg
+from fedlmc.strategies.records import config_record, model_from_arrays
 
 from conftest import perturbed
 
@@ -73,7 +73,7 @@ def _labelled(model, n=128):
 
 
 def test_refined_strategy_on_planted_replies(record):
-    from strategies import RefinedFedAvg
+    from fedlmc.strategies import RefinedFedAvg
 
     base, clients = _planted_clients()
     data = _labelled(base)
@@ -154,7 +154,7 @@ def test_hetero_width_strategy_aligns_and_projects(record):
     """A narrow reply and a wide reply that is the narrow model padded and moved by a group element:
     the universe computes the narrow function, and the narrow node is sent a narrow model."""
     from fedlmc.widths import pad
-    from strategies import HeteroWidthFedAvg
+    from fedlmc.strategies import HeteroWidthFedAvg
 
     torch.manual_seed(1)
     narrow = perturbed(from_preset("vit-tiny", n_layer=2, d_model=16, n_head=4, d_ff=32, d_head=8, image_size=12,
@@ -179,7 +179,7 @@ def test_hetero_width_strategy_aligns_and_projects(record):
     import tempfile
     from pathlib import Path
 
-    from strategies.checkpoint import load_state, save_state
+    from fedlmc.strategies.checkpoint import load_state, save_state
 
     path = Path(tempfile.mkdtemp(prefix="ckpt-")) / "state"
     save_state(path, 1, arrays, strategy, {"rounds": []})
@@ -196,7 +196,7 @@ def test_hetero_width_strategy_aligns_and_projects(record):
 
 def test_slicing_baseline_averages_each_entry_over_its_holders():
     from fedlmc.widths import slice_prefix, width_config
-    from strategies import SlicingFedAvg
+    from fedlmc.strategies import SlicingFedAvg
 
     torch.manual_seed(2)
     glob = from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4).eval()

@@ -26,9 +26,9 @@ def test_presets_build_and_run():
         if cfg.d_model > 256:
             continue  # the gpt2-small shape is exercised by the benchmarks
         m = from_preset(name).eval()
-        x = torch.randint(0, cfg.vocab_size, (2, 8)) if cfg.arch == "gpt2" else torch.randn(2, cfg.channels, cfg.image_size, cfg.image_size)
+        x = torch.randint(0, cfg.vocab_size, (2, 8)) if hasattr(cfg, "vocab_size") else torch.randn(2, cfg.channels, cfg.image_size, cfg.image_size)
         out = m(x)
-        assert out.shape == ((2, 8, cfg.vocab_size) if cfg.arch == "gpt2" else (2, cfg.num_classes))
+        assert out.shape == ((2, 8, cfg.vocab_size) if hasattr(cfg, "vocab_size") else (2, cfg.num_classes))
     assert preset_config("gpt2-small").d_ff == 3072 and preset_config("vit-cifar").patch_size == 4
     with pytest.raises(ValueError, match="unknown preset"):
         from_preset("nope")

@@ -12,7 +12,7 @@ import torch.nn as nn
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedlmc.models import from_preset
-from strategies import AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg
+from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg
 
 
 class Net(nn.Module):

@@ -9,8 +9,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedlmc.models import from_preset
-from strategies import AlignedFedAvg, HeteroWidthFedAvg, ReportingFedAvg
-from strategies.records import config_record
+from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, ReportingFedAvg
+from fedlmc.strategies.records import config_record
 
 from test_strategies import _reply
 

@@ -15,7 +15,7 @@ from fedlmc.data import load
 from fedlmc.data.partition import partition
 from fedlmc.models import from_preset
 from fedlmc.train import TrainConfig, evaluate, train
-from strategies import AlignedFedAvg  # was: from flwr.serverapp.strategy import FedAvg
+from fedlmc.strategies import AlignedFedAvg  # was: from flwr.serverapp.strategy import FedAvg
 
 
 def Net() -> torch.nn.Module:

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..models import from_config
 from ..symmetry.canonical import to_layernorm
-from . import _transformers, family_of, hf_state, is_tied
+from .convert import _transformers, family_of, hf_state, is_tied
 from .families import FAMILIES, StateDict
 
 log = logging.getLogger(__name__)

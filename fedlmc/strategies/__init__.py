@@ -1,0 +1,10 @@
+"""Flower strategies (Message API) that aggregate client Transformers modulo their symmetries.
+
+All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used.
+"""
+from .aligned import AlignedFedAvg, RefinedFedAvg
+from .base import FedlmcStrategy
+from .fedavg import ReportingFedAvg
+from .hetero import HeteroWidthFedAvg, SlicingFedAvg
+
+__all__ = ["AlignedFedAvg", "RefinedFedAvg", "HeteroWidthFedAvg", "SlicingFedAvg", "ReportingFedAvg", "FedlmcStrategy"]
