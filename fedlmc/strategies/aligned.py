@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import time
 from logging import INFO
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+from flwr.app import ArrayRecord
 from flwr.supercore import log
 
 from fedlmc.averaging import merge
@@ -34,15 +35,20 @@ class AlignedFedAvg(FedlmcStrategy):
     (default True: the global model stays an ordinary LayerNorm model); ``iterations`` — universe
     iterations; ``guard_data`` — a fedlmc data set (e.g. the preset's validation split) on which the
     aligned aggregate must beat plain averaging to be kept; ``guard_batches`` — how many of its batches
-    to use; ``device`` — where matching runs.
+    to use; ``guard_fn`` — instead of ``guard_data``, a callable ``guard_fn(arrays) -> float`` (Flower's
+    ``evaluate_fn`` convention: the loss of an ArrayRecord in the clients' own form, lower is better);
+    ``device`` — where matching runs.
     """
 
     needs_architecture = True
 
     def __init__(self, *, residual: str = "orthogonal", form: str = "factored", keep_layernorm: bool = True,
                  iterations: int = 3, guard_data=None, guard_batches: Optional[int] = 8, device: Optional[str] = None,
-                 **kwargs: Any) -> None:
+                 guard_fn: Optional[Callable[[ArrayRecord], float]] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if guard_fn is not None and guard_data is not None:
+            raise ValueError("pass guard_data or guard_fn, not both")
+        self.guard_fn = guard_fn
         self.residual, self.form, self.keep_layernorm = residual, form, keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
         self.device = device
@@ -58,11 +64,11 @@ class AlignedFedAvg(FedlmcStrategy):
         fields: dict[str, Any] = {"align_seconds": time.time() - t0, "kept": "aligned",
                                   "moved": [transform_distance(T, spec_for(merged)) for T in transforms]}
         total = sum(weights)
-        plain = merge(models, [w / total for w in weights]) if self.guard_data is not None or self.report_data is not None else None
+        guarded = self.guard_data is not None or self.guard_fn is not None
+        plain = merge(models, [w / total for w in weights]) if guarded or self.report_data is not None else None
         result = merged
-        if self.guard_data is not None:
-            l_aligned = self.loss(merged, self.guard_data, self.guard_batches)
-            l_plain = self.loss(plain, self.guard_data, self.guard_batches)
+        if guarded:
+            l_aligned, l_plain = self.guard_loss(merged), self.guard_loss(plain)
             fields.update(guard_aligned=l_aligned, guard_average=l_plain)
             if l_plain < l_aligned:
                 result, fields["kept"] = plain, "average"
@@ -71,6 +77,13 @@ class AlignedFedAvg(FedlmcStrategy):
         log(INFO, "%s round %d: aligned %d replies in %.2fs, mean distance from identity %.4f", type(self).__name__,
             server_round, len(models), fields["align_seconds"], sum(fields["moved"]) / len(models))
         return result, fields, plain
+
+
+    def guard_loss(self, model: nn.Module) -> float:
+        """The do-no-harm loss: ``guard_fn`` on the clients' form of ``model``, else the loss on ``guard_data``."""
+        if self.guard_fn is not None:
+            return float(self.guard_fn(self.arrays_of(model)))
+        return self.loss(model, self.guard_data, self.guard_batches)
 
 
 class RefinedFedAvg(AlignedFedAvg):

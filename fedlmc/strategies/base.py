@@ -17,7 +17,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedlmc.hf import HFAdapter, recognise
 from fedlmc.models import from_config
+from fedlmc.models.layers import TransformerConfig
 from fedlmc.train import evaluate
 
 from .records import MODEL_CONFIG_KEY, model_from_arrays, state_arrays
@@ -35,7 +37,10 @@ class FedlmcStrategy(FedAvg):
     ``max_norm_ratio`` — a reply whose weight norm exceeds this multiple of the global model's is excluded;
     ``fallback`` — what ``start`` does with a model the strategy cannot align (no ``model_config``, or
     initial arrays that are not a model of it): "error" (default) or "average" (plain FedAvg, warned
-    about every round).
+    about every round); ``model`` — the clients' model (or its config) when it is not a fedlmc model:
+    a ``transformers`` GPT-2, ViT or Llama model or config. Replies then come, and the aggregate goes
+    back, under that model's own keys (``fedlmc.hf.HFAdapter``); a fedlmc model or config here is the
+    same as ``model_config``.
     """
 
     same_shape = True  # replies must have the global model's shape (mixed-width strategies say False)
@@ -43,10 +48,18 @@ class FedlmcStrategy(FedAvg):
 
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, report_data=None,
                  report_batches: Optional[int] = None, min_replies: int = 1, max_norm_ratio: float = 100.0,
-                 fallback: str = "error", **fedavg: Any) -> None:
+                 fallback: str = "error", model: Any = None, **fedavg: Any) -> None:
         super().__init__(**fedavg)
         if fallback not in ("error", "average"):
             raise ValueError(f"fallback must be 'error' or 'average', got {fallback!r}")
+        self.adapter, self.client_keys = None, None
+        if model is not None:
+            cfg = getattr(model, "config", model)
+            if isinstance(cfg, TransformerConfig):
+                model_config = cfg.to_dict()
+            else:  # a transformers model or config (clear error for anything else)
+                self.adapter = HFAdapter(cfg)
+                model_config = self.adapter.config.to_dict()
         self.global_config = model_config
         self.fallback, self.plain_reason = fallback, None
         self.report_data, self.report_batches = report_data, report_batches
@@ -97,12 +110,24 @@ class FedlmcStrategy(FedAvg):
         """A model the strategy cannot align is an error before the first round (naming the fix), not a
         federation that silently stops learning because every reply is excluded; with
         ``fallback="average"`` it is averaged plainly instead, with a warning every round."""
+        if self.adapter is not None:
+            self.client_keys = sorted(arrays.keys())
         if not self.needs_architecture:
             return
         name = type(self).__name__
-        if self.global_config is None:
+        hf_class = recognise(arrays.keys()) if self.global_config is None else None
+        if hf_class is not None:
+            reason = (f"{name}: these are a Hugging Face {hf_class}'s weights, whose head count is not in the "
+                      f"weights: pass model=<your {hf_class} or its config>")
+        elif self.global_config is None:
             reason = (f"{name} needs the model's architecture to align replies and was given none: pass "
-                      "model_config=model.config.to_dict() (a fedlmc model)")
+                      "model=<your model or its config> (a fedlmc, Hugging Face GPT-2 / ViT / Llama model), or "
+                      "describe your own Transformer (fedlmc.symmetry.spec_builder)")
+        elif self.adapter is not None:
+            mismatch = self.adapter.mismatch(arrays.keys())
+            if not mismatch:
+                return
+            reason = f"{name}: the initial arrays are not a {self.adapter.describe()} of the given model ({mismatch})"
         else:
             try:
                 model_from_arrays(arrays, self.global_config)
@@ -135,7 +160,19 @@ class FedlmcStrategy(FedAvg):
         record["train_metrics"] = dict(metrics) if metrics is not None else {}
         self.history.append(record)
         self.global_config = result.config.to_dict()
-        return state_arrays(result), metrics
+        return self.arrays_of(result), metrics
+
+    def arrays_of(self, model: nn.Module) -> ArrayRecord:
+        """A fedlmc model as the ArrayRecord the clients load: their own keys and form with an adapter."""
+        if self.adapter is None:
+            return state_arrays(model)
+        return ArrayRecord(torch_state_dict=self.adapter.to_client(model, self.client_keys))
+
+    def model_of(self, arrays: ArrayRecord) -> nn.Module:
+        """The fedlmc model of arrays in the clients' form (the inverse of ``arrays_of``)."""
+        if self.adapter is not None:
+            return self.adapter.to_fedlmc(arrays.to_torch_state_dict())
+        return model_from_arrays(arrays, self.global_config)
 
     # ---- shared pieces ----------------------------------------------------------------------------------
     def accept(self, server_round: int, replies: Iterable[Message]):
@@ -157,7 +194,8 @@ class FedlmcStrategy(FedAvg):
             try:
                 cfg, sd, w = check_reply(msg.content, arrays_key=self.arrayrecord_key, weight_key=self.weighted_by_key,
                                          reference_config=self.global_config, reference_norm=ref_norm,
-                                         same_shape=self.same_shape, max_norm_ratio=self.max_norm_ratio)
+                                         same_shape=self.same_shape, max_norm_ratio=self.max_norm_ratio,
+                                         adapter=self.adapter)
             except InvalidReply as e:
                 node = msg.metadata.src_node_id
                 log(WARNING, "%s round %d: excluded the reply of node %s: %s", type(self).__name__, server_round, node, e)
@@ -185,7 +223,7 @@ class FedlmcStrategy(FedAvg):
         """The current global model (the one this round's replies started from), if known."""
         if self._previous is None or self.global_config is None:
             return None
-        return model_from_arrays(self._previous, self.global_config)
+        return self.model_of(self._previous)
 
     def loss(self, model: nn.Module, data, batches: Optional[int]) -> float:
         return float(evaluate(model, data, max_batches=batches)["loss"])

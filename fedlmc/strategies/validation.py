@@ -41,8 +41,10 @@ def declared_config(content, default: Optional[dict[str, Any]]) -> dict[str, Any
 
 def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: Optional[dict[str, Any]],
                 reference_norm: Optional[float] = None, same_shape: bool = True, max_norm_ratio: float = 100.0,
-                max_abs: float = 1e6) -> tuple[dict[str, Any], dict[str, torch.Tensor], float]:
-    """Return (config, state dict, weight) of a valid reply, else raise ``InvalidReply``."""
+                max_abs: float = 1e6, adapter=None) -> tuple[dict[str, Any], dict[str, torch.Tensor], float]:
+    """Return (config, state dict, weight) of a valid reply, else raise ``InvalidReply``. With an
+    ``adapter`` (``fedlmc.hf.HFAdapter``) the reply is under the client model's own keys: it is checked
+    against that model's keys and shapes, and its state dict is returned in fedlmc's keys."""
     metrics = list(content.metric_records.values())
     if not metrics or weight_key not in metrics[0]:
         raise InvalidReply(f"its metrics have no '{weight_key}'")
@@ -51,8 +53,8 @@ def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: 
         raise InvalidReply(f"'{weight_key}' is {weight!r}, not a positive number")
     if arrays_key not in content.array_records:
         raise InvalidReply(f"it carries no ArrayRecord '{arrays_key}'")
-    cfg = declared_config(content, reference_config)
-    if reference_config is not None:
+    cfg = adapter.config.to_dict() if adapter is not None else declared_config(content, reference_config)
+    if reference_config is not None and adapter is None:
         for key in ("arch", "n_layer", "vocab_size", "block_size", "image_size", "patch_size", "channels", "num_classes"):
             if key in reference_config and cfg.get(key) != reference_config[key]:
                 raise InvalidReply(f"its model config has {key}={cfg.get(key)!r}, the federation's is {reference_config[key]!r}")
@@ -62,21 +64,24 @@ def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: 
                     raise InvalidReply(f"its width {key}={cfg.get(key)!r} does not match the global model's "
                                        f"{reference_config.get(key)!r} (use HeteroWidthFedAvg for mixed widths)")
     try:
-        template = from_config(cfg).state_dict()
+        template = adapter.template if adapter is not None else from_config(cfg).state_dict()
     except (ValueError, TypeError, KeyError) as e:
         raise InvalidReply(f"its model config is invalid ({e})") from None
     try:
         sd = content[arrays_key].to_torch_state_dict()
     except Exception as e:  # a malformed record must not take the round down
         raise InvalidReply(f"its arrays cannot be read ({type(e).__name__}: {e})") from None
+    if adapter is not None and adapter.tied:  # a tied model's state dict may list its head's key or not
+        template = {k: v for k, v in template.items() if k in sd or k != adapter.family.embeddings[1]}
     missing, extra = sorted(set(template) - set(sd)), sorted(set(sd) - set(template))
     if missing:
         raise InvalidReply(f"it misses {len(missing)} tensor(s) its config needs, e.g. {missing[0]}")
     if extra:
         raise InvalidReply(f"it carries {len(extra)} tensor(s) its config does not have, e.g. {extra[0]}")
     for k, t in template.items():
-        if tuple(sd[k].shape) != tuple(t.shape):
-            raise InvalidReply(f"{k} has shape {tuple(sd[k].shape)}, its declared config needs {tuple(t.shape)}")
+        shape = tuple(t) if isinstance(t, tuple) else tuple(t.shape)
+        if tuple(sd[k].shape) != shape:
+            raise InvalidReply(f"{k} has shape {tuple(sd[k].shape)}, its declared config needs {shape}")
     total = 0.0
     for k, v in sd.items():
         if not v.is_floating_point():
@@ -91,4 +96,6 @@ def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: 
     if reference_norm is not None and reference_norm > 0 and norm > max_norm_ratio * reference_norm:
         raise InvalidReply(f"its weight norm {norm:.3g} is {norm / reference_norm:.0f}× the global model's "
                            f"(limit {max_norm_ratio:g}×)")
+    if adapter is not None:
+        sd = adapter.to_fedlmc(sd).state_dict()
     return cfg, sd, float(weight)

@@ -1,0 +1,109 @@
+"""The strategies on Hugging Face replies: client keys in, the same keys out (loadable with
+``strict=True``), tied keys one tensor, the architecture from ``model=``, and clear errors otherwise."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict  # noqa: E402
+
+from fedlmc.hf import from_hf  # noqa: E402
+from fedlmc.strategies import AlignedFedAvg  # noqa: E402
+from fedlmc.symmetry import apply_transform, random_transform, to_layernorm  # noqa: E402
+
+from test_hf import hf_gpt2, hf_llama, hf_vit, inputs, logits, shaken  # noqa: E402
+
+
+def reply(state: dict, n: int, node: int) -> Message:
+    content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": n})})
+    md = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="",
+                  group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
+    return Message(content=content, metadata=md)
+
+
+class NoGrid:
+    def __getattr__(self, name):
+        raise AssertionError("the grid must not be used")
+
+
+def planted_copies(hf, count: int) -> list[dict]:
+    """The same function under different symmetries (O·1 = 1 so each stays a LayerNorm model; Llama's
+    O is free), each as the client's own state dict."""
+    ours = from_hf(hf)
+    out = []
+    for s in range(count):
+        m = apply_transform(ours, random_transform(ours, seed=s + 1, fix_ones=hf.config.model_type != "llama",
+                                                   groups=("residual", "heads", "ff")))
+        m = to_layernorm(m) if hf.config.model_type != "llama" else m
+        from fedlmc.hf import to_hf
+        out.append({k: v.float() for k, v in to_hf(m, tied=False).state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("make,name", [(lambda: hf_gpt2(tied=False), "gpt2"), (hf_vit, "vit"), (hf_llama, "llama")])
+def test_aligned_fedavg_on_hf_replies(make, name, record):
+    torch.manual_seed(0)
+    hf = shaken(make(), seed=4)
+    strategy = AlignedFedAvg(model=hf.config, iterations=2)
+    initial = ArrayRecord(hf.state_dict())
+    strategy.check_architecture(initial)
+    strategy._previous = initial
+    replies = [reply(sd, 10, i + 1) for i, sd in enumerate(planted_copies(hf, 3))]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert strategy.history[-1]["excluded"] == []
+    out = type(hf)(hf.config).eval()
+    out.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+    x = inputs(name)
+    # three copies of one function, aligned, average to that function (plain FedAvg would not)
+    record(f"{name}: AlignedFedAvg of 3 planted HF replies vs the model", (logits(out, x) - logits(hf, x)).abs().max(), 1e-3)
+    plain = type(hf)(hf.config).eval()
+    plain.load_state_dict({k: sum(r.content["arrays"].to_torch_state_dict()[k] for r in replies) / 3 for k in arrays.keys()})
+    assert (logits(plain, x) - logits(hf, x)).abs().max() > 1e-2
+
+
+def test_tied_gpt2_aggregate_has_one_tensor_for_both_keys():
+    torch.manual_seed(0)
+    hf = shaken(hf_gpt2(tied=True), seed=5)
+    strategy = AlignedFedAvg(model=hf, iterations=1)
+    initial = ArrayRecord(hf.state_dict())
+    strategy.check_architecture(initial)
+    strategy._previous = initial
+    states = [{k: v.clone() for k, v in shaken(hf_gpt2(tied=True), seed=s).state_dict().items()} for s in (6, 7)]
+    arrays, _ = strategy.aggregate_train(1, [reply(sd, 5, i + 1) for i, sd in enumerate(states)])
+    sd = arrays.to_torch_state_dict()
+    assert set(sd) == set(hf.state_dict())
+    assert torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"])
+
+
+def test_hf_weights_without_model_name_what_is_missing():
+    hf = hf_gpt2()
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*head count.*pass model="):
+        AlignedFedAvg().start(grid=NoGrid(), initial_arrays=ArrayRecord(hf.state_dict()), num_rounds=1)
+    with pytest.raises(ValueError, match="unexpected keys fc1.weight"):
+        AlignedFedAvg(model=hf.config).start(grid=NoGrid(), initial_arrays=ArrayRecord(
+            {"fc1.weight": torch.zeros(2, 2)}), num_rounds=1)
+
+
+def test_guard_fn_decides_on_the_clients_form():
+    torch.manual_seed(0)
+    hf = shaken(hf_vit(), seed=8)
+    seen = []
+
+    def guard_fn(arrays: ArrayRecord) -> float:
+        sd = arrays.to_torch_state_dict()
+        seen.append(sorted(sd))
+        return float(sd["classifier.bias"].sum())  # any loss of the client's form; lower wins
+
+    strategy = AlignedFedAvg(model=hf.config, iterations=1, guard_fn=guard_fn)
+    initial = ArrayRecord(hf.state_dict())
+    strategy.check_architecture(initial)
+    strategy._previous = initial
+    states = [shaken(hf_vit(), seed=s).state_dict() for s in (9, 10)]
+    strategy.aggregate_train(1, [reply(sd, 5, i + 1) for i, sd in enumerate(states)])
+    rec = strategy.history[-1]
+    assert len(seen) == 2 and seen[0] == sorted(hf.state_dict())
+    assert rec["kept"] == ("average" if rec["guard_average"] < rec["guard_aligned"] else "aligned")
