@@ -105,6 +105,31 @@ def test_dropin_example_swaps_fedavg_for_aligned():
     assert "'loss'" in line and "AlignedFedAvg round 2" in out
 
 
+def _run_example(module: str, strategy: str) -> str:
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "OMP_NUM_THREADS": "1", "EXAMPLE_STRATEGY": strategy,
+           "EXAMPLE_LOCAL_STEPS": "10"}
+    proc = subprocess.run([os.sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("app,strategies", [("gpt2", ("fedavg", "aligned")), ("vit", ("aligned",)), ("llama", ("aligned",))])
+def test_hf_example_apps_switch_strategy_by_one_line(app, strategies):
+    """examples/hf: a Flower app written against transformers only (GPT-2 with its tied head, ViT,
+    Llama with GQA) runs 2 rounds with FedAvg and with AlignedFedAvg; the aggregate loads strictly into
+    the client's model (the ServerApp does so) and every reply of both rounds was aggregated."""
+    for strategy in strategies:
+        out = _run_example(f"examples.hf.{app}", strategy)
+        name = {"fedavg": "FedAvg", "aligned": "AlignedFedAvg"}[strategy]
+        line = next(l for l in out.splitlines() if f"hf-{app} result:" in l)
+        assert f"strategy={name} " in line and float(line.split("test_loss=")[1]) < 10.0, line
+        assert out.count("Received 2 results and 0 failures") == 2, out[-3000:]
+        if strategy == "aligned":
+            assert "AlignedFedAvg round 2: replies from nodes" in out and "excluded the reply" not in out
+
+
 @pytest.mark.timeout(600)
 def test_crashed_server_resumes_to_the_same_result():
     """A server killed hard after round 2 of 3 and restarted with resume=true ends exactly where an

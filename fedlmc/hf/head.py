@@ -42,22 +42,28 @@ def fit_head(sd: StateDict, cfg: TransformerConfig, tied: bool, embedding: Optio
     if keep_bias and not tied:
         return sd, 0.0
     errors = []
+    dt = sd["head.weight"].dtype
+    rcond = 1e-10 if dt == torch.float64 else 1e-6  # below the source's rounding, a direction is null
     if tied:
         if embedding is None:
             raise ValueError(f"{cfg.arch} has no input embedding to tie the head to")
+        # softmax ignores a constant added to every logit, so the fit is on vocabulary-centred columns
         E = sd[embedding].double()
-        g = (E * H_eff).sum(0) / (E * E).sum(0).clamp_min(1e-300)
-        errors.append(_rel(E * g - H_eff, H_eff))
+        Ec, Hc = E - E.mean(0), H_eff - H_eff.mean(0)
+        g = (Ec * Hc).sum(0) / (Ec * Ec).sum(0).clamp_min(1e-300)
+        errors.append(_rel(Ec * g - Hc, Hc))
         head, gain = E, g
+        h0 = h0 - h0.mean()
+        fit_to = Ec
     else:
         head, gain = H, (w.double() if w is not None else torch.ones(H.shape[1], dtype=H.dtype))
-    dt = sd["head.weight"].dtype
+        fit_to = head
     if cfg.norm == "layernorm":  # the final norm's bias b carries the head bias: head · b ≈ h₀
         ones_free = not tied and _ones_free(head, gain, 1e-9 if dt == torch.float64 else 1e-4)
         if ones_free:  # centred up to the source's rounding: make it exact so 1 is a clean null direction
-            head = head - head.mean(1, keepdim=True)
-        b = torch.linalg.lstsq(head, h0[:, None], rcond=1e-10, driver="gelsd").solution[:, 0]  # min-norm
-        r = h0 - head @ b
+            head = fit_to = head - head.mean(1, keepdim=True)
+        b = torch.linalg.lstsq(fit_to, h0[:, None], rcond=rcond, driver="gelsd").solution[:, 0]  # min-norm
+        r = h0 - fit_to @ b
         if ones_free and r.abs().max() > 1e-12 * h0.abs().max():
             head, b = _through_ones(head, b, r)
             r = h0 - head @ b

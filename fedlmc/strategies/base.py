@@ -122,7 +122,7 @@ class FedlmcStrategy(FedAvg):
         elif self.global_config is None:
             reason = (f"{name} needs the model's architecture to align replies and was given none: pass "
                       "model=<your model or its config> (a fedlmc, Hugging Face GPT-2 / ViT / Llama model), or "
-                      "describe your own Transformer (fedlmc.symmetry.spec_builder)")
+                      "describe your own Transformer (fedlmc.models.register_architecture + fedlmc.symmetry.register_spec)")
         elif self.adapter is not None:
             mismatch = self.adapter.mismatch(arrays.keys())
             if not mismatch:
