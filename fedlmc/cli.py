@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Optional
 
-from .commands import (cmd_barrier, cmd_demo, cmd_merge, cmd_reproduce, cmd_train, cmd_universe, cmd_widths,
+from .commands import (cmd_barrier, cmd_demo, cmd_export, cmd_import, cmd_merge, cmd_reproduce, cmd_train, cmd_universe, cmd_widths,
                        console)
 
 
@@ -28,7 +28,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _add_model_commands(sub)
     _add_merge_commands(sub)
+    _add_hf_commands(sub)
     return p
+
+
+def _add_hf_commands(sub) -> None:
+    """export --to hf, import."""
+    e = sub.add_parser("export", help="write a fedlmc checkpoint as a Hugging Face save_pretrained directory")
+    e.add_argument("checkpoint", help="fedlmc checkpoint directory (gpt2, vit or llama)")
+    e.add_argument("--to", choices=["hf"], default="hf", help="target format")
+    e.add_argument("out", help="output directory (transformers' from_pretrained reads it)")
+    e.add_argument("--tied", action="store_true", help="tie the head to the embedding (fitted; the error is printed)")
+    e.set_defaults(func=cmd_export)
+    i = sub.add_parser("import", help="read a Hugging Face save_pretrained directory into a fedlmc checkpoint")
+    i.add_argument("directory", help="a local save_pretrained directory (GPT-2, ViT or Llama; no hub access)")
+    i.add_argument("--out", required=True, help="fedlmc checkpoint directory to write")
+    i.set_defaults(func=cmd_import)
 
 
 def _add_model_commands(sub) -> None:

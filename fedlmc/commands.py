@@ -277,3 +277,29 @@ def cmd_widths(args: argparse.Namespace) -> int:
     print(md)
     console.print(f"wrote {[str(f) for f in files]}")
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A fedlmc checkpoint as a ``save_pretrained`` directory (LayerNorm families leave canonical form first)."""
+    from .hf import to_hf
+    from .io import load as load_checkpoint
+    from .symmetry import to_layernorm
+
+    model = load_checkpoint(args.checkpoint)
+    if model.config.arch in ("gpt2", "vit") and model.config.norm != "layernorm":
+        model = to_layernorm(model)
+    hf = to_hf(model, tied=True if args.tied else None)
+    hf.save_pretrained(args.out)
+    console.print(f"wrote {type(hf).__name__} to {args.out} (head fit relative error {hf.fedlmc_fit_error:.2e})")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """A ``save_pretrained`` directory as a fedlmc checkpoint."""
+    from .hf import from_hf
+    from .io import save
+
+    model = from_hf(args.directory)
+    save(model, args.out, meta={"source": str(args.directory)})
+    console.print(f"wrote fedlmc {model.config.arch} checkpoint to {args.out}")
+    return 0
