@@ -107,3 +107,32 @@ def test_guard_fn_decides_on_the_clients_form():
     rec = strategy.history[-1]
     assert len(seen) == 2 and seen[0] == sorted(hf.state_dict())
     assert rec["kept"] == ("average" if rec["guard_average"] < rec["guard_aligned"] else "aligned")
+
+
+def test_refined_fedavg_on_hf_replies_with_a_batch_source_and_loss_fn():
+    """RefinedFedAvg on Llama replies: refinement data is any batch source (here ``ArrayData`` over
+    token tensors) and the loss a user callable; the aggregate loads strictly into the client model."""
+    from fedlmc.data import ArrayData
+    from fedlmc.strategies import HeteroWidthFedAvg, RefinedFedAvg
+
+    torch.manual_seed(0)
+    hf = shaken(hf_llama(), seed=11)
+    calls = []
+
+    def loss_fn(out, y):
+        calls.append(1)
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    tokens = torch.randint(0, 40, (32, 17))
+    strategy = RefinedFedAvg(model=hf, iterations=1, refine_data=ArrayData(tokens[:, :-1], tokens[:, 1:]),
+                             refine_steps=3, loss_fn=loss_fn)
+    initial = ArrayRecord(hf.state_dict())
+    strategy.check_architecture(initial)
+    strategy._previous = initial
+    states = [shaken(hf_llama(), seed=s).state_dict() for s in (12, 13)]
+    arrays, _ = strategy.aggregate_train(1, [reply(sd, 5, i + 1) for i, sd in enumerate(states)])
+    assert len(calls) == 3
+    out = type(hf)(hf.config)
+    out.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+    with pytest.raises(ValueError, match="HeteroWidthFedAvg"):
+        HeteroWidthFedAvg(model=hf)

@@ -68,6 +68,7 @@ class Options:
     learn_residual: bool = True  # False: O stays at its start, only permutations learn
     seed: int = 0
     progress: bool = True
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None  # (outputs, targets) -> loss
 
 
 class Latents:
@@ -181,7 +182,8 @@ def _descend(states, cfg, data, opts: Options, opt, aligned, sample_weights, lab
             pairs = [aligned(i) for i in range(M)]
             masks = [m for _, m in pairs]
             sd = merged_state([s for s, _ in pairs], sample_weights(), masks if any(masks) else None, cfg, opts.form)
-            loss, _ = loss_and_correct(functional_call(template, sd, (x,)), y)
+            out = functional_call(template, sd, (x,))
+            loss = opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -26,13 +26,15 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
                      lr: float = 1e-3, perm_lr: float = 0.05, batch_size: int = 64, form: str = "factored",
                      keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal",
                      reference: Optional[nn.Module] = None, seed: int = 0, progress: bool = True,
-                     device: Optional[str] = None) -> list[Transform]:
+                     device: Optional[str] = None, loss_fn=None) -> list[Transform]:
     """Refine the transforms of ``models`` (same shape, e.g. padded) into their universe.
 
     ``transforms`` are the starting alignments (``universe_merge``'s); ``masks`` mark padded units
     (see ``widths.unit_masks``, before permutation); ``weights`` pick the fixed model (the largest);
     ``reference`` (default: the fixed model aligned) is what the intra-head gauges align to.
-    ``keep_layernorm`` keeps every ``O_m·1 = 1`` (learning only the centred block).
+    ``keep_layernorm`` keeps every ``O_m·1 = 1`` (learning only the centred block). ``data``: anything
+    with fedlmc's ``batches(batch_size, shuffle, generator)``; ``loss_fn(outputs, targets)``: the loss to
+    descend on (default: cross-entropy, as in training).
     Returns the refined transforms (exact group elements; ``info['loss']`` holds the loss trace).
     """
     M = len(models)
@@ -48,7 +50,7 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
     fixed = int(np.argmax(weights)) if weights is not None else 0
     rng = np.random.default_rng(seed)
     opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,
-                   keep_layernorm=keep_layernorm, gauge=gauge, seed=seed, progress=progress)
+                   keep_layernorm=keep_layernorm, gauge=gauge, seed=seed, progress=progress, loss_fn=loss_fn)
     ref = canonical_state(reference, dev, torch.float32) if reference is not None else None
     elements, trace, seconds = learn_alignments(
         states, cfg, transforms, data, fixed=fixed, sample_weights=lambda: [float(v) for v in rng.dirichlet([alpha] * M)],

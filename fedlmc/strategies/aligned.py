@@ -88,19 +88,23 @@ class AlignedFedAvg(FedlmcStrategy):
 
 class RefinedFedAvg(AlignedFedAvg):
     """``AlignedFedAvg`` plus Dirichlet(``alpha``) learned refinement of every reply's alignment on a small
-    server-side data set ``refine_data`` (``refine_steps`` steps; see ``fedlmc.matching.refine``). Keep
+    server-side data set ``refine_data`` (``refine_steps`` steps; see ``fedlmc.matching.refine``): any
+    batch source with fedlmc's ``batches(batch_size, shuffle, generator)`` (``fedlmc.data.ArrayData(x, y)``
+    wraps tensors), and ``loss_fn(outputs, targets)`` instead of cross-entropy if given. Keep
     ``guard_data`` disjoint from ``refine_data`` so the do-no-harm comparison stays honest."""
 
-    def __init__(self, *, refine_data, alpha: float = 0.1, refine_steps: int = 100, **kwargs: Any) -> None:
+    def __init__(self, *, refine_data, alpha: float = 0.1, refine_steps: int = 100,
+                 loss_fn: Optional[Callable] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if refine_data is None:
             raise ValueError("RefinedFedAvg needs refine_data (a small server-side data set)")
-        self.refine_data, self.alpha, self.refine_steps = refine_data, alpha, refine_steps
+        self.refine_data, self.alpha, self.refine_steps, self.loss_fn = refine_data, alpha, refine_steps, loss_fn
 
     def align(self, models, weights, start):
         return universe_merge(models, method="refined", weights=weights, start=start, iterations=self.iterations,
                               form=self.form, keep_layernorm=self.keep_layernorm, residual=self.residual,
-                              data=self.refine_data, alpha=self.alpha, refine_steps=self.refine_steps, device=self.device)
+                              data=self.refine_data, alpha=self.alpha, refine_steps=self.refine_steps, device=self.device,
+                              loss_fn=self.loss_fn)
 
 
 def transform_distance(T, spec) -> float:

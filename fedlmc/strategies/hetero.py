@@ -41,6 +41,9 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     def __init__(self, *, residual: str = "orthogonal", iterations: int = 3, device: Optional[str] = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if self.adapter is not None:
+            raise ValueError("HeteroWidthFedAvg aligns fedlmc models, whose replies declare their own width "
+                             "(a model ConfigRecord); Hugging Face clients of several widths are not supported yet")
         self.residual, self.iterations, self.device = residual, iterations, device
         self.transforms: dict[int, Any] = {}  # node id -> its transform into the current universe
         self._universe = None
