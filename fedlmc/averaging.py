@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from .models.layers import TransformerConfig
-from .symmetry import StateDict, canonical, rebuild, spec_for, to_layernorm
+from .symmetry import StateDict, canonical, layernorm_native, rebuild, spec_for, to_layernorm
 
 FORMS = ("factored", "circuit")
 
@@ -101,7 +101,8 @@ def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "fa
     else:
         sd, cfg = weighted_state(states, weights), ref.config
     out = rebuild(ref, sd, cfg)
-    return to_layernorm(out) if keep_layernorm and out.config.norm != "layernorm" else out
+    keep = keep_layernorm and out.config.norm != "layernorm" and layernorm_native(out.config)
+    return to_layernorm(out) if keep else out
 
 
 def interpolate(model_a: nn.Module, model_b: nn.Module, lam: float, form: str = "factored",

@@ -83,6 +83,7 @@ TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2-tiny": dict(steps=4000, lr=2e-3, batch_size=64),
     "gpt2-shakespeare": dict(steps=5000, lr=1e-3, batch_size=64),
     "gpt2-small": dict(steps=1000, lr=3e-4, batch_size=16),
+    "llama-tiny": dict(steps=4000, lr=2e-3, batch_size=64),
     "vit-tiny": dict(epochs=15, lr=2e-3, batch_size=64),
     "vit-cifar": dict(epochs=50, lr=1e-3, batch_size=128),
     "vit-digits": dict(epochs=30, lr=3e-3, batch_size=32),

@@ -12,7 +12,8 @@ from .averaging import FORMS, merge
 from .matching import weight_matching
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
-from .symmetry import StateDict, Transform, WidthMap, apply_transform, canonical, invert_transform, rebuild, spec_for, to_layernorm
+from .symmetry import (StateDict, Transform, WidthMap, apply_transform, canonical, invert_transform, layernorm_native,
+                       rebuild, spec_for, to_layernorm)
 from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks, unpad
 
 
@@ -127,7 +128,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     applies to LayerNorm models: an RMSNorm model such as Llama has no centring to keep) and each
     model's transform. ``matching`` options go to ``weight_matching``.
     """
-    keep_layernorm = keep_layernorm and all(m.config.norm == "layernorm" for m in models)
+    keep_layernorm = keep_layernorm and all(layernorm_native(m.config) for m in models)
     if "init" in matching:
         warnings.warn("universe_merge(init=...) is deprecated: use start=", DeprecationWarning, stacklevel=2)
         start = matching.pop("init")

@@ -63,6 +63,12 @@ def is_canonical(cfg) -> bool:
     return cfg.norm == "rmsnorm" and not cfg.norm_gain
 
 
+def layernorm_native(cfg) -> bool:
+    """Whether the architecture is a LayerNorm one (GPT-2, ViT), whose canonical form can go back to
+    LayerNorm; an RMSNorm architecture (Llama) has no centring to keep."""
+    return type(cfg)().norm == "layernorm"
+
+
 def canonical_config(cfg):
     """The config of a model's canonical form (parameter-free RMSNorm)."""
     return cfg.replace(norm="rmsnorm", norm_bias=False, norm_gain=False)

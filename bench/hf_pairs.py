@@ -1,0 +1,127 @@
+"""Pairwise barriers of two independently trained Hugging Face models, by the reproduction protocol
+(`fedlmc reproduce`: the matching preset's training budget, test split, learned matching 300 steps
+from weight matching): vanilla, weight matching, learned matching.
+
+Each model is a ``transformers`` model of a fedlmc preset's shape, trained through its *own* forward
+with fedlmc's trainer (AdamW, warmup + cosine, the preset's budget), then converted exactly with
+``fedlmc.hf.from_hf``:
+
+- ``gpt2``: ``GPT2LMHeadModel`` of gpt2-tiny's shape (tied head, ``gelu_new``).
+- ``vit``: ``ViTForImageClassification`` of vit-tiny's shape.
+- ``llama``: ``LlamaForCausalLM`` of llama-tiny's shape (grouped-query attention, untied).
+
+For the tied GPT-2 the aligned midpoint is also written back in the clients' tied form
+(``HFAdapter.to_client``, what the strategies send) and evaluated through Hugging Face's forward.
+
+    python bench/hf_pairs.py --family gpt2 [--seeds 0 1] [--steps N]   # results/bench_hf_pair_{family}.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fedlmc.averaging import interpolate
+from fedlmc.barrier import barrier
+from fedlmc.data import load
+from fedlmc.hf import HFAdapter, from_hf, to_hf
+from fedlmc.models import preset_config, preset_dataset
+from fedlmc.reproduce import pair_curves
+from fedlmc.symmetry import apply_transform, canonicalize
+from fedlmc.train import evaluate, train, train_config_for
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny", "llama": "llama-tiny"}
+METHODS = ["vanilla", "wm-orth-factored", "wm-orth-keepln", "learned"]  # keepln = factored for Llama (no LayerNorm)
+
+
+class Logits(nn.Module):
+    """A ``transformers`` model as fedlmc's trainer sees models: inputs → logits."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.hf(pixel_values=x) if x.is_floating_point() else self.hf(input_ids=x)
+        return out.logits
+
+
+def hf_model(family: str, splits, seed: int) -> nn.Module:
+    """A fresh ``transformers`` model of the preset's shape (fedlmc's config → Hugging Face's)."""
+    fit = {k: splits.meta[k] for k in ("vocab_size", "channels", "image_size", "num_classes") if k in splits.meta}
+    cfg = preset_config(PRESET[family], **fit)
+    if family == "gpt2":
+        cfg = cfg.replace(activation="gelu_tanh")  # GPT-2's gelu_new
+    torch.manual_seed(seed)
+    shell = to_hf(_fresh(cfg), tied=family == "gpt2")
+    torch.manual_seed(seed)
+    return type(shell)(shell.config)  # Hugging Face's own initialisation
+
+
+def _fresh(cfg):
+    from fedlmc.models import from_config
+    return from_config(cfg)
+
+
+def trained(family: str, splits, seed: int, cache: Path, steps) -> nn.Module:
+    path = cache / f"hf-{family}-s{seed}-{steps or 'preset'}"
+    if (path / "config.json").is_file():
+        print(f"reusing {path}", flush=True)
+        return from_hf(path)
+    hf = hf_model(family, splits, seed)
+    cfg = train_config_for(PRESET[family], seed, steps=steps)
+    hist = train(Logits(hf), splits.train, cfg, val=splits.val, progress=False, desc=f"hf-{family} seed {seed}")
+    hf.eval().save_pretrained(path)
+    print(f"hf-{family} seed {seed}: {hist['steps']} steps in {hist['seconds']:.0f} s", flush=True)
+    return from_hf(path)
+
+
+def tied_midpoint(a, b_aligned, hf_dir: Path, splits) -> dict:
+    """The weight-matched midpoint as the strategies send it to tied clients, through HF's forward."""
+    from transformers import GPT2LMHeadModel
+
+    ref = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    mid = interpolate(a, b_aligned, 0.5, keep_layernorm=True)
+    adapter = HFAdapter(ref)
+    client = GPT2LMHeadModel(ref.config).eval()
+    client.load_state_dict(adapter.to_client(mid, keys=ref.state_dict().keys()), strict=True)
+    return {"untied_midpoint_loss": evaluate(mid, splits.test)["loss"],
+            "tied_midpoint_loss": evaluate(Logits(client), splits.test)["loss"], "tie_fit_error": adapter.fit_error}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", required=True, choices=list(PRESET))
+    p.add_argument("--seeds", nargs=2, type=int, default=[0, 1])
+    p.add_argument("--steps", type=int, help="training steps (default: the preset's budget)")
+    p.add_argument("--cache", default=str(ROOT / "runs" / "cache"))
+    p.add_argument("--out", help="default: results/bench_hf_pair_{family}.json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.time()
+    splits = load(preset_dataset(PRESET[args.family]), block_size=getattr(preset_config(PRESET[args.family]), "block_size", 64))
+    a, b = (trained(args.family, splits, s, Path(args.cache), args.steps) for s in args.seeds)
+    curves = pair_curves(a, b, splits, METHODS, progress=False)
+    doc = {"family": args.family, "preset_shape": PRESET[args.family], "seeds": args.seeds, "steps": args.steps,
+           "client_test_loss": [evaluate(m, splits.test)["loss"] for m in (a, b)],
+           "barriers": {k: v["barrier"] for k, v in curves.items()},
+           "ratio_to_vanilla": {k: v["barrier"] / curves["vanilla"]["barrier"] for k, v in curves.items()},
+           "curves": curves}
+    if args.family == "gpt2":
+        from fedlmc.matching import weight_matching
+        ca, cb = canonicalize(a), canonicalize(b)
+        T = weight_matching(ca, cb, keep_layernorm=True)
+        doc["tied"] = tied_midpoint(ca, apply_transform(cb, T), Path(args.cache) / f"hf-gpt2-s{args.seeds[0]}-{args.steps or 'preset'}", splits)
+    doc["seconds"] = time.time() - t0
+    out = Path(args.out or ROOT / "results" / f"bench_hf_pair_{args.family}.json")
+    out.write_text(json.dumps(doc, indent=2))
+    print(json.dumps({k: doc[k] for k in ("barriers", "ratio_to_vanilla")} | ({"tied": doc["tied"]} if "tied" in doc else {}), indent=2))
+
+
+if __name__ == "__main__":
+    main()
