@@ -17,6 +17,7 @@ from flwr.clientapp import ClientApp
 
 from fedlmc.federated import (Settings, client_config, client_data, config_from_json, evaluate_model,
                               fresh_client_model, local_train)
+from fedlmc.hf import hf_model_for
 from fedlmc.widths import shape_of, slice_prefix
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 
@@ -30,8 +31,13 @@ def _node(context: Context, overrides: dict) -> tuple[Settings, int, int, object
     return s, pid, n, cfg
 
 
-def _received(msg: Message, own_cfg):
-    """The model the server sent, at this client's width (HeteroFL-style prefix when it sent a wider one)."""
+def _received(msg: Message, own_cfg, s: Settings):
+    """The model the server sent, at this client's width (HeteroFL-style prefix when it sent a wider one);
+    with ``hf``, the preset's Hugging Face twin loaded strictly from the arrays (its own keys)."""
+    if s.hf:
+        model = hf_model_for(own_cfg)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict(), strict=True)
+        return model
     config = msg.content["config"]
     if MODEL_CONFIG_KEY not in config:
         raise ValueError("the server's message carries no model config (ConfigRecord key "
@@ -51,7 +57,7 @@ def train(msg: Message, context: Context, overrides: Optional[dict] = None) -> M
     if s.independent_start and rnd == 1:
         model = fresh_client_model(s, pid, cfg)
     else:
-        model = _received(msg, cfg)
+        model = _received(msg, cfg, s)
     t0 = time.time()
     hist = local_train(model, data, s, seed=1000 * (s.seed + 1) + 100 * rnd + pid)
     last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
@@ -60,7 +66,9 @@ def train(msg: Message, context: Context, overrides: Optional[dict] = None) -> M
     metrics = MetricRecord({"num-examples": len(data), "train-loss": sum(last) / len(last)})
     client = ConfigRecord({"partition-id": pid, "train-seconds": time.time() - t0})
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict={k: v.detach().cpu().float() for k, v in model.state_dict().items()}),
-                          "metrics": metrics, "model": config_record(model), "client": client})
+                          "metrics": metrics, "client": client})
+    if not s.hf:  # a Hugging Face client declares nothing: the server knows its model (model=)
+        content["model"] = config_record(model)
     return Message(content=content, reply_to=msg)
 
 
@@ -68,7 +76,7 @@ def evaluate(msg: Message, context: Context, overrides: Optional[dict] = None) -
     """Evaluate the received model on this node's validation partition."""
     s, pid, n, cfg = _node(context, overrides or {})
     _, val = client_data(s, pid, n)
-    model = _received(msg, cfg)
+    model = _received(msg, cfg, s)
     ev = evaluate_model(model, val)
     metrics = MetricRecord({"num-examples": len(val), "eval-loss": ev["loss"], "eval-acc": ev["acc"]})
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)

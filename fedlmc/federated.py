@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from .data import ArrayData, Data, DataNotFound, Splits, TokenData, load
 from .data.partition import partition
+from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
 from .train import TrainConfig, evaluate, model_for_data, train
@@ -61,6 +62,7 @@ class Settings:
     round_timeout: float = 3600.0
     device: str = ""
     resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
+    hf: bool = False  # clients train the preset's Hugging Face twin (GPT2LMHeadModel, ...) under its own keys
     threads: int = 1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
 
     @classmethod
@@ -158,15 +160,18 @@ def client_data(s: Settings, partition_id: int, num_partitions: int) -> tuple[Da
 
 
 def fresh_client_model(s: Settings, partition_id: int, cfg: TransformerConfig) -> nn.Module:
-    """An independently initialised client model (its own seed) for the one-shot / fusion setting."""
-    torch.manual_seed(1000 * (s.seed + 1) + partition_id)
-    model = from_config(cfg)
-    return model
+    """An independently initialised client model (its own seed) for the one-shot / fusion setting
+    (with ``s.hf``: the Hugging Face twin, initialised by Hugging Face)."""
+    seed = 1000 * (s.seed + 1) + partition_id
+    if s.hf:
+        return hf_model_for(cfg, seed)
+    torch.manual_seed(seed)
+    return from_config(cfg)
 
 
 def local_train(model: nn.Module, data: Data, s: Settings, seed: int) -> dict[str, Any]:
     """Train ``model`` on a client's partition; returns the history (``train_loss``, ``seconds``, ...)."""
-    return train(model, data, s.train_config(seed), progress=False)
+    return train(Logits(model) if s.hf else model, data, s.train_config(seed), progress=False)
 
 
 def config_from_json(text: str) -> TransformerConfig:
@@ -175,6 +180,8 @@ def config_from_json(text: str) -> TransformerConfig:
 
 
 def evaluate_model(model: nn.Module, data: Data, max_batches: int = 0) -> dict[str, float]:
+    """Mean loss and accuracy (a ``transformers`` model is evaluated through its logits)."""
+    model = Logits(model) if hasattr(model.config, "model_type") else model
     return evaluate(model, data, max_batches=max_batches or None)
 
 

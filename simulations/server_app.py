@@ -15,15 +15,16 @@ from logging import INFO
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from flwr.app import ConfigRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from fedlmc import io
 from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
+from fedlmc.hf import hf_model_for
 from fedlmc.strategies.checkpoint import load_state, save_state
 from fedlmc.strategies.factory import build_strategy
-from fedlmc.strategies.records import model_from_arrays, state_arrays
+from fedlmc.strategies.records import state_arrays
 
 from simulations.summary import plot_rounds, summary_table
 
@@ -65,9 +66,10 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
     splits = splits_for(s)
     model = global_model(s)
     out = Path(s.out_dir).expanduser()
-    strategy = build_strategy(s, model.config.to_dict(), splits)
+    client_model = hf_model_for(model.config, s.seed) if s.hf else None  # the clients' Hugging Face twin
+    strategy = build_strategy(s, model.config.to_dict(), splits, client_model)
     recorder = Recorder(out / "metrics.json", s)
-    initial, done = state_arrays(model), 0
+    initial, done = (ArrayRecord(client_model.state_dict()) if s.hf else state_arrays(model)), 0
     state = load_state(out / "state") if s.resume else None
     if state is not None:
         done, initial = state.round, state.arrays
@@ -83,8 +85,7 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
 
     def evaluate_fn(rnd: int, arrays) -> MetricRecord:
         real = rnd + done
-        m = model_from_arrays(arrays, strategy.global_config or model.config.to_dict())
-        ev = evaluate_model(m, splits.test, s.eval_batches)
+        ev = evaluate_model(strategy.model_of(arrays), splits.test, s.eval_batches)
         if rnd == 0 and done:  # the resumed model was scored when its round ended
             return MetricRecord({"test-loss": ev["loss"], "test-acc": ev["acc"]})
         hist = strategy.history[-1] if real > 0 and strategy.history and strategy.history[-1]["round"] == real else None
@@ -105,7 +106,7 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
     # Flower's Result holds arrays only from a round that aggregated something: when every round kept
     # the previous model (no valid reply), the run's final model is the one it started from.
     arrays = result.arrays if len(result.arrays) > 0 else initial
-    final = model_from_arrays(arrays, strategy.global_config or model.config.to_dict())
+    final = strategy.model_of(arrays)
     final.meta = {"dataset": splits.name, "preset": s.preset, **{k: v for k, v in splits.meta.items()
                                                                   if k in ("chars", "block_size", "source")}}
     io.save(final, out / "final", {**final.meta, "settings": s.to_run_config(),

@@ -25,14 +25,17 @@ def _short_tmp(prefix: str) -> Path:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("strategy,factors", [("average", ""), ("aligned", ""), ("refined", ""), ("hetero", "1,2"),
-                                              ("slicing", "1,2")])
-def test_strategy_runs_in_a_ray_simulation(strategy, factors):
+@pytest.mark.parametrize("strategy,factors,hf", [("average", "", False), ("aligned", "", False), ("refined", "", False),
+                                                 ("hetero", "1,2", False), ("slicing", "1,2", False),
+                                                 ("average", "", True), ("refined", "", True)])
+def test_strategy_runs_in_a_ray_simulation(strategy, factors, hf):
+    """hf: the clients train ViTForImageClassification (the preset's Hugging Face twin) and exchange its
+    state dict under Hugging Face's keys; the server aligns through the adapter."""
     out = _short_tmp(f"fl-{strategy}-")
     try:
         settings = {"strategy": strategy, "num-server-rounds": 2, "preset": "vit-digits", "local-steps": 4, "threads": 1,
                     "refine-steps": 5, "width-factors": factors, "out-dir": str(out), "fraction-evaluate": 1.0,
-                    "report": True}
+                    "report": True, "hf": hf}
         doc = run_in_subprocess(settings, num_supernodes=2, timeout=300, log_path=out / "log.txt")
         rounds = doc["rounds"]
         assert [r["round"] for r in rounds] == [0, 1, 2] and "finished" in doc

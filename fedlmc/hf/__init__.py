@@ -9,6 +9,7 @@ fitted by least squares (``head.fit_head``); the fit's relative error is returne
 any model that came from Hugging Face and was acted on by symmetries only.
 """
 from .adapter import HFAdapter, recognise
-from .convert import config_of, family_of, from_hf, hf_state, is_tied, load_hf, to_hf
+from .convert import Logits, config_of, family_of, from_hf, hf_model_for, hf_state, is_tied, load_hf, to_hf
 
-__all__ = ["from_hf", "to_hf", "hf_state", "load_hf", "config_of", "family_of", "is_tied", "HFAdapter", "recognise"]
+__all__ = ["from_hf", "to_hf", "hf_state", "hf_model_for", "load_hf", "config_of", "family_of", "is_tied", "Logits",
+           "HFAdapter", "recognise"]

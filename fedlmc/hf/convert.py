@@ -100,6 +100,31 @@ def to_hf(model: nn.Module, tied: Optional[bool] = None):
     return hf.eval()
 
 
+def hf_model_for(cfg: TransformerConfig, seed: Optional[int] = None, tied: Optional[bool] = None) -> nn.Module:
+    """A fresh ``transformers`` model of a fedlmc config's shape, with Hugging Face's own initialisation
+    (seeded when ``seed`` is given). ``tied`` defaults to the family's usual choice (GPT-2 ties its head)."""
+    if cfg.arch not in FAMILIES:
+        raise ValueError(f"no Hugging Face class for fedlmc architecture {cfg.arch!r}")
+    fam = FAMILIES[cfg.arch]
+    tied = (cfg.arch == "gpt2") if tied is None else tied
+    if seed is not None:
+        torch.manual_seed(seed)
+    return getattr(_transformers(), fam.model_class)(fam.config_to_hf(cfg, tied))
+
+
+class Logits(nn.Module):
+    """A ``transformers`` model as fedlmc's trainer and evaluator see models: inputs → logits (token ids
+    go in as ``input_ids``, images as ``pixel_values``)."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.hf(pixel_values=x) if x.is_floating_point() else self.hf(input_ids=x)
+        return out.logits
+
+
 def config_of(model: Any) -> TransformerConfig:
     """The fedlmc config of a fedlmc model, a ``transformers`` model or a ``transformers`` config."""
     cfg = getattr(model, "config", model)

@@ -10,18 +10,19 @@ from .fedavg import ReportingFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
 
-def build_strategy(s: Settings, model_config: dict[str, Any], splits):
+def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any = None):
     """``average`` | ``aligned`` | ``refined`` | ``hetero`` | ``slicing`` for the run's settings.
 
     The server's validation split is cut in two: the refinement learns on one half, the do-no-harm
     guard judges on the other (so the guard never scores a model on data it was refined on).
     ``s.report`` gives every strategy the test split to record client / plain / aggregate losses each
-    round (it evaluates every reply: the comparison runner turns it on).
+    round (it evaluates every reply: the comparison runner turns it on). ``model``: the clients' model
+    when it is not a fedlmc one (``s.hf``: its Hugging Face twin).
     """
     common: dict[str, Any] = dict(fraction_train=s.fraction_train, fraction_evaluate=s.fraction_evaluate,
                                   min_train_nodes=s.min_nodes, min_available_nodes=s.min_nodes,
                                   min_evaluate_nodes=s.min_nodes if s.fraction_evaluate > 0 else 0,
-                                  model_config=model_config)
+                                  **(dict(model=model) if model is not None else dict(model_config=model_config)))
     if s.report:
         common.update(report_data=splits.test, report_batches=s.eval_batches or None)
     refine_half, guard_half = halves(splits.val)

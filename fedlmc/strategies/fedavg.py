@@ -4,7 +4,6 @@ from __future__ import annotations
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from .base import FedlmcStrategy
-from .records import model_from_arrays
 
 
 class ReportingFedAvg(FedlmcStrategy):
@@ -13,4 +12,4 @@ class ReportingFedAvg(FedlmcStrategy):
 
     def combine(self, server_round, replies, models, weights):
         arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
-        return model_from_arrays(arrays, self.global_config), {"kept": "average"}, None
+        return self.model_of(arrays), {"kept": "average"}, None
