@@ -15,8 +15,8 @@ from typing import Optional
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlmc.federated import (Settings, client_config, client_data, config_from_json, evaluate_model,
-                              fresh_client_model, local_train)
+from fedlmc.federated import (Settings, cached_first_round, client_config, client_data, config_from_json,
+                              evaluate_model, fresh_client_model, local_train)
 from fedlmc.hf import hf_model_for
 from fedlmc.widths import shape_of, slice_prefix
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
@@ -59,7 +59,8 @@ def train(msg: Message, context: Context, overrides: Optional[dict] = None) -> M
     else:
         model = _received(msg, cfg, s)
     t0 = time.time()
-    hist = local_train(model, data, s, seed=1000 * (s.seed + 1) + 100 * rnd + pid)
+    seed = 1000 * (s.seed + 1) + 100 * rnd + pid
+    hist = (cached_first_round(model, data, s, seed, pid, n) if rnd == 1 else None) or local_train(model, data, s, seed)
     last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
     # only quantities whose num-examples-weighted mean means something are metrics; who the client is
     # (partition, width) and how long it took travel as configuration

@@ -5,6 +5,7 @@ Flower's apps (``clients/``, ``simulations/``) stay thin: they translate message
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -62,6 +63,7 @@ class Settings:
     round_timeout: float = 3600.0
     device: str = ""
     resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
+    client_cache: str = ""  # one-shot comparisons: a round-1 client trained once is reused by every strategy
     hf: bool = False  # clients train the preset's Hugging Face twin (GPT2LMHeadModel, ...) under its own keys
     threads: int = 1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
 
@@ -172,6 +174,33 @@ def fresh_client_model(s: Settings, partition_id: int, cfg: TransformerConfig) -
 def local_train(model: nn.Module, data: Data, s: Settings, seed: int) -> dict[str, Any]:
     """Train ``model`` on a client's partition; returns the history (``train_loss``, ``seconds``, ...)."""
     return train(Logits(model) if s.hf else model, data, s.train_config(seed), progress=False)
+
+
+# What a client's round-1 training depends on (everything else only changes how the server aggregates).
+TRAINING_KEYS = ("preset", "dataset", "data_dir", "text_file", "partitioner", "alpha", "local_epochs", "local_steps",
+                 "lr", "batch_size", "seed", "independent_start", "width_factors", "hf")
+
+
+def cached_first_round(model: nn.Module, data: Data, s: Settings, seed: int, partition_id: int,
+                       num_partitions: int) -> Optional[dict[str, Any]]:
+    """Round 1 of an independently started client, trained once per ``s.client_cache`` and reused: the
+    comparison runner aggregates the very same clients with every strategy (training is seeded, so a
+    rerun would produce them again, at 3× the cost). Returns the history, or None without a cache."""
+    if not s.client_cache or not s.independent_start:
+        return None
+    from safetensors.torch import load_file, save_file
+
+    key = json.dumps([{k: getattr(s, k) for k in TRAINING_KEYS}, partition_id, num_partitions, seed], sort_keys=True)
+    path = Path(s.client_cache).expanduser() / hashlib.sha1(key.encode()).hexdigest()[:16]
+    if (path / "model.safetensors").is_file() and (path / "history.json").is_file():
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+        return json.loads((path / "history.json").read_text())
+    hist = local_train(model, data, s, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(path / "model.tmp"))
+    os.replace(path / "model.tmp", path / "model.safetensors")
+    (path / "history.json").write_text(json.dumps({"train_loss": hist["train_loss"], "key": key}, default=float))
+    return hist
 
 
 def config_from_json(text: str) -> TransformerConfig:

@@ -41,7 +41,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
                            "local-epochs": 2.0, "width-factors": "1,2,4"}),
 }
 
-SPEED_ONLY = ("threads", "device", "round-timeout")  # change how fast a run goes, not what it computes
+SPEED_ONLY = ("threads", "device", "round-timeout", "client-cache")  # change how fast a run goes, not what it computes
 
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "vit-tiny": {"lr": 2e-3, "batch-size": 64, "threads": 1},
@@ -70,6 +70,8 @@ def run_all(setting: str, preset: str, seeds: list[int], strategies: list[str], 
             tag = f"{setting}-{preset}-{cfg['partitioner']}{cfg.get('alpha', '') if cfg['partitioner'] == 'dirichlet' else ''}"
             run_dir = runs / tag / f"{strategy}-s{seed}"
             cfg["out-dir"] = str(run_dir.resolve())
+            if setting == "oneshot":  # every strategy aggregates the same trained clients (trained once)
+                cfg.setdefault("client-cache", str((runs / tag / "clients").resolve()))
             Settings.from_run_config(cfg)  # validate before spending time
             metrics = run_dir / "metrics.json"
             if metrics.is_file():

@@ -40,3 +40,27 @@ def test_one_vocabulary_with_deprecated_aliases():
         assert method_name("wm", ("aligned", "refined")) == "aligned"
     with pytest.raises(ValueError, match="unknown method 'average'; choose one of aligned, refined"):
         method_name("average", ("aligned", "refined"))
+
+
+def test_client_cache_trains_a_one_shot_client_once(tmp_path):
+    """The comparison runner's client cache: the second strategy's client is the first one's, exactly,
+    and a change in anything training depends on (here the learning rate) trains anew."""
+    import torch
+
+    from fedlmc.federated import Settings, cached_first_round, client_config, client_data, fresh_client_model
+
+    s = Settings.from_run_config({"preset": "vit-digits", "local-steps": 3, "client-cache": str(tmp_path)})
+    data, _ = client_data(s, 0, 2)
+    cfg = client_config(s, 0)
+    first = fresh_client_model(s, 0, cfg)
+    start = {k: v.clone() for k, v in first.state_dict().items()}
+    assert cached_first_round(first, data, s, 7, 0, 2) is not None
+    assert any(not torch.equal(start[k], v) for k, v in first.state_dict().items())  # it trained
+    again = fresh_client_model(Settings.from_run_config({**s.to_run_config(), "strategy": "refined"}), 0, cfg)
+    cached_first_round(again, data, Settings.from_run_config({**s.to_run_config(), "strategy": "refined"}), 7, 0, 2)
+    assert all(torch.equal(first.state_dict()[k], v) for k, v in again.state_dict().items())
+    other = Settings.from_run_config({**s.to_run_config(), "lr": 0.01})
+    third = fresh_client_model(other, 0, cfg)
+    cached_first_round(third, data, other, 7, 0, 2)
+    assert any(not torch.equal(first.state_dict()[k], v) for k, v in third.state_dict().items())
+    assert len(list(tmp_path.iterdir())) == 2
