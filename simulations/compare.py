@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(docs, strategies[0])
     cfg = {**spec["config"], **extra, "clients": clients}
     md = markdown(args.setting, args.preset, rows, args.seeds, cfg)
-    suffix = "".join(f"_{k}-{v}" for k, v in sorted(extra.items()) if k in ("partitioner", "alpha", "width-factors"))
+    suffix = "".join(f"_{k}-{v}" for k, v in sorted(extra.items()) if k in ("partitioner", "alpha", "width-factors", "hf"))
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
