@@ -49,8 +49,9 @@ def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: 
     if not metrics or weight_key not in metrics[0]:
         raise InvalidReply(f"its metrics have no '{weight_key}'")
     weight = metrics[0][weight_key]
-    if not isinstance(weight, (int, float)) or not math.isfinite(float(weight)) or float(weight) <= 0:
-        raise InvalidReply(f"'{weight_key}' is {weight!r}, not a positive number")
+    if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(float(weight))
+            or float(weight) <= 0 or float(weight) != int(weight)):
+        raise InvalidReply(f"'{weight_key}' is {weight!r}, not a positive whole number of examples")
     if arrays_key not in content.array_records:
         raise InvalidReply(f"it carries no ArrayRecord '{arrays_key}'")
     cfg = adapter.config.to_dict() if adapter is not None else declared_config(content, reference_config)
