@@ -190,14 +190,16 @@ def cached_first_round(model: nn.Module, data: Data, s: Settings, seed: int, par
         return None
     from safetensors.torch import load_file, save_file
 
-    key = json.dumps([{k: getattr(s, k) for k in TRAINING_KEYS}, partition_id, num_partitions, seed], sort_keys=True)
+    key = json.dumps([{k: getattr(s, k) for k in TRAINING_KEYS}, partition_id, num_partitions, seed,
+                      model.config.to_dict()], sort_keys=True, default=str)
     path = Path(s.client_cache).expanduser() / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file() and (path / "history.json").is_file():
         model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
         return json.loads((path / "history.json").read_text())
     hist = local_train(model, data, s, seed)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(path / "model.tmp"))
+    # clone: a tied model's state dict shares one tensor between two keys, which safetensors refuses
+    save_file({k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}, str(path / "model.tmp"))
     os.replace(path / "model.tmp", path / "model.safetensors")
     (path / "history.json").write_text(json.dumps({"train_loss": hist["train_loss"], "key": key}, default=float))
     return hist

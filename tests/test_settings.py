@@ -42,6 +42,24 @@ def test_one_vocabulary_with_deprecated_aliases():
         method_name("average", ("aligned", "refined"))
 
 
+def test_client_cache_keeps_a_tied_hf_client(tmp_path):
+    """A Hugging Face GPT-2 client (tied head: two keys, one tensor) goes through the cache intact."""
+    import torch
+
+    from fedlmc.federated import Settings, cached_first_round, client_config, client_data, fresh_client_model
+
+    s = Settings.from_run_config({"preset": "gpt2-tiny", "local-steps": 2, "batch-size": 4, "hf": True,
+                                  "client-cache": str(tmp_path)})
+    data, _ = client_data(s, 0, 2)
+    cfg = client_config(s, 0).replace(n_layer=1)
+    first = fresh_client_model(s, 0, cfg)
+    cached_first_round(first, data, s, 3, 0, 2)
+    again = fresh_client_model(s, 0, cfg)
+    cached_first_round(again, data, s, 3, 0, 2)
+    assert again.lm_head.weight is again.transformer.wte.weight  # still tied after loading
+    assert torch.equal(again.lm_head.weight, first.lm_head.weight)
+
+
 def test_client_cache_trains_a_one_shot_client_once(tmp_path):
     """The comparison runner's client cache: the second strategy's client is the first one's, exactly,
     and a change in anything training depends on (here the learning rate) trains anew."""
