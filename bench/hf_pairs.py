@@ -28,7 +28,7 @@ import torch.nn as nn
 from fedlmc.averaging import interpolate
 from fedlmc.barrier import barrier
 from fedlmc.data import load
-from fedlmc.hf import HFAdapter, from_hf, to_hf
+from fedlmc.hf import HFAdapter, Logits, from_hf, hf_model_for
 from fedlmc.models import preset_config, preset_dataset
 from fedlmc.reproduce import pair_curves
 from fedlmc.symmetry import apply_transform, canonicalize
@@ -39,33 +39,13 @@ PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny", "llama": "llama-tiny"}
 METHODS = ["vanilla", "wm-orth-factored", "wm-orth-keepln", "learned"]  # keepln = factored for Llama (no LayerNorm)
 
 
-class Logits(nn.Module):
-    """A ``transformers`` model as fedlmc's trainer sees models: inputs → logits."""
-
-    def __init__(self, hf: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.hf(pixel_values=x) if x.is_floating_point() else self.hf(input_ids=x)
-        return out.logits
-
-
 def hf_model(family: str, splits, seed: int) -> nn.Module:
     """A fresh ``transformers`` model of the preset's shape (fedlmc's config → Hugging Face's)."""
     fit = {k: splits.meta[k] for k in ("vocab_size", "channels", "image_size", "num_classes") if k in splits.meta}
     cfg = preset_config(PRESET[family], **fit)
     if family == "gpt2":
         cfg = cfg.replace(activation="gelu_tanh")  # GPT-2's gelu_new
-    torch.manual_seed(seed)
-    shell = to_hf(_fresh(cfg), tied=family == "gpt2")
-    torch.manual_seed(seed)
-    return type(shell)(shell.config)  # Hugging Face's own initialisation
-
-
-def _fresh(cfg):
-    from fedlmc.models import from_config
-    return from_config(cfg)
+    return hf_model_for(cfg, seed)  # Hugging Face's own initialisation (GPT-2 tied)
 
 
 def trained(family: str, splits, seed: int, cache: Path, steps) -> nn.Module:
