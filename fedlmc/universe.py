@@ -96,6 +96,9 @@ def members(models: Sequence[nn.Module], weights: Optional[Sequence[float]], sta
     canon = [canonical(m) for m in models]
     if same_shape(configs):
         return Members(models, [x / sum(w) for x in w], shape, canon, [None] * n, None, False)
+    if any(getattr(c, "n_kv_head", None) is not None for c in configs):
+        # zero-padding a rotary head changes which dimensions RoPE pairs; GQA groups need their own masks
+        raise ValueError("mixed widths are not supported for Llama-style models (RoPE, grouped-query attention) yet")
     if keep_layernorm and len({c.d_model for c in configs}) > 1:
         raise ValueError("keep_layernorm needs one residual width: a lifted model's stream is not centred in the universe")
     scale = next((c.attn_scale for c in configs if c.d_head == shape["d_head"]), shape["d_head"] ** -0.5)
