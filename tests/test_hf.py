@@ -119,7 +119,7 @@ def test_unknown_keys_are_named():
         HFAdapter(transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", list(MAKERS))
 def test_cli_import_and_export_round_trip(name, tmp_path, record):
     """``fedlmc import DIR`` then ``fedlmc export --to hf DIR`` reproduces the logits."""
     from fedlmc.cli import main
