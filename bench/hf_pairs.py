@@ -66,7 +66,7 @@ def tied_midpoint(a, b_aligned, hf_dir: Path, splits) -> dict:
     from transformers import GPT2LMHeadModel
 
     ref = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-    mid = interpolate(a, b_aligned, 0.5, keep_layernorm=True)
+    mid = interpolate(a, b_aligned, 0.5, keep_layernorm=True)  # a LayerNorm pair (plain) is averaged as it is
     adapter = HFAdapter(ref)
     client = GPT2LMHeadModel(ref.config).eval()
     client.load_state_dict(adapter.to_client(mid, keys=ref.state_dict().keys()), strict=True)
@@ -92,11 +92,14 @@ def main() -> None:
            "barriers": {k: v["barrier"] for k, v in curves.items()},
            "ratio_to_vanilla": {k: v["barrier"] / curves["vanilla"]["barrier"] for k, v in curves.items()},
            "curves": curves}
-    if args.family == "gpt2":
+    if args.family == "gpt2":  # the tied head: each residual group's midpoint, untied vs written back tied
         from fedlmc.matching import weight_matching
         ca, cb = canonicalize(a), canonicalize(b)
-        T = weight_matching(ca, cb, keep_layernorm=True)
-        doc["tied"] = tied_midpoint(ca, apply_transform(cb, T), Path(args.cache) / f"hf-gpt2-s{args.seeds[0]}-{args.steps or 'preset'}", splits)
+        ref = Path(args.cache) / f"hf-gpt2-s{args.seeds[0]}-{args.steps or 'preset'}"
+        doc["tied"] = {residual: tied_midpoint(ca, apply_transform(cb, weight_matching(ca, cb, keep_layernorm=True,
+                                                                                       residual=residual)), ref, splits)
+                       for residual in ("orthogonal", "permutation")}
+        doc["tied"]["plain"] = tied_midpoint(a, b, ref, splits)
     doc["seconds"] = time.time() - t0
     out = Path(args.out or ROOT / "results" / f"bench_hf_pair_{args.family}.json")
     out.write_text(json.dumps(doc, indent=2))
