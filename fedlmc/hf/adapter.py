@@ -8,13 +8,22 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from ..models import from_config
 from ..symmetry.canonical import to_layernorm
-from .convert import _transformers, family_of, hf_state, is_tied
+from .convert import _transformers, family_of, fedlmc_model, hf_state, is_tied
 from .families import FAMILIES, StateDict
 
 log = logging.getLogger(__name__)
 FIT_WARN = 1e-6  # relative head-fit error above which the adapter warns (see fedlmc.hf.head)
+
+
+def key_mismatch(have: set[str], want: set[str]) -> str:
+    """The unexpected and missing keys of a state dict, a few of each ('' when they agree)."""
+    def few(ks: set[str]) -> str:
+        ks = sorted(ks)
+        return ", ".join(ks[:4]) + (f" and {len(ks) - 4} more" if len(ks) > 4 else "")
+
+    return "; ".join(([f"unexpected keys {few(have - want)}"] if have - want else []) +
+                     ([f"missing keys {few(want - have)}"] if want - have else []))
 
 
 def recognise(keys: Iterable[str]) -> Optional[str]:
@@ -52,20 +61,10 @@ class HFAdapter:
         if self.tied:  # a tied model's state dict may list the head's key or not
             have.discard(self.family.embeddings[1])
             want.discard(self.family.embeddings[1])
-
-        def few(ks: set[str]) -> str:
-            ks = sorted(ks)
-            return ", ".join(ks[:4]) + (f" and {len(ks) - 4} more" if len(ks) > 4 else "")
-
-        return "; ".join(([f"unexpected keys {few(have - want)}"] if have - want else []) +
-                         ([f"missing keys {few(want - have)}"] if want - have else []))
+        return key_mismatch(have, want)
 
     def to_fedlmc(self, state: StateDict) -> nn.Module:
-        sd = self.family.state_from_hf({k: v.float() for k, v in state.items()}, self.config)
-        with torch.device("meta"):
-            model = from_config(self.config)
-        model.load_state_dict(sd, assign=True)
-        return model.eval()
+        return fedlmc_model(self.family, self.config, state, torch.float32)
 
     def to_client(self, model: nn.Module, keys: Optional[Iterable[str]] = None) -> StateDict:
         """``model`` under the client's keys (``keys``: the client's key set; default the template's)."""

@@ -55,12 +55,16 @@ def from_hf(model_or_dir: Union[nn.Module, str, Path]) -> nn.Module:
     (or a local ``save_pretrained`` directory), in the source's dtype."""
     hf = load_hf(model_or_dir)
     fam = family_of(hf.config)
-    cfg = fam.config_from_hf(hf.config)
-    sd = fam.state_from_hf({k: v.detach() for k, v in hf.state_dict().items()}, cfg)
-    ref = next(hf.parameters())
+    return fedlmc_model(fam, fam.config_from_hf(hf.config), {k: v.detach() for k, v in hf.state_dict().items()})
+
+
+def fedlmc_model(fam, cfg: TransformerConfig, hf_sd: StateDict, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """The fedlmc model of config ``cfg`` holding a Hugging Face state dict of family ``fam`` (in
+    ``dtype``, default the state's own), built without a random initialisation."""
+    sd = fam.state_from_hf(hf_sd, cfg)
     with torch.device("meta"):
         model = from_config(cfg)
-    model.load_state_dict({k: v.to(ref) for k, v in sd.items()}, assign=True)
+    model.load_state_dict({k: v.to(dtype) if dtype else v for k, v in sd.items()}, assign=True)
     return model.eval()
 
 

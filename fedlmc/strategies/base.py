@@ -18,6 +18,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedlmc.hf import HFAdapter, recognise
+from fedlmc.hf.adapter import key_mismatch
 from fedlmc.models import from_config
 from fedlmc.models.layers import TransformerConfig
 from fedlmc.train import evaluate
@@ -269,12 +270,4 @@ def _key_mismatch(arrays: ArrayRecord, config: dict[str, Any]) -> str:
         want = set(from_config(config).state_dict())
     except Exception:  # noqa: BLE001 -- an unbuildable config is reported by the caller's exception
         return ""
-    have = set(arrays.keys())
-
-    def few(keys: set[str]) -> str:
-        keys = sorted(keys)
-        return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
-
-    parts = ([f"unexpected keys {few(have - want)}"] if have - want else []) + \
-            ([f"missing keys {few(want - have)}"] if want - have else [])
-    return "; ".join(parts)
+    return key_mismatch(set(arrays.keys()), want)
