@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..symmetry import canonical, canonical_config
 from ..symmetry import Transform, spec_for
-from .common import apply_elements, assignment, gauge_step, residual_element
+from .common import apply_elements, assignment, gauge_step, grouped_assignment, residual_element
 from .weight import canonical_state, identity_elements
 
 
@@ -93,21 +93,26 @@ def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches:
     B = canonical_state(model_b, M.device, M.dtype)
     A = canonical_state(model_a, M.device, M.dtype)
     for g in spec.layer_groups("heads"):
-        # each head's contribution to the residual stream, B's mapped into A's frame by O
-        H, dh = g.size, g.members[0].block
+        # each (query) head's contribution to the residual stream, B's mapped into A's frame by O
+        within = spec.within_of(g.name)
+        H, dh = (within or g).size, g.members[0].block
         out = next(m.param for m in g.members if m.role == "out")  # the out projection (d, H·dh)
         Wo_a, Wo_b = A[out], B[out]
         ya, yb = a[g.name].reshape(-1, H, dh), b[g.name].reshape(-1, H, dh)
         ca = torch.einsum("nhk,dhk->hnd", ya, Wo_a.reshape(-1, H, dh))
         cb = torch.einsum("nhk,dhk->hnd", yb, (O @ Wo_b).reshape(-1, H, dh))
         ca, cb = ca / ca.norm(dim=(1, 2), keepdim=True), cb / cb.norm(dim=(1, 2), keepdim=True)
-        el[g.name] = assignment(torch.einsum("ind,jnd->ij", ca, cb))
+        score = torch.einsum("ind,jnd->ij", ca, cb)
+        if within is not None:  # KV heads by their best matching of query heads
+            el[g.name], el[within.name] = grouped_assignment(score, H // g.size)
+        else:
+            el[g.name] = assignment(score)
     for g in spec.layer_groups("ff"):
         ha, hb = a[g.name], b[g.name]
         ha = (ha - ha.mean(0)) / ha.std(0).clamp_min(1e-8)
         hb = (hb - hb.mean(0)) / hb.std(0).clamp_min(1e-8)
         el[g.name] = assignment(ha.T @ hb / len(ha))
     if gauge:
-        B_heads = apply_elements(B, cfg, {k: v for k, v in el.items() if k == "residual" or k.startswith("heads.")})
+        B_heads = apply_elements(B, cfg, el, ("residual", "heads", "qheads"))
         el.update(gauge_step(A, B_heads, spec, cfg.n_head, gauge))
     return Transform({k: v.cpu() for k, v in el.items()}, {"method": "activation", "tokens": len(a["input"])})

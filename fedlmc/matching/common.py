@@ -83,6 +83,12 @@ def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
     return _perm(rows, cols, len(rows))
 
 
+def within_assignment(score: torch.Tensor, block: int) -> torch.Tensor:
+    """``assignment`` restricted to permutations that keep every unit in its block of ``block``."""
+    parts = [assignment(score[i:i + block, i:i + block]) + i for i in range(0, score.shape[0], block)]
+    return torch.cat(parts)
+
+
 def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``assignment`` restricted to each row's and each column's ``candidates`` best partners, plus
     ``current`` (so a full matching always exists and the result never scores below ``current``).
@@ -193,13 +199,65 @@ def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str, n
     return D
 
 
+def query_side(sd: StateDict, group: Group, fns: tuple[str, ...], n_query: int) -> torch.Tensor:
+    """``head_side`` per *query* head under grouped-query attention: ``(n_query, d_head, ·)``, a KV
+    head's members repeated for each of its query heads."""
+    parts = []
+    for m in group.members:
+        if m.fn not in fns:
+            continue
+        t = sd[m.param].movedim(m.axis, 0)
+        if m.repeat > 1:
+            parts.append(t.reshape(n_query, m.block, -1))
+        else:
+            parts.append(t.reshape(group.count, m.block, -1).repeat_interleave(n_query // group.count, 0))
+    return torch.cat(parts, dim=-1)
+
+
+def query_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str, n_query: int) -> torch.Tensor:
+    """``head_distances`` between A's and B's query heads (each with its KV head's factors)."""
+    D = 0.0
+    for kind, (xs, ys) in CIRCUITS.items():
+        g = spec.gauges_of(heads)[kind]
+        XA, YA = query_side(A, g, xs, n_query), query_side(A, g, ys, n_query)
+        XB, YB = query_side(B, g, xs, n_query), query_side(B, g, ys, n_query)
+        nA = ((XA @ XA.transpose(1, 2)) * (YA @ YA.transpose(1, 2))).sum((-1, -2))
+        nB = ((XB @ XB.transpose(1, 2)) * (YB @ YB.transpose(1, 2))).sum((-1, -2))
+        D = D + (nA[:, None] + nB[None, :] - 2 * circuit_inner(XA, YA, XB, YB)) / nA.mean().clamp_min(1e-30)
+    return D
+
+
+def grouped_assignment(score: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best permutation of blocks of ``block`` units and, inside each matched pair of blocks, of
+    their units: ``(sigma, tau)`` with unit i of block b taken from unit ``tau[i]`` (same block) after
+    block b was taken from block ``sigma[b]`` (maximises the summed ``score``)."""
+    nb = score.shape[0] // block
+    inner: dict[tuple[int, int], torch.Tensor] = {}
+    pair = torch.empty(nb, nb, dtype=torch.float64)
+    rows = torch.arange(block)
+    for a in range(nb):
+        for b in range(nb):
+            sub = score[a * block:(a + 1) * block, b * block:(b + 1) * block]
+            inner[a, b] = assignment(sub)
+            pair[a, b] = float(sub[rows, inner[a, b].to(sub.device)].sum())
+    sigma = assignment(pair)
+    tau = torch.cat([inner[a, int(sigma[a])] + a * block for a in range(nb)])
+    return sigma, tau
+
+
 def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec, n_head: int,
                norms: Optional[dict[str, tuple[dict, dict]]] = None) -> Elements:
     """Head permutations of every layer from circuit distances (B already carries the residual map);
-    ``norms``: each heads group's (A, B) ``circuit_norms``, when known."""
+    ``norms``: each heads group's (A, B) ``circuit_norms``, when known. Under grouped-query attention
+    KV heads are matched by their best matching of query heads, which gives the "within" element too."""
     out: Elements = {}
     for g in spec.layer_groups("heads"):
+        within = spec.within_of(g.name)
         with section("head circuit distances"):
+            if within is not None:
+                D = query_distances(A, B_res, spec, g.name, within.size)
+                out[g.name], out[within.name] = grouped_assignment(-D, within.size // within.count)
+                continue
             D = head_distances(A, B_res, spec, g.name, n_head, norms[g.name] if norms else None)
         out[g.name] = assignment(-D)
     return out

@@ -24,7 +24,7 @@ from ..models import from_config
 from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct
 from ..widths import permute_masks
-from .common import Elements, apply_elements, assignment, exact_elements, gauge_step
+from .common import Elements, apply_elements, assignment, exact_elements, gauge_step, within_assignment
 
 
 class _Polar(torch.autograd.Function):
@@ -81,10 +81,13 @@ class Latents:
         self.Q = Q
         self.o = ((Q.T @ O0 @ Q)[1:, 1:] if Q is not None else O0).clone().requires_grad_(learn_residual)
         self.p: dict[str, torch.Tensor] = {}
-        for g in spec.layer_groups("heads") + spec.layer_groups("ff"):
+        self.blocks: dict[str, int] = {}  # "within" groups: their latents are solved block by block
+        for g in spec.layer_groups("heads") + spec.layer_groups("qheads") + spec.layer_groups("ff"):
             el = start.get(g.name)
             first = torch.arange(g.size, device=dev) if el is None else el
             self.p[g.name] = perm_matrix(first, dtype).to(dev).requires_grad_(True)
+            if g.structure == "within":
+                self.blocks[g.name] = g.size // g.count
 
     def residual(self) -> torch.Tensor:
         R = _Polar.apply(self.o)
@@ -94,7 +97,8 @@ class Latents:
         return self.Q @ torch.block_diag(one, R) @ self.Q.T
 
     def hard(self) -> dict[str, torch.Tensor]:
-        return {k: assignment(v).to(v.device) for k, v in self.p.items()}
+        return {k: (within_assignment(v, self.blocks[k]) if k in self.blocks else assignment(v)).to(v.device)
+                for k, v in self.p.items()}
 
     def straight_through(self, perms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Forward: the hard permutation matrices; backward: the gradient goes to the latents."""
@@ -133,7 +137,7 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
         if opts.form != "factored" or not opts.gauge:
             return {}
         with torch.no_grad():
-            B = apply_elements(states[i], cfg, {"residual": O.detach(), **perms}, kinds=("residual", "heads"))
+            B = apply_elements(states[i], cfg, {"residual": O.detach(), **perms}, kinds=("residual", "heads", "qheads"))
             return gauge_step(ref, B, spec, cfg.n_head, opts.gauge)
 
     def aligned(i: int) -> tuple[StateDict, Optional[dict]]:

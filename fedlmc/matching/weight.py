@@ -136,7 +136,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     """
     cfg, spec, H = P.cfg, P.spec, P.cfg.n_head
     tol = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6
-    units = ("heads", "qk", "ov", "ff")
+    units = ("heads", "qheads", "qk", "ov", "ff")
     trace: list[float] = []
     # improvements below this are noise however small the objective (a planted pair ends at its noise
     # level, ~1e-4 per tensor, where a relative test would keep iterating on nothing)
@@ -159,7 +159,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
         elements.update(ff_step(P.A_mov, B_res, spec, old, candidates))
         if gauge:
             with section("gauges"):
-                B_heads = apply_elements(B_res, cfg, {k: v for k, v in elements.items() if k.startswith("heads.")})
+                B_heads = apply_elements(B_res, cfg, elements, ("heads", "qheads"))
                 elements.update(gauge_step(P.A_mov, B_heads, spec, H, gauge))
         if trace and not _changed(old, elements, tol):  # a fixed point: keep the elements whose objective is known
             return Descent(old, it, trace, trace[-1])

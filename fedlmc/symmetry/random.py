@@ -44,7 +44,7 @@ def random_invertible(count: int, k: int, generator: torch.Generator, dtype=torc
 def random_transform(
     model: Union[nn.Module, TransformerConfig],
     seed: int = 0,
-    groups: Iterable[str] = ("residual", "heads", "qk", "ov", "ff"),
+    groups: Iterable[str] = ("residual", "heads", "qheads", "qk", "ov", "ff"),
     width: Optional[int] = None,
     fix_ones: bool = False,
     residual: str = "orthogonal",
@@ -69,6 +69,9 @@ def random_transform(
                 out[name] = perm_matrix(torch.randperm(grp.size, generator=g), dtype)
             else:
                 out[name] = random_orthogonal(width or grp.size, grp.size, g, dtype, fix_ones)
+        elif grp.kind == "permutation" and grp.structure == "within":
+            block = grp.size // grp.count
+            out[name] = torch.cat([torch.randperm(block, generator=g) + i * block for i in range(grp.count)])
         elif grp.kind == "permutation":
             out[name] = torch.randperm(grp.size, generator=g)
         elif grp.structure == "rope":
@@ -88,6 +91,8 @@ def invert_transform(transform: Transform, spec: SymmetrySpec) -> Transform:
         group = spec.groups[name]
         if group.kind == "orthogonal":
             out[name] = el.transpose(0, 1)
+        elif group.structure == "within":
+            out[name] = _invert_within(el, transform.elements.get(group.heads), group)
         elif group.kind == "permutation":
             out[name] = torch.argsort(el)
         else:  # gauge: x_new[i] = G[i] x_old[π[i]]  ⇒  x_old[j] = G[σ[j]]⁻¹ x_new[σ[j]], σ = π⁻¹
@@ -95,3 +100,15 @@ def invert_transform(transform: Transform, spec: SymmetrySpec) -> Transform:
             sigma = torch.argsort(perm) if perm is not None else torch.arange(el.shape[0])
             out[name] = torch.linalg.inv(el[sigma])
     return Transform(out)
+
+
+def _invert_within(tau: torch.Tensor, sigma: Optional[torch.Tensor], group) -> torch.Tensor:
+    """The inverse of a "within" permutation ``tau`` that acts after its heads group's ``sigma``.
+
+    The two do not commute: with ``s`` the unit map of ``sigma`` (unit i of block b comes from unit
+    i of block ``sigma[b]``), the forward map is ``s[tau]``; the inverse acts as ``argsort(sigma)``
+    followed by ``s[argsort(s[tau])]``, which again keeps every unit in its block."""
+    block = group.size // group.count
+    idx = torch.arange(group.size, device=tau.device)
+    s = idx if sigma is None else sigma.to(tau.device)[idx // block] * block + idx % block
+    return s[torch.argsort(s[tau])]

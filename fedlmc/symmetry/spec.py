@@ -63,16 +63,19 @@ class Group:
     layer: Optional[int] = None
     count: int = 1
     probe: Optional[str] = None  # module whose activations show this group's units (activation matching)
-    heads: Optional[str] = None  # a gauge group: the heads group whose permutation it follows
-    # a gauge group restricted to a subgroup: "rope" = per frequency pair (i, i + size/2), a scaled 2×2
-    # rotation (the maps that commute with every rotary rotation; see ``fedlmc.symmetry.rope``)
+    heads: Optional[str] = None  # a gauge or "within" group: the heads group whose permutation it follows
+    # a subgroup: "rope" (gauge) = per frequency pair (i, i + size/2), a scaled 2×2 rotation (the maps that
+    # commute with every rotary rotation; see ``fedlmc.symmetry.rope``); "within" (permutation) = units
+    # move only inside their block of ``size / count`` consecutive units (a KV head's query heads)
     structure: Optional[str] = None
 
     @property
     def rank(self) -> tuple[int, int]:
         """Where the group acts in a transform: the residual map first, then layer by layer, a layer's
-        permutations before its gauges (gauge h refers to the permuted head h)."""
-        return (-1 if self.layer is None else self.layer, {"orthogonal": 0, "permutation": 1, "gauge": 2}[self.kind])
+        permutations before its gauges (gauge h refers to the permuted head h), "within" permutations
+        last (they commute with the gauges, which are shared inside a block)."""
+        order = 3 if self.structure == "within" else {"orthogonal": 0, "permutation": 1, "gauge": 2}[self.kind]
+        return (-1 if self.layer is None else self.layer, order)
 
 
 @dataclass
@@ -104,7 +107,12 @@ class SymmetrySpec:
 
     def gauges_of(self, heads: str) -> dict[str, Group]:
         """The gauge groups that follow heads group ``heads``, by kind ("qk", "ov")."""
-        return {name.split(".")[0]: g for name, g in self.groups.items() if g.heads == heads}
+        return {name.split(".")[0]: g for name, g in self.groups.items() if g.heads == heads and g.kind == "gauge"}
+
+    def within_of(self, heads: str) -> Optional[Group]:
+        """The "within" permutation group that follows heads group ``heads`` (grouped-query attention's
+        query heads inside their KV head), if the architecture has one."""
+        return next((g for g in self.groups.values() if g.heads == heads and g.structure == "within"), None)
 
     def writers(self) -> list[Member]:
         return [m for m in self.residual.members if m.role == "writer"]
@@ -180,8 +188,8 @@ register_spec("vit", lambda cfg: transformer_spec(cfg, [
 def llama_spec(cfg) -> SymmetrySpec:
     """Llama-style blocks: no biases, SwiGLU (``ff.{l}`` permutes gate and up rows and down columns
     together), grouped-query attention (``heads.{l}`` permutes the ``n_kv_head`` KV heads, each carrying
-    its ``n_head / n_kv_head`` query heads and their output columns; permuting query heads *within* a
-    group is a further symmetry this spec leaves out) and RoPE (the QK gauge is restricted to scaled
+    its ``n_head / n_kv_head`` query heads and their output columns; ``qheads.{l}`` permutes query heads
+    inside their KV head's block, when a KV head has more than one) and RoPE (the QK gauge is restricted to scaled
     rotations of each frequency pair, ``structure="rope"``; the OV gauge is a full invertible map per
     KV head). RMSNorm has no centring, so the residual group is the full orthogonal group."""
     Hkv, dh, rep = cfg.n_kv_head, cfg.d_head, cfg.n_head // cfg.n_kv_head
@@ -203,6 +211,10 @@ def llama_spec(cfg) -> SymmetrySpec:
                                   l, count=Hkv, heads=f"heads.{l}", structure="rope")
         groups[f"ov.{l}"] = Group(f"ov.{l}", "gauge", dh, [Member(v, 0, "M", dh), Member(o, 1, "MinvT", dh, repeat=rep)],
                                   l, count=Hkv, heads=f"heads.{l}")
+        if rep > 1:
+            groups[f"qheads.{l}"] = Group(f"qheads.{l}", "permutation", cfg.n_head, [
+                Member(q, 0, block=dh), Member(o, 1, block=dh, role="out")], l, count=Hkv, heads=f"heads.{l}",
+                structure="within")
         groups[f"ff.{l}"] = Group(f"ff.{l}", "permutation", cfg.d_ff, [
             Member(f"{b}.mlp.gate.weight", 0), Member(f"{b}.mlp.up.weight", 0), Member(f"{b}.mlp.down.weight", 1)],
             l, probe=f"{b}.mlp.down")

@@ -112,12 +112,20 @@ def perm_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch
     return P
 
 
+def within_blocks(perm: torch.Tensor, block: int) -> bool:
+    """Whether index permutation ``perm`` maps every block of ``block`` consecutive units onto itself."""
+    idx = torch.arange(len(perm), device=perm.device)
+    return bool((perm // block == idx // block).all())
+
+
 def check_element(group: Group, element: torch.Tensor, relaxed: bool = False) -> None:
     """Raise a clear error unless ``element`` has its group kind's representation (module docstring)."""
     if group.kind == "permutation" and relaxed:
         ok = element.is_floating_point() and element.shape == (group.size, group.size)
     elif group.kind == "permutation":
         ok = element.dim() == 1 and not element.is_floating_point() and len(element) == group.size
+        if ok and group.structure == "within":  # every unit stays in its block
+            ok = within_blocks(element, group.size // group.count)
     elif group.kind == "orthogonal":
         ok = element.is_floating_point() and element.dim() == 2 and element.shape[1] == group.size
     elif group.kind == "gauge":
