@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .data import ArrayData, Data, DataNotFound, Splits, TokenData, load
-from .data.partition import partition
+from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
@@ -37,7 +37,7 @@ class Settings:
     dataset: str = ""  # default: the preset's
     data_dir: str = ""
     text_file: str = ""
-    partitioner: str = "iid"  # iid | dirichlet
+    partitioner: str = "iid"  # iid | dirichlet | speaker (text) | contiguous (text)
     alpha: float = 0.5  # Dirichlet concentration of the label partition
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
@@ -85,8 +85,8 @@ class Settings:
         if any(f != 1 for f in s.factors()) and s.strategy in ("average", "aligned", "refined"):
             raise ValueError(f"width-factors {s.width_factors!r} make a mixed-width federation: use strategy "
                              "'hetero' (aligned) or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
-        if s.partitioner not in ("iid", "dirichlet"):
-            raise ValueError(f"partitioner must be 'iid' or 'dirichlet', got {s.partitioner!r}")
+        if s.partitioner not in SCHEMES:
+            raise ValueError(f"partitioner must be one of {', '.join(SCHEMES)}, got {s.partitioner!r}")
         return s
 
     def apply_threads(self) -> None:
@@ -156,7 +156,8 @@ def client_data(s: Settings, partition_id: int, num_partitions: int) -> tuple[Da
     if key not in _PARTS:
         sp = splits_for(s)
         tr = partition(sp.train, num_partitions, s.partitioner, s.alpha, s.seed)[partition_id]
-        va = partition(sp.val, num_partitions, "iid", s.alpha, s.seed)[partition_id]
+        va = partition(sp.val, num_partitions, "contiguous" if isinstance(sp.val, TokenData) else "iid", s.alpha,
+                       s.seed)[partition_id]
         _PARTS[key] = (tr, va)
     return _PARTS[key]
 

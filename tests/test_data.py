@@ -138,5 +138,5 @@ def test_partitions_are_deterministic_disjoint_and_skewed():
 
 def test_text_partitions_are_contiguous_shards():
     t = TokenData(torch.arange(1000), 8)
-    parts = partition(t, 3)
+    parts = partition(t, 3, "contiguous")
     assert torch.equal(torch.cat([p.tokens for p in parts]), t.tokens)

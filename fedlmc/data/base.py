@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+import numpy as np
 import torch
 
 
@@ -58,15 +59,35 @@ class ArrayData:
 
 
 @dataclass
+class Units:
+    """The text's natural pieces (a play's speeches, else paragraphs): token ranges ``[starts[i], ends[i])``
+    and each one's label (the speaking character; "" when there is none). Partitions deal these out."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+    labels: list[str]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def within(self, a: int, b: int) -> "Units":
+        """The units lying inside tokens ``[a, b)``, shifted so that ``a`` is 0."""
+        keep = (self.starts >= a) & (self.ends <= b)
+        return Units(self.starts[keep] - a, self.ends[keep] - a, [l for l, k in zip(self.labels, keep) if k])
+
+
+@dataclass
 class TokenData:
     """A token stream cut into windows of ``block_size`` (inputs) and the same shifted by one (targets).
 
     One epoch is ``len(self)`` windows: non-overlapping and in order when not shuffled (evaluation);
     at random offsets when shuffled (training), so every position is a possible window start.
+    ``units``: the stream's speeches or paragraphs, which partitions other than contiguous deal out.
     """
 
     tokens: torch.Tensor
     block_size: int
+    units: Optional[Units] = None
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.block_size)

@@ -1,11 +1,13 @@
 """Character-level text: Tiny Shakespeare or any plain-text file, split contiguously 90/5/5."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from .base import DataNotFound, Splits, TokenData
+from .base import DataNotFound, Splits, TokenData, Units
 
 
 class CharTokenizer:
@@ -26,8 +28,28 @@ class CharTokenizer:
         return "".join(self.chars[int(i)] for i in ids)
 
 
+SPEAKER = re.compile(r"^([A-Z][A-Za-z' ]*[A-Za-z]):$")  # a play's speech heading, e.g. "KING RICHARD III:"
+
+
+def speeches(text: str) -> Units:
+    """The text cut at blank lines into speeches (a block whose first line is a heading like
+    ``MENENIUS:``, labelled with that character, as LEAF's Shakespeare benchmark does) or paragraphs
+    (label ""). Each unit keeps its trailing blank lines, so the units tile the text. Character-level
+    tokens, so the character offsets are token offsets."""
+    starts = [0] + [m.end() for m in re.finditer(r"\n\s*\n", text)]
+    starts = [s for s in starts if s < len(text)]
+    ends = starts[1:] + [len(text)]
+    labels = []
+    for a in starts:
+        first = text[a:text.find("\n", a) if "\n" in text[a:] else len(text)].strip()
+        m = SPEAKER.match(first)
+        labels.append(m.group(1).upper() if m else "")
+    return Units(np.asarray(starts), np.asarray(ends), labels)
+
+
 def load_text(path: Path, block_size: int = 64, name: str | None = None) -> Splits:
-    """Contiguous 90/5/5 train/val/test windows of ``block_size`` characters from a UTF-8 text file."""
+    """Contiguous 90/5/5 train/val/test windows of ``block_size`` characters from a UTF-8 text file,
+    each split with its speeches or paragraphs (``speeches``) for partitioning."""
     text = Path(path).read_text(encoding="utf-8")
     if len(text) < 20 * (block_size + 1):
         raise ValueError(f"{path} holds {len(text)} characters: too little for block_size {block_size}")
@@ -35,7 +57,8 @@ def load_text(path: Path, block_size: int = 64, name: str | None = None) -> Spli
     ids = tok.encode(text)
     n = len(ids)
     a, b = int(0.9 * n), int(0.95 * n)
-    parts = [TokenData(ids[s], block_size) for s in (slice(0, a), slice(a, b), slice(b, n))]
+    units = speeches(text)
+    parts = [TokenData(ids[lo:hi], block_size, units.within(lo, hi)) for lo, hi in ((0, a), (a, b), (b, n))]
     return Splits(name or Path(path).stem, *parts, meta={"vocab_size": tok.vocab_size, "chars": "".join(tok.chars),
                                                         "block_size": block_size, "source": str(path)})
 
