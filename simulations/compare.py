@@ -16,7 +16,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 
@@ -109,11 +109,15 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
     rows: dict[str, Any] = {}
     for strategy, by_seed in docs.items():
         finals, accs, excess, ratio, worst_gap, round_s, align_s, kept = [], [], [], [], [], [], [], []
+        recovered: list[float] = []
         for seed, doc in by_seed.items():
             last = doc["rounds"][-1]
             finals.append(last["test_loss"])
             accs.append(last["test_acc"])
             rec = last.get("strategy") or {}
+            share = ensemble_share(rec, ((docs.get(baseline, {}).get(seed) or {}).get("rounds") or [{}])[-1].get("strategy") or {})
+            if share is not None:
+                recovered.append(share)
             if "excess" in rec:
                 excess.append(rec["excess"])
                 base = ((docs.get(baseline, {}).get(seed) or {}).get("rounds") or [{}])[-1].get("strategy") or {}
@@ -133,9 +137,34 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
             "excess_ratio": _mean_se(ratio), "excess_per_seed": excess, "final_loss_per_seed": finals,
             "worst_gap_to_baseline": max(worst_gap) if worst_gap else None, "round_seconds": _mean_se(round_s),
             "aggregation_seconds": _mean_se(align_s), "kept": {k: kept.count(k) for k in set(kept)},
+            "ensemble_recovered": _mean_se(recovered),
             "per_round_loss": _per_round(by_seed, "test_loss"), "per_round_acc": _per_round(by_seed, "test_acc"),
         }
     return rows
+
+
+def ensemble_share(rec: dict, base: dict) -> Optional[float]:
+    """How much of the output ensemble's advantage over the baseline's model this strategy's model
+    recovers, on the report data of one seed: 0 = the baseline's loss, 1 = the ensemble's."""
+    ens, mine, theirs = rec.get("ensemble_loss"), rec.get("global_loss"), base.get("global_loss")
+    if ens is None or mine is None or theirs is None or theirs - ens <= 0:
+        return None
+    return (theirs - mine) / (theirs - ens)
+
+
+def ensemble_row(docs: dict[str, dict[int, dict]]) -> Optional[dict[str, tuple[float, float]]]:
+    """The clients' output ensemble (same clients for every strategy of a one-shot run): loss and
+    accuracy on the report data, over seeds; None when no run recorded it."""
+    loss, acc = {}, {}
+    for by_seed in docs.values():
+        for seed, doc in by_seed.items():
+            rec = (doc["rounds"][-1].get("strategy") or {})
+            if "ensemble_loss" in rec:
+                loss.setdefault(seed, rec["ensemble_loss"])
+                acc.setdefault(seed, rec["ensemble_acc"])
+    if not loss:
+        return None
+    return {"loss": _mean_se(list(loss.values())), "acc": _mean_se(list(acc.values()))}
 
 
 def _per_round(by_seed: dict[int, dict], key: str) -> list[float]:
@@ -144,19 +173,24 @@ def _per_round(by_seed: dict[int, dict], key: str) -> list[float]:
     return [sum(s[i] for s in series) / len(series) for i in range(n)]
 
 
-def markdown(setting: str, preset: str, rows: dict[str, Any], seeds: list[int], cfg: dict[str, Any]) -> str:
+def markdown(setting: str, preset: str, rows: dict[str, Any], seeds: list[int], cfg: dict[str, Any],
+             ensemble: Optional[dict[str, tuple[float, float]]] = None) -> str:
     def ms(v: tuple[float, float], fmt: str = ".4f") -> str:
         return "–" if math.isnan(v[0]) else f"{v[0]:{fmt}} ± {v[1]:{fmt}}"
 
     lines = [f"### {setting}, {preset}: {', '.join(f'{k}={v}' for k, v in cfg.items())}; seeds {seeds}", "",
-             "| strategy | final test loss | acc | excess over mean client | excess / baseline's | worst round gap to baseline | s / round | s / aggregation | guard kept |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| strategy | final test loss | acc | excess over mean client | excess / baseline's | ensemble's gain recovered | worst round gap to baseline | s / round | s / aggregation | guard kept |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         gap = "–" if r["worst_gap_to_baseline"] is None else f"{r['worst_gap_to_baseline']:+.4f}"
         kept = ", ".join(f"{k} {v}" for k, v in sorted(r["kept"].items())) or "–"
+        share = r.get("ensemble_recovered", (float("nan"), 0.0))
         lines.append(f"| {name} | {ms(r['final_loss'])} | {ms(r['final_acc'], '.3f')} | {ms(r['excess'])} | "
-                     f"{ms(r['excess_ratio'], '.3f')} | {gap} | {ms(r['round_seconds'], '.1f')} | "
+                     f"{ms(r['excess_ratio'], '.3f')} | {ms(share, '.3f')} | {gap} | {ms(r['round_seconds'], '.1f')} | "
                      f"{ms(r['aggregation_seconds'], '.2f')} | {kept} |")
+    if ensemble is not None:
+        lines.append(f"| *output ensemble of the clients (reference, report data)* | {ms(ensemble['loss'])} | "
+                     f"{ms(ensemble['acc'], '.3f')} | | | 1 | | | | |")
     lines += ["", "Per seed, excess over the mean client loss (last round): " + "; ".join(
         f"{n}: " + ", ".join(f"{x:+.3f}" for x in r["excess_per_seed"]) for n, r in rows.items() if r["excess_per_seed"])]
     return "\n".join(lines)
@@ -228,14 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     docs = run_all(args.setting, args.preset, args.seeds, strategies, clients, extra, Path(args.runs), args.timeout)
     rows = summarise(docs, strategies[0])
     cfg = {**spec["config"], **extra, "clients": clients}
-    md = markdown(args.setting, args.preset, rows, args.seeds, cfg)
+    ensemble = ensemble_row(docs)
+    md = markdown(args.setting, args.preset, rows, args.seeds, cfg, ensemble)
     suffix = "".join(f"_{k}-{v}" for k, v in sorted(extra.items()) if k in ("partitioner", "alpha", "width-factors", "hf"))
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(md + "\n")
     (out / f"{stem}.json").write_text(json.dumps({"setting": args.setting, "preset": args.preset, "seeds": args.seeds,
-                                                  "config": cfg, "rows": rows}, indent=1, default=float))
+                                                  "config": cfg, "rows": rows, "ensemble": ensemble}, indent=1,
+                                                 default=float))
     part = cfg.get("partitioner", "iid") + (f"({cfg['alpha']})" if cfg.get("partitioner") == "dirichlet" else "")
     png = plot(rows, out / f"{stem}.png", f"{args.setting}, {args.preset}, {part}, {clients} clients, seeds {args.seeds}")
     print(md)

@@ -91,6 +91,8 @@ def test_refined_strategy_on_planted_replies(record):
     # the guard compared both and the report measured client / plain / kept losses
     assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_average"]
     assert rec["average_excess"] > rec["excess"] + 0.1
+    # the clients compute one function, so their output ensemble scores exactly what each of them does
+    assert abs(rec["ensemble_loss"] - rec["mean_client_loss"]) < 1e-4
 
 
 def _near_copies(base, n=2, scale=1e-3):

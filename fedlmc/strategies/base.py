@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedlmc.ensemble import Ensemble
 from fedlmc.hf import HFAdapter, recognise
 from fedlmc.hf.adapter import key_mismatch
 from fedlmc.models import from_config
@@ -232,7 +233,7 @@ class FedlmcStrategy(FedAvg):
     def report(self, record: dict[str, Any], models: list[nn.Module], result: nn.Module,
                plain: Optional[nn.Module]) -> None:
         """With ``report_data``: each client's loss, the aggregate's, its excess over the mean client,
-        and the plain average's (when built)."""
+        the plain average's (when built) and the clients' output ensemble's loss and accuracy."""
         if self.report_data is None:
             return
         clients = [self.loss(m, self.report_data, self.report_batches) for m in models]
@@ -243,6 +244,9 @@ class FedlmcStrategy(FedAvg):
         if plain is not None:
             record["average_loss"] = self.loss(plain, self.report_data, self.report_batches)
             record["average_excess"] = record["average_loss"] - record["mean_client_loss"]
+        if len(models) > 1:  # the output ensemble: the reference a single merged model tries to reach
+            ens = evaluate(Ensemble(models), self.report_data, max_batches=self.report_batches)
+            record["ensemble_loss"], record["ensemble_acc"] = float(ens["loss"]), float(ens["acc"])
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
