@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .data import ArrayData, Data, DataNotFound, Splits, TokenData, load
-from .data.partition import SCHEMES, partition
+from .data.partition import PARTITIONS_VERSION, SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
@@ -192,7 +192,7 @@ def cached_first_round(model: nn.Module, data: Data, s: Settings, seed: int, par
     from safetensors.torch import load_file, save_file
 
     key = json.dumps([{k: getattr(s, k) for k in TRAINING_KEYS}, partition_id, num_partitions, seed,
-                      model.config.to_dict()], sort_keys=True, default=str)
+                      model.config.to_dict(), PARTITIONS_VERSION], sort_keys=True, default=str)
     path = Path(s.client_cache).expanduser() / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file() and (path / "history.json").is_file():
         model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)

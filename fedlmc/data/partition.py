@@ -8,6 +8,9 @@ import torch
 from .base import Data, TokenData
 
 SCHEMES = ("iid", "dirichlet", "speaker", "contiguous")
+# 2: text partitions deal out speeches (before: every scheme cut text into contiguous shards); part of
+# the client cache's key, so clients trained on the old shards are not reused under the new meaning
+PARTITIONS_VERSION = 2
 
 
 def partition_indices(labels: np.ndarray, num_partitions: int, scheme: str = "iid", alpha: float = 0.5,
