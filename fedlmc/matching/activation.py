@@ -114,5 +114,5 @@ def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches:
         el[g.name] = assignment(ha.T @ hb / len(ha))
     if gauge:
         B_heads = apply_elements(B, cfg, el, ("residual", "heads", "qheads"))
-        el.update(gauge_step(A, B_heads, spec, cfg.n_head, gauge))
+        el.update(gauge_step(A, B_heads, spec, gauge))
     return Transform({k: v.cpu() for k, v in el.items()}, {"method": "activation", "tokens": len(a["input"])})

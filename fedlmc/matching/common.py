@@ -151,10 +151,10 @@ def apply_elements(B: StateDict, cfg, elements: Elements, kinds: Optional[tuple[
     return apply_to_state(B, cfg, T)[0]
 
 
-def head_side(sd: StateDict, group: Group, n_head: int, fns: tuple[str, ...]) -> torch.Tensor:
+def head_side(sd: StateDict, group: Group, fns: tuple[str, ...]) -> torch.Tensor:
     """Per-unit factor ``(count, d_head, ·)`` of gauge group ``group`` (``count`` heads, or KV heads under
     grouped-query attention, whose query heads' factors are concatenated): its members with ``fn`` in
-    ``fns``, bias-augmented. (``n_head`` is kept for callers; the group's count decides.)"""
+    ``fns``, bias-augmented."""
     n = group.count
     parts = [sd[m.param].movedim(m.axis, 0).reshape(n, m.repeat, m.block, -1).transpose(1, 2).reshape(n, m.block, -1)
              for m in group.members if m.fn in fns]
@@ -170,29 +170,29 @@ def circuit_inner(XA: torch.Tensor, YA: torch.Tensor, XB: torch.Tensor, YB: torc
 CIRCUITS = {"qk": (("MT",), ("Minv",)), "ov": (("MinvT",), ("M",))}
 
 
-def circuit_norms(sd: StateDict, spec: SymmetrySpec, heads: str, n_head: int) -> dict[str, torch.Tensor]:
+def circuit_norms(sd: StateDict, spec: SymmetrySpec, heads: str) -> dict[str, torch.Tensor]:
     """Each head's squared QK and OV circuit norms (invariant under the residual map, permutations and
     gauges, so a matching computes them once per model)."""
     out = {}
     for kind, (xs, ys) in CIRCUITS.items():
         g = spec.gauges_of(heads)[kind]
-        X, Y = head_side(sd, g, n_head, xs), head_side(sd, g, n_head, ys)
+        X, Y = head_side(sd, g, xs), head_side(sd, g, ys)
         out[kind] = ((X @ X.transpose(1, 2)) * (Y @ Y.transpose(1, 2))).sum((-1, -2))
     return out
 
 
-def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str, n_head: int,
+def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str,
                    norms: Optional[tuple[dict, dict]] = None) -> torch.Tensor:
     """Squared distances between A's and B's heads of heads group ``heads``: bias-augmented QK and OV
     circuits, each normalised by A's mean circuit norm so that neither dominates. Gauge-invariant.
     ``norms``: A's and B's ``circuit_norms`` when already known."""
     D = 0.0
     gauges = spec.gauges_of(heads)
-    nAs, nBs = norms or (circuit_norms(A, spec, heads, n_head), circuit_norms(B, spec, heads, n_head))
+    nAs, nBs = norms or (circuit_norms(A, spec, heads), circuit_norms(B, spec, heads))
     for kind, (xs, ys) in CIRCUITS.items():
         g = gauges[kind]
-        XA, YA = head_side(A, g, n_head, xs), head_side(A, g, n_head, ys)
-        XB, YB = head_side(B, g, n_head, xs), head_side(B, g, n_head, ys)
+        XA, YA = head_side(A, g, xs), head_side(A, g, ys)
+        XB, YB = head_side(B, g, xs), head_side(B, g, ys)
         nA, nB = nAs[kind], nBs[kind]
         d = nA[:, None] + nB[None, :] - 2 * circuit_inner(XA, YA, XB, YB)
         D = D + d / nA.mean().clamp_min(1e-30)
@@ -245,7 +245,7 @@ def grouped_assignment(score: torch.Tensor, block: int) -> tuple[torch.Tensor, t
     return sigma, tau
 
 
-def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec, n_head: int,
+def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec,
                norms: Optional[dict[str, tuple[dict, dict]]] = None) -> Elements:
     """Head permutations of every layer from circuit distances (B already carries the residual map);
     ``norms``: each heads group's (A, B) ``circuit_norms``, when known. Under grouped-query attention
@@ -258,12 +258,12 @@ def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec, n_head: int,
                 D = query_distances(A, B_res, spec, g.name, within.size)
                 out[g.name], out[within.name] = grouped_assignment(-D, within.size // within.count)
                 continue
-            D = head_distances(A, B_res, spec, g.name, n_head, norms[g.name] if norms else None)
+            D = head_distances(A, B_res, spec, g.name, norms[g.name] if norms else None)
         out[g.name] = assignment(-D)
     return out
 
 
-def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, n_head: int, mode: str = "orthogonal") -> Elements:
+def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, mode: str = "orthogonal") -> Elements:
     """Per-head intra-head gauges aligning B's Q/K (and V/O) factors to A's.
 
     Members split into a direct side (fn M or Mᵀ: vectors map by G) and an inverse side (M⁻¹, M⁻ᵀ:
@@ -277,8 +277,8 @@ def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, n_head: int
         for g in spec.layer_groups(kind):
             direct = tuple(f for f in ("M", "MT") if any(m.fn == f for m in g.members))
             inverse = tuple(f for f in ("Minv", "MinvT") if any(m.fn == f for m in g.members))
-            XA, XB = head_side(A, g, n_head, direct), head_side(B_heads, g, n_head, direct)
-            YA, YB = head_side(A, g, n_head, inverse), head_side(B_heads, g, n_head, inverse)
+            XA, XB = head_side(A, g, direct), head_side(B_heads, g, direct)
+            YA, YB = head_side(A, g, inverse), head_side(B_heads, g, inverse)
             if g.structure == "rope":  # only per-frequency-pair (scaled) rotations commute with RoPE
                 G = rope_fit(XA, XB, YA, YB, scaled=mode == "invertible")
             elif mode == "orthogonal":

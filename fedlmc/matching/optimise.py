@@ -138,7 +138,7 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
             return {}
         with torch.no_grad():
             B = apply_elements(states[i], cfg, {"residual": O.detach(), **perms}, kinds=("residual", "heads", "qheads"))
-            return gauge_step(ref, B, spec, cfg.n_head, opts.gauge)
+            return gauge_step(ref, B, spec, opts.gauge)
 
     def aligned(i: int) -> tuple[StateDict, Optional[dict]]:
         if i == fixed:

@@ -64,7 +64,7 @@ class Problem:
         untouched = [k for k in A if k not in moved and k not in {m.param for m in self.anchor_members}]
         self._constant = float(sum((A[k] - B[k]).pow(2).sum() / A[k].pow(2).sum().clamp_min(1e-30) for k in untouched))
         self._a_norms = {k: a.pow(2).sum().clamp_min(1e-30) for k, a in self.A_mov.items()}  # A is fixed
-        self.head_norms = {g.name: (circuit_norms(A, self.spec, g.name, cfg.n_head), circuit_norms(B, self.spec, g.name, cfg.n_head))
+        self.head_norms = {g.name: (circuit_norms(A, self.spec, g.name), circuit_norms(B, self.spec, g.name))
                            for g in self.spec.layer_groups("heads")}
 
     def anchor_objective(self, O: Optional[torch.Tensor]) -> float:
@@ -134,7 +134,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     ``candidates``: see ``common.ff_step``. ``abandon_above``: give up (return None for the elements)
     when the first iteration's objective is above it.
     """
-    cfg, spec, H = P.cfg, P.spec, P.cfg.n_head
+    cfg, spec = P.cfg, P.spec
     tol = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6
     units = ("heads", "qheads", "qk", "ov", "ff")
     trace: list[float] = []
@@ -155,12 +155,12 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
         with section("apply residual map"):
             B_res = apply_elements(P.B_mov, cfg, {"residual": O})
         # units given the residual map
-        elements.update(heads_step(P.A_mov, B_res, spec, H, P.head_norms))
+        elements.update(heads_step(P.A_mov, B_res, spec, P.head_norms))
         elements.update(ff_step(P.A_mov, B_res, spec, old, candidates))
         if gauge:
             with section("gauges"):
                 B_heads = apply_elements(B_res, cfg, elements, ("heads", "qheads"))
-                elements.update(gauge_step(P.A_mov, B_heads, spec, H, gauge))
+                elements.update(gauge_step(P.A_mov, B_heads, spec, gauge))
         if trace and not _changed(old, elements, tol):  # a fixed point: keep the elements whose objective is known
             return Descent(old, it, trace, trace[-1])
         with section("apply units (copies)"):
