@@ -83,6 +83,13 @@ def evaluate(msg: Message, context: Context, overrides: Optional[dict] = None) -
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
 
 
+def query(msg: Message, context: Context) -> Message:
+    """Which partition this node holds (a server that restarted re-learns it: node ids change, partition
+    ids do not)."""
+    pid = int(context.node_config["partition-id"])
+    return Message(content=RecordDict({"client": ConfigRecord({"partition-id": pid})}), reply_to=msg)
+
+
 def make_app(overrides: Optional[dict] = None) -> ClientApp:
     """A ClientApp whose settings default to ``overrides`` (run_config keys win). ``flwr run`` uses
     ``app``; in-process simulations (``simulations.compare``) build one per experiment."""
@@ -96,6 +103,10 @@ def make_app(overrides: Optional[dict] = None) -> ClientApp:
     @client.evaluate()
     def _evaluate(msg: Message, context: Context) -> Message:
         return evaluate(msg, context, overrides)
+
+    @client.query()
+    def _query(msg: Message, context: Context) -> Message:
+        return query(msg, context)
 
     return client
 

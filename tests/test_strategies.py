@@ -1,26 +1,31 @@
 """Strategy unit tests: aggregate_train on crafted replies (no Flower runtime needed)."""
 from __future__ import annotations
 
+import json
 import time
+from typing import Optional
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedlmc.canonical import canonicalize, to_layernorm
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.strategies import AlignedFedAvg
-from fedlmc.strategies.records import config_record, model_from_arrays
+from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 
 from conftest import perturbed
 
 
-def _reply(model, n: int, node: int = 1) -> Message:
-    """A train reply as a SuperNode would send it (weights, num-examples, the model's config)."""
+def _reply(model, n: int, node: int = 1, partition: Optional[int] = None) -> Message:
+    """A train reply as a SuperNode would send it (weights, num-examples, the model's config, and with
+    ``partition`` who the client is)."""
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict={k: v.float() for k, v in model.state_dict().items()}),
                           "metrics": MetricRecord({"num-examples": n}), "model": config_record(model)})
+    if partition is not None:
+        content["client"] = ConfigRecord({"partition-id": partition})
     md = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="i",
                   group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
     return Message(content=content, metadata=md)
@@ -152,7 +157,7 @@ def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
     assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_average"] - 0.1
 
 
-def test_hetero_width_strategy_aligns_and_projects(record):
+def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):
     """A narrow reply and a wide reply that is the narrow model padded and moved by a group element:
     the universe computes the narrow function, and the narrow node is sent a narrow model."""
     from fedlmc.widths import pad
@@ -164,7 +169,7 @@ def test_hetero_width_strategy_aligns_and_projects(record):
     wide_cfg = narrow.config.replace(d_model=32, d_ff=64)
     wide = pad(canonicalize(narrow), {"d_model": 32, "d_ff": 64})
     wide = apply_transform(wide, random_transform(wide, seed=4, groups=["residual", "heads", "ff"], dtype=torch.float32))
-    replies = [_reply(wide, 100, node=1), _reply(narrow, 100, node=2)]
+    replies = [_reply(wide, 100, node=1, partition=0), _reply(narrow, 100, node=2, partition=1)]
     strategy = HeteroWidthFedAvg(model_config=wide_cfg.to_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     universe = model_from_arrays(arrays, strategy.global_config)
@@ -176,8 +181,9 @@ def test_hetero_width_strategy_aligns_and_projects(record):
     assert sent.config.d_model == 16 and sent.config.d_ff == 32 and strategy.model_for(3) is None
     with torch.no_grad():
         record("HeteroWidthFedAvg: model sent to the narrow node vs narrow", float((sent(x) - ref).abs().max() / ref.abs().max()), 1e-3)
-    # the per-node transforms (typed width maps included) survive a checkpoint: a resumed server sends
-    # the narrow node the same model
+    # the per-client transforms (typed width maps included) survive a checkpoint, keyed by partition id:
+    # a resumed server, whose nodes have new ids, asks them their partition and sends the narrow one
+    # the same model from its first round on
     import tempfile
     from pathlib import Path
 
@@ -189,11 +195,44 @@ def test_hetero_width_strategy_aligns_and_projects(record):
     resumed = HeteroWidthFedAvg(model_config=wide_cfg.to_dict())
     resumed.load_state({"global_config": state.global_config, "history": state.history,
                         "transforms": state.transforms}, round_offset=state.round)
-    resumed._universe = model_from_arrays(state.arrays, state.global_config)
-    again = resumed.model_for(2)
-    assert again.config == sent.config and resumed.transforms[2].width_map == strategy.transforms[2].width_map
+    assert resumed.transforms[1].width_map == strategy.transforms[1].width_map
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # what a ServerApp process has when it builds messages
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    grid = _RenumberedGrid({21: 1, 22: 0})  # node 21 now holds partition 1 (the narrow client)
+    msgs = {m.metadata.dst_node_id: m for m in resumed.configure_train(1, state.arrays, ConfigRecord({}), grid)}
+    assert grid.queried == [21, 22] and resumed.partition_of == {21: 1, 22: 0}
+    got = msgs[21].content.array_records["arrays"].to_torch_state_dict()
+    again = model_from_arrays(msgs[21].content.array_records["arrays"],
+                              json.loads(msgs[21].content.config_records["config"][MODEL_CONFIG_KEY]))
+    assert got["pos_emb"].shape[-1] == 16 and again.config.d_model == 16
     with torch.no_grad():
         assert float((again(x) - sent(x)).abs().max()) < 1e-6
+
+
+class _RenumberedGrid:
+    """The part of a Flower Grid a strategy's configure_train uses, for nodes holding given partitions;
+    QUERY messages are answered as fedlmc's ClientApp does."""
+
+    def __init__(self, partitions: dict[int, int]) -> None:
+        self.partitions, self.queried = partitions, []
+
+    def get_node_ids(self):
+        return list(self.partitions)
+
+    def send_and_receive(self, messages, timeout=None):
+        out = []
+        for m in messages:
+            assert m.metadata.message_type == MessageType.QUERY
+            node = m.metadata.dst_node_id
+            self.queried.append(node)
+            content = RecordDict({"client": ConfigRecord({"partition-id": self.partitions[node]})})
+            md = Metadata(run_id=1, message_id=f"q{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="q",
+                          group_id="1", created_at=time.time(), ttl=60.0, message_type=MessageType.QUERY)
+            out.append(Message(content=content, metadata=md))
+        return out
 
 
 def test_slicing_baseline_averages_each_entry_over_its_holders():
@@ -230,3 +269,21 @@ def test_the_aggregate_does_not_depend_on_the_order_replies_arrive_in():
         out.append(strategy.aggregate_train(1, list(order))[0].to_torch_state_dict())
     for other in out[1:]:
         assert all(torch.equal(out[0][k], other[k]) for k in out[0])
+
+
+def test_client_app_answers_which_partition_it_holds(monkeypatch):
+    """The QUERY a restarted HeteroWidthFedAvg sends: fedlmc's ClientApp replies with its partition id."""
+    from flwr.app import Context
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from clients.app import query
+    from fedlmc.strategies.base import declared_partition
+
+    for attr, value in (("_run_id", 1), ("_node_id", 7), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+    md = Metadata(run_id=1, message_id="q", src_node_id=0, dst_node_id=7, reply_to_message_id="",
+                  group_id="1", created_at=time.time(), ttl=60.0, message_type=MessageType.QUERY)
+    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 3, "num-partitions": 4}, state=RecordDict(),
+                  run_config={})
+    reply = query(Message(content=RecordDict({}), metadata=md), ctx)
+    assert declared_partition(reply) == 3

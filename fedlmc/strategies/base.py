@@ -258,14 +258,22 @@ class FedlmcStrategy(FedAvg):
         self.global_config, self.history, self.round_offset = state["global_config"], state["history"], round_offset
 
 
+def declared_partition(msg: Message) -> Optional[int]:
+    """The partition id a fedlmc client declares in its reply (``client`` ConfigRecord), if any."""
+    if msg.has_error():
+        return None
+    client = msg.content.config_records.get("client")
+    pid = client.get("partition-id") if client is not None else None
+    return int(pid) if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
 def reply_order(msg: Message) -> tuple[int, int]:
     """A fixed order for the replies of a round, whatever order they arrived in: by the partition id a
     fedlmc client declares (its ``client`` ConfigRecord), then by node id. Alignment is discrete, so
     with independently started clients float sums in another order can change what matching finds;
     a resumed run must aggregate exactly as an uninterrupted one."""
-    client = msg.content.config_records.get("client") if not msg.has_error() else None
-    pid = client.get("partition-id") if client is not None else None
-    return (int(pid) if isinstance(pid, int) else -1, int(msg.metadata.src_node_id))
+    pid = declared_partition(msg)
+    return (pid if pid is not None else -1, int(msg.metadata.src_node_id))
 
 
 def _key_mismatch(arrays: ArrayRecord, config: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ import json
 from logging import INFO
 from typing import Any, Optional
 
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
 
 from fedlmc.models import from_config
@@ -22,7 +22,7 @@ from fedlmc.universe import project, universe_merge
 from fedlmc.widths import prefix_average
 
 from .aligned import transform_distance
-from .base import FedlmcStrategy
+from .base import FedlmcStrategy, declared_partition
 from .records import MODEL_CONFIG_KEY, state_arrays
 
 
@@ -45,16 +45,44 @@ class HeteroWidthFedAvg(FedlmcStrategy):
             raise ValueError("HeteroWidthFedAvg aligns fedlmc models, whose replies declare their own width "
                              "(a model ConfigRecord); Hugging Face clients of several widths are not supported yet")
         self.residual, self.iterations, self.device = residual, iterations, device
-        self.transforms: dict[int, Any] = {}  # node id -> its transform into the current universe
+        # client -> its transform into the current universe; a client is its declared partition id (stable
+        # across restarts), or its node id when it declares none (a restarted federation renumbers nodes)
+        self.transforms: dict[int, Any] = {}
+        self.partition_of: dict[int, int] = {}  # node id -> declared partition id, this process's nodes
+        self.query_timeout = 60.0
         self._universe = None
 
+    def client_key(self, node: int) -> int:
+        return self.partition_of.get(node, node)
+
     def model_for(self, node: int):
-        """The model node ``node`` is sent: the universe projected to its own width and coordinates
-        (None for a node not aligned yet: it gets the universe and slices it)."""
-        T = self.transforms.get(node)
-        if T is None or self._universe is None:
+        """The model node ``node`` is sent: the universe (this round's global model) projected to its
+        own width and coordinates (None for a client not aligned yet: it gets the universe and slices it)."""
+        T = self.transforms.get(self.client_key(node))
+        universe = self._universe if self._universe is not None else self.previous_model()
+        if T is None or universe is None:
             return None
-        return project(self._universe, T)
+        return project(universe, T)
+
+    def configure_train(self, server_round: int, arrays, config: ConfigRecord, grid) -> list[Message]:
+        self.learn_partitions(grid)
+        return list(super().configure_train(server_round, arrays, config, grid))
+
+    def learn_partitions(self, grid) -> None:
+        """Ask nodes this process has not heard from which partition they hold (a QUERY message), so that
+        after a restart each client is sent its own projection from the first round on."""
+        if not self.transforms:
+            return
+        unknown = [n for n in grid.get_node_ids() if n not in self.partition_of]
+        if not unknown:
+            return
+        queries = [Message(content=RecordDict({}), message_type=MessageType.QUERY, dst_node_id=n) for n in unknown]
+        for reply in grid.send_and_receive(queries, timeout=self.query_timeout):
+            pid = declared_partition(reply)
+            if pid is not None:
+                self.partition_of[int(reply.metadata.src_node_id)] = pid
+        log(INFO, "HeteroWidthFedAvg: %d of %d new nodes told their partition", sum(n in self.partition_of for n in unknown),
+            len(unknown))
 
     def messages_for(self, messages, config: ConfigRecord, message_type: str) -> list[Message]:
         out = []
@@ -74,7 +102,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         universe, transforms = universe_merge(models, weights=weights, start=self.previous_model(),
                                               iterations=self.iterations, residual=self.residual, device=self.device)
         self._universe = universe
-        self.transforms.update(zip([m.metadata.src_node_id for m in replies], transforms))
+        for msg in replies:
+            pid = declared_partition(msg)
+            if pid is not None:
+                self.partition_of[int(msg.metadata.src_node_id)] = pid
+        self.transforms.update(zip([self.client_key(int(m.metadata.src_node_id)) for m in replies], transforms))
         widths = [int(m.config.d_model) for m in models]
         log(INFO, "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d", server_round,
             len(models), sorted(set(widths)), universe.config.d_model)
