@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import torch
 import torch.nn as nn
 
 from .averaging import FORMS, merge
@@ -14,7 +15,8 @@ from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
 from .symmetry import (StateDict, Transform, WidthMap, apply_transform, canonical, invert_transform, layernorm_native,
                        rebuild, spec_for, to_layernorm)
-from .widths import common_shape, lift_residual, pad, permute_masks, residual_projector, same_shape, unit_masks, unpad
+from .widths import (common_shape, lift_residual, ones_lift, pad, permute_masks, residual_projector, same_shape, unit_masks,
+                     unpad)
 
 
 @dataclass
@@ -29,10 +31,23 @@ class Members:
     masks: list[Optional[dict]]
     attn_scale: Optional[float]  # the universe's attention scale (mixed widths only)
     hetero: bool  # widths differ: models are padded and masked
+    # keep_layernorm with mixed widths: the reflection each narrower padded model was turned by so that its
+    # stream stays centred in the universe (``widths.ones_lift``); None for the others
+    lifts: Optional[list[Optional[torch.Tensor]]] = None
 
     @property
     def live(self) -> list[int]:
         return [i for i, w in enumerate(self.weights) if w > 0]
+
+    def own(self, i: int, T: Transform) -> Transform:
+        """Model i's transform as a map of its zero-padded self (its ones-lift composed in)."""
+        U = self.lifts[i] if self.lifts is not None else None
+        if U is None:
+            return T
+        R = T.get("residual")
+        els = dict(T.elements)
+        els["residual"] = U if R is None else R @ U.to(R)
+        return Transform(els, dict(T.info), T.width_map)
 
     def aligned_masks(self, i: int, T: Transform) -> Optional[dict]:
         """Model i's real heads / FF neurons after its permutations, and the universe subspace its
@@ -42,7 +57,7 @@ class Members:
         out = permute_masks(self.masks[i], T)
         d_c = self.models[i].config.d_model
         if d_c < self.shape["d_model"]:
-            out["residual"] = residual_projector(T, d_c, self.shape["d_model"])
+            out["residual"] = residual_projector(self.own(i, T), d_c, self.shape["d_model"])
         return out
 
     def merge(self, transforms: list[Transform], form: str = "factored") -> nn.Module:
@@ -75,9 +90,9 @@ class Members:
         if not self.hetero:
             return transforms
         out = []
-        for m, T in zip(self.models, transforms):
+        for i, (m, T) in enumerate(zip(self.models, transforms)):
             if m.config.d_model != self.shape["d_model"]:
-                T = lift_residual(T, m.config.d_model)
+                T = lift_residual(self.own(i, T), m.config.d_model)
             out.append(Transform(T.elements, T.info, WidthMap(dict(self.shape), self.attn_scale, m.config)))
         return out
 
@@ -99,11 +114,16 @@ def members(models: Sequence[nn.Module], weights: Optional[Sequence[float]], sta
     if any(getattr(c, "n_kv_head", None) is not None for c in configs):
         # zero-padding a rotary head changes which dimensions RoPE pairs; GQA groups need their own masks
         raise ValueError("mixed widths are not supported for Llama-style models (RoPE, grouped-query attention) yet")
-    if keep_layernorm and len({c.d_model for c in configs}) > 1:
-        raise ValueError("keep_layernorm needs one residual width: a lifted model's stream is not centred in the universe")
     scale = next((c.attn_scale for c in configs if c.d_head == shape["d_head"]), shape["d_head"] ** -0.5)
-    return Members(models, [x / sum(w) for x in w], shape, [pad(m, shape, attn_scale=scale) for m in canon],
-                   [unit_masks(m.config, shape) for m in models], scale, True)
+    padded = [pad(m, shape, attn_scale=scale) for m in canon]
+    lifts = None
+    if keep_layernorm and len({c.d_model for c in configs}) > 1:  # keep every padded stream centred
+        D = shape["d_model"]
+        lifts = [ones_lift(m.config.d_model, D) if m.config.d_model < D else None for m in models]
+        padded = [apply_transform(p, Transform({"residual": U.to(next(p.parameters()).dtype)})) if U is not None else p
+                  for p, U in zip(padded, lifts)]
+    return Members(models, [x / sum(w) for x in w], shape, padded, [unit_masks(m.config, shape) for m in models],
+                   scale, True, lifts)
 
 
 def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterations: int = 5,

@@ -177,6 +177,18 @@ def lift_residual(transform: Transform, d_small: int) -> Transform:
     return Transform(els, dict(transform.info), transform.width_map)
 
 
+def ones_lift(d_small: int, d_large: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The ``d_large × d_large`` reflection taking ``[1; 0]/√d_small`` to ``1/√d_large``. After zero-padding
+    it lifts a centred (LayerNorm) stream of width ``d_small`` to one that is centred in ``d_large``, so
+    models of several widths can share a LayerNorm universe and be projected back to LayerNorm models."""
+    a = torch.zeros(d_large, dtype=dtype)
+    a[:d_small] = d_small ** -0.5
+    v = a - torch.full((d_large,), d_large ** -0.5, dtype=dtype)
+    if float(v.norm()) < 1e-12:
+        return torch.eye(d_large, dtype=dtype)
+    return torch.eye(d_large, dtype=dtype) - 2 * torch.outer(v, v) / v.dot(v)
+
+
 def residual_projector(transform: Transform, d_small: int, d_large: int) -> torch.Tensor:
     """``P = O Oᵀ`` with ``O`` the first ``d_small`` columns of a padded model's square residual map
     (identity when the transform has none): the subspace of the universe the narrower model occupies."""

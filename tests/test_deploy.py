@@ -107,10 +107,16 @@ def _wait_for(path: Path, text: str, seconds: float) -> bool:
     return False
 
 
+SECURE_TOOLS = bool(shutil.which("openssl") and shutil.which("ssh-keygen"))
+
+
 @pytest.mark.timeout(900)
-def test_a_supernode_killed_mid_round_does_not_stop_the_run():
+@pytest.mark.parametrize("mode", ["insecure", pytest.param("secure", marks=pytest.mark.skipif(
+    not SECURE_TOOLS, reason="TLS and node keys need openssl and ssh-keygen"))])
+def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
     """3 SuperNodes, one killed while round 1 trains: the SuperLink reports its message failed (no
     heartbeat), round 1 aggregates the other two, and round 2 runs with the survivors (min-nodes=2).
+    Also with TLS and SuperNode authentication (``secure``), where the dead node's key stays registered.
 
     The victim is killed the moment it has started its ClientApp for round 1's message, so it is
     always mid-round. The round timeout is generous (a loaded 2-core machine trains slowly): a round
@@ -118,7 +124,7 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run():
     d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
     try:
         port, node_port = _free_port(), _free_port()
-        env = _env(d, MODE="insecure", N="3", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
+        env = _env(d, MODE=mode, N="3", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
         subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
         pids = [int(x) for x in (d / "pids").read_text().split()]
         out, log = d / "out", d / "run.log"

@@ -107,3 +107,29 @@ def test_residual_directions_only_wide_models_span_are_not_diluted():
     assert torch.allclose(m[:16], (a[:16] + b[:16]) / 2, atol=1e-12)
     r_a, r_m = wide.state_dict()["blocks.0.mlp.fc1.weight"], merged.state_dict()["blocks.0.mlp.fc1.weight"]
     assert torch.allclose(r_m[:, 16:], r_a[:, 16:], atol=1e-12)  # reader: residual axis 1
+
+
+@pytest.mark.parametrize("make", [_vit, _gpt])
+def test_layernorm_universe_of_mixed_widths(make, record):
+    """LayerNorm clients of two widths (independent, and so using every direction of their streams)
+    merged with ``keep_layernorm``: each narrower padded model is first turned by ``ones_lift`` so its
+    stream stays centred in the universe; the universe comes back as a LayerNorm model and every client's
+    projection converts to LayerNorm exactly (without the lift ``to_layernorm`` refuses: off-centre)."""
+    from fedlmc.canonical import to_layernorm
+    from fedlmc.widths import ones_lift
+
+    narrow = make(1, d_model=16, n_head=2, d_ff=40, d_head=8).double()
+    wide = make(2, d_model=32, n_head=4, d_ff=64, d_head=8).double()
+    x = inputs_for(narrow)
+    U = ones_lift(16, 32)
+    assert torch.allclose(U @ U.T, torch.eye(32, dtype=U.dtype)) and torch.allclose(
+        U @ torch.cat([torch.ones(16), torch.zeros(16)]).double() / 4, torch.ones(32, dtype=U.dtype) / 32 ** 0.5)
+    with torch.no_grad():
+        merged, Ts = universe_merge([wide, narrow], keep_layernorm=True, iterations=2)
+        assert merged.config.norm == "layernorm" and merged.config.d_model == 32
+        for T, m in zip(Ts, (wide, narrow)):
+            back = project(merged, T)
+            assert shape_of(back.config) == shape_of(m.config)
+            ln = to_layernorm(back)
+            record(f"{make.__name__}: LayerNorm universe, projection to d={m.config.d_model} → LayerNorm",
+                   float((ln(x) - back(x)).abs().max()), 1e-10)
