@@ -73,7 +73,7 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
     state = load_state(out / "state") if s.resume else None
     if state is not None:
         done, initial = state.round, state.arrays
-        strategy.load_state({"global_config": state.global_config, "history": state.history,
+        strategy.load_state({**state.extra, "global_config": state.global_config, "history": state.history,
                              "transforms": state.transforms}, round_offset=done)
         recorder.doc = state.metrics
         recorder.doc.pop("finished", None)

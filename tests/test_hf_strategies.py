@@ -134,5 +134,102 @@ def test_refined_fedavg_on_hf_replies_with_a_batch_source_and_loss_fn():
     assert len(calls) == 3
     out = type(hf)(hf.config)
     out.load_state_dict(arrays.to_torch_state_dict(), strict=True)
-    with pytest.raises(ValueError, match="HeteroWidthFedAvg"):
+    with pytest.raises(ValueError, match="Llama"):
         HeteroWidthFedAvg(model=hf)
+
+
+def _vit_of_width(d: int, heads: int):
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=d, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=2 * d, image_size=8,
+        patch_size=2, num_channels=1, num_labels=10))
+
+
+def test_hetero_width_fedavg_on_hf_clients_of_two_widths(record, monkeypatch):
+    """HF ViT clients of widths 16 and 32, the wide one the narrow one lifted into its width and moved by
+    a group element: each reply is read by the adapter of its width, the universe (a LayerNorm model,
+    the wide client's class and keys) computes the narrow function, and the narrow node is sent a
+    model of its own class and width, under its keys, that computes it too (through HF's forward)."""
+    from flwr.app import ConfigRecord
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedlmc.canonical import canonicalize
+    from fedlmc.hf import to_hf
+    from fedlmc.strategies import HeteroWidthFedAvg
+    from fedlmc.symmetry import Transform
+    from fedlmc.widths import ones_lift, pad
+
+    torch.manual_seed(0)
+    narrow = shaken(_vit_of_width(16, 2), seed=21)
+    wide = pad(canonicalize(from_hf(narrow)), {"d_model": 32, "d_ff": 64, "n_head": 4})
+    wide = apply_transform(wide, Transform({"residual": ones_lift(16, 32, torch.float32)}))
+    wide = to_layernorm(apply_transform(wide, random_transform(wide, seed=5, fix_ones=True, dtype=torch.float32,
+                                                               groups=("residual", "heads", "ff"))))
+    wide_hf = to_hf(wide)
+    strategy = HeteroWidthFedAvg(model=[narrow.config, wide_hf.config], iterations=2)
+    initial = ArrayRecord(wide_hf.state_dict())
+    strategy.check_architecture(initial)
+    strategy._previous = initial
+    replies = [reply({k: v.float() for k, v in wide_hf.state_dict().items()}, 10, 1),
+               reply({k: v.float() for k, v in narrow.state_dict().items()}, 10, 2)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert strategy.history[-1]["excluded"] == [] and strategy.history[-1]["widths"] == [32, 16]
+    x = inputs("vit")
+    universe = _vit_of_width(32, 4).eval()
+    universe.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+    ref = logits(narrow, x)
+    record("HF hetero: universe (HF ViT, width 32) vs the narrow client", float((logits(universe, x) - ref).abs().max()), 1e-4)
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+
+    class Grid:
+        def get_node_ids(self):
+            return [1, 2]
+
+    sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord({}), Grid())}
+    own = _vit_of_width(16, 2).eval()
+    own.load_state_dict(sent[2].content.array_records["arrays"].to_torch_state_dict(), strict=True)
+    record("HF hetero: model sent to the narrow node (HF ViT, width 16) vs narrow", float((logits(own, x) - ref).abs().max()), 1e-4)
+    big = _vit_of_width(32, 4).eval()
+    big.load_state_dict(sent[1].content.array_records["arrays"].to_torch_state_dict(), strict=True)
+    # a reply of a width nobody listed is excluded with the reason
+    odd = {k: v.float() for k, v in shaken(_vit_of_width(24, 2), seed=3).state_dict().items()}
+    strategy.aggregate_train(2, [reply(odd, 10, 3), replies[1]])
+    assert [e["node"] for e in strategy.history[-1]["excluded"]] == [3]
+
+
+def test_hetero_width_fedavg_on_tied_hf_gpt2_clients(monkeypatch):
+    """Independently started tied GPT-2 clients of widths 16 and 32: the aggregate and the narrow node's
+    model load strictly into their own GPT2LMHeadModel, with one tensor for the tied keys."""
+    from flwr.app import ConfigRecord
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedlmc.strategies import HeteroWidthFedAvg
+
+    def gpt2(d, heads, seed):
+        torch.manual_seed(seed)
+        return shaken(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=d, n_head=heads, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0)), seed)
+
+    wide, narrow = gpt2(32, 4, 1), gpt2(16, 2, 2)
+    strategy = HeteroWidthFedAvg(model=[wide, narrow], iterations=1)
+    initial = ArrayRecord(wide.state_dict())
+    strategy.check_architecture(initial)
+    strategy._previous = initial
+    arrays, _ = strategy.aggregate_train(1, [reply({k: v.float() for k, v in m.state_dict().items()}, 10, i + 1)
+                                             for i, m in enumerate((wide, narrow))])
+    assert strategy.history[-1]["excluded"] == []
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+
+    class Grid:
+        def get_node_ids(self):
+            return [1, 2]
+
+    sent = {m.metadata.dst_node_id: m.content.array_records["arrays"].to_torch_state_dict()
+            for m in strategy.configure_train(2, arrays, ConfigRecord({}), Grid())}
+    for node, width in ((1, 32), (2, 16)):
+        sd = sent[node]
+        assert sd["transformer.wte.weight"].shape == (40, width)
+        assert torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"])
+        model = type(wide)(wide.config if width == 32 else narrow.config)
+        model.load_state_dict(sd, strict=True)

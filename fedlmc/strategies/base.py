@@ -164,6 +164,10 @@ class FedlmcStrategy(FedAvg):
         self.global_config = result.config.to_dict()
         return self.arrays_of(result), metrics
 
+    def adapter_for(self, msg: Message) -> Optional[HFAdapter]:
+        """The adapter a reply is read with (None: fedlmc keys); mixed-width strategies pick by shapes."""
+        return self.adapter
+
     def arrays_of(self, model: nn.Module) -> ArrayRecord:
         """A fedlmc model as the ArrayRecord the clients load: their own keys and form with an adapter."""
         if self.adapter is None:
@@ -197,7 +201,7 @@ class FedlmcStrategy(FedAvg):
                 cfg, sd, w = check_reply(msg.content, arrays_key=self.arrayrecord_key, weight_key=self.weighted_by_key,
                                          reference_config=self.global_config, reference_norm=ref_norm,
                                          same_shape=self.same_shape, max_norm_ratio=self.max_norm_ratio,
-                                         adapter=self.adapter)
+                                         adapter=self.adapter_for(msg))
             except InvalidReply as e:
                 node = msg.metadata.src_node_id
                 log(WARNING, "%s round %d: excluded the reply of node %s: %s", type(self).__name__, server_round, node, e)

@@ -33,6 +33,7 @@ class ServerState:
     history: list[dict[str, Any]]
     metrics: dict[str, Any]
     transforms: dict[int, Transform] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # the rest of the strategy's ``state()`` (JSON)
 
 
 def save_state(path: Path, server_round: int, arrays: ArrayRecord, strategy, metrics: dict[str, Any]) -> Path:
@@ -51,8 +52,9 @@ def save_state(path: Path, server_round: int, arrays: ArrayRecord, strategy, met
     if tensors:
         save_file(tensors, str(tmp / TRANSFORMS))
     save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    extra = {k: v for k, v in kept.items() if k not in ("global_config", "history", "transforms")}
     doc = {"round": server_round, "global_config": kept["global_config"], "history": kept["history"],
-           "transform_info": infos, "metrics": metrics, "python_random": _py_state()}
+           "transform_info": infos, "metrics": metrics, "python_random": _py_state(), "strategy": extra}
     (tmp / STATE).write_text(json.dumps(doc, default=float))
     for f in tmp.iterdir():  # make the files durable before the swap
         with open(f, "rb") as fh:
@@ -93,4 +95,4 @@ def load_state(path: Path) -> Optional[ServerState]:
         v, internal, gauss = doc["python_random"]
         random.setstate((v, tuple(internal), gauss))
     return ServerState(doc["round"], arrays, doc.get("global_config"), doc.get("history", []), doc.get("metrics", {}),
-                       transforms)
+                       transforms, doc.get("strategy") or {})

@@ -13,9 +13,10 @@ import json
 from logging import INFO
 from typing import Any, Optional
 
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
 
+from fedlmc.hf import HFAdapter
 from fedlmc.models import from_config
 from fedlmc.symmetry import spec_for
 from fedlmc.universe import project, universe_merge
@@ -32,6 +33,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     ``model_config`` is the universe's (widest) architecture. Options as ``AlignedFedAvg``
     (``iterations``, ``residual``...). The global model is the universe in canonical (RMSNorm) form: its
     config travels with it (``model-config``).
+
+    Hugging Face clients: ``model=[...]`` lists the federation's ``transformers`` models or configs, one
+    per width (GPT-2 or ViT). Each reply is read by the one whose shapes it has, the universe is kept a
+    LayerNorm model (``keep_layernorm``: narrower streams are lifted so they stay centred), and every
+    client is sent its projection as a model of its own class and width, under its own keys.
     """
 
     needs_architecture = True
@@ -39,16 +45,28 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     same_shape = False  # replies differ in shape: each is checked against its own declared config
 
     def __init__(self, *, residual: str = "orthogonal", iterations: int = 3, device: Optional[str] = None,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if self.adapter is not None:
-            raise ValueError("HeteroWidthFedAvg aligns fedlmc models, whose replies declare their own width "
-                             "(a model ConfigRecord); Hugging Face clients of several widths are not supported yet")
+                 model: Any = None, **kwargs: Any) -> None:
+        models = list(model) if isinstance(model, (list, tuple)) else None
+        super().__init__(model=None if models is not None else model, **kwargs)
+        self.adapters: list[HFAdapter] = []
+        if models is not None:
+            self.adapters = sorted((HFAdapter(m) for m in models), key=lambda a: -a.config.d_model)
+            if len({a.family.model_class for a in self.adapters}) != 1:
+                raise ValueError("HeteroWidthFedAvg(model=[...]) takes one Hugging Face model class in several widths")
+            self.adapter = self.adapters[0]  # the universe's (widest) form: the global model's arrays
+            self.global_config = self.adapter.config.to_dict()
+        elif self.adapter is not None:
+            self.adapters = [self.adapter]
+        if any(a.config.arch not in ("gpt2", "vit") for a in self.adapters):
+            raise ValueError("HeteroWidthFedAvg aligns Hugging Face GPT-2 and ViT clients of several widths; "
+                             "Llama-style models (RoPE, grouped-query attention) are not supported yet")
         self.residual, self.iterations, self.device = residual, iterations, device
+        self.adapter_of: dict[int, int] = {}  # client -> index of the adapter its replies are read with
         # client -> its transform into the current universe; a client is its declared partition id (stable
         # across restarts), or its node id when it declares none (a restarted federation renumbers nodes)
         self.transforms: dict[int, Any] = {}
         self.partition_of: dict[int, int] = {}  # node id -> declared partition id, this process's nodes
+        self._seen: set[int] = set()  # nodes that replied to this process (no need to ask who they are)
         self.query_timeout = 60.0
         self._universe = None
 
@@ -70,10 +88,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
     def learn_partitions(self, grid) -> None:
         """Ask nodes this process has not heard from which partition they hold (a QUERY message), so that
-        after a restart each client is sent its own projection from the first round on."""
+        after a restart each client is sent its own projection from the first round on. (A ClientApp
+        without a query handler answers with an error: that node gets the universe until it replies.)"""
         if not self.transforms:
             return
-        unknown = [n for n in grid.get_node_ids() if n not in self.partition_of]
+        unknown = [n for n in grid.get_node_ids() if n not in self.partition_of and n not in self._seen]
         if not unknown:
             return
         queries = [Message(content=RecordDict({}), message_type=MessageType.QUERY, dst_node_id=n) for n in unknown]
@@ -84,6 +103,21 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         log(INFO, "HeteroWidthFedAvg: %d of %d new nodes told their partition", sum(n in self.partition_of for n in unknown),
             len(unknown))
 
+    def adapter_for(self, msg: Message) -> Optional[HFAdapter]:
+        """The adapter whose client shapes the reply has (the widest when none fits: its error names why)."""
+        if len(self.adapters) < 2 or msg.has_error() or self.arrayrecord_key not in msg.content.array_records:
+            return self.adapter
+        pid = declared_partition(msg)
+        if pid is not None:
+            self.partition_of[int(msg.metadata.src_node_id)] = pid
+        arrays = msg.content.array_records[self.arrayrecord_key]
+        shapes = {k: tuple(a.shape) for k, a in arrays.items()}
+        for i, a in enumerate(self.adapters):
+            if all(shapes.get(k, v) == v for k, v in a.template.items()) and not a.mismatch(shapes):
+                self.adapter_of[self.client_key(int(msg.metadata.src_node_id))] = i
+                return a
+        return self.adapter
+
     def messages_for(self, messages, config: ConfigRecord, message_type: str) -> list[Message]:
         out = []
         for msg in messages:
@@ -93,16 +127,23 @@ class HeteroWidthFedAvg(FedlmcStrategy):
                 out.append(msg)
                 continue
             cfg = ConfigRecord(dict(config))
-            cfg[MODEL_CONFIG_KEY] = json.dumps(own.config.to_dict())
-            content = RecordDict({self.arrayrecord_key: state_arrays(own), self.configrecord_key: cfg})
+            if self.adapters:  # the client's own class, width and keys
+                adapter = self.adapters[self.adapter_of.get(self.client_key(node), 0)]
+                arrays = ArrayRecord(torch_state_dict=adapter.to_client(own, self.client_keys))
+            else:
+                cfg[MODEL_CONFIG_KEY] = json.dumps(own.config.to_dict())
+                arrays = state_arrays(own)
+            content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
             out.append(Message(content=content, message_type=message_type, dst_node_id=node))
         return out
 
     def combine(self, server_round, replies, models, weights):
         universe, transforms = universe_merge(models, weights=weights, start=self.previous_model(),
-                                              iterations=self.iterations, residual=self.residual, device=self.device)
+                                              iterations=self.iterations, residual=self.residual, device=self.device,
+                                              keep_layernorm=bool(self.adapters))  # HF clients hold LayerNorm models
         self._universe = universe
         for msg in replies:
+            self._seen.add(int(msg.metadata.src_node_id))
             pid = declared_partition(msg)
             if pid is not None:
                 self.partition_of[int(msg.metadata.src_node_id)] = pid
@@ -113,11 +154,12 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         return universe, {"moved": [transform_distance(T, spec_for(universe)) for T in transforms], "widths": widths}, None
 
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "transforms": dict(self.transforms)}
+        return {**super().state(), "transforms": dict(self.transforms), "adapter_of": dict(self.adapter_of)}
 
     def load_state(self, state: dict[str, Any], round_offset: int) -> None:
         super().load_state(state, round_offset)
         self.transforms = dict(state.get("transforms", {}))
+        self.adapter_of = {int(k): int(v) for k, v in (state.get("adapter_of") or {}).items()}
 
 
 class SlicingFedAvg(FedlmcStrategy):
