@@ -24,7 +24,7 @@ from .train import TrainConfig, evaluate, model_for_data, train
 from .vocabulary import method_name
 from .widths import width_config
 
-STRATEGIES = ("average", "aligned", "refined", "hetero", "slicing")
+STRATEGIES = ("average", "permuted", "aligned", "refined", "hetero", "slicing")
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Settings:
             values[name] = typ(value)
         s = cls(**values)
         s.strategy = method_name(s.strategy, STRATEGIES, "strategy")
-        if any(f != 1 for f in s.factors()) and s.strategy in ("average", "aligned", "refined"):
+        if any(f != 1 for f in s.factors()) and s.strategy in ("average", "permuted", "aligned", "refined"):
             raise ValueError(f"width-factors {s.width_factors!r} make a mixed-width federation: use strategy "
                              "'hetero' (aligned) or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
         if s.partitioner not in SCHEMES:

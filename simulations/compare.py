@@ -28,7 +28,7 @@ console = Console(stderr=True)
 
 SETTINGS: dict[str, dict[str, Any]] = {
     # one-shot model fusion: independent inits, one round of long local training, one aggregation
-    "oneshot": dict(strategies=["average", "aligned", "refined"], clients=4,
+    "oneshot": dict(strategies=["average", "permuted", "aligned", "refined"], clients=4,
                     config={"num-server-rounds": 1, "independent-start": True, "partitioner": "dirichlet",
                             "alpha": 0.5, "local-epochs": 20.0}),
     # federated training from a shared init under strong label skew

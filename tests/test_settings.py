@@ -82,3 +82,18 @@ def test_client_cache_trains_a_one_shot_client_once(tmp_path):
     cached_first_round(third, data, other, 7, 0, 2)
     assert any(not torch.equal(first.state_dict()[k], v) for k, v in third.state_dict().items())
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_permuted_is_the_permutation_only_baseline():
+    """``strategy=permuted`` (the peers' method) is weight matching with a permuted, not rotated, residual."""
+    from fedlmc.data import load
+    from fedlmc.models import from_preset
+    from fedlmc.strategies import AlignedFedAvg
+    from fedlmc.strategies.factory import build_strategy
+
+    s = Settings.from_run_config({"strategy": "permuted", "preset": "vit-digits"})
+    model = from_preset("vit-digits")
+    strategy = build_strategy(s, model.config.to_dict(), load("digits"))
+    assert isinstance(strategy, AlignedFedAvg) and strategy.residual == "permutation"
+    assert build_strategy(Settings.from_run_config({"strategy": "aligned", "preset": "vit-digits"}),
+                          model.config.to_dict(), load("digits")).residual == "orthogonal"

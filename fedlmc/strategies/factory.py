@@ -11,7 +11,7 @@ from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
 
 def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any = None):
-    """``average`` | ``aligned`` | ``refined`` | ``hetero`` | ``slicing`` for the run's settings.
+    """``average`` | ``permuted`` | ``aligned`` | ``refined`` | ``hetero`` | ``slicing`` for the run's settings.
 
     The server's validation split is cut in two: the refinement learns on one half, the do-no-harm
     guard judges on the other (so the guard never scores a model on data it was refined on).
@@ -33,6 +33,8 @@ def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any
         return ReportingFedAvg(**common)
     if s.strategy == "aligned":
         return AlignedFedAvg(**common, **aligned)
+    if s.strategy == "permuted":  # the peers' method (Git Re-Basin / FedMA style): permutations only, no rotation
+        return AlignedFedAvg(**common, **{**aligned, "residual": "permutation"})
     if s.strategy == "refined":
         return RefinedFedAvg(**common, **aligned, refine_data=refine_half, alpha=s.refine_alpha,
                              refine_steps=s.refine_steps)
