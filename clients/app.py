@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedlmc.federated import (Settings, cached_first_round, client_config, client_data, config_from_json,
-                              evaluate_model, fresh_client_model, local_train)
+                              evaluate_model, flip_update, fresh_client_model, local_train, shuffled_labels)
 from fedlmc.hf import hf_model_for
 from fedlmc.widths import shape_of, slice_prefix
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
@@ -60,7 +60,13 @@ def train(msg: Message, context: Context, overrides: Optional[dict] = None) -> M
         model = _received(msg, cfg, s)
     t0 = time.time()
     seed = 1000 * (s.seed + 1) + 100 * rnd + pid
+    poisoned = pid == s.poison_partition
+    if poisoned and s.poison == "labels":
+        data = shuffled_labels(data, seed)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()} if poisoned else None
     hist = (cached_first_round(model, data, s, seed, pid, n) if rnd == 1 else None) or local_train(model, data, s, seed)
+    if poisoned and s.poison == "sign-flip":
+        flip_update(model, start, s.poison_scale)
     last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
     # only quantities whose num-examples-weighted mean means something are metrics; who the client is
     # (partition, width) and how long it took travel as configuration

@@ -41,6 +41,27 @@ def weighted_state(states: Sequence[StateDict], weights: Sequence[float]) -> Sta
     return {k: sum(w * sd[k] for w, sd in zip(weights, states)) for k in states[0]}
 
 
+REDUCES = ("mean", "median", "trimmed")
+
+
+def robust_state(states: Sequence[StateDict], reduce: str = "median", trim: float = 0.2) -> StateDict:
+    """Coordinate-wise robust combination, unweighted as Flower's ``FedMedian`` / ``FedTrimmedAvg``:
+    ``median`` (the mean of the two middle values for an even count), or ``trimmed`` (the mean after
+    dropping the ``⌊trim·M⌋`` largest and smallest values of every coordinate). On aligned models this
+    is the robust aggregate *modulo the symmetries*; on raw ones it is Flower's."""
+    if reduce not in ("median", "trimmed"):
+        raise ValueError(f"reduce must be one of {REDUCES[1:]}, got {reduce!r}")
+    M = len(states)
+    k = int(trim * M) if reduce == "trimmed" else (M - 1) // 2
+    if reduce == "trimmed" and not 0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    out: StateDict = {}
+    for key in states[0]:
+        ordered = torch.stack([sd[key] for sd in states]).sort(dim=0).values
+        out[key] = ordered[k:M - k].mean(0)  # median: the middle one or two values
+    return out
+
+
 def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg,
                   masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None) -> tuple[StateDict, object]:
     """Merge heads as circuits: concatenate every model's heads, weighting one factor of each circuit.

@@ -66,6 +66,11 @@ class Settings:
     client_cache: str = ""  # one-shot comparisons: a round-1 client trained once is reused by every strategy
     hf: bool = False  # clients train the preset's Hugging Face twin (GPT2LMHeadModel, ...) under its own keys
     threads: int = 1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
+    reduce: str = "mean"  # mean | median | trimmed: how average / permuted / aligned combine (robust aggregation)
+    trim: float = 0.2  # trimmed: the fraction of values cut at each end of every coordinate
+    poison_partition: int = -1  # robustness experiments: this partition's client is poisoned (-1: none)
+    poison: str = "labels"  # labels (trains on shuffled labels / tokens) | sign-flip (sends start - scale * update)
+    poison_scale: float = 1.0
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "Settings":
@@ -85,6 +90,12 @@ class Settings:
         if any(f != 1 for f in s.factors()) and s.strategy in ("average", "permuted", "aligned", "refined"):
             raise ValueError(f"width-factors {s.width_factors!r} make a mixed-width federation: use strategy "
                              "'hetero' (aligned) or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
+        if s.reduce not in ("mean", "median", "trimmed"):
+            raise ValueError(f"reduce must be 'mean', 'median' or 'trimmed', got {s.reduce!r}")
+        if s.reduce != "mean" and s.strategy not in ("average", "permuted", "aligned"):
+            raise ValueError(f"reduce={s.reduce!r} applies to strategies average, permuted and aligned, not {s.strategy!r}")
+        if s.poison not in ("labels", "sign-flip"):
+            raise ValueError(f"poison must be 'labels' or 'sign-flip', got {s.poison!r}")
         if s.partitioner not in SCHEMES:
             raise ValueError(f"partitioner must be one of {', '.join(SCHEMES)}, got {s.partitioner!r}")
         return s
@@ -177,6 +188,22 @@ def local_train(model: nn.Module, data: Data, s: Settings, seed: int) -> dict[st
     return train(Logits(model) if s.hf else model, data, s.train_config(seed), progress=False)
 
 
+def shuffled_labels(data: Data, seed: int) -> Data:
+    """A poisoned client's data: the labels (for text, the tokens) in a random order."""
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(data, TokenData):
+        return TokenData(data.tokens[torch.randperm(len(data.tokens), generator=g)], data.block_size)
+    return ArrayData(data.x, data.y[torch.randperm(len(data.y), generator=g)])
+
+
+def flip_update(model: nn.Module, start: dict[str, torch.Tensor], scale: float) -> None:
+    """A sign-flip attacker: replace the trained weights θ by ``start − scale·(θ − start)`` in place."""
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if v.is_floating_point():
+                v.copy_(start[k] - scale * (v - start[k]))
+
+
 # What a client's round-1 training depends on (everything else only changes how the server aggregates).
 TRAINING_KEYS = ("preset", "dataset", "data_dir", "text_file", "partitioner", "alpha", "local_epochs", "local_steps",
                  "lr", "batch_size", "seed", "independent_start", "width_factors", "hf")
@@ -191,8 +218,11 @@ def cached_first_round(model: nn.Module, data: Data, s: Settings, seed: int, par
         return None
     from safetensors.torch import load_file, save_file
 
-    key = json.dumps([{k: getattr(s, k) for k in TRAINING_KEYS}, partition_id, num_partitions, seed,
-                      model.config.to_dict(), PARTITIONS_VERSION], sort_keys=True, default=str)
+    trained = {k: getattr(s, k) for k in TRAINING_KEYS}
+    if s.poison_partition >= 0:  # only then part of the key, so unpoisoned caches stay valid
+        trained.update(poison_partition=s.poison_partition, poison=s.poison, poison_scale=s.poison_scale)
+    key = json.dumps([trained, partition_id, num_partitions, seed, model.config.to_dict(), PARTITIONS_VERSION],
+                     sort_keys=True, default=str)
     path = Path(s.client_cache).expanduser() / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file() and (path / "history.json").is_file():
         model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)

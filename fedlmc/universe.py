@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .averaging import FORMS, merge
+from .averaging import FORMS, REDUCES, merge, robust_state
 from .matching import weight_matching
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
@@ -60,9 +60,14 @@ class Members:
             out["residual"] = residual_projector(self.own(i, T), d_c, self.shape["d_model"])
         return out
 
-    def merge(self, transforms: list[Transform], form: str = "factored") -> nn.Module:
-        """The weighted average of the live models, each aligned by its transform."""
+    def merge(self, transforms: list[Transform], form: str = "factored", reduce: str = "mean",
+              trim: float = 0.2) -> nn.Module:
+        """The weighted average of the live models, each aligned by its transform (``reduce``: or their
+        coordinate-wise median / trimmed mean, see ``averaging.robust_state``)."""
         live = self.live
+        if reduce != "mean":
+            states = [apply_transform(self.padded[i], transforms[i]).state_dict() for i in live]
+            return rebuild(self.padded[live[0]], robust_state(states, reduce, trim))
         if form == "factored" and not self.hetero:
             return self._streamed_average(transforms)
         aligned = [apply_transform(self.padded[i], transforms[i]) for i in live]
@@ -130,7 +135,8 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
                    weights: Optional[Sequence[float]] = None, start: Optional[nn.Module] = None,
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
                    data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
-                   progress: bool = False, loss_fn=None, **matching: Any) -> tuple[nn.Module, list[Transform]]:
+                   progress: bool = False, loss_fn=None, reduce: str = "mean", trim: float = 0.2,
+                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
     Start from ``start`` (e.g. the previous global model) or the largest-weight model; align every model
@@ -147,6 +153,11 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     shape into the universe (a rectangular residual map; ``T.width_map`` records the shapes), so
     ``project(universe, T)`` returns a model of the client's shape.
 
+    ``reduce="median"`` or ``"trimmed"`` (``trim``: the fraction cut at each end) replaces every
+    iteration's weighted mean by a coordinate-wise robust combination of the aligned models (unweighted,
+    as Flower's FedMedian / FedTrimmedAvg): robust aggregation modulo the symmetries. Same-width models,
+    factored form, no refinement.
+
     Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm; it only
     applies to LayerNorm models: an RMSNorm model such as Llama has no centring to keep) and each
     model's transform. ``matching`` options go to ``weight_matching``.
@@ -160,7 +171,13 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
         raise ValueError("method='refined' needs data (a small training set) for the Dirichlet refinement")
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
+    if reduce not in REDUCES:
+        raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
+    if reduce != "mean" and (method == "refined" or form != "factored"):
+        raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, method='aligned'")
     mem = members(models, weights, start, keep_layernorm)
+    if reduce != "mean" and mem.hetero:
+        raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
     if start is not None:
         universe = pad(start, mem.shape, attn_scale=mem.attn_scale) if mem.hetero else start
     else:
@@ -172,7 +189,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     for it in range(max(1, iterations)):
         transforms = [weight_matching(universe, mem.padded[i], start=transforms[i] if it else None, **matching)
                       if mem.weights[i] > 0 else Transform() for i in range(len(models))]
-        new = mem.merge(transforms)
+        new = mem.merge(transforms, reduce=reduce, trim=trim)
         moved = _relative_change(universe, new)
         universe = new
         if progress:

@@ -20,8 +20,8 @@ import torch.nn as nn
 from flwr.app import ArrayRecord
 from flwr.supercore import log
 
-from fedlmc.averaging import merge
-from fedlmc.symmetry import spec_for
+from fedlmc.averaging import REDUCES, merge, robust_state
+from fedlmc.symmetry import rebuild, spec_for
 from fedlmc.universe import universe_merge
 
 from .base import FedlmcStrategy
@@ -37,15 +37,22 @@ class AlignedFedAvg(FedlmcStrategy):
     aligned aggregate must beat plain averaging to be kept; ``guard_batches`` — how many of its batches
     to use; ``guard_fn`` — instead of ``guard_data``, a callable ``guard_fn(arrays) -> float`` (Flower's
     ``evaluate_fn`` convention: the loss of an ArrayRecord in the clients' own form, lower is better);
-    ``device`` — where matching runs.
+    ``device`` — where matching runs; ``reduce`` — "mean" (default), or "median" / "trimmed" (with
+    ``trim``, the fraction cut at each end): robust aggregation modulo the symmetries, the coordinate-wise
+    median or trimmed mean taken among the *aligned* replies (the guard then compares it with Flower's
+    plain FedMedian / FedTrimmedAvg).
     """
 
     needs_architecture = True
 
     def __init__(self, *, residual: str = "orthogonal", form: str = "factored", keep_layernorm: bool = True,
                  iterations: int = 3, guard_data=None, guard_batches: Optional[int] = 8, device: Optional[str] = None,
-                 guard_fn: Optional[Callable[[ArrayRecord], float]] = None, **kwargs: Any) -> None:
+                 guard_fn: Optional[Callable[[ArrayRecord], float]] = None, reduce: str = "mean", trim: float = 0.2,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if reduce not in REDUCES:
+            raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
+        self.reduce, self.trim = reduce, trim
         if guard_fn is not None and guard_data is not None:
             raise ValueError("pass guard_data or guard_fn, not both")
         self.guard_fn = guard_fn
@@ -56,16 +63,23 @@ class AlignedFedAvg(FedlmcStrategy):
     def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
         return universe_merge(models, weights=weights, start=start, iterations=self.iterations, form=self.form,
-                              keep_layernorm=self.keep_layernorm, residual=self.residual, device=self.device)
+                              keep_layernorm=self.keep_layernorm, residual=self.residual, device=self.device,
+                              reduce=self.reduce, trim=self.trim)
+
+    def plain(self, models: list[nn.Module], weights: list[float]) -> nn.Module:
+        """The unaligned counterpart: FedAvg's weighted mean, or Flower's FedMedian / FedTrimmedAvg."""
+        if self.reduce != "mean":
+            return rebuild(models[0], robust_state([m.state_dict() for m in models], self.reduce, self.trim))
+        total = sum(weights)
+        return merge(models, [w / total for w in weights])
 
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
         merged, transforms = self.align(models, weights, self.previous_model())
         fields: dict[str, Any] = {"align_seconds": time.time() - t0, "kept": "aligned",
                                   "moved": [transform_distance(T, spec_for(merged)) for T in transforms]}
-        total = sum(weights)
         guarded = self.guard_data is not None or self.guard_fn is not None
-        plain = merge(models, [w / total for w in weights]) if guarded or self.report_data is not None else None
+        plain = self.plain(models, weights) if guarded or self.report_data is not None else None
         result = merged
         if guarded:
             l_aligned, l_plain = self.guard_loss(merged), self.guard_loss(plain)
@@ -96,6 +110,8 @@ class RefinedFedAvg(AlignedFedAvg):
     def __init__(self, *, refine_data, alpha: float = 0.1, refine_steps: int = 100,
                  loss_fn: Optional[Callable] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if self.reduce != "mean":
+            raise ValueError("RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'")
         if refine_data is None:
             raise ValueError("RefinedFedAvg needs refine_data (a small server-side data set)")
         self.refine_data, self.alpha, self.refine_steps, self.loss_fn = refine_data, alpha, refine_steps, loss_fn

@@ -29,8 +29,11 @@ def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any
     aligned = dict(iterations=s.iterations, residual=s.residual, form=s.form, keep_layernorm=s.keep_layernorm,
                    guard_data=guard_half if s.guard else None, guard_batches=s.guard_batches or None,
                    device=s.device or None)
+    robust = dict(reduce=s.reduce, trim=s.trim)
     if s.strategy == "average":
-        return ReportingFedAvg(**common)
+        return ReportingFedAvg(**common, **robust)
+    if s.strategy in ("aligned", "permuted"):
+        aligned.update(robust)
     if s.strategy == "aligned":
         return AlignedFedAvg(**common, **aligned)
     if s.strategy == "permuted":  # the peers' method (Git Re-Basin / FedMA style): permutations only, no rotation

@@ -1,15 +1,31 @@
-"""The baseline: Flower's FedAvg aggregation, unchanged, with what a fair comparison needs around it."""
+"""The baseline: Flower's FedAvg aggregation, unchanged, with what a fair comparison needs around it; or,
+with ``reduce``, Flower's robust coordinate-wise aggregates (FedMedian, FedTrimmedAvg)."""
 from __future__ import annotations
 
+from typing import Any
+
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+from fedlmc.averaging import REDUCES, robust_state
+from fedlmc.symmetry import rebuild
 
 from .base import FedlmcStrategy
 
 
 class ReportingFedAvg(FedlmcStrategy):
     """Flower's FedAvg aggregation of the replies that pass fedlmc's validation, plus the model config in
-    every message and a per-round history."""
+    every message and a per-round history. ``reduce="median"`` / ``"trimmed"`` (``trim`` cut at each end)
+    takes the coordinate-wise median / trimmed mean instead, as Flower's FedMedian / FedTrimmedAvg do."""
+
+    def __init__(self, *, reduce: str = "mean", trim: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if reduce not in REDUCES:
+            raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
+        self.reduce, self.trim = reduce, trim
 
     def combine(self, server_round, replies, models, weights):
+        if self.reduce != "mean":
+            sd = robust_state([m.state_dict() for m in models], self.reduce, self.trim)
+            return rebuild(models[0], sd), {"kept": self.reduce}, None
         arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
         return self.model_of(arrays), {"kept": "average"}, None
