@@ -3,6 +3,7 @@
     python -m simulations.compare --setting oneshot --preset vit-tiny --seeds 0 1 2
     python -m simulations.compare --setting multiround --preset vit-tiny
     python -m simulations.compare --setting widths --preset vit-tiny
+    python -m simulations.compare --setting robust --preset vit-tiny     # 5 clients, one poisoned
 
 Every strategy runs with identical seeds and partitions (one process per run, so Ray never leaks
 between runs). Prints a table (final test loss / accuracy, excess over the mean client loss, seconds
@@ -35,6 +36,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "multiround": dict(strategies=["average", "aligned", "refined"], clients=4,
                        config={"num-server-rounds": 5, "independent-start": False, "partitioner": "dirichlet",
                                "alpha": 0.1, "local-epochs": 2.0}),
+    # robust aggregation: 5 one-shot clients, the last one poisoned (shuffled labels); "X@median" is
+    # strategy X with reduce=median (average@median is Flower's FedMedian)
+    "robust": dict(strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"], clients=5,
+                   config={"num-server-rounds": 1, "independent-start": True, "partitioner": "dirichlet",
+                           "alpha": 0.5, "local-epochs": 20.0, "poison-partition": 4, "poison": "labels"}),
     # mixed widths: d, d/2, d/4 clients
     "widths": dict(strategies=["slicing", "hetero"], clients=3,
                    config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
@@ -65,12 +71,14 @@ def run_all(setting: str, preset: str, seeds: list[int], strategies: list[str], 
     out: dict[str, dict[int, dict]] = {s: {} for s in strategies}
     for seed in seeds:
         for strategy in strategies:
+            name, _, reduce = strategy.partition("@")  # "aligned@median": strategy aligned, reduce median
             cfg = {**spec["config"], **PRESET_DEFAULTS.get(preset, {}), **extra, "preset": preset, "seed": seed,
-                   "strategy": strategy, "min-nodes": clients, "report": True}  # excess losses need every reply scored
+                   "strategy": name, "min-nodes": clients, "report": True,  # excess losses need every reply scored
+                   **({"reduce": reduce} if reduce else {})}
             tag = f"{setting}-{preset}-{cfg['partitioner']}{cfg.get('alpha', '') if cfg['partitioner'] == 'dirichlet' else ''}"
-            run_dir = runs / tag / f"{strategy}-s{seed}"
+            run_dir = runs / tag / f"{strategy.replace('@', '-')}-s{seed}"
             cfg["out-dir"] = str(run_dir.resolve())
-            if setting == "oneshot":  # every strategy aggregates the same trained clients (trained once)
+            if setting in ("oneshot", "robust"):  # every strategy aggregates the same trained clients (trained once)
                 cfg.setdefault("client-cache", str((runs / tag / "clients").resolve()))
             Settings.from_run_config(cfg)  # validate before spending time
             metrics = run_dir / "metrics.json"
