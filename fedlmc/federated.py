@@ -71,6 +71,7 @@ class Settings:
     poison_partition: int = -1  # robustness experiments: this partition's client is poisoned (-1: none)
     poison: str = "labels"  # labels (trains on shuffled labels / tokens) | sign-flip (sends start - scale * update)
     poison_scale: float = 1.0
+    vocab_size: int = 0  # 0: the data's; larger pads the vocabulary (50257: GPT-2-small's 124M parameters)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "Settings":
@@ -134,7 +135,13 @@ def splits_for(s: Settings) -> Splits:
 
 def global_model(s: Settings) -> nn.Module:
     """The initial global model (the preset shaped to the data, seed ``s.seed``)."""
-    return model_for_data(s.preset, splits_for(s), s.seed)
+    splits = splits_for(s)
+    if not s.vocab_size:
+        return model_for_data(s.preset, splits, s.seed)
+    need = splits.meta.get("vocab_size")
+    if need is None or s.vocab_size < need:
+        raise ValueError(f"vocab-size {s.vocab_size} is for text models and must be at least the data's ({need})")
+    return model_for_data(s.preset, splits, s.seed, vocab_size=s.vocab_size)
 
 
 def client_config(s: Settings, partition_id: int, node_factor: Optional[float] = None) -> TransformerConfig:
@@ -150,7 +157,7 @@ _GLOBAL_CFG: dict[tuple, TransformerConfig] = {}
 
 
 def global_model_config(s: Settings) -> TransformerConfig:
-    key = (s.preset, s.dataset, s.data_dir, s.text_file)
+    key = (s.preset, s.dataset, s.data_dir, s.text_file, s.vocab_size)
     if key not in _GLOBAL_CFG:
         _GLOBAL_CFG[key] = global_model(s).config
     return _GLOBAL_CFG[key]

@@ -28,11 +28,27 @@ def loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tenso
     return F.cross_entropy(logits, y), (logits.argmax(-1) == y).sum()
 
 
+LOGITS_BUDGET = 1 << 26  # 64M floats: 256 MB of logits per evaluation batch
+
+
+def _vocab_size(model: nn.Module) -> Optional[int]:
+    for m in (model, getattr(model, "hf", None)):
+        v = getattr(getattr(m, "config", None), "vocab_size", None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Data, batch_size: int = 256, device: Optional[str] = None,
              max_batches: Optional[int] = None) -> dict[str, float]:
-    """Mean loss and accuracy over ``data`` (next-token accuracy for text), in eval mode."""
+    """Mean loss and accuracy over ``data`` (next-token accuracy for text), in eval mode. For text the
+    batch is capped so that one batch's logits stay under ``LOGITS_BUDGET`` numbers (256 windows of 1024
+    tokens over GPT-2's 50257-token vocabulary would be 52 GB)."""
     dev = pick_device(device) if device is not None else next(model.parameters()).device
+    vocab = _vocab_size(model)
+    if isinstance(data, TokenData) and vocab:
+        batch_size = max(1, min(batch_size, LOGITS_BUDGET // (data.block_size * vocab)))
     was = model.training
     model.eval()
     total, correct, n = 0.0, 0, 0

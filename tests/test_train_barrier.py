@@ -140,3 +140,27 @@ def test_cli_merge_universe_refine_and_mixed_widths(tmp_path, capsys):
     # three models are needed for the simplex plot: a clear error otherwise
     assert main(["merge", str(tmp_path / "m0"), str(tmp_path / "m1"), "--quiet", "--out", str(tmp_path / "x"),
                  "--plot", str(tmp_path / "x.png")]) == 2
+
+
+def test_evaluation_batches_of_a_large_vocabulary_are_capped(monkeypatch):
+    """A GPT-2-sized vocabulary would make 256-window logits tens of GB: the batch shrinks to the budget."""
+    import torch.nn as nn
+
+    from fedlmc import train as train_mod
+    from fedlmc.data.base import TokenData
+
+    class Big(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"vocab_size": 1000})()
+            self.w = nn.Parameter(torch.zeros(1))
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.append(x.shape[0])
+            return torch.zeros(*x.shape, 1000) + self.w
+
+    monkeypatch.setattr(train_mod, "LOGITS_BUDGET", 16 * 8 * 1000)  # 16 windows of 8 tokens
+    m = Big()
+    out = train_mod.evaluate(m, TokenData(torch.randint(0, 1000, (8 * 100 + 1,)), 8))
+    assert max(m.seen) == 16 and sum(m.seen) == 100 and abs(out["loss"] - float(torch.log(torch.tensor(1000.0)))) < 1e-4
