@@ -13,6 +13,7 @@ from .averaging import FORMS, REDUCES, merge, robust_state
 from .matching import weight_matching
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
+from .symmetry.canonical import recentre
 from .symmetry import (StateDict, Transform, WidthMap, apply_transform, canonical, invert_transform, layernorm_native,
                        rebuild, spec_for, to_layernorm)
 from .widths import (common_shape, lift_residual, ones_lift, pad, permute_masks, residual_projector, same_shape, unit_masks,
@@ -208,6 +209,8 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
         universe = mem.merge(transforms)
     if form == "circuit":  # the last aligned models, merged as circuits
         universe = mem.merge(transforms, form="circuit")
+    if keep_layernorm and reduce != "mean":  # a median of centred streams is not centred: project it back
+        universe = recentre(universe)
     return (to_layernorm(universe) if keep_layernorm else universe), mem.client_transforms(transforms)
 
 

@@ -111,3 +111,12 @@ def test_poisoned_clients():
     flip_update(m, start, 2.0)
     k = "head.weight"
     assert torch.allclose(m.state_dict()[k], start[k] - 2.0)
+
+
+def test_median_of_different_layernorm_models_goes_back_to_layernorm():
+    """The coordinate-wise median of centred streams is not centred; the universe projects the writers
+    back onto 1⊥ (``recentre``) so the aggregate is again an ordinary LayerNorm model."""
+    models = [perturbed(from_preset("vit-tiny", **KW), s, 0.2).double() for s in range(5)]
+    with torch.no_grad():
+        med, _ = universe_merge(models, reduce="median", keep_layernorm=True, iterations=1)
+    assert med.config.norm == "layernorm"

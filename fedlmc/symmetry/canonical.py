@@ -86,6 +86,17 @@ def residual_offcentre(model: nn.Module) -> float:
     return worst
 
 
+def recentre(model: nn.Module) -> nn.Module:
+    """A canonical model with every writer projected onto 1⊥: the nearest model whose stream is centred
+    (not function-preserving unless it already was; a coordinate-wise median of centred models is not
+    centred, and this is how such an aggregate goes back to LayerNorm)."""
+    sd = dict(model.state_dict())
+    for m in spec_for(model.config).writers():
+        t = sd[m.param].detach()
+        sd[m.param] = t - t.mean(dim=m.axis, keepdim=True)
+    return rebuild(model, sd)
+
+
 def to_layernorm(model: nn.Module, tol: float = 1e-6) -> nn.Module:
     """Convert a canonical model whose residual stream is centred back to an ordinary LayerNorm model.
 

@@ -1,0 +1,110 @@
+"""bench/deploy_gpt2_small.py: one round of a real deployment (a SuperLink and 2 SuperNodes on loopback,
+``deploy/start.sh``) with a GPT-2-small-shaped model: 12 layers, d 768, 12 heads, d_ff 3072, block 1024,
+the vocabulary padded to GPT-2's 50257 (124M parameters, ~500 MB in float32), so every message is that
+size both ways. Clients receive the global model, take ``--local-steps`` steps and send it back; the
+server averages. Samples every process's resident memory twice a second and writes
+``results/deploy_gpt2_small.json``: the round's wall time, each process's peak RSS, and what it needed.
+
+    python bench/deploy_gpt2_small.py [--local-steps 1] [--strategy average]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def role(args: str) -> str:
+    for key in ("flower-superlink", "flower-supernode", "flwr-serverapp", "flwr-clientapp", "flower-superexec",
+                "flwr-superexec", "simulations.launch", "flwr run"):
+        if key in args:
+            return key
+    return args.split()[0] if args else "?"
+
+
+class Sampler(threading.Thread):
+    """Peak RSS (MB) of every process below ``roots`` (re-read from ``ps`` each time: apps come and go)."""
+
+    def __init__(self, roots_file: Path, extra: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.roots_file, self.extra, self.peak, self.stop = roots_file, extra, {}, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            rows = subprocess.run(["ps", "-eo", "pid=,ppid=,rss=,args="], capture_output=True, text=True).stdout
+            procs = {}
+            for line in rows.splitlines():
+                parts = line.split(None, 3)
+                if len(parts) == 4:
+                    procs[int(parts[0])] = (int(parts[1]), int(parts[2]), parts[3])
+            roots = [int(x) for x in self.roots_file.read_text().split()] if self.roots_file.is_file() else []
+            keep = set(roots + self.extra)
+            changed = True
+            while changed:
+                changed = False
+                for pid, (ppid, _, _) in procs.items():
+                    if ppid in keep and pid not in keep:
+                        keep.add(pid)
+                        changed = True
+            for pid in keep & set(procs):
+                _, rss, args = procs[pid]
+                key = f"{role(args)} (pid {pid})"
+                self.peak[key] = max(self.peak.get(key, 0.0), rss / 1024)
+            time.sleep(0.5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--local-steps", type=int, default=1)
+    p.add_argument("--strategy", default="average")
+    p.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args()
+    d = Path(tempfile.mkdtemp(prefix="dep-g2s-", dir="/tmp"))
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "DIR": str(d), "BIN": bin_dir, "FLWR_TELEMETRY_ENABLED": "0", "MODE": "insecure", "N": "2",
+           "PORT": str(free_port()), "NODE_PORT": str(free_port()), "WIDTHS": "", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = d / "out"
+    cfg = (f"preset='gpt2-small' vocab-size=50257 num-server-rounds=1 local-steps={args.local_steps} batch-size=2 "
+           f"strategy='{args.strategy}' independent-start=false eval-batches=1 guard=false threads=1 out-dir='{out}'")
+    doc = {"config": cfg, "parameters": None}
+    try:
+        subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
+        sampler = Sampler(d / "pids", [os.getpid()])
+        sampler.start()
+        t0 = time.time()
+        run = subprocess.run([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c", cfg], cwd=ROOT,
+                             env={**env, "FLWR_HOME": str(d / "flwr")}, capture_output=True, text=True, timeout=args.timeout)
+        doc["wall_seconds"] = time.time() - t0
+        sampler.stop.set()
+        sampler.join()
+        doc["returncode"] = run.returncode
+        doc["peak_rss_mb"] = dict(sorted(sampler.peak.items(), key=lambda kv: -kv[1]))
+        if (out / "metrics.json").is_file():
+            m = json.loads((out / "metrics.json").read_text())
+            doc["rounds"] = [{k: r.get(k) for k in ("round", "round_seconds", "test_loss")} for r in m["rounds"]]
+            doc["finished"] = "finished" in m
+        doc["log_tail"] = (run.stdout + run.stderr)[-3000:]
+    finally:
+        subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env={**env}, timeout=60)
+    (ROOT / "results" / "deploy_gpt2_small.json").write_text(json.dumps(doc, indent=1))
+    print(json.dumps({k: v for k, v in doc.items() if k != "log_tail"}, indent=1))
+    print(doc.get("log_tail", "")[-1500:])
+
+
+if __name__ == "__main__":
+    main()
