@@ -73,15 +73,18 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=1)
     p.add_argument("--strategy", default="average")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--database", choices=["sqlite", "memory"], default="memory",
+                   help="the SuperLink's state: a sqlite file (deploy/start.sh's default) or in memory")
     args = p.parse_args()
     d = Path(tempfile.mkdtemp(prefix="dep-g2s-", dir="/tmp"))
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "DIR": str(d), "BIN": bin_dir, "FLWR_TELEMETRY_ENABLED": "0", "MODE": "insecure", "N": "2",
-           "PORT": str(free_port()), "NODE_PORT": str(free_port()), "WIDTHS": "", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+           "PORT": str(free_port()), "NODE_PORT": str(free_port()), "WIDTHS": "", "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "DATABASE": str(d / "state.db") if args.database == "sqlite" else ""}
     out = d / "out"
     cfg = (f"preset='gpt2-small' vocab-size=50257 num-server-rounds=1 local-steps={args.local_steps} batch-size=2 "
            f"strategy='{args.strategy}' independent-start=false eval-batches=1 guard=false threads=1 out-dir='{out}'")
-    doc = {"config": cfg, "parameters": None}
+    doc = {"config": cfg, "database": args.database}
     try:
         subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
         sampler = Sampler(d / "pids", [os.getpid()])
@@ -101,7 +104,8 @@ def main() -> None:
         doc["log_tail"] = (run.stdout + run.stderr)[-3000:]
     finally:
         subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env={**env}, timeout=60)
-    (ROOT / "results" / "deploy_gpt2_small.json").write_text(json.dumps(doc, indent=1))
+    doc["peak_rss_mb"] = {k: v for k, v in doc.get("peak_rss_mb", {}).items() if not k.startswith("ps ")}
+    (ROOT / "results" / f"deploy_gpt2_small_{args.database}.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps({k: v for k, v in doc.items() if k != "log_tail"}, indent=1))
     print(doc.get("log_tail", "")[-1500:])
 

@@ -12,6 +12,7 @@ DIR=$(mkdir -p "${DIR:-$ROOT/runs/deploy}" && cd "${DIR:-$ROOT/runs/deploy}" && 
 PORT=${PORT:-8000}           # the SuperLink's HTTP API (fleet, control, runtime)
 NODE_PORT=${NODE_PORT:-9094} # first SuperNode's ClientAppIo port (one per node)
 WIDTHS=${WIDTHS:-}
+DATABASE=${DATABASE-$DIR/state.db} # the SuperLink's state; DATABASE="" keeps it in memory (no restart possible)
 BIN=${BIN:-$ROOT/.venv/bin}
 export PATH="$BIN:$PATH" FLWR_TELEMETRY_ENABLED=0
 export FLWR_HOME="$DIR/flwr"
@@ -43,7 +44,9 @@ TOML
 fi
 
 # the SuperLink never installs the app's dependencies (they are in this venv; a fetch would pull CUDA torch)
-flower-superlink "${LINK_TLS[@]}" --disable-runtime-dependency-installation --database "$DIR/state.db" \
+DB_ARGS=()
+[[ -n $DATABASE ]] && DB_ARGS=(--database "$DATABASE")
+flower-superlink "${LINK_TLS[@]}" --disable-runtime-dependency-installation "${DB_ARGS[@]}" \
   --fleet-api-address "127.0.0.1:$PORT" --control-api-address "127.0.0.1:$PORT" --host 127.0.0.1 --port "$PORT" \
   > "$DIR/superlink.log" 2>&1 &
 echo $! >> "$DIR/pids"
