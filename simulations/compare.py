@@ -41,6 +41,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "robust": dict(strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"], clients=5,
                    config={"num-server-rounds": 1, "independent-start": True, "partitioner": "dirichlet",
                            "alpha": 0.5, "local-epochs": 20.0, "poison-partition": 4, "poison": "labels"}),
+    # ... and federated training from a shared init with a sign-flipping attacker (scaled ×4: its
+    # flipped update cancels the four honest ones in a plain mean)
+    "robust-multiround": dict(strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
+                              clients=5, config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
+                                                 "local-epochs": 2.0, "poison-partition": 4, "poison": "sign-flip",
+                                                 "poison-scale": 4.0}),
     # mixed widths: d, d/2, d/4 clients
     "widths": dict(strategies=["slicing", "hetero"], clients=3,
                    config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
