@@ -151,3 +151,57 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
     finally:
         subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _round_done(out: Path, rnd: int, seconds: float) -> bool:
+    """Poll the ServerApp's checkpoint until round ``rnd`` is saved (False after ``seconds``)."""
+    end = time.time() + seconds
+    while time.time() < end:
+        try:
+            if json.loads((out / "state" / "state.json").read_text())["round"] >= rnd:
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    return False
+
+
+@pytest.mark.timeout(1200)
+def test_superlink_restart_and_resume():
+    """The SuperLink is killed (with everything below it: SuperExec, the ServerApp) after round 1 of 3 and
+    started again on the same state database and ports. The killed run's ``flwr run`` fails; the same
+    two SuperNodes, never restarted, reconnect to the new SuperLink by themselves; ``flwr run`` with
+    ``resume=true`` starts a new run whose ServerApp continues from the checkpoint: rounds 2 and 3,
+    numbered as such, both nodes in each, and the metrics hold rounds 0-3."""
+    d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
+    try:
+        port, node_port = _free_port(), _free_port()
+        env = _env(d, MODE="insecure", N="2", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
+        subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
+        pids = [int(x) for x in (d / "pids").read_text().split()]
+        link = pids[0]
+        argv = Path(f"/proc/{link}/cmdline").read_bytes().split(b"\0")[:-1]
+        out = d / "out"
+        cfg = f"num-server-rounds=3 local-steps=20 threads=1 round-timeout=400.0 out-dir='{out}'"
+        flwr_env = {**env, "FLWR_HOME": str(d / "flwr")}
+        first = subprocess.Popen([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c", cfg], cwd=ROOT,
+                                 env=flwr_env, stdout=open(d / "run1.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        assert _round_done(out, 1, 400), (d / "run1.log").read_text()[-2000:]
+        for pid in process_tree(link):
+            os.kill(pid, signal.SIGKILL)
+        assert first.wait(timeout=300) != 0  # the run's stream broke with its SuperLink
+        relinked = subprocess.Popen(argv, env=env, stdout=open(d / "superlink2.log", "w"), stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        with open(d / "pids", "a") as f:
+            f.write(f"{relinked.pid}\n")
+        assert _wait_for(d / "superlink2.log", "Application startup complete", 120)
+        second = subprocess.run([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c", cfg + " resume=true"],
+                                cwd=ROOT, env=flwr_env, capture_output=True, text=True, timeout=600)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]
+        assert "resuming from" in second.stdout + second.stderr
+        doc = json.loads((out / "metrics.json").read_text())
+        assert "finished" in doc and [r["round"] for r in doc["rounds"]] == [0, 1, 2, 3]
+        assert all(len(r["strategy"]["nodes"]) == 2 for r in doc["rounds"][1:])
+    finally:
+        subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
+        shutil.rmtree(d, ignore_errors=True)
