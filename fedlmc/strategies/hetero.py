@@ -105,16 +105,18 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
     def adapter_for(self, msg: Message) -> Optional[HFAdapter]:
         """The adapter whose client shapes the reply has (the widest when none fits: its error names why)."""
-        if len(self.adapters) < 2 or msg.has_error() or self.arrayrecord_key not in msg.content.array_records:
-            return self.adapter
+        node = int(msg.metadata.src_node_id)  # every reply passes here first: remember who the node is
+        self._seen.add(node)
         pid = declared_partition(msg)
         if pid is not None:
-            self.partition_of[int(msg.metadata.src_node_id)] = pid
+            self.partition_of[node] = pid
+        if len(self.adapters) < 2 or msg.has_error() or self.arrayrecord_key not in msg.content.array_records:
+            return self.adapter
         arrays = msg.content.array_records[self.arrayrecord_key]
         shapes = {k: tuple(a.shape) for k, a in arrays.items()}
         for i, a in enumerate(self.adapters):
             if all(shapes.get(k, v) == v for k, v in a.template.items()) and not a.mismatch(shapes):
-                self.adapter_of[self.client_key(int(msg.metadata.src_node_id))] = i
+                self.adapter_of[self.client_key(node)] = i
                 return a
         return self.adapter
 
@@ -142,11 +144,6 @@ class HeteroWidthFedAvg(FedlmcStrategy):
                                               iterations=self.iterations, residual=self.residual, device=self.device,
                                               keep_layernorm=bool(self.adapters))  # HF clients hold LayerNorm models
         self._universe = universe
-        for msg in replies:
-            self._seen.add(int(msg.metadata.src_node_id))
-            pid = declared_partition(msg)
-            if pid is not None:
-                self.partition_of[int(msg.metadata.src_node_id)] = pid
         self.transforms.update(zip([self.client_key(int(m.metadata.src_node_id)) for m in replies], transforms))
         widths = [int(m.config.d_model) for m in models]
         log(INFO, "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d", server_round,
