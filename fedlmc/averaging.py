@@ -62,6 +62,11 @@ def robust_state(states: Sequence[StateDict], reduce: str = "median", trim: floa
     return out
 
 
+def robust_merge(models: Sequence[nn.Module], reduce: str, trim: float = 0.2) -> nn.Module:
+    """``robust_state`` of same-shape models, as a model (on raw replies: Flower's FedMedian / FedTrimmedAvg)."""
+    return rebuild(models[0], robust_state([m.state_dict() for m in models], reduce, trim))
+
+
 def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg,
                   masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None) -> tuple[StateDict, object]:
     """Merge heads as circuits: concatenate every model's heads, weighting one factor of each circuit.

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from .data import ArrayData, Data, DataNotFound, Splits, TokenData, load
+from .averaging import REDUCES
 from .data.partition import PARTITIONS_VERSION, SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
@@ -91,8 +92,7 @@ class Settings:
         if any(f != 1 for f in s.factors()) and s.strategy in ("average", "permuted", "aligned", "refined"):
             raise ValueError(f"width-factors {s.width_factors!r} make a mixed-width federation: use strategy "
                              "'hetero' (aligned) or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
-        if s.reduce not in ("mean", "median", "trimmed"):
-            raise ValueError(f"reduce must be 'mean', 'median' or 'trimmed', got {s.reduce!r}")
+        s.reduce = method_name(s.reduce, REDUCES, "reduce")
         if s.reduce != "mean" and s.strategy not in ("average", "permuted", "aligned"):
             raise ValueError(f"reduce={s.reduce!r} applies to strategies average, permuted and aligned, not {s.strategy!r}")
         if s.poison not in ("labels", "sign-flip"):

@@ -172,8 +172,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
         raise ValueError("method='refined' needs data (a small training set) for the Dirichlet refinement")
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
-    if reduce not in REDUCES:
-        raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
+    reduce = method_name(reduce, REDUCES, "reduce")
     if reduce != "mean" and (method == "refined" or form != "factored"):
         raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, method='aligned'")
     mem = members(models, weights, start, keep_layernorm)

@@ -20,9 +20,10 @@ import torch.nn as nn
 from flwr.app import ArrayRecord
 from flwr.supercore import log
 
-from fedlmc.averaging import REDUCES, merge, robust_state
-from fedlmc.symmetry import rebuild, spec_for
+from fedlmc.averaging import REDUCES, merge, robust_merge
+from fedlmc.symmetry import spec_for
 from fedlmc.universe import universe_merge
+from fedlmc.vocabulary import method_name
 
 from .base import FedlmcStrategy
 
@@ -50,9 +51,7 @@ class AlignedFedAvg(FedlmcStrategy):
                  guard_fn: Optional[Callable[[ArrayRecord], float]] = None, reduce: str = "mean", trim: float = 0.2,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if reduce not in REDUCES:
-            raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
-        self.reduce, self.trim = reduce, trim
+        self.reduce, self.trim = method_name(reduce, REDUCES, "reduce"), trim
         if guard_fn is not None and guard_data is not None:
             raise ValueError("pass guard_data or guard_fn, not both")
         self.guard_fn = guard_fn
@@ -69,7 +68,7 @@ class AlignedFedAvg(FedlmcStrategy):
     def plain(self, models: list[nn.Module], weights: list[float]) -> nn.Module:
         """The unaligned counterpart: FedAvg's weighted mean, or Flower's FedMedian / FedTrimmedAvg."""
         if self.reduce != "mean":
-            return rebuild(models[0], robust_state([m.state_dict() for m in models], self.reduce, self.trim))
+            return robust_merge(models, self.reduce, self.trim)
         total = sum(weights)
         return merge(models, [w / total for w in weights])
 

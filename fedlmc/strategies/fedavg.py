@@ -6,8 +6,8 @@ from typing import Any
 
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from fedlmc.averaging import REDUCES, robust_state
-from fedlmc.symmetry import rebuild
+from fedlmc.averaging import REDUCES, robust_merge
+from fedlmc.vocabulary import method_name
 
 from .base import FedlmcStrategy
 
@@ -19,13 +19,10 @@ class ReportingFedAvg(FedlmcStrategy):
 
     def __init__(self, *, reduce: str = "mean", trim: float = 0.2, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if reduce not in REDUCES:
-            raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
-        self.reduce, self.trim = reduce, trim
+        self.reduce, self.trim = method_name(reduce, REDUCES, "reduce"), trim
 
     def combine(self, server_round, replies, models, weights):
         if self.reduce != "mean":
-            sd = robust_state([m.state_dict() for m in models], self.reduce, self.trim)
-            return rebuild(models[0], sd), {"kept": self.reduce}, None
+            return robust_merge(models, self.reduce, self.trim), {"kept": self.reduce}, None
         arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
         return self.model_of(arrays), {"kept": "average"}, None
