@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import Data, TokenData
+from .base import Data, TokenData, Units
 
 SCHEMES = ("iid", "dirichlet", "speaker", "contiguous")
 # 2: text partitions deal out speeches (before: every scheme cut text into contiguous shards); part of
@@ -61,7 +61,7 @@ def partition_text(data: TokenData, num_partitions: int, scheme: str = "iid", al
     for idx in partition_indices(np.asarray(u.labels), num_partitions, scheme, alpha, seed):
         pieces = [data.tokens[u.starts[i]:u.ends[i]] for i in idx]
         lens = np.cumsum([0] + [len(p) for p in pieces])
-        sub = type(u)(lens[:-1], lens[1:], [u.labels[i] for i in idx])
+        sub = Units(lens[:-1], lens[1:], [u.labels[i] for i in idx])
         out.append(TokenData(torch.cat(pieces) if pieces else data.tokens[:0], data.block_size, sub))
     return out
 
