@@ -166,6 +166,16 @@ def circuit_inner(XA: torch.Tensor, YA: torch.Tensor, XB: torch.Tensor, YB: torc
     return (torch.einsum("iak,jbk->ijab", XA, XB) * torch.einsum("iak,jbk->ijab", YA, YB)).sum((-1, -2))
 
 
+def circuit_norm(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """``‖Xᵢᵀ Yᵢ‖²_F`` for every head i, without forming the circuits."""
+    return ((X @ X.transpose(1, 2)) * (Y @ Y.transpose(1, 2))).sum((-1, -2))
+
+
+def circuit_distance(XA, YA, XB, YB, nA: torch.Tensor, nB: torch.Tensor) -> torch.Tensor:
+    """Squared circuit distances between all of A's and B's heads, normalised by A's mean circuit norm."""
+    return (nA[:, None] + nB[None, :] - 2 * circuit_inner(XA, YA, XB, YB)) / nA.mean().clamp_min(1e-30)
+
+
 # The two circuits of a head, as (transposed factor, other factor) fns in the qk / ov gauge groups.
 CIRCUITS = {"qk": (("MT",), ("Minv",)), "ov": (("MinvT",), ("M",))}
 
@@ -177,7 +187,7 @@ def circuit_norms(sd: StateDict, spec: SymmetrySpec, heads: str) -> dict[str, to
     for kind, (xs, ys) in CIRCUITS.items():
         g = spec.gauges_of(heads)[kind]
         X, Y = head_side(sd, g, xs), head_side(sd, g, ys)
-        out[kind] = ((X @ X.transpose(1, 2)) * (Y @ Y.transpose(1, 2))).sum((-1, -2))
+        out[kind] = circuit_norm(X, Y)
     return out
 
 
@@ -193,9 +203,7 @@ def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str,
         g = gauges[kind]
         XA, YA = head_side(A, g, xs), head_side(A, g, ys)
         XB, YB = head_side(B, g, xs), head_side(B, g, ys)
-        nA, nB = nAs[kind], nBs[kind]
-        d = nA[:, None] + nB[None, :] - 2 * circuit_inner(XA, YA, XB, YB)
-        D = D + d / nA.mean().clamp_min(1e-30)
+        D = D + circuit_distance(XA, YA, XB, YB, nAs[kind], nBs[kind])
     return D
 
 
@@ -221,9 +229,7 @@ def query_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str, 
         g = spec.gauges_of(heads)[kind]
         XA, YA = query_side(A, g, xs, n_query), query_side(A, g, ys, n_query)
         XB, YB = query_side(B, g, xs, n_query), query_side(B, g, ys, n_query)
-        nA = ((XA @ XA.transpose(1, 2)) * (YA @ YA.transpose(1, 2))).sum((-1, -2))
-        nB = ((XB @ XB.transpose(1, 2)) * (YB @ YB.transpose(1, 2))).sum((-1, -2))
-        D = D + (nA[:, None] + nB[None, :] - 2 * circuit_inner(XA, YA, XB, YB)) / nA.mean().clamp_min(1e-30)
+        D = D + circuit_distance(XA, YA, XB, YB, circuit_norm(XA, YA), circuit_norm(XB, YB))
     return D
 
 
