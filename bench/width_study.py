@@ -1,0 +1,130 @@
+"""Width study: do wider models connect better? Barriers of vanilla averaging, weight matching and
+learned matching for one pair of independently trained models per width, same depth.
+
+Writes results/width_study_{arch}.{json,md,png}. Usage:
+    python bench/width_study.py --arch gpt2 [--widths 64 128 256] [--steps 1000] [--seeds 0 1]
+    python bench/width_study.py --arch vit  [--widths 32 64 128]
+Only the width changes: d_model = d, d_ff = the preset's ratio × d, the preset's head count (so d_head
+grows with d), depth and data as the preset. Models and each width's barriers are cached under
+--cache, so an interrupted study resumes where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from fedlmc.commands import console, load_splits, trained
+from fedlmc.models import preset_config
+from fedlmc.reproduce import METHODS, pair_curves
+
+PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny"}
+WIDTHS = {"gpt2": [64, 128, 256], "vit": [32, 64, 128]}
+METHOD_KEYS = ["vanilla", "wm-orth-circuit", "wm-orth-factored", "learned"]
+
+
+def one_width(preset: str, d: int, splits, args) -> dict:
+    """Train (or reuse) the pair at width ``d`` and measure every method's barrier on the test split."""
+    base = preset_config(preset)
+    arch = {"d_model": d, "d_ff": base.d_ff * d // base.d_model}
+    over = {"steps": args.steps} if args.steps else {}
+    key = hashlib.sha1(json.dumps([preset, arch, over, args.seeds, args.learned_steps, METHOD_KEYS]).encode()).hexdigest()[:10]
+    cached = Path(args.cache) / f"width-{preset}-d{d}-{key}.json"
+    if cached.is_file():
+        console.print(f"width {d}: reusing {cached}")
+        return json.loads(cached.read_text())
+    t0 = time.time()
+    a, b = (trained(preset, s, splits, Path(args.cache), progress=not args.quiet, model_overrides=arch, **over)
+            for s in args.seeds)
+    train_s = time.time() - t0
+    console.rule(f"{preset} at d = {d}: {sum(p.numel() for p in a.parameters()) / 1e6:.2f}M parameters")
+    curves = pair_curves(a, b, splits, METHOD_KEYS, args.learned_steps, progress=not args.quiet, log=console.print)
+    van = curves["vanilla"]["barrier"]
+    row = {"d_model": d, **arch, "n_head": base.n_head, "d_head": d // base.n_head,
+           "parameters": sum(p.numel() for p in a.parameters()),
+           "test_loss": [m.meta.get("test", {}).get("loss") for m in (a, b)],
+           "train_steps": [m.meta.get("steps") for m in (a, b)], "train_seconds": round(train_s, 1),
+           "barrier": {k: c["barrier"] for k, c in curves.items()},
+           "ratio": {k: c["barrier"] / van for k, c in curves.items()},
+           "acc_mid": {k: c["acc_mid"] for k, c in curves.items()},
+           "seconds": {k: round(c["seconds"], 1) for k, c in curves.items()},
+           "curves": {k: c["curve"] for k, c in curves.items()}}
+    cached.write_text(json.dumps(row))
+    return row
+
+
+def markdown(arch: str, rows: list[dict], args) -> str:
+    budget = f"{args.steps} steps" if args.steps else "the preset's budget"
+    lines = [f"### Width study, {arch} ({PRESET[arch]}'s depth and data; seeds {args.seeds}, one pair per width; "
+             f"each model trained for {budget}; learned matching {args.learned_steps} steps from weight matching)", "",
+             "| d_model | parameters | endpoint test losses | " + " | ".join(METHODS[k][0] for k in METHOD_KEYS)
+             + " | weight matching × vanilla | learned × vanilla |",
+             "|---|---|---|" + "---|" * len(METHOD_KEYS) + "---|---|"]
+    for r in rows:
+        losses = " / ".join(f"{x:.3f}" for x in r["test_loss"])
+        bars = " | ".join(f"{r['barrier'][k]:.3f}" for k in METHOD_KEYS)
+        lines.append(f"| {r['d_model']} | {r['parameters'] / 1e6:.2f}M | {losses} | {bars} | "
+                     f"{r['ratio']['wm-orth-circuit']:.3f}× | {r['ratio']['learned']:.3f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(arch: str, rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ds = [r["d_model"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for k in METHOD_KEYS:
+        left.plot(ds, [r["barrier"][k] for r in rows], marker="o", label=METHODS[k][0])
+        if k != "vanilla":
+            right.plot(ds, [r["ratio"][k] for r in rows], marker="o", label=METHODS[k][0])
+    for ax, ylabel in ((left, "loss barrier (test)"), (right, "barrier × vanilla's")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ds, [str(d) for d in ds])
+        ax.set_xlabel("width d_model")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    right.set_ylim(bottom=0)
+    left.legend(fontsize=7)
+    fig.suptitle(f"{PRESET[arch]} at several widths: one pair per width")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=list(PRESET), required=True)
+    p.add_argument("--widths", type=int, nargs="+")
+    p.add_argument("--seeds", type=int, nargs=2, default=[0, 1])
+    p.add_argument("--steps", type=int, help="training steps per model (default: the preset's budget)")
+    p.add_argument("--learned-steps", type=int, default=300)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--cache", default="runs/cache")
+    p.add_argument("--out", default="results")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    preset = PRESET[args.arch]
+    splits = load_splits(preset, args)
+    t0 = time.time()
+    rows = [one_width(preset, d, splits, args) for d in (args.widths or WIDTHS[args.arch])]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"width_study_{args.arch}"
+    payload = {"arch": args.arch, "preset": preset, "seeds": args.seeds, "steps": args.steps,
+               "learned_steps": args.learned_steps, "threads": args.threads, "device": "cpu",
+               "seconds": round(time.time() - t0, 1), "rows": rows}
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    md = markdown(args.arch, rows, args)
+    stem.with_suffix(".md").write_text(md)
+    plot(args.arch, rows, stem.with_suffix(".png"))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
