@@ -72,3 +72,22 @@ def test_refined_universe_transforms_are_exact_also_for_mixed_widths(make_model,
             assert i == 0
         record(f"refined {arch} model {i} (d={m.config.d_model}): into universe vs model",
                _gap(m, into_universe(m, T), x), 1e-10)
+
+
+def test_snapshots_are_the_shorter_runs_and_cosine_is_exact(record):
+    """A 6-step run's snapshot at 3 steps is the 3-step run (same batches, constant rates); a cosine
+    schedule gives another, still exact, element."""
+    A, B = make("gpt2", 0), make("gpt2", 1)
+    init = weight_matching(A, B)
+    long = learned_matching(A, B, _data(A), start=init, steps=6, lr=0.05, snapshots=(3,), progress=False)
+    short = learned_matching(A, B, _data(A), start=init, steps=3, lr=0.05, progress=False)
+    snap = long.info["snapshots"][3]
+    assert set(snap.elements) == set(short.elements)
+    for k in short.elements:
+        assert torch.equal(snap[k], short[k]), k
+    assert float((long["residual"] - short["residual"]).abs().max()) > 1e-6  # the later steps moved O
+    cos = learned_matching(A, B, _data(A), start=init, steps=6, lr=0.05, schedule="cosine", progress=False)
+    assert float((cos["residual"] - long["residual"]).abs().max()) > 1e-6
+    record("learned gpt2, cosine schedule: aligned B vs B (float64)", _gap(B, apply_transform(B, cos), inputs_for(A)), 1e-10)
+    with pytest.raises(ValueError, match="schedule"):
+        learned_matching(A, B, _data(A), start=init, steps=1, schedule="linear", progress=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -21,13 +21,16 @@ def learned_matching(model_a: nn.Module, model_b: nn.Module, data, start: Option
                      steps: int = 300, lr: float = 1e-3, perm_lr: float = 0.05, batch_size: int = 64,
                      perms_only: bool = False, form: str = "factored", keep_layernorm: bool = False,
                      gauge: Optional[str] = "orthogonal", seed: int = 0, progress: bool = True,
-                     device: Optional[str] = None, init: Optional[Transform] = None) -> Transform:
+                     device: Optional[str] = None, init: Optional[Transform] = None, schedule: str = "constant",
+                     snapshots: Sequence[int] = ()) -> Transform:
     """Learn T (residual O, head and FF permutations) minimising the merged model's loss on ``data``.
 
     ``start`` defaults to ``weight_matching(A, B)`` (``init`` is its deprecated name); ``perms_only`` keeps O at its start and
     learns only the permutations; ``perm_lr`` is the permutation latents' learning rate (they start as
     0/1 matrices, so a permutation changes once a latent moves by about one). Returns an exact group
-    element whose ``info['loss']`` holds the loss trace.
+    element whose ``info['loss']`` holds the loss trace. ``schedule="cosine"`` decays both learning
+    rates to 0 over ``steps``; ``snapshots`` (step counts) also keep the transform after those steps
+    in ``info['snapshots']`` (with the constant schedule, the same as a run of that many steps).
     """
     dev = pick_device(device)
     if init is not None:
@@ -45,10 +48,10 @@ def learned_matching(model_a: nn.Module, model_b: nn.Module, data, start: Option
 
     opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,
                    keep_layernorm=keep_layernorm, gauge=gauge, learn_residual=not perms_only, seed=seed,
-                   progress=progress)
-    (_, elements), trace, seconds = learn_alignments(states, cfg, [Transform(), start], data, fixed=0,
-                                                     sample_weights=midpoint_region, opts=opts,
-                                                     label="learned matching")
-    info = {"method": "learned", "perms_only": perms_only, "steps": steps, "lr": lr, "loss": trace,
-            "seconds": seconds, "init": start.info}
-    return Transform(elements, info)
+                   progress=progress, schedule=schedule, snapshots=tuple(snapshots))
+    got = learn_alignments(states, cfg, [Transform(), start], data, fixed=0, sample_weights=midpoint_region,
+                           opts=opts, label="learned matching")
+    info = {"method": "learned", "perms_only": perms_only, "steps": steps, "lr": lr, "schedule": schedule,
+            "loss": got.trace, "seconds": got.seconds, "init": start.info,
+            "snapshots": {n: Transform(els[1]) for n, els in got.snapshots.items()}}
+    return Transform(got.elements[1], info)

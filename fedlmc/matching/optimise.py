@@ -12,6 +12,7 @@ is an exact group element in float64 (``common.exact_elements``).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -69,6 +70,19 @@ class Options:
     seed: int = 0
     progress: bool = True
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None  # (outputs, targets) -> loss
+    schedule: str = "constant"  # or "cosine": every learning rate decays to 0 over ``steps``
+    snapshots: tuple[int, ...] = ()  # steps after which the exact elements are also kept (one run, many budgets)
+
+
+@dataclass
+class Learned:
+    """What ``learn_alignments`` returns: each model's exact elements (None for the fixed one), the
+    loss trace, the seconds it took and ``{step: elements}`` for the requested snapshots."""
+
+    elements: list[Optional[Elements]]
+    trace: list[float]
+    seconds: float
+    snapshots: dict[int, list[Optional[Elements]]]
 
 
 class Latents:
@@ -109,13 +123,15 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
                      sample_weights: Callable[[], list[float]], opts: Options,
                      masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
                      reference: Optional[StateDict] = None, label: str = "learning alignments"
-                     ) -> tuple[list[Optional[Elements]], list[float], float]:
+                     ) -> Learned:
     """Learn the alignment of every model but ``fixed`` (canonical ``states`` of config ``cfg``, same
     shape), starting from ``starts``; ``sample_weights()`` draws each step's merge weights; ``masks``
     mark padded units; the gauges align to ``reference`` (default: the fixed model aligned).
 
-    Returns each model's final elements (None for the fixed one, exact, CPU float64), the loss trace
-    and the seconds it took."""
+    Returns each model's final elements (None for the fixed one, exact, CPU float64), the loss trace,
+    the seconds and the elements at ``opts.snapshots``."""
+    if opts.schedule not in ("constant", "cosine"):
+        raise ValueError(f"schedule must be 'constant' or 'cosine', got {opts.schedule!r}")
     t0 = time.time()
     ref_t = states[fixed][next(iter(states[fixed]))]
     dtype, dev, M = ref_t.dtype, ref_t.device, len(states)
@@ -148,16 +164,20 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
         mask = permute_masks(masks[i], Transform(perms)) if masks[i] is not None else None
         return apply_to_state(states[i], cfg, Transform(el), relaxed=True)[0], mask
 
-    trace = _descend(states, cfg, data, opts, opt, aligned, sample_weights, label)
-    out: list[Optional[Elements]] = []
-    with torch.no_grad():
-        for i in range(M):
-            if i == fixed:
-                out.append(None)
-                continue
-            O, perms = lat[i].residual(), lat[i].hard()
-            out.append(exact_elements({"residual": O, **perms, **gauges(i, O, perms)}, spec, opts.keep_layernorm))
-    return out, trace, time.time() - t0
+    def exact() -> list[Optional[Elements]]:
+        with torch.no_grad():
+            return [None if i == fixed else _exact(lat[i], gauges, i, spec, opts.keep_layernorm) for i in range(M)]
+
+    snaps: dict[int, list[Optional[Elements]]] = {}
+    wanted = set(opts.snapshots)
+    trace = _descend(states, cfg, data, opts, opt, aligned, sample_weights, label,
+                     on_step=lambda n: snaps.__setitem__(n, exact()) if n in wanted else None)
+    return Learned(exact(), trace, time.time() - t0, snaps)
+
+
+def _exact(la: Latents, gauges: Callable, i: int, spec, keep_layernorm: bool) -> Elements:
+    O, perms = la.residual(), la.hard()
+    return exact_elements({"residual": O, **perms, **gauges(i, O, perms)}, spec, keep_layernorm)
 
 
 def merged_state(states: Sequence[StateDict], lam: Sequence[float], masks, cfg, form: str) -> StateDict:
@@ -169,8 +189,10 @@ def merged_state(states: Sequence[StateDict], lam: Sequence[float], masks, cfg, 
     return weighted_state(states, lam)
 
 
-def _descend(states, cfg, data, opts: Options, opt, aligned, sample_weights, label: str) -> list[float]:
-    """The training loop: each step aligns every model, merges at fresh weights, steps on the loss."""
+def _descend(states, cfg, data, opts: Options, opt, aligned, sample_weights, label: str,
+             on_step: Callable[[int], None] = lambda n: None) -> list[float]:
+    """The training loop: each step aligns every model, merges at fresh weights, steps on the loss;
+    ``on_step(n)`` runs after the n-th step."""
     M = len(states)
     merged_cfg = circuit_state([states[0]] * M, [1.0 / M] * M, cfg)[1] if opts.form == "circuit" else cfg
     dev = next(iter(states[0].values())).device
@@ -178,6 +200,7 @@ def _descend(states, cfg, data, opts: Options, opt, aligned, sample_weights, lab
     batches = endless_batches(data, opts.batch_size, torch.Generator().manual_seed(opts.seed))
     trace: list[float] = []
     running = None
+    base_lrs = [g["lr"] for g in opt.param_groups]
     with _progress(opts.progress) as bar:
         task = bar.add_task(label, total=opts.steps, info="")
         for step in range(opts.steps):
@@ -190,7 +213,11 @@ def _descend(states, cfg, data, opts: Options, opt, aligned, sample_weights, lab
             loss = opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if opts.schedule == "cosine":
+                for g, lr in zip(opt.param_groups, base_lrs):
+                    g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / opts.steps))
             opt.step()
+            on_step(step + 1)
             trace.append(float(loss.detach()))
             running = trace[-1] if running is None else 0.9 * running + 0.1 * trace[-1]
             bar.update(task, completed=step + 1, info=f"loss {running:.4f}")

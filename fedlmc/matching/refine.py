@@ -52,8 +52,8 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
     opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,
                    keep_layernorm=keep_layernorm, gauge=gauge, seed=seed, progress=progress, loss_fn=loss_fn)
     ref = canonical_state(reference, dev, torch.float32) if reference is not None else None
-    elements, trace, seconds = learn_alignments(
+    got = learn_alignments(
         states, cfg, transforms, data, fixed=fixed, sample_weights=lambda: [float(v) for v in rng.dirichlet([alpha] * M)],
         opts=opts, masks=masks, reference=ref, label=f"Dirichlet refinement ({M} models, α={alpha:g})")
-    info = {"method": "refined", "alpha": alpha, "steps": steps, "loss": trace, "seconds": seconds}
-    return [T if el is None else Transform(el, {**info, "init": T.info}) for T, el in zip(transforms, elements)]
+    info = {"method": "refined", "alpha": alpha, "steps": steps, "loss": got.trace, "seconds": got.seconds}
+    return [T if el is None else Transform(el, {**info, "init": T.info}) for T, el in zip(transforms, got.elements)]
