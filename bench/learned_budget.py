@@ -1,0 +1,170 @@
+"""What learned matching's budget buys: loss barrier against steps (0 = weight matching, 100, one epoch,
+300, 1000), and variants that stay within one epoch of the training split (cosine schedule with a
+higher rate, smaller batches, the circuit form).
+
+Writes results/learned_budget_{preset}.{json,md,png}. Usage:
+    python bench/learned_budget.py --preset vit-tiny [--pairs 3] [--train-steps N]
+Models come from the reproduction's cache (the preset's training budget unless --train-steps); each
+pair's measurements are cached, so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from fedlmc.averaging import interpolate
+from fedlmc.barrier import barrier, interpolation_curve
+from fedlmc.canonical import canonicalize
+from fedlmc.commands import console, load_splits, trained
+from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.reproduce import seed_pairs
+from fedlmc.symmetry import apply_transform
+
+BATCH = 64  # learned matching's default batch size: one epoch is len(train) / 64 steps
+
+
+def variants(epoch: int, long: int = 1000) -> dict[str, dict]:
+    """name -> learned_matching options (``steps`` included) and the snapshots to measure."""
+    return {
+        "constant": dict(steps=long, snapshots=sorted(n for n in {100, epoch, 300, long} if n <= long)),
+        "cosine, lr ×3, one epoch": dict(steps=epoch, lr=3e-3, schedule="cosine"),
+        "batch 16, one epoch": dict(steps=epoch * BATCH // 16, batch_size=16),
+        "batch 16, cosine, lr ×3, one epoch": dict(steps=epoch * BATCH // 16, batch_size=16, lr=3e-3, schedule="cosine"),
+        "circuit form, one epoch": dict(steps=epoch, form="circuit"),
+    }
+
+
+def measure(ca, cb, T, test, form: str = "factored") -> float:
+    curve = interpolation_curve(ca, apply_transform(cb, T), test, interpolate=partial(interpolate, form=form))
+    return barrier(curve)
+
+
+def one_pair(a, b, splits, epoch: int, long: int, log) -> dict:
+    ca, cb = canonicalize(a), canonicalize(b)
+    out: dict = {"vanilla": barrier(interpolation_curve(a, b, splits.test))}
+    t0 = time.time()
+    wm = weight_matching(a, b)
+    out["weight matching"] = {"factored": measure(ca, cb, wm, splits.test), "circuit": measure(ca, cb, wm, splits.test, "circuit"),
+                              "seconds": time.time() - t0}
+    log(f"  vanilla {out['vanilla']:.4f}, weight matching {out['weight matching']['factored']:.4f}")
+    for name, kw in variants(epoch, long).items():
+        kw = dict(kw)
+        snaps = kw.pop("snapshots", [])
+        T = learned_matching(a, b, splits.train, start=wm, progress=False, snapshots=snaps, **kw)
+        form = kw.get("form", "factored")
+        row = {"steps": kw["steps"], "seconds": T.info["seconds"], "form": form,
+               "options": {k: v for k, v in kw.items() if k != "steps"},
+               "barrier": measure(ca, cb, T, splits.test, form)}
+        if form == "factored":
+            row["barrier_circuit_merge"] = measure(ca, cb, T, splits.test, "circuit")
+        row["snapshots"] = {str(n): measure(ca, cb, S, splits.test, form) for n, S in T.info["snapshots"].items()}
+        out[name] = row
+        log(f"  {name}: {row['steps']} steps, barrier {row['barrier']:.4f} ({row['seconds']:.0f} s) {row['snapshots']}")
+    return out
+
+
+def summary(per_pair: list[dict], epoch: int, long: int) -> list[dict]:
+    """Rows (label, steps, mean barrier, s.e., × vanilla) averaged over pairs."""
+    def stats(vals):
+        n = len(vals)
+        m = sum(vals) / n
+        return m, (math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1) / n) if n > 1 else 0.0)
+
+    van = stats([p["vanilla"] for p in per_pair])[0]
+    rows = [("vanilla averaging", 0, [p["vanilla"] for p in per_pair]),
+            ("weight matching (factored)", 0, [p["weight matching"]["factored"] for p in per_pair]),
+            ("weight matching (circuit merge)", 0, [p["weight matching"]["circuit"] for p in per_pair])]
+    for n in variants(epoch, long)["constant"]["snapshots"]:
+        label = f"learned, constant rate, {n} steps" + (" (one epoch)" if n == epoch else "")
+        rows.append((label, n, [p["constant"]["snapshots"][str(n)] for p in per_pair]))
+    rows.append((f"learned, constant rate, {long} steps, circuit merge", long, [p["constant"]["barrier_circuit_merge"] for p in per_pair]))
+    for name in list(variants(epoch, long))[1:]:
+        rows.append((f"learned, {name}", per_pair[0][name]["steps"], [p[name]["barrier"] for p in per_pair]))
+    out = []
+    for label, steps, vals in rows:
+        m, se = stats(vals)
+        out.append({"label": label, "steps": steps, "barrier_mean": m, "barrier_se": se, "ratio": m / van, "barriers": vals})
+    return out
+
+
+def markdown(preset: str, rows: list[dict], pairs, epoch: int, budget: str) -> str:
+    lines = [f"### Learned matching's budget, {preset}: {len(pairs)} pair(s) {pairs}, models trained for {budget}; "
+             f"one epoch = {epoch} steps of batch {BATCH}", "",
+             "| method | steps | loss barrier (mean ± s.e.) | × vanilla |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['steps']} | {r['barrier_mean']:.3f} ± {r['barrier_se']:.3f} | {r['ratio']:.3f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(preset: str, rows: list[dict], epoch: int, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [0] + [r["steps"] for r in rows if r["label"].startswith("learned, constant rate") and "circuit" not in r["label"]]
+    curve = [rows[1]["ratio"]] + [r["ratio"] for r in rows if r["label"].startswith("learned, constant rate") and "circuit" not in r["label"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, curve, marker="o", label="learned matching, constant rate (0 = weight matching)")
+    for r in rows:
+        if "one epoch" in r["label"] and "constant" not in r["label"]:
+            ax.scatter([r["steps"]], [r["ratio"]], marker="x", label=r["label"])
+    ax.axvline(epoch, color="grey", ls=":", label="one epoch (batch 64)")
+    ax.set_xscale("symlog", linthresh=100)
+    ax.set_xlabel("learned-matching steps")
+    ax.set_ylabel("barrier × vanilla's")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{preset}: what learned matching's budget buys")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="vit-tiny")
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--train-steps", type=int, help="training steps per model (default: the preset's budget)")
+    p.add_argument("--long", type=int, default=1000, help="steps of the constant-rate run (snapshots below it)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--cache", default="runs/cache")
+    p.add_argument("--out", default="results")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    splits = load_splits(args.preset, args)
+    epoch = math.ceil(len(splits.train) / BATCH)
+    over = {"steps": args.train_steps} if args.train_steps else {}
+    pairs = seed_pairs(args.pairs)
+    models = {s: trained(args.preset, s, splits, Path(args.cache), progress=False, **over) for s in sorted({s for q in pairs for s in q})}
+    per_pair = []
+    for a, b in pairs:
+        key = hashlib.sha1(json.dumps([args.preset, a, b, over, variants(epoch, args.long)], default=str).encode()).hexdigest()[:10]
+        cached = Path(args.cache) / f"budget-{args.preset}-{a}-{b}-{key}.json"
+        if cached.is_file():
+            per_pair.append(json.loads(cached.read_text()))
+            continue
+        console.rule(f"{args.preset} pair ({a}, {b})")
+        per_pair.append(one_pair(models[a], models[b], splits, epoch, args.long, console.print))
+        cached.write_text(json.dumps(per_pair[-1]))
+    rows = summary(per_pair, epoch, args.long)
+    budget = f"{args.train_steps} steps" if args.train_steps else "the preset's budget"
+    md = markdown(args.preset, rows, pairs, epoch, budget)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    stem = Path(args.out) / f"learned_budget_{args.preset}"
+    stem.with_suffix(".json").write_text(json.dumps({"preset": args.preset, "pairs": pairs, "epoch_steps": epoch,
+                                                     "batch": BATCH, "train_steps": args.train_steps, "threads": args.threads,
+                                                     "rows": rows, "per_pair": per_pair}, indent=1))
+    stem.with_suffix(".md").write_text(md)
+    plot(args.preset, rows, epoch, stem.with_suffix(".png"))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
