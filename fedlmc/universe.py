@@ -137,7 +137,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
                    data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
                    progress: bool = False, loss_fn=None, reduce: str = "mean", trim: float = 0.2,
-                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
+                   relax: str = "ste", **matching: Any) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
     Start from ``start`` (e.g. the previous global model) or the largest-weight model; align every model
@@ -146,7 +146,8 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     from the second iteration on, each model's matching descends from its previous transform (the
     identity is still scored as the do-no-harm candidate). ``method="refined"`` then learns every
     model's alignment with Dirichlet(``alpha``) refinement on ``data`` (``refine_steps`` steps, see
-    ``matching.refine``; ``loss_fn(outputs, targets)`` replaces its cross-entropy).
+    ``matching.refine``; ``loss_fn(outputs, targets)`` replaces its cross-entropy; ``relax="sinkhorn"``
+    refines with soft permutations).
 
     Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
     architecture must agree): each is padded exactly into the largest shape (``widths.pad``), its
@@ -202,7 +203,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
                                    masks=[mem.masks[i] for i in live], weights=[mem.weights[i] for i in live],
                                    alpha=alpha, steps=refine_steps, lr=refine_lr, form=form,
                                    keep_layernorm=keep_layernorm, reference=universe, progress=progress,
-                                   device=matching.get("device"), loss_fn=loss_fn)
+                                   device=matching.get("device"), loss_fn=loss_fn, relax=relax)
         for i, T in zip(live, refined):
             transforms[i] = T
         universe = mem.merge(transforms)

@@ -22,7 +22,7 @@ def learned_matching(model_a: nn.Module, model_b: nn.Module, data, start: Option
                      perms_only: bool = False, form: str = "factored", keep_layernorm: bool = False,
                      gauge: Optional[str] = "orthogonal", seed: int = 0, progress: bool = True,
                      device: Optional[str] = None, init: Optional[Transform] = None, schedule: str = "constant",
-                     snapshots: Sequence[int] = ()) -> Transform:
+                     snapshots: Sequence[int] = (), relax: str = "ste", tau: float = 0.1) -> Transform:
     """Learn T (residual O, head and FF permutations) minimising the merged model's loss on ``data``.
 
     ``start`` defaults to ``weight_matching(A, B)`` (``init`` is its deprecated name); ``perms_only`` keeps O at its start and
@@ -31,6 +31,8 @@ def learned_matching(model_a: nn.Module, model_b: nn.Module, data, start: Option
     element whose ``info['loss']`` holds the loss trace. ``schedule="cosine"`` decays both learning
     rates to 0 over ``steps``; ``snapshots`` (step counts) also keep the transform after those steps
     in ``info['snapshots']`` (with the constant schedule, the same as a run of that many steps).
+    ``relax="sinkhorn"`` merges with soft permutations ``sinkhorn(latent / tau)`` instead of hard
+    ones with a straight-through gradient (the result is still the latents' hard assignment).
     """
     dev = pick_device(device)
     if init is not None:
@@ -48,10 +50,10 @@ def learned_matching(model_a: nn.Module, model_b: nn.Module, data, start: Option
 
     opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,
                    keep_layernorm=keep_layernorm, gauge=gauge, learn_residual=not perms_only, seed=seed,
-                   progress=progress, schedule=schedule, snapshots=tuple(snapshots))
+                   progress=progress, schedule=schedule, snapshots=tuple(snapshots), relax=relax, tau=tau)
     got = learn_alignments(states, cfg, [Transform(), start], data, fixed=0, sample_weights=midpoint_region,
                            opts=opts, label="learned matching")
-    info = {"method": "learned", "perms_only": perms_only, "steps": steps, "lr": lr, "schedule": schedule,
+    info = {"method": "learned", "perms_only": perms_only, "steps": steps, "lr": lr, "schedule": schedule, "relax": relax,
             "loss": got.trace, "seconds": got.seconds, "init": start.info,
             "snapshots": {n: Transform(els[1]) for n, els in got.snapshots.items()}}
     return Transform(got.elements[1], info)

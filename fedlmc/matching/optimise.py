@@ -71,6 +71,8 @@ class Options:
     progress: bool = True
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None  # (outputs, targets) -> loss
     schedule: str = "constant"  # or "cosine": every learning rate decays to 0 over ``steps``
+    relax: str = "ste"  # permutations in the forward: "ste" hard (straight-through), "sinkhorn" soft
+    tau: float = 0.1  # Sinkhorn temperature (latents start as 0/1 matrices: 0.1 puts ~98 % on the start)
     snapshots: tuple[int, ...] = ()  # steps after which the exact elements are also kept (one run, many budgets)
 
 
@@ -118,6 +120,22 @@ class Latents:
         """Forward: the hard permutation matrices; backward: the gradient goes to the latents."""
         return {k: perm_matrix(perms[k], v.dtype).to(v.device) + v - v.detach() for k, v in self.p.items()}
 
+    def soft(self, tau: float) -> dict[str, torch.Tensor]:
+        """Doubly stochastic relaxations ``sinkhorn(latent / tau)`` (block-diagonal for "within" groups)."""
+        return {k: sinkhorn(v / tau, self.blocks.get(k)) for k, v in self.p.items()}
+
+
+def sinkhorn(logits: torch.Tensor, block: Optional[int] = None, iters: int = 20) -> torch.Tensor:
+    """The doubly stochastic matrix nearest ``exp(logits)`` (log-domain Sinkhorn normalisation);
+    ``block``: entries outside the diagonal blocks of that size are zero."""
+    if block is not None:
+        idx = torch.arange(logits.shape[0], device=logits.device) // block
+        logits = logits.masked_fill(idx[:, None] != idx[None, :], float("-inf"))
+    for _ in range(iters):
+        logits = logits - torch.logsumexp(logits, dim=1, keepdim=True)
+        logits = logits - torch.logsumexp(logits, dim=0, keepdim=True)
+    return logits.exp()
+
 
 def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transform], data, fixed: int,
                      sample_weights: Callable[[], list[float]], opts: Options,
@@ -132,6 +150,8 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
     the seconds and the elements at ``opts.snapshots``."""
     if opts.schedule not in ("constant", "cosine"):
         raise ValueError(f"schedule must be 'constant' or 'cosine', got {opts.schedule!r}")
+    if opts.relax not in ("ste", "sinkhorn"):
+        raise ValueError(f"relax must be 'ste' or 'sinkhorn', got {opts.relax!r}")
     t0 = time.time()
     ref_t = states[fixed][next(iter(states[fixed]))]
     dtype, dev, M = ref_t.dtype, ref_t.device, len(states)
@@ -160,7 +180,8 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
         if i == fixed:
             return fixed_state, fixed_mask
         O, perms = lat[i].residual(), lat[i].hard()
-        el = {"residual": O, **gauges(i, O, perms), **lat[i].straight_through(perms)}
+        moving = lat[i].soft(opts.tau) if opts.relax == "sinkhorn" else lat[i].straight_through(perms)
+        el = {"residual": O, **gauges(i, O, perms), **moving}
         mask = permute_masks(masks[i], Transform(perms)) if masks[i] is not None else None
         return apply_to_state(states[i], cfg, Transform(el), relaxed=True)[0], mask
 
