@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from .averaging import FORMS, REDUCES, merge, robust_state
-from .matching import weight_matching
+from .matching import residual_activation_cross, weight_matching
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
 from .symmetry.canonical import recentre
@@ -137,14 +137,19 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
                    data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
                    progress: bool = False, loss_fn=None, reduce: str = "mean", trim: float = 0.2,
-                   relax: str = "ste", **matching: Any) -> tuple[nn.Module, list[Transform]]:
+                   relax: str = "ste", anchor: str = "heaviest", residual_data=None,
+                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
-    Start from ``start`` (e.g. the previous global model) or the largest-weight model; align every model
+    Start from ``start`` (e.g. the previous global model) or the ``anchor`` model: the largest-weight one
+    ("heaviest") or the one closest to all others after pairwise weight matching ("central", M(M−1)/2
+    extra matchings); align every model
     to the universe with weight matching; set the universe to the (``weights``-weighted) mean of the
     aligned models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done;
     from the second iteration on, each model's matching descends from its previous transform (the
-    identity is still scored as the do-no-harm candidate). ``method="refined"`` then learns every
+    identity is still scored as the do-no-harm candidate). ``residual_data``: a few batches whose
+    residual-stream activations (universe vs model) join the residual map's objective, as in
+    ``weight_matching(residual_acts=...)``. ``method="refined"`` then learns every
     model's alignment with Dirichlet(``alpha``) refinement on ``data`` (``refine_steps`` steps, see
     ``matching.refine``; ``loss_fn(outputs, targets)`` replaces its cross-entropy; ``relax="sinkhorn"``
     refines with soft permutations).
@@ -179,24 +184,14 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     mem = members(models, weights, start, keep_layernorm)
     if reduce != "mean" and mem.hetero:
         raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
+    if keep_layernorm:
+        matching.setdefault("keep_layernorm", True)
     if start is not None:
         universe = pad(start, mem.shape, attn_scale=mem.attn_scale) if mem.hetero else start
     else:
-        universe = mem.padded[max(range(len(models)), key=lambda i: mem.weights[i])]
-    universe = canonical(universe)
-    if keep_layernorm:
-        matching.setdefault("keep_layernorm", True)
-    transforms: list[Transform] = [Transform() for _ in models]
-    for it in range(max(1, iterations)):
-        transforms = [weight_matching(universe, mem.padded[i], start=transforms[i] if it else None, **matching)
-                      if mem.weights[i] > 0 else Transform() for i in range(len(models))]
-        new = mem.merge(transforms, reduce=reduce, trim=trim)
-        moved = _relative_change(universe, new)
-        universe = new
-        if progress:
-            print(f"universe iteration {it + 1}: moved {moved:.2e}")
-        if moved < tol:
-            break
+        universe = mem.padded[anchor_index(mem, anchor, matching)]
+    universe, transforms = _iterate(canonical(universe), mem, iterations, tol, reduce, trim, residual_data, progress,
+                                    matching)
     live = mem.live
     if method == "refined" and len(live) > 1:
         refined = dirichlet_refine([mem.padded[i] for i in live], [transforms[i] for i in live], data,
@@ -212,6 +207,45 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     if keep_layernorm and reduce != "mean":  # a median of centred streams is not centred: project it back
         universe = recentre(universe)
     return (to_layernorm(universe) if keep_layernorm else universe), mem.client_transforms(transforms)
+
+
+def anchor_index(mem: Members, anchor: str, matching: dict) -> int:
+    """The model a universe starts from: the heaviest, or the "central" one (least summed relative
+    distance to the others, each weight-matched to it)."""
+    if anchor not in ("heaviest", "central"):
+        raise ValueError(f"anchor must be 'heaviest' or 'central', got {anchor!r}")
+    live = mem.live
+    if anchor == "heaviest" or len(live) < 3:
+        return max(range(len(mem.padded)), key=lambda i: mem.weights[i])
+    dist = {i: 0.0 for i in live}
+    for n, i in enumerate(live):
+        for j in live[n + 1:]:
+            T = weight_matching(mem.padded[i], mem.padded[j], **matching)
+            d = _relative_change(mem.padded[i], apply_transform(mem.padded[j], T))
+            dist[i] += d
+            dist[j] += d
+    return min(live, key=lambda i: dist[i])
+
+
+def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, reduce: str, trim: float,
+             residual_data, progress: bool, matching: dict) -> tuple[nn.Module, list[Transform]]:
+    """Align every model to the universe, average there, repeat (the warm start is the last transform)."""
+    transforms: list[Transform] = [Transform() for _ in mem.padded]
+    for it in range(max(1, iterations)):
+        for i, m in enumerate(mem.padded):
+            if mem.weights[i] <= 0:
+                continue
+            acts = residual_activation_cross(universe, m, residual_data) if residual_data is not None else None
+            transforms[i] = weight_matching(universe, m, start=transforms[i] if it else None, residual_acts=acts,
+                                            **matching)
+        new = mem.merge(transforms, reduce=reduce, trim=trim)
+        moved = _relative_change(universe, new)
+        universe = new
+        if progress:
+            print(f"universe iteration {it + 1}: moved {moved:.2e}")
+        if moved < tol:
+            break
+    return universe, transforms
 
 
 def _relative_change(a: nn.Module, b: nn.Module) -> float:

@@ -66,3 +66,29 @@ def test_lift_then_project_is_the_identity(record):
             record(f"lift {d}->{width} then project: vs small", float((back(x) - small(x)).abs().max()), 1e-10)
             sd, sb = small.state_dict(), back.state_dict()
             assert max(float((sd[k] - sb[k]).abs().max()) for k in sd) < 1e-10  # its own coordinates too
+
+
+def test_central_anchor_is_the_least_noisy_copy_and_residual_data_still_recovers(record):
+    """Copies with noise 0.01, 0.01, 0.001, 0.01: pairwise distances are ≈ √(ε_i² + ε_j²), so the
+    central anchor is the quiet copy (the heaviest rule would take the first); a universe started there
+    and with residual activations in every matching still recovers the model."""
+    import pytest
+
+    from fedlmc.data.base import ArrayData
+    from fedlmc.universe import anchor_index, members
+
+    base = _base()
+    x = inputs_for(base)
+    copies = [_noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])),
+                     0.001 if s == 2 else 0.01, s) for s in range(4)]
+    mem = members(copies, None, None, False)
+    assert anchor_index(mem, "central", {}) == 2 and anchor_index(mem, "heaviest", {}) == 0
+    g = torch.Generator().manual_seed(0)
+    c = base.config
+    data = ArrayData(torch.randn(64, c.channels, c.image_size, c.image_size, generator=g, dtype=torch.float64), torch.randint(0, 10, (64,), generator=g))
+    merged, _ = universe_merge(copies, iterations=2, anchor="central", residual_data=data)
+    with torch.no_grad():
+        record("universe (central anchor, residual data) of 4 planted copies: relative |Δlogits|",
+               float((merged(x) - base(x)).abs().max() / base(x).abs().max()), 5e-2)
+    with pytest.raises(ValueError, match="anchor"):
+        universe_merge(copies, anchor="median")
