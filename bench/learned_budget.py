@@ -24,6 +24,7 @@ from fedlmc.barrier import barrier, interpolation_curve
 from fedlmc.canonical import canonicalize
 from fedlmc.commands import console, load_splits, trained
 from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.models import preset_config
 from fedlmc.reproduce import seed_pairs
 from fedlmc.symmetry import apply_transform
 
@@ -144,6 +145,7 @@ def main() -> None:
     p.add_argument("--preset", default="vit-tiny")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--train-steps", type=int, help="training steps per model (default: the preset's budget)")
+    p.add_argument("--width", type=int, help="d_model (d_ff scaled with it, as bench/width_study.py)")
     p.add_argument("--long", type=int, default=1000, help="steps of the constant-rate run (snapshots below it)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--cache", default="runs/cache")
@@ -153,8 +155,11 @@ def main() -> None:
     splits = load_splits(args.preset, args)
     epoch = math.ceil(len(splits.train) / BATCH)
     over = {"steps": args.train_steps} if args.train_steps else {}
+    base = preset_config(args.preset)
+    arch = {"d_model": args.width, "d_ff": base.d_ff * args.width // base.d_model} if args.width else None
     pairs = seed_pairs(args.pairs)
-    models = {s: trained(args.preset, s, splits, Path(args.cache), progress=False, **over) for s in sorted({s for q in pairs for s in q})}
+    models = {s: trained(args.preset, s, splits, Path(args.cache), progress=False, model_overrides=arch, **over)
+              for s in sorted({s for q in pairs for s in q})}
     per_pair = []
     for a, b in pairs:
         tag = f"{args.preset}-{a}-{b}-" + hashlib.sha1(json.dumps([models[a].meta.get("seconds"), models[b].meta.get("seconds"),
@@ -162,10 +167,10 @@ def main() -> None:
         console.rule(f"{args.preset} pair ({a}, {b})")
         per_pair.append(one_pair(models[a], models[b], splits, epoch, args.long, Path(args.cache), tag, console.print))
     rows = summary(per_pair, epoch, args.long)
-    budget = f"{args.train_steps} steps" if args.train_steps else "the preset's budget"
+    budget = (f"{args.train_steps} steps" if args.train_steps else "the preset's budget") + (f", d_model {args.width}" if args.width else "")
     md = markdown(args.preset, rows, pairs, epoch, budget)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    stem = Path(args.out) / f"learned_budget_{args.preset}"
+    stem = Path(args.out) / (f"learned_budget_{args.preset}" + (f"_d{args.width}" if args.width else ""))
     stem.with_suffix(".json").write_text(json.dumps({"preset": args.preset, "pairs": pairs, "epoch_steps": epoch,
                                                      "batch": BATCH, "train_steps": args.train_steps, "threads": args.threads,
                                                      "rows": rows, "per_pair": per_pair}, indent=1))
