@@ -287,3 +287,66 @@ def test_client_app_answers_which_partition_it_holds(monkeypatch):
                   run_config={})
     reply = query(Message(content=RecordDict({}), metadata=md), ctx)
     assert declared_partition(reply) == 3
+
+
+def _sent(strategy, nodes, monkeypatch) -> list:
+    """What a round's configure_train sends these nodes (through the strategy's messages_for)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    msgs = [Message(content=RecordDict({"arrays": strategy._previous, "config": ConfigRecord({})}),
+                    message_type=MessageType.TRAIN, dst_node_id=n) for n in nodes]
+    return list(strategy.messages_for(msgs, ConfigRecord({}), MessageType.TRAIN))
+
+
+def test_hetero_guard_keeps_slicing_when_it_is_better_and_then_everyone_slices(monkeypatch):
+    """Clients that sliced the global model and did not move: slicing returns the global model exactly,
+    the aligned universe does not (a slice is not the wide function), so the guard keeps slicing and
+    drops the transforms: next round every node is sent the global model to slice."""
+    from fedlmc.strategies import HeteroWidthFedAvg
+    from fedlmc.widths import slice_prefix, width_config
+
+    torch.manual_seed(2)
+    glob = perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4),
+                     2, 0.2).float().eval()
+    small = slice_prefix(glob, width_config(glob.config, 2))
+    strategy = HeteroWidthFedAvg(model_config=glob.config.to_dict(), guard_data=_labelled(glob))
+    strategy._previous = ArrayRecord(torch_state_dict=glob.state_dict())
+    assert len(_sent(strategy, [1, 2], monkeypatch)) == 2 and strategy._sliced == {1, 2}
+    arrays, _ = strategy.aggregate_train(1, [_reply(glob, 100, node=1, partition=0), _reply(small, 100, node=2, partition=1)])
+    rec = strategy.history[0]
+    assert rec["kept"] == "slicing" and rec["guard_slicing"] < rec["guard_aligned"] - 0.05
+    got, want = arrays.to_torch_state_dict(), glob.state_dict()
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-6
+    assert strategy.transforms == {} and strategy.model_for(2) is None
+
+
+def test_hetero_guard_keeps_the_universe_when_it_is_better_and_only_compares_sliced_rounds(monkeypatch):
+    """A narrow model and a wide one that is it padded and moved by a group element: slicing averages
+    unrelated coordinates, the universe computes the narrow function; the guard keeps the universe.
+    Next round the nodes get their projections, so there is no slicing aggregate to compare."""
+    from fedlmc.strategies import HeteroWidthFedAvg
+    from fedlmc.widths import pad
+
+    torch.manual_seed(1)
+    narrow = perturbed(from_preset("vit-tiny", n_layer=2, d_model=16, n_head=4, d_ff=32, d_head=8, image_size=12,
+                                   patch_size=4), 1, 0.2).float()
+    wide_cfg = narrow.config.replace(d_model=32, d_ff=64)
+    wide = pad(canonicalize(narrow), {"d_model": 32, "d_ff": 64})
+    wide = apply_transform(wide, random_transform(wide, seed=4, groups=["residual", "heads", "ff"], dtype=torch.float32))
+    strategy = HeteroWidthFedAvg(model_config=wide_cfg.to_dict(), guard_data=_labelled(narrow))
+    prev = canonicalize(from_preset("vit-tiny", **{k: getattr(wide_cfg, k) for k in (
+        "n_layer", "d_model", "n_head", "d_ff", "d_head", "image_size", "patch_size")})).float()
+    strategy._previous, strategy.global_config = ArrayRecord(torch_state_dict=prev.state_dict()), prev.config.to_dict()
+    _sent(strategy, [1, 2], monkeypatch)  # both slice (canonical models, like the replies)
+    replies = [_reply(wide, 100, node=1, partition=0), _reply(canonicalize(narrow), 100, node=2, partition=1)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    rec = strategy.history[0]
+    assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_slicing"] - 0.05
+    strategy._previous = arrays
+    _sent(strategy, [1, 2], monkeypatch)  # both nodes now get their own projections
+    assert strategy._sliced == set()
+    strategy.aggregate_train(2, replies)
+    assert strategy.history[1]["kept"] == "aligned" and "guard_slicing" not in strategy.history[1]

@@ -42,7 +42,9 @@ def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any
         return RefinedFedAvg(**common, **aligned, refine_data=refine_half, alpha=s.refine_alpha,
                              refine_steps=s.refine_steps)
     if s.strategy == "hetero":
-        return HeteroWidthFedAvg(**common, iterations=s.iterations, residual=s.residual, device=s.device or None)
+        return HeteroWidthFedAvg(**common, iterations=s.iterations, residual=s.residual, device=s.device or None,
+                                 guard_data=aligned["guard_data"] if model is None else None,
+                                 guard_batches=aligned["guard_batches"])
     if s.strategy == "slicing":
         return SlicingFedAvg(**common)
     raise ValueError(f"unknown strategy {s.strategy!r}")

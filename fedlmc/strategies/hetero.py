@@ -38,6 +38,12 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     per width (GPT-2 or ViT). Each reply is read by the one whose shapes it has, the universe is kept a
     LayerNorm model (``keep_layernorm``: narrower streams are lifted so they stay centred), and every
     client is sent its projection as a model of its own class and width, under its own keys.
+
+    ``guard_data`` (fedlmc models): in a round where every replying client had sliced the global model
+    (HeteroFL's prefixes: the first round of a shared-init federation, or after the guard chose
+    slicing), the strategy also builds the slicing aggregate (``SlicingFedAvg``'s) and keeps whichever
+    has the lower loss on ``guard_data`` (``guard_batches`` batches). Choosing slicing drops every
+    client's transform, so the next round's clients slice again and both aggregates can be compared.
     """
 
     needs_architecture = True
@@ -45,7 +51,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     same_shape = False  # replies differ in shape: each is checked against its own declared config
 
     def __init__(self, *, residual: str = "orthogonal", iterations: int = 3, device: Optional[str] = None,
-                 model: Any = None, **kwargs: Any) -> None:
+                 model: Any = None, guard_data=None, guard_batches: Optional[int] = 8, **kwargs: Any) -> None:
         models = list(model) if isinstance(model, (list, tuple)) else None
         super().__init__(model=None if models is not None else model, **kwargs)
         self.adapters: list[HFAdapter] = []
@@ -60,7 +66,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         if any(a.config.arch not in ("gpt2", "vit") for a in self.adapters):
             raise ValueError("HeteroWidthFedAvg aligns Hugging Face GPT-2 and ViT clients of several widths; "
                              "Llama-style models (RoPE, grouped-query attention) are not supported yet")
+        if guard_data is not None and self.adapters:
+            raise ValueError("HeteroWidthFedAvg's slicing guard is for fedlmc models; Hugging Face clients are not sliced")
         self.residual, self.iterations, self.device = residual, iterations, device
+        self.guard_data, self.guard_batches = guard_data, guard_batches
+        self._sliced: set[int] = set()  # nodes sent the global model itself this round (they slice it)
         self.adapter_of: dict[int, int] = {}  # client -> index of the adapter its replies are read with
         # client -> its transform into the current universe; a client is its declared partition id (stable
         # across restarts), or its node id when it declares none (a restarted federation renumbers nodes)
@@ -122,11 +132,15 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
     def messages_for(self, messages, config: ConfigRecord, message_type: str) -> list[Message]:
         out = []
+        if message_type == MessageType.TRAIN:
+            self._sliced = set()
         for msg in messages:
             node = msg.metadata.dst_node_id
             own = self.model_for(node)
             if own is None:
                 out.append(msg)
+                if message_type == MessageType.TRAIN:
+                    self._sliced.add(int(node))
                 continue
             cfg = ConfigRecord(dict(config))
             if self.adapters:  # the client's own class, width and keys
@@ -143,12 +157,27 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         universe, transforms = universe_merge(models, weights=weights, start=self.previous_model(),
                                               iterations=self.iterations, residual=self.residual, device=self.device,
                                               keep_layernorm=bool(self.adapters))  # HF clients hold LayerNorm models
-        self._universe = universe
-        self.transforms.update(zip([self.client_key(int(m.metadata.src_node_id)) for m in replies], transforms))
         widths = [int(m.config.d_model) for m in models]
+        fields = {"moved": [transform_distance(T, spec_for(universe)) for T in transforms], "widths": widths,
+                  "kept": "aligned"}
         log(INFO, "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d", server_round,
             len(models), sorted(set(widths)), universe.config.d_model)
-        return universe, {"moved": [transform_distance(T, spec_for(universe)) for T in transforms], "widths": widths}, None
+        nodes = [int(m.metadata.src_node_id) for m in replies]
+        previous = self._previous.to_torch_state_dict() if self._previous is not None else {}
+        if (self.guard_data is not None and all(n in self._sliced for n in nodes)  # replies are prefixes of it
+                and all(m.state_dict().keys() == previous.keys() for m in models)):
+            sliced = slicing_aggregate(models, weights, previous, self.global_config)
+            l_aligned = self.loss(universe, self.guard_data, self.guard_batches)
+            l_sliced = self.loss(sliced, self.guard_data, self.guard_batches)
+            fields.update(guard_aligned=l_aligned, guard_slicing=l_sliced)
+            log(INFO, "HeteroWidthFedAvg round %d: server loss aligned %.4f vs slicing %.4f", server_round,
+                l_aligned, l_sliced)
+            if l_sliced < l_aligned:  # every client slices the new global next round (no projections)
+                self._universe, self.transforms, fields["kept"] = None, {}, "slicing"
+                return sliced, fields, None
+        self._universe = universe
+        self.transforms.update(zip([self.client_key(n) for n in nodes], transforms))
+        return universe, fields, None
 
     def state(self) -> dict[str, Any]:
         return {**super().state(), "transforms": dict(self.transforms), "adapter_of": dict(self.adapter_of)}
@@ -170,9 +199,15 @@ class SlicingFedAvg(FedlmcStrategy):
     def combine(self, server_round, replies, models, weights):
         if self._previous is None or self.global_config is None:
             raise ValueError("SlicingFedAvg needs model_config and a previous global model (configure_train)")
-        total = sum(weights)
-        sd = prefix_average([m.state_dict() for m in models], [w / total for w in weights],
-                            self._previous.to_torch_state_dict())
-        result = from_config(self.global_config)
-        result.load_state_dict(sd)
-        return result.eval(), {"widths": [int(m.config.d_model) for m in models]}, None
+        result = slicing_aggregate(models, weights, self._previous.to_torch_state_dict(), self.global_config)
+        return result, {"widths": [int(m.config.d_model) for m in models]}, None
+
+
+def slicing_aggregate(models, weights, previous: dict, config: dict):
+    """HeteroFL's aggregate: each entry of the ``previous`` global state (of ``config``) averaged over the
+    replies (index prefixes of it) that hold it."""
+    total = sum(weights)
+    sd = prefix_average([m.state_dict() for m in models], [w / total for w in weights], previous)
+    result = from_config(config)
+    result.load_state_dict(sd)
+    return result.eval()
