@@ -47,10 +47,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
                               clients=5, config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
                                                  "local-epochs": 2.0, "poison-partition": 4, "poison": "sign-flip",
                                                  "poison-scale": 4.0}),
-    # mixed widths: d, d/2, d/4 clients
+    # mixed widths: d, d/2, d/4 clients from one shared init (HeteroFL's home ground)
     "widths": dict(strategies=["slicing", "hetero"], clients=3,
                    config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
                            "local-epochs": 2.0, "width-factors": "1,2,4"}),
+    # model-heterogeneous one-shot: organisations bring models of widths d, d/2, d/4, trained separately
+    "widths-independent": dict(strategies=["slicing", "hetero", "hetero-refined"], clients=3,
+                               config={"num-server-rounds": 1, "independent-start": True, "partitioner": "iid",
+                                       "local-epochs": 20.0, "width-factors": "1,2,4"}),
 }
 
 SPEED_ONLY = ("threads", "device", "round-timeout", "client-cache")  # change how fast a run goes, not what it computes
@@ -84,7 +88,7 @@ def run_all(setting: str, preset: str, seeds: list[int], strategies: list[str], 
             tag = f"{setting}-{preset}-{cfg['partitioner']}{cfg.get('alpha', '') if cfg['partitioner'] == 'dirichlet' else ''}"
             run_dir = runs / tag / f"{strategy.replace('@', '-')}-s{seed}"
             cfg["out-dir"] = str(run_dir.resolve())
-            if setting in ("oneshot", "robust"):  # every strategy aggregates the same trained clients (trained once)
+            if setting in ("oneshot", "robust", "widths-independent"):  # every strategy aggregates the same clients
                 cfg.setdefault("client-cache", str((runs / tag / "clients").resolve()))
             Settings.from_run_config(cfg)  # validate before spending time
             metrics = run_dir / "metrics.json"
@@ -181,6 +185,22 @@ def ensemble_row(docs: dict[str, dict[int, dict]]) -> Optional[dict[str, tuple[f
     return {"loss": _mean_se(list(loss.values())), "acc": _mean_se(list(acc.values()))}
 
 
+def clients_rows(docs: dict[str, dict[int, dict]]) -> Optional[dict[str, tuple[float, float]]]:
+    """The best single client's and the mean client's loss on the report data (last round, over seeds):
+    what a user gets without merging."""
+    best, mean = {}, {}
+    for by_seed in docs.values():
+        for seed, doc in by_seed.items():
+            losses = (doc["rounds"][-1].get("strategy") or {}).get("client_losses")
+            if losses:
+                best.setdefault(seed, min(losses))
+                mean.setdefault(seed, sum(losses) / len(losses))
+    if not best:
+        return None
+    return {"best_client": _mean_se(list(best.values())), "mean_client": _mean_se(list(mean.values())),
+            "best_client_per_seed": [best[k] for k in sorted(best)], "mean_client_per_seed": [mean[k] for k in sorted(mean)]}
+
+
 def _per_round(by_seed: dict[int, dict], key: str) -> list[float]:
     series = [[r[key] for r in doc["rounds"]] for doc in by_seed.values()]
     n = min(len(s) for s in series) if series else 0
@@ -188,7 +208,7 @@ def _per_round(by_seed: dict[int, dict], key: str) -> list[float]:
 
 
 def markdown(setting: str, preset: str, rows: dict[str, Any], seeds: list[int], cfg: dict[str, Any],
-             ensemble: Optional[dict[str, tuple[float, float]]] = None) -> str:
+             ensemble: Optional[dict[str, tuple[float, float]]] = None, clients: Optional[dict] = None) -> str:
     def ms(v: tuple[float, float], fmt: str = ".4f") -> str:
         return "–" if math.isnan(v[0]) else f"{v[0]:{fmt}} ± {v[1]:{fmt}}"
 
@@ -205,6 +225,10 @@ def markdown(setting: str, preset: str, rows: dict[str, Any], seeds: list[int], 
     if ensemble is not None:
         lines.append(f"| *output ensemble of the clients (reference, report data)* | {ms(ensemble['loss'])} | "
                      f"{ms(ensemble['acc'], '.3f')} | | | 1 | | | | |")
+    if clients is not None and setting.startswith("widths"):
+        for key, label in (("best_client", "best single client"), ("mean_client", "mean client")):
+            per = ", ".join(f"{x:.3f}" for x in clients[f"{key}_per_seed"])
+            lines.append(f"| *{label} (reference, report data; per seed {per})* | {ms(clients[key])} | | | | | | | | |")
     lines += ["", "Per seed, excess over the mean client loss (last round): " + "; ".join(
         f"{n}: " + ", ".join(f"{x:+.3f}" for x in r["excess_per_seed"]) for n, r in rows.items() if r["excess_per_seed"])]
     return "\n".join(lines)
@@ -276,15 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     docs = run_all(args.setting, args.preset, args.seeds, strategies, clients, extra, Path(args.runs), args.timeout)
     rows = summarise(docs, strategies[0])
     cfg = {**spec["config"], **extra, "clients": clients}
-    ensemble = ensemble_row(docs)
-    md = markdown(args.setting, args.preset, rows, args.seeds, cfg, ensemble)
+    ensemble, clients_ref = ensemble_row(docs), clients_rows(docs)
+    md = markdown(args.setting, args.preset, rows, args.seeds, cfg, ensemble, clients_ref)
     suffix = "".join(f"_{k}-{v}" for k, v in sorted(extra.items()) if k in ("partitioner", "alpha", "width-factors", "hf"))
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(md + "\n")
     (out / f"{stem}.json").write_text(json.dumps({"setting": args.setting, "preset": args.preset, "seeds": args.seeds,
-                                                  "config": cfg, "rows": rows, "ensemble": ensemble}, indent=1,
+                                                  "config": cfg, "rows": rows, "ensemble": ensemble,
+                                                  "clients": clients_ref}, indent=1,
                                                  default=float))
     part = cfg.get("partitioner", "iid") + (f"({cfg['alpha']})" if cfg.get("partitioner") == "dirichlet" else "")
     png = plot(rows, out / f"{stem}.png", f"{args.setting}, {args.preset}, {part}, {clients} clients, seeds {args.seeds}")

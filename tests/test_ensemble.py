@@ -35,3 +35,15 @@ def test_share_of_the_ensembles_gain():
     assert ensemble_share({"global_loss": 1.5, "ensemble_loss": 2.0}, base) == 1.5  # beats the ensemble
     assert ensemble_share({"global_loss": 2.5}, base) is None
     assert ensemble_share({"global_loss": 2.5, "ensemble_loss": 3.2}, base) is None  # no gain to recover
+
+
+def test_clients_rows_give_the_best_and_the_mean_client_per_seed():
+    from simulations.compare import clients_rows
+
+    def doc(losses):
+        return {"rounds": [{}, {"strategy": {"client_losses": losses}}]}
+
+    docs = {"slicing": {0: doc([1.0, 2.0, 3.0]), 1: doc([2.0, 4.0])}, "hetero": {0: doc([9.0]), 1: doc([9.0])}}
+    got = clients_rows(docs)
+    assert got["best_client_per_seed"] == [1.0, 2.0] and got["mean_client_per_seed"] == [2.0, 3.0]
+    assert got["best_client"][0] == 1.5 and clients_rows({"x": {0: {"rounds": [{}]}}}) is None

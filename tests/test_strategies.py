@@ -350,3 +350,26 @@ def test_hetero_guard_keeps_the_universe_when_it_is_better_and_only_compares_sli
     assert strategy._sliced == set()
     strategy.aggregate_train(2, replies)
     assert strategy.history[1]["kept"] == "aligned" and "guard_slicing" not in strategy.history[1]
+
+
+def test_hetero_refined_learns_every_clients_alignment_into_the_universe(record):
+    """HeteroWidthFedAvg with refine_data: the transforms come from Dirichlet refinement (one per
+    client, mixed widths) and the universe still computes the planted narrow function."""
+    from fedlmc.strategies import HeteroWidthFedAvg
+    from fedlmc.widths import pad
+
+    torch.manual_seed(1)
+    narrow = perturbed(from_preset("vit-tiny", n_layer=2, d_model=16, n_head=4, d_ff=32, d_head=8, image_size=12,
+                                   patch_size=4), 1, 0.2).float()
+    wide_cfg = narrow.config.replace(d_model=32, d_ff=64)
+    wide = pad(canonicalize(narrow), {"d_model": 32, "d_ff": 64})
+    wide = apply_transform(wide, random_transform(wide, seed=4, groups=["residual", "heads", "ff"], dtype=torch.float32))
+    strategy = HeteroWidthFedAvg(model_config=wide_cfg.to_dict(), refine_data=_labelled(narrow), refine_steps=3)
+    arrays, _ = strategy.aggregate_train(1, [_reply(wide, 100, node=1, partition=0), _reply(narrow, 100, node=2, partition=1)])
+    assert {T.info.get("method") for T in strategy.transforms.values()} >= {"refined"}
+    universe = model_from_arrays(arrays, strategy.global_config)
+    x = torch.randn(8, 1, 12, 12)
+    with torch.no_grad():
+        ref = narrow(x)
+        record("HeteroWidthFedAvg refined universe vs the narrow function",
+               float((universe(x) - ref).abs().max() / ref.abs().max()), 5e-2)

@@ -39,6 +39,9 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     LayerNorm model (``keep_layernorm``: narrower streams are lifted so they stay centred), and every
     client is sent its projection as a model of its own class and width, under its own keys.
 
+    ``refine_data`` (a small server-side data set) adds Dirichlet(``alpha``) refinement of every
+    client's alignment into the universe (``refine_steps`` steps), as ``RefinedFedAvg`` does.
+
     ``guard_data`` (fedlmc models): in a round where every replying client had sliced the global model
     (HeteroFL's prefixes: the first round of a shared-init federation, or after the guard chose
     slicing), the strategy also builds the slicing aggregate (``SlicingFedAvg``'s) and keeps whichever
@@ -51,7 +54,8 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     same_shape = False  # replies differ in shape: each is checked against its own declared config
 
     def __init__(self, *, residual: str = "orthogonal", iterations: int = 3, device: Optional[str] = None,
-                 model: Any = None, guard_data=None, guard_batches: Optional[int] = 8, **kwargs: Any) -> None:
+                 model: Any = None, guard_data=None, guard_batches: Optional[int] = 8, refine_data=None,
+                 alpha: float = 0.1, refine_steps: int = 100, **kwargs: Any) -> None:
         models = list(model) if isinstance(model, (list, tuple)) else None
         super().__init__(model=None if models is not None else model, **kwargs)
         self.adapters: list[HFAdapter] = []
@@ -70,6 +74,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
             raise ValueError("HeteroWidthFedAvg's slicing guard is for fedlmc models; Hugging Face clients are not sliced")
         self.residual, self.iterations, self.device = residual, iterations, device
         self.guard_data, self.guard_batches = guard_data, guard_batches
+        self.refine_data, self.alpha, self.refine_steps = refine_data, alpha, refine_steps
         self._sliced: set[int] = set()  # nodes sent the global model itself this round (they slice it)
         self.adapter_of: dict[int, int] = {}  # client -> index of the adapter its replies are read with
         # client -> its transform into the current universe; a client is its declared partition id (stable
@@ -154,9 +159,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         return out
 
     def combine(self, server_round, replies, models, weights):
+        refine = dict(method="refined", data=self.refine_data, alpha=self.alpha, refine_steps=self.refine_steps) \
+            if self.refine_data is not None else {}
         universe, transforms = universe_merge(models, weights=weights, start=self.previous_model(),
                                               iterations=self.iterations, residual=self.residual, device=self.device,
-                                              keep_layernorm=bool(self.adapters))  # HF clients hold LayerNorm models
+                                              keep_layernorm=bool(self.adapters), **refine)  # HF: LayerNorm models
         widths = [int(m.config.d_model) for m in models]
         fields = {"moved": [transform_distance(T, spec_for(universe)) for T in transforms], "widths": widths,
                   "kept": "aligned"}
