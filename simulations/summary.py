@@ -12,18 +12,19 @@ from rich.table import Table
 
 
 def _guard(rec: dict[str, Any]) -> str:
-    """What the round kept and, when the guard compared, the aligned minus the plain average's loss on
-    the server's data (negative: alignment helped)."""
+    """What the round kept and, when the guard compared, the aligned minus the alternative's loss on the
+    server's data (the plain average, or slicing for mixed widths; negative: alignment helped)."""
     kept = rec.get("kept", "")
-    if "guard_aligned" in rec:
-        return f"{kept} (Δ {rec['guard_aligned'] - rec['guard_average']:+.3f})"
+    other = rec.get("guard_average", rec.get("guard_slicing"))
+    if "guard_aligned" in rec and other is not None:
+        return f"{kept} (Δ {rec['guard_aligned'] - other:+.3f})"
     return kept
 
 
 def summary_table(doc: dict[str, Any]) -> str:
     """The per-round table of a metrics document (``metrics.json``), as plain text."""
     table = Table(title=f"fedlmc: {doc['settings'].get('strategy')} on {doc['settings'].get('preset')}")
-    table.caption = "kept: what the round returned; Δ = aligned − plain average loss on the server's data"
+    table.caption = "kept: what the round returned; Δ = aligned − plain average (mixed widths: slicing) loss on the server's data"
     for col in ("round", "test loss", "test acc", "aggregation s", "kept", "replies", "excluded", "failed"):
         table.add_column(col, justify="left" if col == "kept" else "right", no_wrap=True)
     for r in doc["rounds"]:

@@ -86,6 +86,8 @@ def test_the_summary_table_says_what_each_round_did():
     row = next(line for line in text.splitlines() if "0.9100" in line or "0.910" in line)
     assert "0.5000" in row and "1.25" in row and "aligned (Δ -0.500)" in row
     assert [c.strip() for c in row.split("│")[-4:-1]] == ["3", "1", "0"]  # replies, excluded, failed
+    doc["rounds"][1]["strategy"] = {"kept": "slicing", "guard_aligned": 0.9, "guard_slicing": 0.7}  # mixed widths
+    assert "slicing (Δ +0.200)" in summary_table(doc)
 
 
 def test_a_crash_is_written_into_metrics_json():
