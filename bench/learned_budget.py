@@ -40,6 +40,12 @@ def variants(epoch: int, long: int = 1000) -> dict[str, dict]:
         "batch 16, cosine, lr ×3, one epoch": dict(steps=epoch * BATCH // 16, batch_size=16, lr=3e-3, schedule="cosine"),
         "circuit form, one epoch": dict(steps=epoch, form="circuit"),
         "Sinkhorn permutations, 300 steps": dict(steps=300, relax="sinkhorn"),
+        "batch 16, cosine, lr ×10, one epoch": dict(steps=epoch * BATCH // 16, batch_size=16, lr=1e-2, schedule="cosine"),
+        "batch 8, cosine, lr ×3, one epoch": dict(steps=epoch * BATCH // 8, batch_size=8, lr=3e-3, schedule="cosine"),
+        "Sinkhorn, batch 16, cosine, lr ×3, one epoch": dict(steps=epoch * BATCH // 16, batch_size=16, lr=3e-3,
+                                                             schedule="cosine", relax="sinkhorn"),
+        "Sinkhorn, batch 8, cosine, lr ×3, one epoch": dict(steps=epoch * BATCH // 8, batch_size=8, lr=3e-3,
+                                                            schedule="cosine", relax="sinkhorn"),
     }
 
 
