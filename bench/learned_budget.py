@@ -54,7 +54,7 @@ def measure(ca, cb, T, test, form: str = "factored") -> float:
     return barrier(curve)
 
 
-def one_pair(a, b, splits, epoch: int, long: int, cache: Path, tag: str, log) -> dict:
+def one_pair(a, b, splits, epoch: int, long: int, cache: Path, tag: str, log, only=None) -> dict:
     """Every variant's barriers for one pair; each variant's result is cached on its own (``tag`` names
     the pair), so adding a variant later reuses the others."""
     ca, cb = canonicalize(a), canonicalize(b)
@@ -69,6 +69,8 @@ def one_pair(a, b, splits, epoch: int, long: int, cache: Path, tag: str, log) ->
         base_file.write_text(json.dumps(out))
     log(f"  vanilla {out['vanilla']:.4f}, weight matching {out['weight matching']['factored']:.4f}")
     for name, kw in variants(epoch, long).items():
+        if only and name != "constant" and not any(o in name for o in only):
+            continue
         f = cache / f"budget-{tag}-{hashlib.sha1(json.dumps([name, kw]).encode()).hexdigest()[:10]}.json"
         if f.is_file():
             out[name] = json.loads(f.read_text())
@@ -104,7 +106,7 @@ def summary(per_pair: list[dict], epoch: int, long: int) -> list[dict]:
         label = f"learned, constant rate, {n} steps" + (" (one epoch)" if n == epoch else "")
         rows.append((label, n, [p["constant"]["snapshots"][str(n)] for p in per_pair]))
     rows.append((f"learned, constant rate, {long} steps, circuit merge", long, [p["constant"]["barrier_circuit_merge"] for p in per_pair]))
-    for name in list(variants(epoch, long))[1:]:
+    for name in [k for k in list(variants(epoch, long))[1:] if all(k in p for p in per_pair)]:
         rows.append((f"learned, {name}", per_pair[0][name]["steps"], [p[name]["barrier"] for p in per_pair]))
     out = []
     for label, steps, vals in rows:
@@ -152,6 +154,7 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--train-steps", type=int, help="training steps per model (default: the preset's budget)")
     p.add_argument("--width", type=int, help="d_model (d_ff scaled with it, as bench/width_study.py)")
+    p.add_argument("--only", nargs="+", help="run only the variants whose name contains one of these (and 'constant')")
     p.add_argument("--long", type=int, default=1000, help="steps of the constant-rate run (snapshots below it)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--cache", default="runs/cache")
@@ -171,7 +174,8 @@ def main() -> None:
         tag = f"{args.preset}-{a}-{b}-" + hashlib.sha1(json.dumps([models[a].meta.get("seconds"), models[b].meta.get("seconds"),
                                                                    over]).encode()).hexdigest()[:8]
         console.rule(f"{args.preset} pair ({a}, {b})")
-        per_pair.append(one_pair(models[a], models[b], splits, epoch, args.long, Path(args.cache), tag, console.print))
+        per_pair.append(one_pair(models[a], models[b], splits, epoch, args.long, Path(args.cache), tag, console.print,
+                                 args.only))
     rows = summary(per_pair, epoch, args.long)
     budget = (f"{args.train_steps} steps" if args.train_steps else "the preset's budget") + (f", d_model {args.width}" if args.width else "")
     md = markdown(args.preset, rows, pairs, epoch, budget)
