@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {**spec["config"], **extra, "clients": clients}
     ensemble, clients_ref = ensemble_row(docs), clients_rows(docs)
     md = markdown(args.setting, args.preset, rows, args.seeds, cfg, ensemble, clients_ref)
-    suffix = "".join(f"_{k}-{v}" for k, v in sorted(extra.items()) if k in ("partitioner", "alpha", "width-factors", "hf"))
+    suffix = "".join(f"_{k}-{v}" for k, v in sorted(extra.items()) if k in ("partitioner", "alpha", "width-factors", "hf", "local-epochs", "local-steps"))
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
