@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .averaging import FORMS, REDUCES, merge, robust_state
+from .averaging import FORMS, REDUCES, merge, robust_merge
 from .matching import residual_activation_cross, weight_matching
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
@@ -67,8 +67,7 @@ class Members:
         coordinate-wise median / trimmed mean, see ``averaging.robust_state``)."""
         live = self.live
         if reduce != "mean":
-            states = [apply_transform(self.padded[i], transforms[i]).state_dict() for i in live]
-            return rebuild(self.padded[live[0]], robust_state(states, reduce, trim))
+            return robust_merge([apply_transform(self.padded[i], transforms[i]) for i in live], reduce, trim)
         if form == "factored" and not self.hetero:
             return self._streamed_average(transforms)
         aligned = [apply_transform(self.padded[i], transforms[i]) for i in live]
