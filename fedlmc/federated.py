@@ -57,7 +57,7 @@ class Settings:
     guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
     guard_batches: int = 8
     refine_steps: int = 100
-    refine_alpha: float = 0.1
+    refine_alpha: float = 1.0  # Dirichlet(α) refinement: α = 1 samples the whole simplex evenly (README: why)
     eval_batches: int = 0  # 0: the whole test split
     report: bool = False  # record every client's, the plain average's and the aggregate's test loss each round
     out_dir: str = "runs/flwr"

@@ -87,7 +87,7 @@ def plot_simplex(panels: dict[str, list[dict]], path: Path, title: str = "") -> 
     return path
 
 
-def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200, alpha: float | Sequence[float] = 0.1,
+def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200, alpha: float | Sequence[float] = 1.0,
                    iterations: int = 5, log: Callable[[str], None] = print, progress: bool = True,
                    simplex_n: int = 0, max_batches: Optional[int] = None, forms: Sequence[str] = ("factored",),
                    tol: float = 1e-6) -> dict[str, Any]:

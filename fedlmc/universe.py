@@ -134,7 +134,7 @@ def members(models: Sequence[nn.Module], weights: Optional[Sequence[float]], sta
 def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterations: int = 5,
                    weights: Optional[Sequence[float]] = None, start: Optional[nn.Module] = None,
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
-                   data=None, alpha: float = 0.1, refine_steps: int = 200, refine_lr: float = 1e-3,
+                   data=None, alpha: float = 1.0, refine_steps: int = 200, refine_lr: float = 1e-3,
                    progress: bool = False, loss_fn=None, reduce: str = "mean", trim: float = 0.2,
                    relax: str = "ste", anchor: str = "heaviest", residual_data=None,
                    **matching: Any) -> tuple[nn.Module, list[Transform]]:

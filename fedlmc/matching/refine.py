@@ -22,7 +22,7 @@ from .weight import canonical_state
 
 def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform], data,
                      masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
-                     weights: Optional[Sequence[float]] = None, alpha: float = 0.1, steps: int = 200,
+                     weights: Optional[Sequence[float]] = None, alpha: float = 1.0, steps: int = 200,
                      lr: float = 1e-3, perm_lr: float = 0.05, batch_size: int = 64, form: str = "factored",
                      keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal",
                      reference: Optional[nn.Module] = None, seed: int = 0, progress: bool = True,

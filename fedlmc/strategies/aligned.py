@@ -106,7 +106,7 @@ class RefinedFedAvg(AlignedFedAvg):
     wraps tensors), and ``loss_fn(outputs, targets)`` instead of cross-entropy if given. Keep
     ``guard_data`` disjoint from ``refine_data`` so the do-no-harm comparison stays honest."""
 
-    def __init__(self, *, refine_data, alpha: float = 0.1, refine_steps: int = 100,
+    def __init__(self, *, refine_data, alpha: float = 1.0, refine_steps: int = 100,
                  loss_fn: Optional[Callable] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self.reduce != "mean":

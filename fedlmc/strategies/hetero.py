@@ -55,7 +55,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
     def __init__(self, *, residual: str = "orthogonal", iterations: int = 3, device: Optional[str] = None,
                  model: Any = None, guard_data=None, guard_batches: Optional[int] = 8, refine_data=None,
-                 alpha: float = 0.1, refine_steps: int = 100, **kwargs: Any) -> None:
+                 alpha: float = 1.0, refine_steps: int = 100, **kwargs: Any) -> None:
         models = list(model) if isinstance(model, (list, tuple)) else None
         super().__init__(model=None if models is not None else model, **kwargs)
         self.adapters: list[HFAdapter] = []
