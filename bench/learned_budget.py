@@ -46,6 +46,9 @@ def variants(epoch: int, long: int = 1000) -> dict[str, dict]:
                                                              schedule="cosine", relax="sinkhorn"),
         "Sinkhorn, batch 8, cosine, lr ×3, one epoch": dict(steps=epoch * BATCH // 8, batch_size=8, lr=3e-3,
                                                             schedule="cosine", relax="sinkhorn"),
+        "batch 16, cosine, lr ×30, one epoch": dict(steps=epoch * BATCH // 16, batch_size=16, lr=3e-2, schedule="cosine"),
+        "Sinkhorn, batch 16, cosine, lr ×10, one epoch": dict(steps=epoch * BATCH // 16, batch_size=16, lr=1e-2,
+                                                              schedule="cosine", relax="sinkhorn"),
     }
 
 
