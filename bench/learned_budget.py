@@ -128,25 +128,31 @@ def markdown(preset: str, rows: list[dict], pairs, epoch: int, budget: str) -> s
 
 
 def plot(preset: str, rows: list[dict], epoch: int, path: Path) -> None:
+    """Left: barrier × vanilla's against epochs of data seen (constant rate, batch 64); right: every
+    variant that stays within one epoch."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [0] + [r["steps"] for r in rows if r["label"].startswith("learned, constant rate") and "circuit" not in r["label"]]
-    curve = [rows[1]["ratio"]] + [r["ratio"] for r in rows if r["label"].startswith("learned, constant rate") and "circuit" not in r["label"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, curve, marker="o", label="learned matching, constant rate (0 = weight matching)")
-    for r in rows:
-        if "one epoch" in r["label"] and "constant" not in r["label"]:
-            ax.scatter([r["steps"]], [r["ratio"]], marker="x", label=r["label"])
-    ax.axvline(epoch, color="grey", ls=":", label="one epoch (batch 64)")
-    ax.set_xscale("symlog", linthresh=100)
-    ax.set_xlabel("learned-matching steps")
-    ax.set_ylabel("barrier × vanilla's")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(f"{preset}: what learned matching's budget buys")
+    curve = [rows[1]] + [r for r in rows if r["label"].startswith("learned, constant rate") and "circuit" not in r["label"]]
+    one = [r for r in rows if "one epoch" in r["label"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 1.3]})
+    left.plot([r["steps"] / epoch for r in curve], [r["ratio"] for r in curve], marker="o")
+    for r in curve:
+        left.annotate(f"{r['steps']}", (r["steps"] / epoch, r["ratio"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    left.axvline(1, color="grey", ls=":")
+    left.set_xscale("symlog", linthresh=1)
+    left.set_xlabel("epochs (constant rate, batch 64; labels: steps)")
+    left.set_ylabel("barrier × vanilla's")
+    left.set_ylim(bottom=0)
+    left.grid(alpha=0.3)
+    names = [r["label"].replace("learned, ", "").replace(", one epoch", "").replace(" (one epoch)", "") for r in one]
+    right.barh(range(len(one)), [r["ratio"] for r in one], xerr=[r["barrier_se"] / (r["barrier_mean"] / r["ratio"]) for r in one],
+               color="tab:blue", alpha=0.7)
+    right.set_yticks(range(len(one)), names, fontsize=7)
+    right.set_xlabel("barrier × vanilla's, one epoch of data (± s.e.)")
+    right.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"{preset}: what learned matching's budget buys")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
