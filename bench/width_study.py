@@ -79,10 +79,10 @@ def plot(arch: str, rows: list[dict], path: Path) -> None:
 
     ds = [r["d_model"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for k in METHOD_KEYS:
-        left.plot(ds, [r["barrier"][k] for r in rows], marker="o", label=METHODS[k][0])
+    for i, k in enumerate(METHOD_KEYS):  # one colour per method in both panels
+        left.plot(ds, [r["barrier"][k] for r in rows], marker="o", color=f"C{i}", label=METHODS[k][0])
         if k != "vanilla":
-            right.plot(ds, [r["ratio"][k] for r in rows], marker="o", label=METHODS[k][0])
+            right.plot(ds, [r["ratio"][k] for r in rows], marker="o", color=f"C{i}", label=METHODS[k][0])
     for ax, ylabel in ((left, "loss barrier (test)"), (right, "barrier × vanilla's")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ds, [str(d) for d in ds])
