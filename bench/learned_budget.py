@@ -22,10 +22,10 @@ import torch
 from fedlmc.averaging import interpolate
 from fedlmc.barrier import barrier, interpolation_curve
 from fedlmc.canonical import canonicalize
-from fedlmc.commands import console, load_splits, trained
+from fedlmc.commands import console, load_splits
 from fedlmc.matching import learned_matching, weight_matching
-from fedlmc.models import preset_config
 from fedlmc.reproduce import seed_pairs
+from _models import add_model_args, trained_models  # noqa: E402  (bench/, the script's own folder)
 from fedlmc.symmetry import apply_transform
 
 BATCH = 64  # learned matching's default batch size: one epoch is len(train) / 64 steps
@@ -114,7 +114,8 @@ def summary(per_pair: list[dict], epoch: int, long: int) -> list[dict]:
     out = []
     for label, steps, vals in rows:
         m, se = stats(vals)
-        out.append({"label": label, "steps": steps, "barrier_mean": m, "barrier_se": se, "ratio": m / van, "barriers": vals})
+        out.append({"label": label, "steps": steps, "barrier_mean": m, "barrier_se": se,
+                    "ratio": m / van if van > 0 else float("nan"), "barriers": vals})
     return out
 
 
@@ -147,7 +148,8 @@ def plot(preset: str, rows: list[dict], epoch: int, path: Path) -> None:
     left.set_ylim(bottom=0)
     left.grid(alpha=0.3)
     names = [r["label"].replace("learned, ", "").replace(", one epoch", "").replace(" (one epoch)", "") for r in one]
-    right.barh(range(len(one)), [r["ratio"] for r in one], xerr=[r["barrier_se"] / (r["barrier_mean"] / r["ratio"]) for r in one],
+    van = rows[0]["barrier_mean"]  # rows[0] is vanilla averaging
+    right.barh(range(len(one)), [r["ratio"] for r in one], xerr=[r["barrier_se"] / van if van > 0 else 0.0 for r in one],
                color="tab:blue", alpha=0.7)
     right.set_yticks(range(len(one)), names, fontsize=7)
     right.set_xlabel("barrier × vanilla's, one epoch of data (± s.e.)")
@@ -161,23 +163,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="vit-tiny")
     p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--train-steps", type=int, help="training steps per model (default: the preset's budget)")
-    p.add_argument("--width", type=int, help="d_model (d_ff scaled with it, as bench/width_study.py)")
     p.add_argument("--only", nargs="+", help="run only the variants whose name contains one of these (and 'constant')")
     p.add_argument("--long", type=int, default=1000, help="steps of the constant-rate run (snapshots below it)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--cache", default="runs/cache")
-    p.add_argument("--out", default="results")
+    add_model_args(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     splits = load_splits(args.preset, args)
     epoch = math.ceil(len(splits.train) / BATCH)
-    over = {"steps": args.train_steps} if args.train_steps else {}
-    base = preset_config(args.preset)
-    arch = {"d_model": args.width, "d_ff": base.d_ff * args.width // base.d_model} if args.width else None
     pairs = seed_pairs(args.pairs)
-    models = {s: trained(args.preset, s, splits, Path(args.cache), progress=False, model_overrides=arch, **over)
-              for s in sorted({s for q in pairs for s in q})}
+    models, over = trained_models(args, sorted({s for q in pairs for s in q}), splits)
     per_pair = []
     for a, b in pairs:
         tag = f"{args.preset}-{a}-{b}-" + hashlib.sha1(json.dumps([models[a].meta.get("seconds"), models[b].meta.get("seconds"),

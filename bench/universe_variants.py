@@ -20,13 +20,13 @@ import torch
 
 from fedlmc.averaging import merge
 from fedlmc.canonical import canonicalize
-from fedlmc.commands import console, load_splits, trained
+from fedlmc.commands import console, load_splits
 from fedlmc.manyway import excess
 from fedlmc.matching import learned_matching
-from fedlmc.models import preset_config
 from fedlmc.symmetry import apply_transform
 from fedlmc.train import evaluate
 from fedlmc.universe import universe_merge
+from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
 
 def pairwise_learned(models, splits, steps: int = 300):
@@ -67,21 +67,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="vit-tiny")
     p.add_argument("--models", type=int, default=4)
-    p.add_argument("--train-steps", type=int)
-    p.add_argument("--width", type=int, help="d_model (d_ff scaled with it, as bench/width_study.py)")
     p.add_argument("--refine-steps", type=int, default=200)
     p.add_argument("--only", nargs="+", help="run only the variants whose label contains one of these")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--cache", default="runs/cache")
-    p.add_argument("--out", default="results")
+    add_model_args(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     splits = load_splits(args.preset, args)
-    base = preset_config(args.preset)
-    arch = {"d_model": args.width, "d_ff": base.d_ff * args.width // base.d_model} if args.width else None
-    over = {"steps": args.train_steps} if args.train_steps else {}
-    models = [trained(args.preset, s, splits, Path(args.cache), progress=False, model_overrides=arch, **over)
-              for s in range(args.models)]
+    by_seed, over = trained_models(args, range(args.models), splits)
+    models = [by_seed[s] for s in range(args.models)]
+    arch = width_arch(args.preset, args.width)
     ends = [evaluate(m, splits.test)["loss"] for m in models]
     tag = hashlib.sha1(json.dumps([args.preset, [m.meta.get("seconds") for m in models], over, arch]).encode()).hexdigest()[:8]
     rows = {}

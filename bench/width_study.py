@@ -21,6 +21,7 @@ import torch
 from fedlmc.commands import console, load_splits, trained
 from fedlmc.models import preset_config
 from fedlmc.reproduce import METHODS, pair_curves
+from _models import width_arch  # noqa: E402  (bench/, the script's own folder)
 
 PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny"}
 WIDTHS = {"gpt2": [64, 128, 256], "vit": [32, 64, 128]}
@@ -30,7 +31,7 @@ METHOD_KEYS = ["vanilla", "wm-orth-circuit", "wm-orth-factored", "learned"]
 def one_width(preset: str, d: int, splits, args) -> dict:
     """Train (or reuse) the pair at width ``d`` and measure every method's barrier on the test split."""
     base = preset_config(preset)
-    arch = {"d_model": d, "d_ff": base.d_ff * d // base.d_model}
+    arch = width_arch(preset, d)
     over = {"steps": args.steps} if args.steps else {}
     key = hashlib.sha1(json.dumps([preset, arch, over, args.seeds, args.learned_steps, METHOD_KEYS]).encode()).hexdigest()[:10]
     cached = Path(args.cache) / f"width-{preset}-d{d}-{key}.json"
