@@ -232,7 +232,7 @@ def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, red
     transforms: list[Transform] = [Transform() for _ in mem.padded]
     for it in range(max(1, iterations)):
         for i, m in enumerate(mem.padded):
-            if mem.weights[i] <= 0:
+            if mem.weights[i] <= 0 or (it == 0 and m is universe):  # the anchor itself: the identity, exactly
                 continue
             acts = residual_activation_cross(universe, m, residual_data) if residual_data is not None else None
             transforms[i] = weight_matching(universe, m, start=transforms[i] if it else None, residual_acts=acts,
