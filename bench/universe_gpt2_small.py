@@ -6,11 +6,14 @@ permutations) plus 1 % noise each, so the answer is known: the universe must be 
 first copy's coordinates), with its noise averaged down. Reports wall time, per-model seconds, a
 profile of where the time went, the peak resident memory of the process during the merge (sampled
 every 20 ms) against the (M + 4) × model-size budget, and the relative distance of the universe to
-the clean model.
+the clean model. Runs with ``fedlmc.allocator.retain_freed_memory`` as the ServerApp does
+(``--default-allocator``: without).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import json
 import os
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from fedlmc.allocator import retain_freed_memory
 from fedlmc.canonical import canonicalize
 from fedlmc.matching.profile import profiling
 from fedlmc.universe import universe_merge
@@ -49,6 +53,14 @@ def noisy_copy(layers: int, s: int) -> torch.nn.Module:
         for p_ in c.parameters():
             p_.add_(0.01 * p_.std() * torch.randn(p_.shape, generator=g))
     return c
+
+
+def trim_heap() -> None:
+    """Return the heap's free memory to the kernel (glibc), so resident size counts live data only."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class PeakMemory:
@@ -83,13 +95,19 @@ def main() -> None:
     p.add_argument("--init", default="paper", help="weight matching start for the first iteration (paper|both)")
     p.add_argument("--out", default="results/bench_universe_gpt2_small.json")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, i.e. all cores)")
+    p.add_argument("--default-allocator", action="store_true",
+                   help="leave glibc's malloc thresholds as they are (fedlmc.allocator is what servers use)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    retained = False if args.default_allocator else retain_freed_memory()
+    rss_interpreter = PeakMemory._rss()
     copies = [noisy_copy(args.layers, s) for s in range(args.models)]
     model_bytes = 4 * sum(p.numel() for p in copies[0].parameters())
-    # the server holds the M replies and nothing else (the clean model is rebuilt afterwards)
+    # the server holds the M replies and nothing else (the clean model is rebuilt afterwards); what
+    # building the copies freed goes back to the kernel, so the peak below is the merge's own
     gc.collect()
+    trim_heap()
     with profiling() as prof, PeakMemory() as mem:
         t0 = time.time()
         merged, Ts = universe_merge(copies, iterations=args.iterations, starts=args.init, progress=True)
@@ -100,6 +118,7 @@ def main() -> None:
     res = {"model": "gpt2-small shape", "layers": args.layers, "models": args.models,
            "params_per_model": sum(p.numel() for p in copies[0].parameters()), "device": str(pick_device()),
            "threads": torch.get_num_threads(), "machine": platform.machine(), "iterations": args.iterations,
+           "retain_freed_memory": retained, "rss_interpreter_gb": round(rss_interpreter / 1e9, 2),
            "init": args.init, "seconds": round(secs, 1), "target_seconds": 120, "profile_seconds": prof,
            "peak_rss_gb": round(mem.peak / 1e9, 2), "rss_before_merge_gb": round(mem.start / 1e9, 2),
            "model_float32_gb": round(model_bytes / 1e9, 3),

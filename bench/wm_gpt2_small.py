@@ -5,8 +5,11 @@ Pairs: "independent" — two independently initialised models (random weights; n
 every assignment is a hard one: the slow case), with the default starts (paper and identity) or the
 paper start only ("independent-paper-init"); "planted" — B is A under a random group element
 (residual O, head and FF permutations) plus 1 % noise, which weight matching must undo.
-Each run records its seconds, iterations, the objective after every iteration and a profile (where
-the time went); "exact" runs the dense assignment solver everywhere (the reference for the fast path).
+Each run records its seconds, iterations, the objective after every iteration, the chosen elements'
+objective with float32 products ("objective_exact", computed after the timed run) and a profile (where
+the time went); "exact" runs the dense assignment solver and float32 products everywhere (the
+reference for the fast path); "rtol-1e-3" stops on the previous, tighter tolerance. Runs with
+``fedlmc.allocator.retain_freed_memory`` as the ServerApp does (``--default-allocator``: without).
 """
 from __future__ import annotations
 
@@ -18,17 +21,20 @@ from pathlib import Path
 
 import torch
 
+from fedlmc.allocator import retain_freed_memory
 from fedlmc.canonical import canonicalize
 from fedlmc.matching import weight_matching
+from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
-from fedlmc.symmetry import apply_transform, random_transform
+from fedlmc.symmetry import apply_transform, canonical_config, random_transform
 from fedlmc.train import pick_device
 
 CONFIGS = {  # name: (which B, weight_matching options)
     "independent": ("independent", {}),
     "independent-paper-init": ("independent", {"starts": "paper"}),
-    "independent-paper-init-exact": ("independent", {"starts": "paper", "candidates": None}),
+    "independent-paper-init-exact": ("independent", {"starts": "paper", "candidates": None, "precision": "exact"}),
+    "independent-paper-init-rtol-1e-3": ("independent", {"starts": "paper", "rtol": 1e-3}),
     "planted": ("planted", {}),
 }
 
@@ -57,6 +63,15 @@ def pair(layers: int):
     return a, ca, b, planted, noise
 
 
+def exact_objective(a, b, T) -> float:
+    """The chosen elements' objective with every product in float32 (the descent's own figure uses
+    bfloat16 factors where ``precision="auto"`` picks them; computed after the timed run)."""
+    cpu = torch.device("cpu")
+    P = Problem(canonical_state(a, cpu, torch.float32), canonical_state(b, cpu, torch.float32),
+                canonical_config(b.config), "exact")
+    return P.objective({k: v.float() if v.is_floating_point() else v for k, v in T.elements.items()})
+
+
 def run(a, ca, b, planted, noise: float, name: str) -> dict:
     which, kw = CONFIGS[name]
     other = planted if which == "planted" else b
@@ -67,6 +82,7 @@ def run(a, ca, b, planted, noise: float, name: str) -> dict:
     out = {"options": {k: str(v) for k, v in kw.items()}, "seconds": round(secs, 2),
            "iterations": T.info["iterations"], "chosen": T.info["chosen"], "objective": T.info["objective"],
            "trace": T.info["trace"], "abandoned": T.info.get("abandoned", []), "profile_seconds": prof}
+    out["objective_exact"] = exact_objective(a, other, T)
     if which == "planted":  # recovered: A's canonical form and aligned B differ by the noise only
         out["relative_distance_after_alignment"] = relative_distance(ca, apply_transform(other, T))
         out["noise_relative_distance"] = noise
@@ -80,13 +96,17 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["independent-paper-init", "independent", "planted"],
                    choices=list(CONFIGS))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, i.e. all cores)")
+    p.add_argument("--default-allocator", action="store_true",
+                   help="leave glibc's malloc thresholds as they are (fedlmc.allocator is what servers use)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    retained = False if args.default_allocator else retain_freed_memory()
     a, ca, b, planted, noise = pair(args.layers)
     results = {"model": "gpt2-small shape", "layers": args.layers, "params": sum(p.numel() for p in a.parameters()),
                "device": str(pick_device()), "threads": torch.get_num_threads(), "machine": platform.machine(),
-               "processor": platform.processor(), "torch": torch.__version__, "runs": {}}
+               "processor": platform.processor(), "torch": torch.__version__, "retain_freed_memory": retained,
+               "runs": {}}
     for name in args.configs:
         r = results["runs"][name] = run(a, ca, b, planted, noise, name)
         print(f"{name:<30s} {r['seconds']:7.1f} s  iterations {r['iterations']}  objective "

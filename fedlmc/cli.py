@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import Optional
 
+from .allocator import retain_freed_memory
 from .commands import (cmd_barrier, cmd_demo, cmd_export, cmd_import, cmd_merge, cmd_reproduce, cmd_train, cmd_universe, cmd_widths,
                        console)
 
@@ -145,6 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .data import DataNotFound
 
     args = build_parser().parse_args(argv)
+    retain_freed_memory()
     try:
         return args.func(args)
     except (DataNotFound, FileNotFoundError, ValueError) as e:

@@ -11,11 +11,12 @@ import torch.nn as nn
 
 from .averaging import FORMS, REDUCES, merge, robust_merge
 from .matching import residual_activation_cross, weight_matching
+from .matching.profile import section
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
 from .symmetry.canonical import recentre
-from .symmetry import (StateDict, Transform, WidthMap, apply_transform, canonical, invert_transform, layernorm_native,
-                       rebuild, spec_for, to_layernorm)
+from .symmetry import (StateDict, Transform, WidthMap, apply_to_state, apply_transform, canonical, invert_transform,
+                       layernorm_native, rebuild, spec_for, to_layernorm)
 from .widths import (common_shape, lift_residual, ones_lift, pad, permute_masks, residual_projector, same_shape, unit_masks,
                      unpad)
 
@@ -76,16 +77,18 @@ class Members:
 
     def _streamed_average(self, transforms: list[Transform]) -> nn.Module:
         """The plain weighted average, aligning one model at a time: the server holds the M models plus
-        two (the running sum and one aligned model), not 2M (at gpt2-small size, 8 × 650 MB saved)."""
+        two (the running sum and one aligned model), not 2M (at gpt2-small size, 8 × 650 MB saved).
+        Aligned state dicts are summed as they come, never built into models."""
         acc: Optional[StateDict] = None
         for i in self.live:
-            sd = apply_transform(self.padded[i], transforms[i]).state_dict()
+            sd = {k: v.detach() for k, v in self.padded[i].state_dict().items()}
+            sd = apply_to_state(sd, self.padded[i].config, transforms[i])[0]
             w = self.weights[i]
             if acc is None:
-                acc = {k: v.detach() * w for k, v in sd.items()}
+                acc = {k: v * w for k, v in sd.items()}
             else:
                 for k, v in sd.items():
-                    acc[k].add_(v.detach(), alpha=w)
+                    acc[k].add_(v, alpha=w)
             del sd
         return rebuild(self.padded[self.live[0]], acc)
 
@@ -237,8 +240,9 @@ def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, red
             acts = residual_activation_cross(universe, m, residual_data) if residual_data is not None else None
             transforms[i] = weight_matching(universe, m, start=transforms[i] if it else None, residual_acts=acts,
                                             **matching)
-        new = mem.merge(transforms, reduce=reduce, trim=trim)
-        moved = _relative_change(universe, new)
+        with section("universe averages"):
+            new = mem.merge(transforms, reduce=reduce, trim=trim)
+            moved = _relative_change(universe, new)
         universe = new
         if progress:
             print(f"universe iteration {it + 1}: moved {moved:.2e}")

@@ -20,6 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from fedlmc import io
+from fedlmc.allocator import retain_freed_memory
 from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
 from fedlmc.hf import hf_model_for
 from fedlmc.strategies.checkpoint import load_state, save_state
@@ -129,6 +130,7 @@ def make_app(overrides: Optional[dict[str, Any]] = None,
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
+        retain_freed_memory()  # aggregation's temporaries: reuse freed pages (fedlmc.allocator)
         serve(grid, Settings.from_run_config({**overrides, **context.run_config}), after_round)
 
     return server

@@ -95,3 +95,26 @@ def test_an_identity_start_that_cannot_win_is_abandoned_and_a_shared_init_stays_
     T2 = weight_matching(A, near)  # whichever start wins, it is at least as good as the identity
     assert T2.info["objective"][T2.info["chosen"]] <= T2.info["objective"]["identity"]
     assert all(torch.equal(v, torch.arange(len(v))) for k, v in T2.elements.items() if k.startswith(("ff.", "heads.")))
+
+
+def test_the_fast_path_finds_the_exact_paths_permutations_on_a_planted_model():
+    """bfloat16 factors, sampled candidate thresholds, the looser default tolerance and the gauges-only
+    finish (the speed path at gpt2-small size) against float32 products, the dense solver and a tight
+    tolerance: the same permutations, residual maps within float32 Procrustes noise, objectives within
+    the bfloat16 factors' rounding."""
+    A, B = _wide_pair(3)
+    A, B = A.float(), B.float()
+    fast = weight_matching(A, B, precision="bfloat16", candidates=16)  # 256 FF neurons: the candidate path
+    exact = weight_matching(A, B, precision="exact", candidates=None, rtol=1e-6, max_iter=30)
+    perms = [k for k, v in exact.elements.items() if not v.is_floating_point()]
+    assert any(k.startswith("ff.") for k in perms)
+    assert all(torch.equal(fast[k], exact[k]) for k in perms)
+    assert (fast["residual"] - exact["residual"]).abs().max() < 1e-2
+    f, e = fast.info["objective"][fast.info["chosen"]], exact.info["objective"][exact.info["chosen"]]
+    assert f == pytest.approx(e, rel=1e-2)
+
+
+def test_precision_is_checked():
+    A, B = _wide_pair(4)
+    with pytest.raises(ValueError, match="precision"):
+        weight_matching(A, B, precision="half")

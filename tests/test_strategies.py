@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Optional
 
@@ -55,6 +56,24 @@ def test_planted_replies_aggregate_to_the_model(record):
     rec = strategy.history[0]
     assert rec["kept"] == "aligned" and rec["excluded"] == [] and rec["failures"] == []
     assert len(rec["moved"]) == 3 and max(rec["moved"]) > 0.5  # the planted clients had to be moved
+
+
+def test_a_round_is_combined_on_every_core_and_the_apps_threads_come_back():
+    """The simulations run each app on one torch thread; clients wait while the server combines, so
+    aggregation uses every core (``aggregate_threads=0``) and the app's setting is restored after."""
+    base, clients = _planted_clients()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        strategy = AlignedFedAvg(model_config=base.config.to_dict())
+        strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
+        assert strategy.history[0]["threads"] == len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == 1
+        pinned = AlignedFedAvg(model_config=base.config.to_dict(), aggregate_threads=None)
+        pinned.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
+        assert pinned.history[0]["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def _planted_clients(n=3):

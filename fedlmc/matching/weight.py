@@ -45,6 +45,12 @@ class Cross:
     def value(self, O: Optional[torch.Tensor]) -> float:
         return self.constant - 2 * float((self.G * O).sum() if O is not None else self.G.trace())
 
+    def __add__(self, other: "Cross") -> "Cross":
+        return Cross(self.constant + other.constant, self.G + other.G, self.M + other.M)
+
+
+PRECISIONS = ("auto", "exact", "bfloat16")
+
 
 class Problem:
     """One matching problem: A, B, and what stays fixed while the elements change.
@@ -61,10 +67,12 @@ class Problem:
     factors makes random errors that average out over each product's length: on the gpt2-small-shaped
     bench pair the objective moved by < 1e-5 (relative) against float32 factors, far below the stopping
     tolerance, and scores keep ~3 significant digits, which only decide between near-ties.
-    ``fast=False`` keeps every product in the problem's dtype (the reference the bench compares with).
+    ``precision``: "auto" (as above), "exact" (every product in the problem's dtype: the reference the
+    bench compares with) or "bfloat16" (bfloat16 factors anywhere, e.g. to test the fast path on a
+    small model).
     """
 
-    def __init__(self, A: StateDict, B: StateDict, cfg, fast: bool = True) -> None:
+    def __init__(self, A: StateDict, B: StateDict, cfg, precision: str = "auto") -> None:
         self.A, self.B, self.cfg = A, B, cfg
         self.spec = spec_for(cfg)
         # in spec order (not a set's): sums over tensors, and so the residual map's arbitrary sign on a
@@ -77,7 +85,10 @@ class Problem:
         ff = self.spec.layer_groups("ff")
         ref = next(iter(A.values()))
         self.dtype = ref.dtype
-        self.fast = score_dtype(ref.dtype, ref.device, max((g.size for g in ff), default=0)) if fast else ref.dtype
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.fast = {"auto": score_dtype(ref.dtype, ref.device, max((g.size for g in ff), default=0)),
+                     "exact": ref.dtype, "bfloat16": torch.bfloat16}[precision]
         self._anchor_setup(A, B, moved)
         self._a_norms = {k: a.pow(2).sum().clamp_min(1e-30) for k, a in self.A_mov.items()}  # A is fixed
         self._b_norms = {k: b.pow(2).sum() for k, b in self.B_mov.items()}  # kept by permutations, orthogonal gauges
@@ -89,7 +100,7 @@ class Problem:
         self.A_fast = {k: v.to(self.fast) for k, v in self.A_mov.items() if k in self._axis}
         self.B_fast = {k: v.to(self.fast) for k, v in self.B_mov.items()}
         self.A_features = {g.name: unit_features(A, g).to(self.fast) for g in ff}
-        self._identity_cross: Optional[Cross] = None
+        self._identity_cross: dict[str, Cross] = {}
 
     def _anchor_setup(self, A: StateDict, B: StateDict, moved: list[str]) -> None:
         """Per-tensor pieces of the objective for tensors outside the moving set, and (from the same
@@ -124,19 +135,21 @@ class Problem:
         out = apply_elements(src, self.cfg, {"residual": O.to(self.fast)})
         return {k: v if k in self._ff_params else v.to(self.dtype) for k, v in out.items()}
 
-    def cross(self, elements: Elements) -> Cross:
-        """``Cross`` of A with U(B), U the unit elements (any residual element is ignored)."""
+    def cross(self, elements: Elements, part: str = "all") -> Cross:
+        """``Cross`` of A with U(B), U the unit elements (any residual element is ignored), over the
+        moving tensors of ``part``: "all", "ff" (FF members) or "rest"; parts add up to the whole."""
         units = {k: v for k, v in elements.items() if k != "residual"}
         identity = all(_is_identity(v) for v in units.values())
-        if identity and self._identity_cross is not None:
-            return self._identity_cross
-        UB = apply_elements(self.B_fast, self.cfg, units)
+        if identity and part in self._identity_cross:
+            return self._identity_cross[part]
+        keys = [k for k in self.A_mov if part == "all" or (k in self._ff_params) == (part == "ff")]
+        UB = apply_elements({k: self.B_fast[k] for k in keys if k in self._axis}, self.cfg, units)
+        small = apply_elements({k: self.B_mov[k] for k in keys if k not in self._axis}, self.cfg, units)
         stretched = {k for g, el in units.items() if g in self._gauge_params and not _orthogonal(el)
                      for k in self._gauge_params[g]}  # invertible gauges change B's norms
-        small = apply_elements({k: v for k, v in self.B_mov.items() if k not in self._axis}, self.cfg, units)
         constant, G, M = 0.0, torch.zeros_like(self.M_anchor), torch.zeros_like(self.M_anchor)
-        for k, a in self.A_mov.items():
-            na = self._a_norms[k]
+        for k in keys:
+            a, na = self.A_mov[k], self._a_norms[k]
             if k not in self._axis:  # no residual axis (biases of units): O does not act on it
                 constant += float((a - small[k]).pow(2).sum() / na)
                 continue
@@ -148,7 +161,7 @@ class Problem:
             M += C / ar.shape[0]
         out = Cross(constant, G, M)
         if identity:
-            self._identity_cross = out
+            self._identity_cross[part] = out
         return out
 
 
@@ -215,7 +228,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     # level, ~1e-4 per tensor, where a relative test would keep iterating on nothing)
     floor = 1e-5 * (len(P.A_mov) + len(P.anchor_members))
     with section("residual cross-covariances"):
-        X = P.cross(elements)
+        X_ff, X = _crosses(P, elements)
     it, settled = 0, False
     for it in range(1, max_iter + 1):
         old = dict(elements)
@@ -226,7 +239,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
         with section("residual SVD"):
             O = elements["residual"] = residual_element(M, residual, keep_layernorm)
         if trace and settled and trace[-1] - X.value(O) - P.anchor_objective(O) < rtol * trace[-1] + floor:
-            return _finish(P, elements, old, trace, it, gauge)
+            return _finish(P, elements, old, X_ff, trace, it, gauge)
         with section("apply residual map"):
             B_res = P.rotated(O)
         # units given the residual map
@@ -240,7 +253,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
             return Descent(old, it, trace, trace[-1])
         settled = all(torch.equal(old[k], v) for k, v in elements.items() if not v.is_floating_point() and k in old)
         with section("residual cross-covariances"):
-            X = P.cross(elements)
+            X_ff, X = _crosses(P, elements)
         value = X.value(O) + P.anchor_objective(O)
         if abandon_above is not None and not trace and value > abandon_above:
             return Descent(None, it, [value], None)
@@ -252,15 +265,23 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     return Descent(elements, it, trace, trace[-1] if trace else None)
 
 
-def _finish(P: Problem, elements: Elements, old: Elements, trace: list[float], it: int, gauge: Optional[str]) -> Descent:
+def _crosses(P: Problem, elements: Elements) -> tuple[Cross, Cross]:
+    """The FF members' ``Cross`` and the whole one (the FF part is what a gauges-only step keeps)."""
+    X_ff = P.cross(elements, "ff")
+    return X_ff, X_ff + P.cross(elements, "rest")
+
+
+def _finish(P: Problem, elements: Elements, old: Elements, X_ff: Cross, trace: list[float], it: int,
+            gauge: Optional[str]) -> Descent:
     """The last, continuous step of a descent whose permutations have settled: gauges refitted to the
-    new residual map (the permutations would not move), and the objective of the result."""
+    new residual map (the permutations would not move, so the FF part of the objective is ``X_ff``'s),
+    and the objective of the result."""
     if gauge:
         with section("gauges"):
             B_heads = apply_elements(P.rotated(elements["residual"], ff=False), P.cfg, elements, ("heads", "qheads"))
             elements.update(gauge_step(P.A_mov, B_heads, P.spec, gauge))
     with section("residual cross-covariances"):
-        value = P.cross(elements).value(elements["residual"]) + P.anchor_objective(elements["residual"])
+        value = (X_ff + P.cross(elements, "rest")).value(elements["residual"]) + P.anchor_objective(elements["residual"])
     if value > trace[-1]:
         return Descent(old, it, trace + [value], trace[-1])
     return Descent(elements, it, trace + [value], value)
@@ -307,6 +328,7 @@ def weight_matching(
     start: Optional[Transform] = None,
     candidates: Optional[int] = 64,
     rtol: float = 2e-3,
+    precision: str = "auto",
 ) -> Transform:
     """Align ``model_b`` to ``model_a`` without data; returns T so that ``apply_transform(B, T)`` ≈ A.
 
@@ -327,6 +349,8 @@ def weight_matching(
     ``candidates``: FF assignments of groups over 4 × ``candidates`` neurons are solved on each neuron's
     ``candidates`` best partners (``common.sparse_assignment``; None: the dense solver everywhere).
     ``rtol``: a descent stops when an iteration improves the objective by less than this (relative).
+    ``precision``: the dtype of the large per-iteration products (see ``Problem``): "auto" (bfloat16
+    factors for float32 problems on CPUs with native bfloat16, else exact), "exact" or "bfloat16".
     ``T.info`` records the objective of each candidate, which one won, iterations, the objective
     after each iteration and seconds.
     """
@@ -341,7 +365,7 @@ def weight_matching(
     cfg = canonical_config(model_b.config)
     A, B = canonical_state(model_a, dev, dtype), canonical_state(model_b, dev, dtype)
     with section("anchor cross-covariances"):
-        P = Problem(A, B, cfg)
+        P = Problem(A, B, cfg, precision)
     Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
     opts = dict(residual=residual, keep_layernorm=keep_layernorm, gauge=gauge, max_iter=max_iter,
                 M_extra=Mx, extra_weight=1.0 if Mx is not None else 0.0, candidates=candidates, rtol=rtol)

@@ -7,11 +7,14 @@ global model's config attached to every message, reply validation (baselines inc
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from logging import INFO, WARNING
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp.strategy import FedAvg
@@ -42,7 +45,9 @@ class FedlmcStrategy(FedAvg):
     about every round); ``model`` — the clients' model (or its config) when it is not a fedlmc model:
     a ``transformers`` GPT-2, ViT or Llama model or config. Replies then come, and the aggregate goes
     back, under that model's own keys (``fedlmc.hf.HFAdapter``); a fedlmc model or config here is the
-    same as ``model_config``.
+    same as ``model_config``; ``aggregate_threads`` — torch threads while a round is combined: 0 (default)
+    uses every core, since in a synchronous round the clients wait for the aggregate (an app process
+    may run with fewer, e.g. the simulations' one thread per app), None leaves torch's setting alone.
     """
 
     same_shape = True  # replies must have the global model's shape (mixed-width strategies say False)
@@ -50,8 +55,10 @@ class FedlmcStrategy(FedAvg):
 
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, report_data=None,
                  report_batches: Optional[int] = None, min_replies: int = 1, max_norm_ratio: float = 100.0,
-                 fallback: str = "error", model: Any = None, **fedavg: Any) -> None:
+                 fallback: str = "error", model: Any = None, aggregate_threads: Optional[int] = 0,
+                 **fedavg: Any) -> None:
         super().__init__(**fedavg)
+        self.aggregate_threads = aggregate_threads
         if fallback not in ("error", "average"):
             raise ValueError(f"fallback must be 'error' or 'average', got {fallback!r}")
         self.adapter, self.client_keys = None, None
@@ -153,8 +160,9 @@ class FedlmcStrategy(FedAvg):
         if self.global_config is None:
             self.global_config = models[0].config.to_dict()
         t0 = time.time()
-        result, fields, plain = self.combine(server_round, valid, models, weights)
-        record = self.round_record(server_round, nodes=[m.metadata.src_node_id for m in valid], **fields)
+        with torch_threads(self.aggregate_threads) as threads:
+            result, fields, plain = self.combine(server_round, valid, models, weights)
+        record = self.round_record(server_round, nodes=[m.metadata.src_node_id for m in valid], threads=threads, **fields)
         record.setdefault("align_seconds", time.time() - t0)
         self.report(record, models, result, plain)
         record["seconds"] = time.time() - t0
@@ -260,6 +268,21 @@ class FedlmcStrategy(FedAvg):
     def load_state(self, state: dict[str, Any], round_offset: int) -> None:
         """Continue from ``state()`` after ``round_offset`` completed rounds."""
         self.global_config, self.history, self.round_offset = state["global_config"], state["history"], round_offset
+
+
+@contextmanager
+def torch_threads(n: Optional[int]) -> Iterator[int]:
+    """torch's intra-op threads set to ``n`` (0: one per available core; None: unchanged) inside the
+    block, restored after it; yields the count in force."""
+    before = torch.get_num_threads()
+    if n == 0:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 def declared_partition(msg: Message) -> Optional[int]:
