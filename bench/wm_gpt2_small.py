@@ -2,8 +2,8 @@
 
 Writes results/bench_wm_gpt2_small.json. Usage: python bench/wm_gpt2_small.py [--layers 12] [--out FILE]
 Pairs: "independent" — two independently initialised models (random weights; nothing to find, so
-every assignment is a hard one: the slow case), with the default starts (paper and identity) or the
-paper start only ("independent-paper-init"); "planted" — B is A under a random group element
+every assignment is a hard one: the slow case), with the default starts (the descent and the identity
+candidate) or the paper start only ("independent-paper-init"); "planted" — B is A under a random group element
 (residual O, head and FF permutations) plus 1 % noise, which weight matching must undo.
 Each run records its seconds, iterations, the objective after every iteration, the chosen elements'
 objective with float32 products ("objective_exact", computed after the timed run) and a profile (where
@@ -81,7 +81,7 @@ def run(a, ca, b, planted, noise: float, name: str) -> dict:
         secs = time.time() - t0
     out = {"options": {k: str(v) for k, v in kw.items()}, "seconds": round(secs, 2),
            "iterations": T.info["iterations"], "chosen": T.info["chosen"], "objective": T.info["objective"],
-           "trace": T.info["trace"], "abandoned": T.info.get("abandoned", []), "profile_seconds": prof}
+           "trace": T.info["trace"], "profile_seconds": prof}
     out["objective_exact"] = exact_objective(a, other, T)
     if which == "planted":  # recovered: A's canonical form and aligned B differ by the noise only
         out["relative_distance_after_alignment"] = relative_distance(ca, apply_transform(other, T))

@@ -1,5 +1,5 @@
 """The fast paths of weight matching give the exact path's answers: the sparse candidate assignment,
-the one-pass objective / residual cross-covariance, the abandoned identity start."""
+the one-pass objective / residual cross-covariance, one descent for the paper and identity starts."""
 from __future__ import annotations
 
 import pytest
@@ -84,10 +84,12 @@ def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     assert min(trace) == pytest.approx(direct, rel=1e-6)
 
 
-def test_an_identity_start_that_cannot_win_is_abandoned_and_a_shared_init_stays_put():
+def test_the_identity_start_is_the_paper_descent_and_a_shared_init_stays_put():
     A, B = _wide_pair(2)
-    T = weight_matching(A, B)  # B is A scrambled: the identity start is hopeless
-    assert T.info["abandoned"] == ["identity-start"] and T.info["chosen"] == "paper"
+    T = weight_matching(A, B)  # B is A scrambled: the identity transform is hopeless
+    assert set(T.info["iterations"]) == {"paper"} and T.info["chosen"] == "paper"
+    same = weight_matching(A, B, starts="identity")  # the identical descent under its own name
+    assert same.info["trace"]["identity-start"] == T.info["trace"]["paper"]
     near = canonicalize(A)  # a shared init, slightly moved: the identity start is in the running
     with torch.no_grad():
         for p in near.parameters():

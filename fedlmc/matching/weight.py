@@ -125,7 +125,7 @@ class Problem:
     def objective(self, elements: Elements) -> float:
         """``Σ_tensors ‖A − T(B)‖² / ‖A‖²`` (the criterion that compares candidate transforms)."""
         O = elements.get("residual")
-        return self.anchor_objective(O) + self.cross(elements).value(O)
+        return self.anchor_objective(O) + (self.cross(elements, "ff") + self.cross(elements, "rest")).value(O)
 
     def rotated(self, O: torch.Tensor, ff: bool = True) -> StateDict:
         """B's moving tensors under the residual map ``O``: FF members (read by the FF scores) in the
@@ -189,10 +189,10 @@ def _changed(old: Elements, new: Elements, tol: float = 1e-6) -> bool:
 
 @dataclass
 class Descent:
-    """What a coordinate descent found: the elements (None when abandoned), iterations, the objective
-    after each iteration that changed something, and the returned elements' objective (None: unknown)."""
+    """What a coordinate descent found: the elements, iterations, the objective after each iteration
+    that changed something, and the returned elements' objective (None: unknown)."""
 
-    elements: Optional[Elements]
+    elements: Elements
     iterations: int
     trace: list[float]
     objective: Optional[float]
@@ -201,8 +201,7 @@ class Descent:
 def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "orthogonal",
                        keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal", max_iter: int = 15,
                        M_extra: Optional[torch.Tensor] = None, extra_weight: float = 0.0,
-                       rtol: float = 2e-3, candidates: Optional[int] = None,
-                       abandon_above: Optional[float] = None) -> "Descent":
+                       rtol: float = 2e-3, candidates: Optional[int] = None) -> "Descent":
     """Alternate the four steps from ``elements`` until nothing changes, the objective improves by less
     than ``rtol`` (relative) plus 1e-5 per tensor in an iteration, or ``max_iter`` iterations are done.
     When the last unit steps moved no permutation, an iteration first scores its residual step alone
@@ -218,8 +217,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     steps read), and the cross-covariance of A with U(B) (``Problem.cross``), which gives both the
     objective for every O and the next residual step's matrix (units commute with the residual map).
     ``M_extra`` (e.g. residual activations) is mixed into every residual step with ``extra_weight``.
-    ``candidates``: see ``common.ff_step``. ``abandon_above``: give up (return None for the elements)
-    when the first iteration's objective is above it.
+    ``candidates``: see ``common.ff_step``.
     """
     spec = P.spec
     tol = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6
@@ -255,8 +253,6 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
         with section("residual cross-covariances"):
             X_ff, X = _crosses(P, elements)
         value = X.value(O) + P.anchor_objective(O)
-        if abandon_above is not None and not trace and value > abandon_above:
-            return Descent(None, it, [value], None)
         if trace and trace[-1] - value < rtol * abs(value) + floor:
             if value > trace[-1]:  # the last step made things worse: keep the previous elements
                 return Descent(old, it, trace + [value], trace[-1])
@@ -334,11 +330,12 @@ def weight_matching(
 
     ``residual``: "orthogonal" (the paper) or "permutation" (Git Re-Basin-style baseline).
     ``keep_layernorm``: restrict O to O·1 = 1 so the merge can go back to a LayerNorm model.
-    ``starts``: "paper" (residual map from the anchor blocks), "identity" (all blocks from the identity
-    correspondence) or "both" (run both, keep the lower objective; also compare with the identity
-    transform itself, which wins unless a matched transform is better — the do-no-harm guard for models
-    sharing an initialisation). With ``guard_data`` (a data set), candidates are finally compared by the
-    loss of their λ = 0.5 merge in ``form`` on ``guard_batches`` batches.
+    ``starts``: "paper" (the paper's start), "identity" (the same descent, recorded as "identity-start":
+    both begin with the identity units and recompute O first, see ``_descents``) or "both" (that
+    descent, then compared with the identity transform itself, which wins unless a matched transform
+    is better — the do-no-harm guard for models sharing an initialisation). With ``guard_data`` (a data
+    set), candidates are finally compared by the loss of their λ = 0.5 merge in ``form`` on
+    ``guard_batches`` batches.
     ``residual_acts``: a precomputed activation cross-covariance (see ``activation.residual_activation_cross``)
     added to every residual step (the data-light residual option).
     ``dtype``: float64 below 20M parameters, else float32 (default).
@@ -381,48 +378,35 @@ def weight_matching(
     return Transform({k: v.cpu() for k, v in found[best].items()}, info)
 
 
-# A descent from the identity whose first iteration is this much above the paper start's result is
-# abandoned: descents do most of their work in the first iteration (on the independent gpt2-small-shaped
-# bench pair the first lands within 5 % of the end: 126.7 → 120.5), so it cannot plausibly win, and it
-# would cost a full descent.
-ABANDON_ABOVE = 1.05
-# ... and it is not started at all when the identity itself is more than twice the paper start's result
-# (models that share an initialisation sit near the identity: there the two are close)
-SKIP_ABOVE = 2.0
-
-
 def _descents(P: Problem, start: Optional[Transform], starts: str, opts: dict) -> tuple[dict[str, Elements], dict]:
     """Run the requested descents; returns the candidates and ``info`` (iterations, objective traces,
-    each candidate's objective, which descents were abandoned)."""
+    each candidate's objective).
+
+    The paper start and the identity start are one descent: both begin with the identity units, and
+    every descent's first step recomputes the residual map from them (a start's own O is never read),
+    so ``starts="both"`` runs it once and adds the identity transform as the do-no-harm candidate.
+    (Until 2026-12 the identity start ran a second, identical descent unless abandoned.)"""
     dev, dtype = P.M_anchor.device, P.M_anchor.dtype
     found: dict[str, Elements] = {}
     info: dict = {"iterations": {}, "trace": {}, "objective": {}}
 
-    def run(name: str, el: Elements, abandon_above: Optional[float] = None) -> None:
-        d = coordinate_descent(P, el, abandon_above=abandon_above, **opts)
+    def run(name: str, el: Elements) -> None:
+        d = coordinate_descent(P, el, **opts)
         info["iterations"][name], info["trace"][name] = d.iterations, d.trace
-        if d.elements is None:
-            info.setdefault("abandoned", []).append(name)
-            return
-        found[name] = d.elements
-        info["objective"][name] = d.objective
+        found[name], info["objective"][name] = d.elements, d.objective
 
     if start is not None:
         el = identity_elements(P.cfg, dev, dtype)
         el.update(start.to(dtype=dtype, device=dev).elements)
         run("warm", el)
-    if starts in ("paper", "both") and start is None:
+    elif starts == "identity":
+        run("identity-start", identity_elements(P.cfg, dev, dtype))
+    else:
         run("paper", paper_init(P, residual=opts["residual"], keep_layernorm=opts["keep_layernorm"],
                                 M_extra=opts["M_extra"], extra_weight=opts["extra_weight"]))
     if starts == "both":  # the do-no-harm candidate
         with section("objective"):
             found["identity"], info["objective"]["identity"] = {}, P.objective({})
-    if starts in ("identity", "both") and start is None:
-        paper = info["objective"].get("paper")
-        if paper is not None and starts == "both" and info["objective"]["identity"] > SKIP_ABOVE * paper:
-            info.setdefault("abandoned", []).append("identity-start")  # not even started
-        else:
-            run("identity-start", identity_elements(P.cfg, dev, dtype), ABANDON_ABOVE * paper if paper is not None else None)
     return found, info
 
 
