@@ -161,6 +161,16 @@ def head_side(sd: StateDict, group: Group, fns: tuple[str, ...]) -> torch.Tensor
     return torch.cat(parts, dim=-1)
 
 
+def cached_side(sd: StateDict, group: Group, fns: tuple[str, ...], cache: Optional[dict]) -> torch.Tensor:
+    """``head_side``, memoised in ``cache`` (for a model that stays fixed through a matching)."""
+    if cache is None:
+        return head_side(sd, group, fns)
+    key = (group.name, fns)
+    if key not in cache:
+        cache[key] = head_side(sd, group, fns)
+    return cache[key]
+
+
 def circuit_inner(XA: torch.Tensor, YA: torch.Tensor, XB: torch.Tensor, YB: torch.Tensor) -> torch.Tensor:
     """``⟨X_Aᵢᵀ Y_Aᵢ, X_Bⱼᵀ Y_Bⱼ⟩_F`` for all head pairs (i, j), without forming the d×d circuits."""
     return (torch.einsum("iak,jbk->ijab", XA, XB) * torch.einsum("iak,jbk->ijab", YA, YB)).sum((-1, -2))
@@ -192,16 +202,16 @@ def circuit_norms(sd: StateDict, spec: SymmetrySpec, heads: str) -> dict[str, to
 
 
 def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str,
-                   norms: Optional[tuple[dict, dict]] = None) -> torch.Tensor:
+                   norms: Optional[tuple[dict, dict]] = None, a_sides: Optional[dict] = None) -> torch.Tensor:
     """Squared distances between A's and B's heads of heads group ``heads``: bias-augmented QK and OV
     circuits, each normalised by A's mean circuit norm so that neither dominates. Gauge-invariant.
-    ``norms``: A's and B's ``circuit_norms`` when already known."""
+    ``norms``: A's and B's ``circuit_norms`` when already known; ``a_sides``: a cache of A's factors."""
     D = 0.0
     gauges = spec.gauges_of(heads)
     nAs, nBs = norms or (circuit_norms(A, spec, heads), circuit_norms(B, spec, heads))
     for kind, (xs, ys) in CIRCUITS.items():
         g = gauges[kind]
-        XA, YA = head_side(A, g, xs), head_side(A, g, ys)
+        XA, YA = cached_side(A, g, xs, a_sides), cached_side(A, g, ys, a_sides)
         XB, YB = head_side(B, g, xs), head_side(B, g, ys)
         D = D + circuit_distance(XA, YA, XB, YB, nAs[kind], nBs[kind])
     return D
@@ -252,9 +262,10 @@ def grouped_assignment(score: torch.Tensor, block: int) -> tuple[torch.Tensor, t
 
 
 def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec,
-               norms: Optional[dict[str, tuple[dict, dict]]] = None) -> Elements:
+               norms: Optional[dict[str, tuple[dict, dict]]] = None, a_sides: Optional[dict] = None) -> Elements:
     """Head permutations of every layer from circuit distances (B already carries the residual map);
-    ``norms``: each heads group's (A, B) ``circuit_norms``, when known. Under grouped-query attention
+    ``norms``: each heads group's (A, B) ``circuit_norms``, when known; ``a_sides``: a cache of A's head
+    factors (A is fixed through a matching). Under grouped-query attention
     KV heads are matched by their best matching of query heads, which gives the "within" element too."""
     out: Elements = {}
     for g in spec.layer_groups("heads"):
@@ -264,27 +275,28 @@ def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec,
                 D = query_distances(A, B_res, spec, g.name, within.size)
                 out[g.name], out[within.name] = grouped_assignment(-D, within.size // within.count)
                 continue
-            D = head_distances(A, B_res, spec, g.name, norms[g.name] if norms else None)
+            D = head_distances(A, B_res, spec, g.name, norms[g.name] if norms else None, a_sides)
         out[g.name] = assignment(-D)
     return out
 
 
-def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, mode: str = "orthogonal") -> Elements:
+def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, mode: str = "orthogonal",
+               a_sides: Optional[dict] = None) -> Elements:
     """Per-head intra-head gauges aligning B's Q/K (and V/O) factors to A's.
 
     Members split into a direct side (fn M or Mᵀ: vectors map by G) and an inverse side (M⁻¹, M⁻ᵀ:
     vectors map by G⁻ᵀ). ``orthogonal``: G⁻ᵀ = G, so G is the Procrustes rotation of both sides stacked.
     ``invertible``: G minimises ‖G X_B − X_A‖² + ‖Gᵀ Y_A − Y_B‖² (the inverse side multiplied through),
     a Sylvester equation ``(Y_A Y_Aᵀ) G + G (X_B X_Bᵀ) = X_A X_Bᵀ + Y_A Y_Bᵀ`` solved in closed form;
-    exact whenever B's factors are an invertible gauge of A's.
+    exact whenever B's factors are an invertible gauge of A's. ``a_sides``: a cache of A's factors.
     """
     out: Elements = {}
     for kind in ("qk", "ov"):
         for g in spec.layer_groups(kind):
             direct = tuple(f for f in ("M", "MT") if any(m.fn == f for m in g.members))
             inverse = tuple(f for f in ("Minv", "MinvT") if any(m.fn == f for m in g.members))
-            XA, XB = head_side(A, g, direct), head_side(B_heads, g, direct)
-            YA, YB = head_side(A, g, inverse), head_side(B_heads, g, inverse)
+            XA, XB = cached_side(A, g, direct, a_sides), head_side(B_heads, g, direct)
+            YA, YB = cached_side(A, g, inverse, a_sides), head_side(B_heads, g, inverse)
             if g.structure == "rope":  # only per-frequency-pair (scaled) rotations commute with RoPE
                 G = rope_fit(XA, XB, YA, YB, scaled=mode == "invertible")
             elif mode == "orthogonal":

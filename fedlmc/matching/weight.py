@@ -101,6 +101,7 @@ class Problem:
         self.B_fast = {k: v.to(self.fast) for k, v in self.B_mov.items()}
         self.A_features = {g.name: unit_features(A, g).to(self.fast) for g in ff}
         self._identity_cross: dict[str, Cross] = {}
+        self.A_sides: dict = {}  # A's head factors, filled by the head and gauge steps (common.cached_side)
 
     def _anchor_setup(self, A: StateDict, B: StateDict, moved: list[str]) -> None:
         """Per-tensor pieces of the objective for tensors outside the moving set, and (from the same
@@ -241,12 +242,12 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
         with section("apply residual map"):
             B_res = P.rotated(O)
         # units given the residual map
-        elements.update(heads_step(P.A_mov, B_res, spec, P.head_norms))
+        elements.update(heads_step(P.A_mov, B_res, spec, P.head_norms, P.A_sides))
         elements.update(ff_step(P.A_features, B_res, spec, old, candidates))
         if gauge:
             with section("gauges"):
                 B_heads = apply_elements(B_res, P.cfg, elements, ("heads", "qheads"))
-                elements.update(gauge_step(P.A_mov, B_heads, spec, gauge))
+                elements.update(gauge_step(P.A_mov, B_heads, spec, gauge, P.A_sides))
         if trace and not _changed(old, elements, tol):  # a fixed point: keep the elements whose objective is known
             return Descent(old, it, trace, trace[-1])
         settled = all(torch.equal(old[k], v) for k, v in elements.items() if not v.is_floating_point() and k in old)
@@ -275,7 +276,7 @@ def _finish(P: Problem, elements: Elements, old: Elements, X_ff: Cross, trace: l
     if gauge:
         with section("gauges"):
             B_heads = apply_elements(P.rotated(elements["residual"], ff=False), P.cfg, elements, ("heads", "qheads"))
-            elements.update(gauge_step(P.A_mov, B_heads, P.spec, gauge))
+            elements.update(gauge_step(P.A_mov, B_heads, P.spec, gauge, P.A_sides))
     with section("residual cross-covariances"):
         value = (X_ff + P.cross(elements, "rest")).value(elements["residual"]) + P.anchor_objective(elements["residual"])
     if value > trace[-1]:
