@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from .averaging import FORMS, REDUCES, merge, robust_merge
 from .matching import residual_activation_cross, weight_matching
+from .matching.activation import residual_states
 from .matching.profile import section
 from .matching.refine import dirichlet_refine
 from .vocabulary import method_name
@@ -234,10 +235,11 @@ def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, red
     """Align every model to the universe, average there, repeat (the warm start is the last transform)."""
     transforms: list[Transform] = [Transform() for _ in mem.padded]
     for it in range(max(1, iterations)):
+        states = residual_states(universe, residual_data) if residual_data is not None else None
         for i, m in enumerate(mem.padded):
             if mem.weights[i] <= 0 or (it == 0 and m is universe):  # the anchor itself: the identity, exactly
                 continue
-            acts = residual_activation_cross(universe, m, residual_data) if residual_data is not None else None
+            acts = residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
             transforms[i] = weight_matching(universe, m, start=transforms[i] if it else None, residual_acts=acts,
                                             **matching)
         with section("universe averages"):

@@ -67,13 +67,20 @@ def _batches(data, n_batches: int, batch_size: int):
     return out
 
 
+def residual_states(model: nn.Module, data, n_batches: int = 4, batch_size: int = 64) -> dict[str, torch.Tensor]:
+    """The model's residual-stream states (its input and every residual probe) on the first batches."""
+    acts = activations(model, _batches(data, n_batches, batch_size))
+    return {k: v for k, v in acts.items() if k == "input" or k in spec_for(model).residual_probes}
+
+
 def residual_activation_cross(model_a: nn.Module, model_b: nn.Module, data, n_batches: int = 4,
-                              batch_size: int = 64) -> torch.Tensor:
-    """``Σ_probes X_Aᵀ X_B / N`` over residual states: the data term of the residual Procrustes."""
-    batches = _batches(data, n_batches, batch_size)
-    a, b = activations(model_a, batches), activations(model_b, batches)
-    keys = [k for k in a if k == "input" or k in spec_for(model_a).residual_probes]
-    return sum(a[k].T @ b[k] / len(a[k]) for k in keys)
+                              batch_size: int = 64, states_a: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    """``Σ_probes X_Aᵀ X_B / N`` over residual states: the data term of the residual Procrustes.
+    ``states_a``: A's ``residual_states`` on the same batches, when already known (a universe
+    compares every model with one A)."""
+    a = states_a if states_a is not None else residual_states(model_a, data, n_batches, batch_size)
+    b = residual_states(model_b, data, n_batches, batch_size)
+    return sum(a[k].T @ b[k] / len(a[k]) for k in a)
 
 
 def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches: int = 4, batch_size: int = 64,
