@@ -2,7 +2,7 @@
 learned matching for one pair of independently trained models per width, same depth.
 
 Writes results/width_study_{arch}.{json,md,png}. Usage:
-    python bench/width_study.py --arch gpt2 [--widths 64 128 256] [--steps 1000] [--seeds 0 1]
+    python bench/width_study.py --arch gpt2 [--widths 64 128 256] [--train-steps 1000] [--seeds 0 1]
     python bench/width_study.py --arch vit  [--widths 32 64 128]
 Only the width changes: d_model = d, d_ff = the preset's ratio × d, the preset's head count (so d_head
 grows with d), depth and data as the preset. Models and each width's barriers are cached under
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from fedlmc.commands import console, load_splits, trained
+from fedlmc.commands import console, load_splits
 from fedlmc.models import preset_config
 from fedlmc.reproduce import METHODS, pair_curves
-from _models import width_arch  # noqa: E402  (bench/, the script's own folder)
+from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
 PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny"}
 WIDTHS = {"gpt2": [64, 128, 256], "vit": [32, 64, 128]}
@@ -32,15 +32,15 @@ def one_width(preset: str, d: int, splits, args) -> dict:
     """Train (or reuse) the pair at width ``d`` and measure every method's barrier on the test split."""
     base = preset_config(preset)
     arch = width_arch(preset, d)
-    over = {"steps": args.steps} if args.steps else {}
+    over = {"steps": args.train_steps} if args.train_steps else {}
     key = hashlib.sha1(json.dumps([preset, arch, over, args.seeds, args.learned_steps, METHOD_KEYS]).encode()).hexdigest()[:10]
     cached = Path(args.cache) / f"width-{preset}-d{d}-{key}.json"
     if cached.is_file():
         console.print(f"width {d}: reusing {cached}")
         return json.loads(cached.read_text())
     t0 = time.time()
-    a, b = (trained(preset, s, splits, Path(args.cache), progress=not args.quiet, model_overrides=arch, **over)
-            for s in args.seeds)
+    models, _ = trained_models(argparse.Namespace(**{**vars(args), "preset": preset, "width": d}), args.seeds, splits)
+    a, b = (models[s] for s in args.seeds)
     train_s = time.time() - t0
     console.rule(f"{preset} at d = {d}: {sum(p.numel() for p in a.parameters()) / 1e6:.2f}M parameters")
     curves = pair_curves(a, b, splits, METHOD_KEYS, args.learned_steps, progress=not args.quiet, log=console.print)
@@ -59,7 +59,7 @@ def one_width(preset: str, d: int, splits, args) -> dict:
 
 
 def markdown(arch: str, rows: list[dict], args) -> str:
-    budget = f"{args.steps} steps" if args.steps else "the preset's budget"
+    budget = f"{args.train_steps} steps" if args.train_steps else "the preset's budget"
     lines = [f"### Width study, {arch} ({PRESET[arch]}'s depth and data; seeds {args.seeds}, one pair per width; "
              f"each model trained for {budget}; learned matching {args.learned_steps} steps from weight matching)", "",
              "| d_model | parameters | endpoint test losses | " + " | ".join(METHODS[k][0] for k in METHOD_KEYS)
@@ -102,13 +102,12 @@ def main() -> None:
     p.add_argument("--arch", choices=list(PRESET), required=True)
     p.add_argument("--widths", type=int, nargs="+")
     p.add_argument("--seeds", type=int, nargs=2, default=[0, 1])
-    p.add_argument("--steps", type=int, help="training steps per model (default: the preset's budget)")
     p.add_argument("--learned-steps", type=int, default=300)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--cache", default="runs/cache")
-    p.add_argument("--out", default="results")
     p.add_argument("--quiet", action="store_true")
+    add_model_args(p)  # --train-steps, --threads, --cache, --out (its --width is set per row here)
     args = p.parse_args()
+    if args.width:
+        p.error("the study's widths are --widths")
     torch.set_num_threads(args.threads)
     preset = PRESET[args.arch]
     splits = load_splits(preset, args)
@@ -117,7 +116,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"width_study_{args.arch}"
-    payload = {"arch": args.arch, "preset": preset, "seeds": args.seeds, "steps": args.steps,
+    payload = {"arch": args.arch, "preset": preset, "seeds": args.seeds, "steps": args.train_steps,
                "learned_steps": args.learned_steps, "threads": args.threads, "device": "cpu",
                "seconds": round(time.time() - t0, 1), "rows": rows}
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
