@@ -170,16 +170,22 @@ def ensemble_share(rec: dict, base: dict) -> Optional[float]:
     return (theirs - mine) / (theirs - ens)
 
 
+def _last_round(docs: dict[str, dict[int, dict]], field: str) -> dict[int, Any]:
+    """``field`` of the last round's strategy record per seed, from the first strategy's run that has it
+    (references such as the clients and their ensemble are the same for every strategy)."""
+    out: dict[int, Any] = {}
+    for by_seed in docs.values():
+        for seed, doc in by_seed.items():
+            value = (doc["rounds"][-1].get("strategy") or {}).get(field)
+            if value is not None and value != []:
+                out.setdefault(seed, value)
+    return out
+
+
 def ensemble_row(docs: dict[str, dict[int, dict]]) -> Optional[dict[str, tuple[float, float]]]:
     """The clients' output ensemble (same clients for every strategy of a one-shot run): loss and
     accuracy on the report data, over seeds; None when no run recorded it."""
-    loss, acc = {}, {}
-    for by_seed in docs.values():
-        for seed, doc in by_seed.items():
-            rec = (doc["rounds"][-1].get("strategy") or {})
-            if "ensemble_loss" in rec:
-                loss.setdefault(seed, rec["ensemble_loss"])
-                acc.setdefault(seed, rec["ensemble_acc"])
+    loss, acc = _last_round(docs, "ensemble_loss"), _last_round(docs, "ensemble_acc")
     if not loss:
         return None
     return {"loss": _mean_se(list(loss.values())), "acc": _mean_se(list(acc.values()))}
@@ -188,17 +194,13 @@ def ensemble_row(docs: dict[str, dict[int, dict]]) -> Optional[dict[str, tuple[f
 def clients_rows(docs: dict[str, dict[int, dict]]) -> Optional[dict[str, tuple[float, float]]]:
     """The best single client's and the mean client's loss on the report data (last round, over seeds):
     what a user gets without merging."""
-    best, mean = {}, {}
-    for by_seed in docs.values():
-        for seed, doc in by_seed.items():
-            losses = (doc["rounds"][-1].get("strategy") or {}).get("client_losses")
-            if losses:
-                best.setdefault(seed, min(losses))
-                mean.setdefault(seed, sum(losses) / len(losses))
-    if not best:
+    losses = _last_round(docs, "client_losses")
+    if not losses:
         return None
+    best = {k: min(v) for k, v in sorted(losses.items())}
+    mean = {k: sum(v) / len(v) for k, v in sorted(losses.items())}
     return {"best_client": _mean_se(list(best.values())), "mean_client": _mean_se(list(mean.values())),
-            "best_client_per_seed": [best[k] for k in sorted(best)], "mean_client_per_seed": [mean[k] for k in sorted(mean)]}
+            "best_client_per_seed": list(best.values()), "mean_client_per_seed": list(mean.values())}
 
 
 def _per_round(by_seed: dict[int, dict], key: str) -> list[float]:
