@@ -41,15 +41,18 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--strategies", nargs="+", default=["aligned", "refined"])
+    p.add_argument("--aggregate-threads", type=int, default=0,
+                   help="torch threads while the server combines (0: every core: the clients wait; -1: the app's one)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     res = {"preset": args.preset, "clients": args.clients, "local_steps": args.local_steps, "rounds": args.rounds,
+           "aggregate_threads": args.aggregate_threads,
            "cpus": os.cpu_count(), "machine": platform.machine(), "targets": TARGETS, "runs": {}}
     for strategy in args.strategies:
         with tempfile.TemporaryDirectory() as tmp:
             settings = {"strategy": strategy, "preset": args.preset, "num-server-rounds": args.rounds,
                         "local-steps": args.local_steps, "independent-start": False, "min-nodes": args.clients,
-                        "out-dir": str(Path(tmp) / "run"), "seed": 0}
+                        "out-dir": str(Path(tmp) / "run"), "seed": 0, "aggregate-threads": args.aggregate_threads}
             doc = run_in_subprocess(settings, num_supernodes=args.clients, timeout=3600,
                                     log_path=Path(tmp) / "log.txt")
         rows = shares(doc)

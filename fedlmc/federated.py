@@ -67,6 +67,7 @@ class Settings:
     client_cache: str = ""  # one-shot comparisons: a round-1 client trained once is reused by every strategy
     hf: bool = False  # clients train the preset's Hugging Face twin (GPT2LMHeadModel, ...) under its own keys
     threads: int = 1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
+    aggregate_threads: int = -1  # torch threads while the server combines a round (0: every core, the clients wait; -1: `threads`)
     reduce: str = "mean"  # mean | median | trimmed: how average / permuted / aligned combine (robust aggregation)
     trim: float = 0.2  # trimmed: the fraction of values cut at each end of every coordinate
     poison_partition: int = -1  # robustness experiments: this partition's client is poisoned (-1: none)

@@ -58,20 +58,20 @@ def test_planted_replies_aggregate_to_the_model(record):
     assert len(rec["moved"]) == 3 and max(rec["moved"]) > 0.5  # the planted clients had to be moved
 
 
-def test_a_round_is_combined_on_every_core_and_the_apps_threads_come_back():
-    """The simulations run each app on one torch thread; clients wait while the server combines, so
-    aggregation uses every core (``aggregate_threads=0``) and the app's setting is restored after."""
+def test_aggregate_threads_0_combines_on_every_core_and_the_apps_threads_come_back():
+    """The simulations run each app on one torch thread; ``aggregate_threads=0`` combines a round on
+    every core (the clients wait) and restores the app's setting after; the default leaves it alone."""
     base, clients = _planted_clients()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        strategy = AlignedFedAvg(model_config=base.config.to_dict())
+        strategy = AlignedFedAvg(model_config=base.config.to_dict(), aggregate_threads=0)
         strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
         assert strategy.history[0]["threads"] == len(os.sched_getaffinity(0))
         assert torch.get_num_threads() == 1
-        pinned = AlignedFedAvg(model_config=base.config.to_dict(), aggregate_threads=None)
-        pinned.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
-        assert pinned.history[0]["threads"] == 1
+        default = AlignedFedAvg(model_config=base.config.to_dict())
+        default.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
+        assert default.history[0]["threads"] == 1
     finally:
         torch.set_num_threads(before)
 

@@ -45,9 +45,9 @@ class FedlmcStrategy(FedAvg):
     about every round); ``model`` — the clients' model (or its config) when it is not a fedlmc model:
     a ``transformers`` GPT-2, ViT or Llama model or config. Replies then come, and the aggregate goes
     back, under that model's own keys (``fedlmc.hf.HFAdapter``); a fedlmc model or config here is the
-    same as ``model_config``; ``aggregate_threads`` — torch threads while a round is combined: 0 (default)
-    uses every core, since in a synchronous round the clients wait for the aggregate (an app process
-    may run with fewer, e.g. the simulations' one thread per app), None leaves torch's setting alone.
+    same as ``model_config``; ``aggregate_threads`` — torch threads while a round is combined: None
+    (default) leaves the process's setting alone, 0 uses every core (in a synchronous round the clients
+    wait for the aggregate; on a busy shared host, extra OpenMP threads can thrash instead).
     """
 
     same_shape = True  # replies must have the global model's shape (mixed-width strategies say False)
@@ -55,7 +55,7 @@ class FedlmcStrategy(FedAvg):
 
     def __init__(self, *, model_config: Optional[dict[str, Any]] = None, report_data=None,
                  report_batches: Optional[int] = None, min_replies: int = 1, max_norm_ratio: float = 100.0,
-                 fallback: str = "error", model: Any = None, aggregate_threads: Optional[int] = 0,
+                 fallback: str = "error", model: Any = None, aggregate_threads: Optional[int] = None,
                  **fedavg: Any) -> None:
         super().__init__(**fedavg)
         self.aggregate_threads = aggregate_threads

@@ -23,6 +23,7 @@ def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any
     common: dict[str, Any] = dict(fraction_train=s.fraction_train, fraction_evaluate=s.fraction_evaluate,
                                   min_train_nodes=s.min_nodes, min_available_nodes=s.min_nodes,
                                   min_evaluate_nodes=s.min_nodes if s.fraction_evaluate > 0 else 0,
+                                  aggregate_threads=s.aggregate_threads if s.aggregate_threads >= 0 else None,
                                   **(dict(model=model) if model is not None else dict(model_config=model_config)))
     if s.report:
         common.update(report_data=splits.test, report_batches=s.eval_batches or None)
