@@ -95,7 +95,7 @@ def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[to
 
     Exact whenever the optimal assignment uses only candidate edges, which on matching scores it does
     with a wide margin (a neuron's partner ranks far above its 64th-best alternative; tested against the
-    dense solver). The sparse solver (LAPJVsp) is ~10× faster than the dense one at 3072 units.
+    dense solver). With the candidate lists built, ~7× faster than the dense solver at 3072 units.
     """
     best = _obvious(score)
     if best is not None:
