@@ -9,8 +9,9 @@ from .base import Data, TokenData, Units
 
 SCHEMES = ("iid", "dirichlet", "speaker", "contiguous")
 # 2: text partitions deal out speeches (before: every scheme cut text into contiguous shards); part of
-# the client cache's key, so clients trained on the old shards are not reused under the new meaning
-PARTITIONS_VERSION = 2
+# the client cache's key, so clients trained on the old shards are not reused under the new meaning;
+# 3: ``speaker`` groups speakers at random (before: the frequent speakers shared one client)
+PARTITIONS_VERSION = 3
 
 
 def partition_indices(labels: np.ndarray, num_partitions: int, scheme: str = "iid", alpha: float = 0.5,
