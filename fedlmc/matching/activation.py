@@ -67,6 +67,11 @@ def _batches(data, n_batches: int, batch_size: int):
     return out
 
 
+def _residual_cross(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], probes) -> torch.Tensor:
+    """``Σ X_Aᵀ X_B / N`` over the residual-stream states among ``a``'s keys (input and ``probes``)."""
+    return sum(a[k].T @ b[k] / len(a[k]) for k in a if k == "input" or k in probes)
+
+
 def residual_states(model: nn.Module, data, n_batches: int = 4, batch_size: int = 64) -> dict[str, torch.Tensor]:
     """The model's residual-stream states (its input and every residual probe) on the first batches."""
     acts = activations(model, _batches(data, n_batches, batch_size))
@@ -80,7 +85,7 @@ def residual_activation_cross(model_a: nn.Module, model_b: nn.Module, data, n_ba
     compares every model with one A)."""
     a = states_a if states_a is not None else residual_states(model_a, data, n_batches, batch_size)
     b = residual_states(model_b, data, n_batches, batch_size)
-    return sum(a[k].T @ b[k] / len(a[k]) for k in a)
+    return _residual_cross(a, b, spec_for(model_b).residual_probes)
 
 
 def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches: int = 4, batch_size: int = 64,
@@ -92,8 +97,7 @@ def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches:
     a, b = activations(model_a, batches), activations(model_b, batches)
     cfg = canonical_config(model_b.config)
     spec = spec_for(cfg)
-    keys = [k for k in a if k == "input" or k in spec.residual_probes]
-    M = sum(a[k].T @ b[k] / len(a[k]) for k in keys)
+    M = _residual_cross(a, b, spec.residual_probes)
     O = residual_element(M, residual, keep_layernorm)
     el = identity_elements(cfg, M.device, M.dtype)
     el["residual"] = O

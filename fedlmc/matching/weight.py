@@ -138,14 +138,17 @@ class Problem:
         out = apply_elements(src, self.cfg, {"residual": O.to(self.fast)})
         return {k: v if k in self._ff_params else v.to(self.dtype) for k, v in out.items()}
 
-    def cross(self, elements: Elements, part: str = "all") -> Cross:
+    def cross(self, elements: Elements, part: str) -> Cross:
         """``Cross`` of A with U(B), U the unit elements (any residual element is ignored), over the
-        moving tensors of ``part``: "all", "ff" (FF members) or "rest"; parts add up to the whole."""
+        moving tensors of ``part``: "ff" (FF members) or "rest"; the two add up to the whole (kept
+        apart because a gauges-only step leaves the FF part unchanged)."""
+        if part not in ("ff", "rest"):
+            raise ValueError(f"part must be 'ff' or 'rest', not {part!r}")
         units = {k: v for k, v in elements.items() if k != "residual"}
         identity = all(_is_identity(v) for v in units.values())
         if identity and part in self._identity_cross:
             return self._identity_cross[part]
-        keys = [k for k in self.A_mov if part == "all" or (k in self._ff_params) == (part == "ff")]
+        keys = [k for k in self.A_mov if (k in self._ff_params) == (part == "ff")]
         UB = apply_elements({k: self.B_fast[k] for k in keys if k in self._axis}, self.cfg, units)
         small = apply_elements({k: self.B_mov[k] for k in keys if k not in self._axis}, self.cfg, units)
         stretched = {k for g, el in units.items() if g in self._gauge_params and not _orthogonal(el)
