@@ -83,6 +83,9 @@ def launch(args: list[str], timeout: Optional[float] = None) -> int:
     checkout's run never lands on it."""
     home = Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")).expanduser().resolve()
     before = local_superlinks(home)
+    # a local SuperLink started by ``flwr run`` runs the simulation with this environment: ClientApp
+    # actors at normal priority, not Ray's nice 15 (see ``simulate.ray_env``)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         return _run_and_check(args, timeout)
     finally:

@@ -97,6 +97,23 @@ def _stop_local_superlink(home: Path) -> None:
         stop_tree(pid)
 
 
+@pytest.mark.timeout(200)
+def test_ray_workers_run_at_normal_priority():
+    """Ray starts its workers at nice 15, so beside any ordinary job the ClientApp actors got a few per
+    cent of a core (the drop-in example took 230 s instead of 20 next to one training job)."""
+    code = ("from simulations.simulate import ray_env; ray_env(); import os, ray; "
+            "ray.init(num_cpus=1, include_dashboard=False); "
+            "print('worker nice', ray.get(ray.remote(lambda: os.nice(0)).remote())); ray.shutdown()")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+    tmp = _short_tmp("raynice-")
+    try:
+        proc = subprocess.run([os.sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=150,
+                              env={**env, "RAY_TMPDIR": str(tmp)})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert "worker nice 0" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 @pytest.mark.timeout(400)
 def test_dropin_example_swaps_fedavg_for_aligned():
     """examples/dropin: an unmodified quickstart-style ClientApp with AlignedFedAvg on the server."""
