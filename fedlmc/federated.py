@@ -229,7 +229,8 @@ def cached_first_round(model: nn.Module, data: Data, s: Settings, seed: int, par
     trained = {k: getattr(s, k) for k in TRAINING_KEYS}
     if s.poison_partition >= 0:  # only then part of the key, so unpoisoned caches stay valid
         trained.update(poison_partition=s.poison_partition, poison=s.poison, poison_scale=s.poison_scale)
-    key = json.dumps([trained, partition_id, num_partitions, seed, model.config.to_dict(), PARTITIONS_VERSION],
+    key = json.dumps([trained, partition_id, num_partitions, seed, model.config.to_dict(),
+                      PARTITIONS_VERSION[s.partitioner]],
                      sort_keys=True, default=str)
     path = Path(s.client_cache).expanduser() / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file() and (path / "history.json").is_file():

@@ -135,6 +135,33 @@ def _near_copies(base, n=2, scale=1e-3):
     return near
 
 
+def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_trained_from_it():
+    """One-shot fusion: clients started from their own seeds are unrelated to the server's initial
+    model (weight cosine ~0), and a universe seeded by it merged real clients badly; the strategy then
+    starts from a reply. Replies trained from the global model start the universe there."""
+    from fedlmc.strategies.base import DESCENT_COSINE, weight_cosine
+
+    base, clients = _planted_clients(3)
+    torch.manual_seed(123)
+    unrelated = from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
+    assert max(abs(weight_cosine(c, unrelated)) for c in clients) < DESCENT_COSINE / 2
+    strategy = AlignedFedAvg(model_config=base.config.to_dict())
+    strategy._previous = ArrayRecord(torch_state_dict=unrelated.state_dict())
+    arrays, _ = strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
+    assert strategy.history[0]["start"] == "reply"
+    x = torch.randn(8, 1, 12, 12)
+    with torch.no_grad():
+        merged = model_from_arrays(arrays, base.config.to_dict())
+        assert float((merged(x) - base(x)).abs().max() / base(x).abs().max()) < 1e-3
+
+    near = _near_copies(base)
+    assert min(weight_cosine(m, base) for m in near) > 0.99
+    strategy = AlignedFedAvg(model_config=base.config.to_dict())
+    strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
+    strategy.aggregate_train(1, [_reply(m, 50, node=i + 1) for i, m in enumerate(near)])
+    assert strategy.history[0]["start"] == "previous"
+
+
 def test_guard_keeps_plain_average_when_alignment_is_worse():
     """When the aligned aggregate is worse on the server data than the plain average of the same
     replies, the plain average is what the round returns (do no harm), and the history says so."""

@@ -8,10 +8,10 @@ import torch
 from .base import Data, TokenData, Units
 
 SCHEMES = ("iid", "dirichlet", "speaker", "contiguous")
-# 2: text partitions deal out speeches (before: every scheme cut text into contiguous shards); part of
-# the client cache's key, so clients trained on the old shards are not reused under the new meaning;
-# 3: ``speaker`` groups speakers at random (before: the frequent speakers shared one client)
-PARTITIONS_VERSION = 3
+# The version of each scheme's meaning, part of the client cache's key so that clients trained under an
+# old meaning are not reused: 2, text partitions deal out speeches (before: every scheme cut text into
+# contiguous shards); 3, ``speaker`` groups speakers at random (before: the frequent ones shared a client)
+PARTITIONS_VERSION = {"iid": 2, "dirichlet": 2, "contiguous": 2, "speaker": 3}
 
 
 def partition_indices(labels: np.ndarray, num_partitions: int, scheme: str = "iid", alpha: float = 0.5,

@@ -74,8 +74,10 @@ class AlignedFedAvg(FedlmcStrategy):
 
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
-        merged, transforms = self.align(models, weights, self.previous_model())
+        start = self.start_for(models)
+        merged, transforms = self.align(models, weights, start)
         fields: dict[str, Any] = {"align_seconds": time.time() - t0, "kept": "aligned",
+                                  "start": "previous" if start is not None else "reply",
                                   "moved": [transform_distance(T, spec_for(merged)) for T in transforms]}
         guarded = self.guard_data is not None or self.guard_fn is not None
         plain = self.plain(models, weights) if guarded or self.report_data is not None else None

@@ -161,12 +161,13 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     def combine(self, server_round, replies, models, weights):
         refine = dict(method="refined", data=self.refine_data, alpha=self.alpha, refine_steps=self.refine_steps) \
             if self.refine_data is not None else {}
-        universe, transforms = universe_merge(models, weights=weights, start=self.previous_model(),
+        start = self.start_for(models)
+        universe, transforms = universe_merge(models, weights=weights, start=start,
                                               iterations=self.iterations, residual=self.residual, device=self.device,
                                               keep_layernorm=bool(self.adapters), **refine)  # HF: LayerNorm models
         widths = [int(m.config.d_model) for m in models]
         fields = {"moved": [transform_distance(T, spec_for(universe)) for T in transforms], "widths": widths,
-                  "kept": "aligned"}
+                  "kept": "aligned", "start": "previous" if start is not None else "reply"}
         log(INFO, "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d", server_round,
             len(models), sorted(set(widths)), universe.config.d_model)
         nodes = [int(m.metadata.src_node_id) for m in replies]
