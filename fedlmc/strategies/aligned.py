@@ -1,7 +1,8 @@
 """Aligned aggregation: Flower's FedAvg with the average taken modulo the models' symmetries.
 
 ``AlignedFedAvg`` is a drop-in subclass of ``flwr.serverapp.strategy.FedAvg``: it aligns every reply to
-a universe seeded by the previous global model (``fedlmc.universe.universe_merge``), averages there
+a universe seeded by the previous global model when the replies were trained from it, else by a reply
+(``start_for``; ``fedlmc.universe.universe_merge``), averages there
 (weighted by ``num-examples``) and sends back a model of the clients' own shape (LayerNorm kept by
 default). ``RefinedFedAvg`` adds Dirichlet learned refinement on a small server-side data set.
 
