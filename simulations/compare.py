@@ -33,7 +33,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
                     config={"num-server-rounds": 1, "independent-start": True, "partitioner": "dirichlet",
                             "alpha": 0.5, "local-epochs": 20.0}),
     # federated training from a shared init under strong label skew
-    "multiround": dict(strategies=["average", "aligned", "refined"], clients=4,
+    "multiround": dict(strategies=["average", "permuted", "aligned", "refined"], clients=4,
                        config={"num-server-rounds": 5, "independent-start": False, "partitioner": "dirichlet",
                                "alpha": 0.1, "local-epochs": 2.0}),
     # robust aggregation: 5 one-shot clients, the last one poisoned (shuffled labels); "X@median" is
