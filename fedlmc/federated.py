@@ -25,7 +25,7 @@ from .train import TrainConfig, evaluate, model_for_data, train
 from .vocabulary import method_name
 from .widths import width_config
 
-STRATEGIES = ("average", "permuted", "aligned", "refined", "hetero", "hetero-refined", "slicing")
+STRATEGIES = ("average", "permuted", "aligned", "refined", "hetero", "hetero-permuted", "hetero-refined", "slicing")
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Settings:
         s.strategy = method_name(s.strategy, STRATEGIES, "strategy")
         if any(f != 1 for f in s.factors()) and s.strategy in ("average", "permuted", "aligned", "refined"):
             raise ValueError(f"width-factors {s.width_factors!r} make a mixed-width federation: use strategy "
-                             "'hetero' (aligned), 'hetero-refined' or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
+                             "'hetero' (aligned), 'hetero-permuted', 'hetero-refined' or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
         s.reduce = method_name(s.reduce, REDUCES, "reduce")
         if s.reduce != "mean" and s.strategy not in ("average", "permuted", "aligned"):
             raise ValueError(f"reduce={s.reduce!r} applies to strategies average, permuted and aligned, not {s.strategy!r}")

@@ -48,11 +48,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
                                                  "local-epochs": 2.0, "poison-partition": 4, "poison": "sign-flip",
                                                  "poison-scale": 4.0}),
     # mixed widths: d, d/2, d/4 clients from one shared init (HeteroFL's home ground)
-    "widths": dict(strategies=["slicing", "hetero"], clients=3,
+    "widths": dict(strategies=["slicing", "hetero-permuted", "hetero"], clients=3,
                    config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
                            "local-epochs": 2.0, "width-factors": "1,2,4"}),
     # model-heterogeneous one-shot: organisations bring models of widths d, d/2, d/4, trained separately
-    "widths-independent": dict(strategies=["slicing", "hetero", "hetero-refined"], clients=3,
+    "widths-independent": dict(strategies=["slicing", "hetero-permuted", "hetero", "hetero-refined"], clients=3,
                                config={"num-server-rounds": 1, "independent-start": True, "partitioner": "iid",
                                        "local-epochs": 20.0, "width-factors": "1,2,4"}),
 }

@@ -205,17 +205,44 @@ def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
     assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_average"] - 0.1
 
 
-def _narrow_and_moved_wide():
+def _narrow_and_moved_wide(residual: str = "orthogonal"):
     """A narrow model, and a wide one that is it zero-padded and moved by a random group element (one
-    function at two widths), with the wide config."""
+    function at two widths; ``residual`` the kind of its residual map), with the wide config."""
     from fedlmc.widths import pad
 
     torch.manual_seed(1)
     narrow = perturbed(from_preset("vit-tiny", n_layer=2, d_model=16, n_head=4, d_ff=32, d_head=8, image_size=12,
                                    patch_size=4), 1, 0.2).float()
     wide = pad(canonicalize(narrow), {"d_model": 32, "d_ff": 64})
-    wide = apply_transform(wide, random_transform(wide, seed=4, groups=["residual", "heads", "ff"], dtype=torch.float32))
+    wide = apply_transform(wide, random_transform(wide, seed=4, groups=["residual", "heads", "ff"], residual=residual,
+                                                  dtype=torch.float32))
     return narrow, wide, narrow.config.replace(d_model=32, d_ff=64)
+
+
+def test_hetero_permuted_aligns_widths_with_permutations_only(record):
+    """The peers' method across widths (``strategy=hetero-permuted``): the residual map is a partial
+    permutation, so it recovers a wide model that is the narrow one padded and permuted, and the
+    universe computes the narrow function; a rotated one is beyond it."""
+    from types import SimpleNamespace
+
+    from fedlmc.federated import Settings
+    from fedlmc.strategies import HeteroWidthFedAvg
+    from fedlmc.strategies.factory import build_strategy
+
+    x = torch.randn(8, 1, 12, 12)
+    gaps = {}
+    for kind in ("permutation", "orthogonal"):
+        narrow, wide, wide_cfg = _narrow_and_moved_wide(residual=kind)
+        s = Settings.from_run_config({"strategy": "hetero-permuted", "width-factors": "1,2", "guard": False})
+        strategy = build_strategy(s, wide_cfg.to_dict(), splits=SimpleNamespace(val=_labelled(narrow), test=None))
+        assert isinstance(strategy, HeteroWidthFedAvg) and strategy.residual == "permutation"
+        arrays, _ = strategy.aggregate_train(1, [_reply(wide, 100, node=1, partition=0),
+                                                 _reply(narrow, 100, node=2, partition=1)])
+        universe = model_from_arrays(arrays, strategy.global_config)
+        with torch.no_grad():
+            gaps[kind] = float((universe(x) - narrow(x)).abs().max() / narrow(x).abs().max())
+    record("hetero-permuted universe vs the narrow function (residual permuted)", gaps["permutation"], 1e-3)
+    assert gaps["orthogonal"] > 1e-1, gaps  # a rotated residual is beyond a permutation
 
 
 def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):

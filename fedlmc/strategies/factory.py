@@ -11,8 +11,8 @@ from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
 
 def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any = None):
-    """``average`` | ``permuted`` | ``aligned`` | ``refined`` | ``hetero`` | ``hetero-refined`` | ``slicing`` for
-    the run's settings.
+    """``average`` | ``permuted`` | ``aligned`` | ``refined`` | ``hetero`` | ``hetero-permuted`` |
+    ``hetero-refined`` | ``slicing`` for the run's settings.
 
     The server's validation split is cut in two: the refinement learns on one half, the do-no-harm
     guard judges on the other (so the guard never scores a model on data it was refined on).
@@ -43,10 +43,12 @@ def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any
     if s.strategy == "refined":
         return RefinedFedAvg(**common, **aligned, refine_data=refine_half, alpha=s.refine_alpha,
                              refine_steps=s.refine_steps)
-    if s.strategy in ("hetero", "hetero-refined"):
+    if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = dict(refine_data=refine_half, alpha=s.refine_alpha, refine_steps=s.refine_steps) \
             if s.strategy == "hetero-refined" else {}
-        return HeteroWidthFedAvg(**common, iterations=s.iterations, residual=s.residual, device=s.device or None,
+        # hetero-permuted: the peers' method across widths (the narrow residual placed by a partial permutation)
+        residual = "permutation" if s.strategy == "hetero-permuted" else s.residual
+        return HeteroWidthFedAvg(**common, iterations=s.iterations, residual=residual, device=s.device or None,
                                  guard_data=aligned["guard_data"] if model is None else None,
                                  guard_batches=aligned["guard_batches"], **refine)
     if s.strategy == "slicing":
