@@ -28,26 +28,22 @@ def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any
     if s.report:
         common.update(report_data=splits.test, report_batches=s.eval_batches or None)
     refine_half, guard_half = halves(splits.val)
-    aligned = dict(iterations=s.iterations, residual=s.residual, form=s.form, keep_layernorm=s.keep_layernorm,
+    # the peers' method (Git Re-Basin / FedMA style), at one width or across widths: permutations only, no rotation
+    residual = "permutation" if s.strategy in ("permuted", "hetero-permuted") else s.residual
+    aligned = dict(iterations=s.iterations, residual=residual, form=s.form, keep_layernorm=s.keep_layernorm,
                    guard_data=guard_half if s.guard else None, guard_batches=s.guard_batches or None,
                    device=s.device or None)
     robust = dict(reduce=s.reduce, trim=s.trim)
     if s.strategy == "average":
         return ReportingFedAvg(**common, **robust)
     if s.strategy in ("aligned", "permuted"):
-        aligned.update(robust)
-    if s.strategy == "aligned":
-        return AlignedFedAvg(**common, **aligned)
-    if s.strategy == "permuted":  # the peers' method (Git Re-Basin / FedMA style): permutations only, no rotation
-        return AlignedFedAvg(**common, **{**aligned, "residual": "permutation"})
+        return AlignedFedAvg(**common, **aligned, **robust)
     if s.strategy == "refined":
         return RefinedFedAvg(**common, **aligned, refine_data=refine_half, alpha=s.refine_alpha,
                              refine_steps=s.refine_steps)
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = dict(refine_data=refine_half, alpha=s.refine_alpha, refine_steps=s.refine_steps) \
             if s.strategy == "hetero-refined" else {}
-        # hetero-permuted: the peers' method across widths (the narrow residual placed by a partial permutation)
-        residual = "permutation" if s.strategy == "hetero-permuted" else s.residual
         return HeteroWidthFedAvg(**common, iterations=s.iterations, residual=residual, device=s.device or None,
                                  guard_data=aligned["guard_data"] if model is None else None,
                                  guard_batches=aligned["guard_batches"], **refine)
