@@ -120,3 +120,27 @@ def test_precision_is_checked():
     A, B = _wide_pair(4)
     with pytest.raises(ValueError, match="precision"):
         weight_matching(A, B, precision="half")
+
+
+def test_refinements_hard_permutations_from_the_pool_are_each_latents_own_optimum():
+    """``optimise.hard_all`` solves every latent (whole groups, and "within" groups block by block) in a
+    thread pool, the obvious cases on the caller's thread: each answer is that latent's dense optimum,
+    and a "within" answer keeps every unit in its block."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from fedlmc.matching.optimise import hard_all
+
+    g = torch.Generator().manual_seed(0)
+    drifted = torch.randn(64, 64, generator=g)  # many rows share an argmax: a real solve
+    obvious = torch.eye(16)[torch.randperm(16, generator=g)] + 0.01 * torch.randn(16, 16, generator=g)
+    within = torch.randn(12, 12, generator=g)
+    lat = [None, SimpleNamespace(p={"ff.0": drifted, "heads.0": obvious}, blocks={}),
+           SimpleNamespace(p={"kv.0": within, "ff.0": drifted.T.contiguous()}, blocks={"kv.0": 4})]
+    with ThreadPoolExecutor(2) as pool:
+        got = hard_all(lat, pool)
+    assert got[0] is None
+    assert torch.equal(got[1]["ff.0"], _dense(drifted)) and torch.equal(got[1]["heads.0"], _dense(obvious))
+    assert torch.equal(got[2]["ff.0"], _dense(drifted.T))
+    blocks = torch.cat([_dense(within[i:i + 4, i:i + 4]) + i for i in range(0, 12, 4)])
+    assert torch.equal(got[2]["kv.0"], blocks) and bool((blocks // 4 == torch.arange(12) // 4).all())

@@ -6,9 +6,9 @@ on from the spec, never a parameter name.
 from __future__ import annotations
 
 import functools
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from scipy.optimize import linear_sum_assignment
@@ -83,10 +83,19 @@ def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
     return _perm(rows, cols, len(rows))
 
 
-def within_assignment(score: torch.Tensor, block: int) -> torch.Tensor:
-    """``assignment`` restricted to permutations that keep every unit in its block of ``block``."""
-    parts = [assignment(score[i:i + block, i:i + block]) + i for i in range(0, score.shape[0], block)]
-    return torch.cat(parts)
+def assignments(scores: Sequence[torch.Tensor], pool: Executor) -> list[torch.Tensor]:
+    """``assignment`` (maximising) of every score matrix, the solves spread over ``pool``'s threads
+    (scipy's solver releases the GIL). Only the solver runs there: the torch steps (the obvious-case
+    check, the conversion) stay on the caller's thread, because torch ops in extra threads start
+    OpenMP teams whose spinning slowed the caller's own work (a refinement step by 10 %)."""
+    out: list[Optional[torch.Tensor]] = [_obvious(s) for s in scores]
+    futures = {i: pool.submit(linear_sum_assignment, s.detach().to("cpu", torch.float64).numpy(), True)
+               for i, s in enumerate(scores) if out[i] is None}
+    with section("assignment solves"):
+        for i, f in futures.items():
+            rows, cols = f.result()
+            out[i] = _perm(rows, cols, len(rows))
+    return out
 
 
 def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -25,7 +26,7 @@ from ..models import from_config
 from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct
 from ..widths import permute_masks
-from .common import Elements, apply_elements, assignment, exact_elements, gauge_step, within_assignment
+from .common import Elements, apply_elements, assignments, exact_elements, gauge_step
 
 
 class _Polar(torch.autograd.Function):
@@ -112,10 +113,6 @@ class Latents:
         one = torch.ones(1, 1, dtype=R.dtype, device=R.device)
         return self.Q @ torch.block_diag(one, R) @ self.Q.T
 
-    def hard(self) -> dict[str, torch.Tensor]:
-        return {k: (within_assignment(v, self.blocks[k]) if k in self.blocks else assignment(v)).to(v.device)
-                for k, v in self.p.items()}
-
     def straight_through(self, perms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Forward: the hard permutation matrices; backward: the gradient goes to the latents."""
         return {k: perm_matrix(perms[k], v.dtype).to(v.device) + v - v.detach() for k, v in self.p.items()}
@@ -123,6 +120,21 @@ class Latents:
     def soft(self, tau: float) -> dict[str, torch.Tensor]:
         """Doubly stochastic relaxations ``sinkhorn(latent / tau)`` (block-diagonal for "within" groups)."""
         return {k: sinkhorn(v / tau, self.blocks.get(k)) for k, v in self.p.items()}
+
+
+def hard_all(lat: Sequence[Optional[Latents]], pool: Executor) -> list[Optional[dict[str, torch.Tensor]]]:
+    """Every moving model's hard permutations (None for the fixed one): each group's latent projected to
+    its nearest permutation (block by block for "within" groups), all solves at once so that they spread
+    over the pool's threads. Latents that drifted far from 0/1 make slow assignments: on two cores these
+    solves were half of a refinement step."""
+    jobs = [(i, k, lo, v[lo:lo + b, lo:lo + b] if b else v) for i, la in enumerate(lat) if la is not None
+            for k, v in la.p.items() for b in [la.blocks.get(k)] for lo in (range(0, v.shape[0], b) if b else [0])]
+    solved = assignments([score for *_, score in jobs], pool)
+    out: list[Optional[dict[str, list]]] = [None if la is None else {k: [] for k in la.p} for la in lat]
+    for (i, k, lo, _), perm in zip(jobs, solved):
+        out[i][k].append(perm + lo)
+    return [None if d is None else {k: torch.cat(parts).to(lat[i].p[k].device) for k, parts in d.items()}
+            for i, d in enumerate(out)]
 
 
 def sinkhorn(logits: torch.Tensor, block: Optional[int] = None, iters: int = 20) -> torch.Tensor:
@@ -169,35 +181,40 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
     fixed_mask = permute_masks(masks[fixed], starts[fixed]) if masks[fixed] is not None else None
     ref = reference if reference is not None else fixed_state
 
+    read = {m.param for kind in ("qk", "ov") for g in spec.layer_groups(kind) for m in g.members}  # by gauge_step
+
     def gauges(i: int, O: torch.Tensor, perms: dict[str, torch.Tensor]) -> Elements:
         if opts.form != "factored" or not opts.gauge:
             return {}
         with torch.no_grad():
-            B = apply_elements(states[i], cfg, {"residual": O.detach(), **perms}, kinds=("residual", "heads", "qheads"))
+            B = apply_elements({k: v for k, v in states[i].items() if k in read}, cfg, {"residual": O.detach(), **perms},
+                               kinds=("residual", "heads", "qheads"))
             return gauge_step(ref, B, spec, opts.gauge)
 
-    def aligned(i: int) -> tuple[StateDict, Optional[dict]]:
+    def aligned(i: int, perms: Optional[dict[str, torch.Tensor]]) -> tuple[StateDict, Optional[dict]]:
         if i == fixed:
             return fixed_state, fixed_mask
-        O, perms = lat[i].residual(), lat[i].hard()
+        O = lat[i].residual()
         moving = lat[i].soft(opts.tau) if opts.relax == "sinkhorn" else lat[i].straight_through(perms)
         el = {"residual": O, **gauges(i, O, perms), **moving}
         mask = permute_masks(masks[i], Transform(perms)) if masks[i] is not None else None
         return apply_to_state(states[i], cfg, Transform(el), relaxed=True)[0], mask
 
-    def exact() -> list[Optional[Elements]]:
-        with torch.no_grad():
-            return [None if i == fixed else _exact(lat[i], gauges, i, spec, opts.keep_layernorm) for i in range(M)]
-
     snaps: dict[int, list[Optional[Elements]]] = {}
     wanted = set(opts.snapshots)
-    trace = _descend(states, cfg, data, opts, opt, aligned, sample_weights, label,
-                     on_step=lambda n: snaps.__setitem__(n, exact()) if n in wanted else None)
-    return Learned(exact(), trace, time.time() - t0, snaps)
+    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        def exact() -> list[Optional[Elements]]:
+            with torch.no_grad():
+                return [None if p is None else _exact(lat[i], p, gauges, i, spec, opts.keep_layernorm)
+                        for i, p in enumerate(hard_all(lat, pool))]
+
+        trace = _descend(states, cfg, data, opts, opt, lambda: [aligned(i, p) for i, p in enumerate(hard_all(lat, pool))],
+                         sample_weights, label, on_step=lambda n: snaps.__setitem__(n, exact()) if n in wanted else None)
+        return Learned(exact(), trace, time.time() - t0, snaps)
 
 
-def _exact(la: Latents, gauges: Callable, i: int, spec, keep_layernorm: bool) -> Elements:
-    O, perms = la.residual(), la.hard()
+def _exact(la: Latents, perms: dict[str, torch.Tensor], gauges: Callable, i: int, spec, keep_layernorm: bool) -> Elements:
+    O = la.residual()
     return exact_elements({"residual": O, **perms, **gauges(i, O, perms)}, spec, keep_layernorm)
 
 
@@ -210,10 +227,10 @@ def merged_state(states: Sequence[StateDict], lam: Sequence[float], masks, cfg, 
     return weighted_state(states, lam)
 
 
-def _descend(states, cfg, data, opts: Options, opt, aligned, sample_weights, label: str,
-             on_step: Callable[[int], None] = lambda n: None) -> list[float]:
-    """The training loop: each step aligns every model, merges at fresh weights, steps on the loss;
-    ``on_step(n)`` runs after the n-th step."""
+def _descend(states, cfg, data, opts: Options, opt, align_all: Callable[[], list[tuple[StateDict, Optional[dict]]]],
+             sample_weights, label: str, on_step: Callable[[int], None] = lambda n: None) -> list[float]:
+    """The training loop: each step aligns every model (``align_all``: each model's aligned state and
+    mask), merges at fresh weights, steps on the loss; ``on_step(n)`` runs after the n-th step."""
     M = len(states)
     merged_cfg = circuit_state([states[0]] * M, [1.0 / M] * M, cfg)[1] if opts.form == "circuit" else cfg
     dev = next(iter(states[0].values())).device
@@ -227,7 +244,7 @@ def _descend(states, cfg, data, opts: Options, opt, aligned, sample_weights, lab
         for step in range(opts.steps):
             x, y = next(batches)
             x, y = x.to(dev), y.to(dev)
-            pairs = [aligned(i) for i in range(M)]
+            pairs = align_all()
             masks = [m for _, m in pairs]
             sd = merged_state([s for s, _ in pairs], sample_weights(), masks if any(masks) else None, cfg, opts.form)
             out = functional_call(template, sd, (x,))
