@@ -236,12 +236,14 @@ def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, red
     transforms: list[Transform] = [Transform() for _ in mem.padded]
     for it in range(max(1, iterations)):
         states = residual_states(universe, residual_data) if residual_data is not None else None
+        reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
         for i, m in enumerate(mem.padded):
             if mem.weights[i] <= 0 or (it == 0 and m is universe):  # the anchor itself: the identity, exactly
                 continue
             acts = residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
             transforms[i] = weight_matching(universe, m, start=transforms[i] if it else None, residual_acts=acts,
-                                            **matching)
+                                            reuse=reuse, **matching)
+        reuse.clear()  # before the average, the merge's peak of memory
         with section("universe averages"):
             new = mem.merge(transforms, reduce=reduce, trim=trim)
             moved = _relative_change(universe, new)

@@ -144,3 +144,29 @@ def test_refinements_hard_permutations_from_the_pool_are_each_latents_own_optimu
     assert torch.equal(got[2]["ff.0"], _dense(drifted.T))
     blocks = torch.cat([_dense(within[i:i + 4, i:i + 4]) + i for i in range(0, 12, 4)])
     assert torch.equal(got[2]["kv.0"], blocks) and bool((blocks // 4 == torch.arange(12) // 4).all())
+
+
+def test_a_universe_iteration_builds_the_fixed_models_side_once_and_changes_nothing():
+    """``reuse``: every model of a universe iteration aligns to one A, whose side of the problem is
+    built once; the transforms and objectives equal fresh matchings' exactly, and a tensor that is zero
+    in both models (a canonical bias) adds nothing to the objective, with or without reuse."""
+    A, B = _wide_pair(5)
+    C = _wide_pair(6)[1]
+    with torch.no_grad():
+        for m in (A, B, C):
+            m.blocks[0].attn.o.bias.zero_()  # an anchor: no unit group touches it
+    reuse: dict = {}
+    got = [weight_matching(A, X, reuse=reuse) for X in (B, C)]
+    fresh = [weight_matching(A, X) for X in (B, C)]
+    assert len(reuse) == 1
+    (model, F), = reuse.values()
+    assert model is A and weight_matching(A, B, reuse=reuse) and reuse[next(iter(reuse))][1] is F
+    for T, U in zip(got, fresh):
+        assert T.info["objective"] == U.info["objective"]
+        assert all(torch.equal(T[k], U[k]) for k in U.elements)
+    weight_matching(B, C, reuse=reuse)  # another A replaces it: never served from the dict
+    assert reuse[next(iter(reuse))][0] is B
+    cpu = torch.device("cpu")
+    a, b = canonical_state(A, cpu, torch.float64), canonical_state(B, cpu, torch.float64)
+    direct = sum(float((a[k] - b[k]).pow(2).sum() / a[k].pow(2).sum()) for k in a if a[k].pow(2).sum() > 0)
+    assert Problem(a, b, canonical_config(B.config)).objective({}) == pytest.approx(direct, rel=1e-10)
