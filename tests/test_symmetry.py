@@ -175,3 +175,26 @@ def test_elements_have_one_representation_per_kind(arch):
         apply_transform(c, Transform({"residual": torch.randperm(d)}))  # an index vector for O
     with pytest.raises(ValueError, match="ff.0.*permutation"):
         apply_transform(c, Transform({"ff.0": torch.eye(c.config.d_ff, dtype=torch.float64)}))  # relaxed, not asked for
+
+
+@pytest.mark.parametrize("shape,axis,block", [((12, 5), 0, 1), ((5, 12), 1, 1), ((12, 5), 0, 3), ((4, 12, 2), 1, 2), ((12,), 0, 4)])
+def test_a_straight_through_permutation_gathers_with_the_dense_products_values_and_gradients(shape, axis, block):
+    """A relaxed permutation whose value is a permutation matrix (the straight-through estimator) is
+    applied by gathering; values and the gradients of the tensor and of the matrix equal the dense
+    product's (the Kronecker path every other relaxed element takes)."""
+    from fedlmc.symmetry.transform import _GatherStraightThrough, _apply_along, _as_permutation
+
+    g = torch.Generator().manual_seed(0)
+    n = shape[axis] // block
+    latent = torch.randn(n, n, generator=g, dtype=torch.float64, requires_grad=True)
+    perm = torch.randperm(n, generator=g)
+    P = perm_matrix(perm, torch.float64) + (latent - latent.detach())
+    assert torch.equal(_as_permutation(P), perm) and _as_permutation(torch.softmax(latent, 1)) is None
+    t = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(shape, generator=g, dtype=torch.float64)
+    dense = _apply_along(t, axis, torch.kron(P, torch.eye(block, dtype=P.dtype)))
+    fast = _GatherStraightThrough.apply(t, P, perm, axis, block)
+    assert torch.equal(fast, dense)
+    gd = torch.autograd.grad((dense * w).sum(), (t, latent))
+    gf = torch.autograd.grad((fast * w).sum(), (t, latent))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(gd, gf))

@@ -114,8 +114,10 @@ class Latents:
         return self.Q @ torch.block_diag(one, R) @ self.Q.T
 
     def straight_through(self, perms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Forward: the hard permutation matrices; backward: the gradient goes to the latents."""
-        return {k: perm_matrix(perms[k], v.dtype).to(v.device) + v - v.detach() for k, v in self.p.items()}
+        """Forward: the hard permutation matrices, exactly (``P + (v − v)``: ``(P + v) − v`` rounds, and an
+        exact value lets ``apply_to_state`` gather instead of multiplying); backward: the gradient goes
+        to the latents."""
+        return {k: perm_matrix(perms[k], v.dtype).to(v.device) + (v - v.detach()) for k, v in self.p.items()}
 
     def soft(self, tau: float) -> dict[str, torch.Tensor]:
         """Doubly stochastic relaxations ``sinkhorn(latent / tau)`` (block-diagonal for "within" groups)."""

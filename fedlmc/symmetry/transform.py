@@ -104,6 +104,37 @@ def _gauge_along(t: torch.Tensor, axis: int, Ms: torch.Tensor, block: int) -> to
     return x.reshape(shape).movedim(-1, axis)
 
 
+class _GatherStraightThrough(torch.autograd.Function):
+    """``new = (P ⊗ I_block) old`` along ``axis`` for a matrix P whose *value* is the permutation matrix of
+    ``perm`` (a straight-through element): the forward gathers instead of multiplying (the same values:
+    products with 0/1 entries are exact), ``old`` gets its gradient scattered back and P the dense
+    ``G Xᵀ`` autograd would give it. That drops two of the three products a relaxed FF permutation cost
+    per step of learned alignment."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, P: torch.Tensor, perm: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+        ctx.save_for_backward(t, perm)
+        ctx.axis, ctx.block = axis, block
+        return _permute_along(t, axis, perm, block)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        t, perm = ctx.saved_tensors
+        n = len(perm)
+        grad_t = _permute_along(g, ctx.axis, torch.argsort(perm), ctx.block) if ctx.needs_input_grad[0] else None
+        grad_P = None
+        if ctx.needs_input_grad[1]:  # rows i·block … i·block + block − 1 of the axis are unit i's
+            grad_P = g.movedim(ctx.axis, 0).reshape(n, -1) @ t.movedim(ctx.axis, 0).reshape(n, -1).to(g).T
+        return grad_t, grad_P, None, None, None
+
+
+def _as_permutation(P: torch.Tensor) -> Optional[torch.Tensor]:
+    """The index permutation whose matrix ``P``'s value is exactly, else None."""
+    v = P.detach()
+    perm = v.argmax(1)
+    return perm if torch.equal(v, perm_matrix(perm, v.dtype).to(v.device)) else None
+
+
 def perm_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The matrix P with ``P[i, perm[i]] = 1`` (so ``P @ old = old[perm]``)."""
     n = len(perm)
@@ -147,11 +178,14 @@ def act(sd: StateDict, group: Group, element: torch.Tensor, relaxed: bool = Fals
     if group.kind == "orthogonal":
         return _act_orthogonal(sd, group, element)
     out = dict(sd)
+    gather = _as_permutation(element) if group.kind == "permutation" and relaxed else None
     for m in group.members:
         if m.param not in sd:  # partial states (matching works on the tensors a step needs)
             continue
         t = sd[m.param]
-        if group.kind == "permutation" and relaxed:
+        if gather is not None:  # a straight-through element: its value is a permutation
+            out[m.param] = _GatherStraightThrough.apply(t, element, gather, m.axis, m.block * m.repeat)
+        elif group.kind == "permutation" and relaxed:
             size = m.block * m.repeat
             P = torch.kron(element, torch.eye(size, dtype=element.dtype, device=element.device)) if size > 1 else element
             out[m.param] = _apply_along(t, m.axis, P)
