@@ -26,6 +26,7 @@ from ..models import from_config
 from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct
 from ..widths import permute_masks
+from .profile import section
 from .common import Elements, apply_elements, assignments, exact_elements, gauge_step
 
 
@@ -246,13 +247,15 @@ def _descend(states, cfg, data, opts: Options, opt, align_all: Callable[[], list
         for step in range(opts.steps):
             x, y = next(batches)
             x, y = x.to(dev), y.to(dev)
-            pairs = align_all()
-            masks = [m for _, m in pairs]
-            sd = merged_state([s for s, _ in pairs], sample_weights(), masks if any(masks) else None, cfg, opts.form)
-            out = functional_call(template, sd, (x,))
-            loss = opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            with section("learned: aligned models (solves, gauges, actions)"):
+                pairs = align_all()
+            with section("learned: merge, forward and backward"):
+                masks = [m for _, m in pairs]
+                sd = merged_state([s for s, _ in pairs], sample_weights(), masks if any(masks) else None, cfg, opts.form)
+                out = functional_call(template, sd, (x,))
+                loss = opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
             if opts.schedule == "cosine":
                 for g, lr in zip(opt.param_groups, base_lrs):
                     g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / opts.steps))
