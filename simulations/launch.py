@@ -65,15 +65,25 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def signal_all(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to every process of ``pids``, skipping those that have exited since they were listed."""
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it at once (a crash, not a shutdown)."""
+    signal_all(process_tree(pid), signal.SIGKILL)
+
+
 def stop_tree(pid: int) -> None:
     """Stop ``pid`` and every process below it (SuperExec, simulation, ClientApp processes)."""
     tree = process_tree(pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in tree:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
+        signal_all(tree, sig)
         time.sleep(1)
 
 

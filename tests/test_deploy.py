@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.launch import process_tree
+from simulations.launch import kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -136,8 +136,7 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
         victim_log = d / "supernode2.log"
         assert _wait_for(victim_log, "Start `flwr-clientapp` process", 300), victim_log.read_text()[-2000:]
         victim = pids[3]  # the third SuperNode (pids: SuperLink, node0, node1, node2)
-        for pid in process_tree(victim):  # the node, its SuperExec and the ClientApp it started: all at once
-            os.kill(pid, signal.SIGKILL)
+        kill_tree(victim)  # the node, its SuperExec and the ClientApp it started: all at once
         code = run.wait(timeout=780)
         text = log.read_text(errors="replace")
         print("\n".join(line for line in text.splitlines() if "round" in line.lower() or "fail" in line.lower()))
@@ -187,8 +186,7 @@ def test_superlink_restart_and_resume():
         first = subprocess.Popen([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c", cfg], cwd=ROOT,
                                  env=flwr_env, stdout=open(d / "run1.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         assert _round_done(out, 1, 400), (d / "run1.log").read_text()[-2000:]
-        for pid in process_tree(link):
-            os.kill(pid, signal.SIGKILL)
+        kill_tree(link)
         assert first.wait(timeout=300) != 0  # the run's stream broke with its SuperLink
         relinked = subprocess.Popen(argv, env=env, stdout=open(d / "superlink2.log", "w"), stderr=subprocess.STDOUT,
                                     start_new_session=True)
