@@ -10,6 +10,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
@@ -78,8 +79,13 @@ def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
     if best is not None:
         return best
     with section("assignment solves"):
-        s = score.detach().to("cpu", torch.float64).numpy()
-        rows, cols = linear_sum_assignment(s, maximize=maximize)
+        return dense_solve(score.detach().to("cpu", torch.float64).numpy(), maximize)
+
+
+def dense_solve(score: np.ndarray, maximize: bool = True) -> torch.Tensor:
+    """scipy's dense solver on a float64 array, as a permutation (no torch work before the answer, so
+    it can run in a worker thread)."""
+    rows, cols = linear_sum_assignment(score, maximize=maximize)
     return _perm(rows, cols, len(rows))
 
 
@@ -89,12 +95,11 @@ def assignments(scores: Sequence[torch.Tensor], pool: Executor) -> list[torch.Te
     check, the conversion) stay on the caller's thread, because torch ops in extra threads start
     OpenMP teams whose spinning slowed the caller's own work (a refinement step by 10 %)."""
     out: list[Optional[torch.Tensor]] = [_obvious(s) for s in scores]
-    futures = {i: pool.submit(linear_sum_assignment, s.detach().to("cpu", torch.float64).numpy(), True)
+    futures = {i: pool.submit(dense_solve, s.detach().to("cpu", torch.float64).numpy())
                for i, s in enumerate(scores) if out[i] is None}
     with section("assignment solves"):
         for i, f in futures.items():
-            rows, cols = f.result()
-            out[i] = _perm(rows, cols, len(rows))
+            out[i] = f.result()
     return out
 
 
@@ -396,8 +401,7 @@ def ff_step(A_features: dict[str, torch.Tensor], B_res: StateDict, spec: Symmetr
         if isinstance(job, csr_matrix):
             return solve_graph(job)
         with section("assignment solves"):
-            rows, cols = linear_sum_assignment(job, maximize=True)
-        return _perm(rows, cols, len(rows))
+            return dense_solve(job)
 
     pending: list[tuple[str, Future]] = []
     with ThreadPoolExecutor(max_workers=1) as pool:
