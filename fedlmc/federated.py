@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .data import ArrayData, Data, DataNotFound, Splits, TokenData, load
+from .data import ArrayData, Data, DataNotFound, Splits, TokenData, load, split
 from .averaging import REDUCES
 from .data.partition import PARTITIONS_VERSION, SCHEMES, partition
 from .hf import Logits, hf_model_for
@@ -56,7 +56,9 @@ class Settings:
     keep_layernorm: bool = True
     guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
     guard_batches: int = 8
-    refine_steps: int = 100
+    refine_steps: int = 100  # at most: the refinement stops on its objective (refine_check_every)
+    refine_check_every: int = 10  # score the aggregate on held-out server batches every N steps, keep the best (0: off)
+    refine_patience: int = 2  # stop after this many scores without improvement
     refine_alpha: float = 1.0  # Dirichlet(α) refinement: α = 1 samples the whole simplex evenly (README: why)
     eval_batches: int = 0  # 0: the whole test split
     report: bool = False  # record every client's, the plain average's and the aggregate's test loss each round
@@ -258,10 +260,4 @@ def evaluate_model(model: nn.Module, data: Data, max_batches: int = 0) -> dict[s
 
 def halves(data: Data) -> tuple[Data, Data]:
     """Two disjoint halves of a data set (the server refines on one and guards on the other)."""
-    if isinstance(data, TokenData):
-        mid = len(data.tokens) // 2
-        return TokenData(data.tokens[:mid], data.block_size), TokenData(data.tokens[mid:], data.block_size)
-    if isinstance(data, ArrayData):
-        n = len(data) // 2
-        return data.subset(list(range(n))), data.subset(list(range(n, len(data))))
-    raise TypeError(f"cannot split {type(data).__name__}")
+    return split(data, 0.5)

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .allocator import release_freed_memory
 from .averaging import FORMS, REDUCES, merge, robust_merge
 from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
@@ -140,7 +141,8 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
                    form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
                    data=None, alpha: float = 1.0, refine_steps: int = 200, refine_lr: float = 1e-3,
                    progress: bool = False, loss_fn=None, reduce: str = "mean", trim: float = 0.2,
-                   relax: str = "ste", anchor: str = "heaviest", residual_data=None,
+                   relax: str = "ste", anchor: str = "heaviest", residual_data=None, refine_check_every: int = 0,
+                   refine_patience: int = 2, refine_check_data=None,
                    **matching: Any) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
@@ -155,7 +157,8 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     ``weight_matching(residual_acts=...)``. ``method="refined"`` then learns every
     model's alignment with Dirichlet(``alpha``) refinement on ``data`` (``refine_steps`` steps, see
     ``matching.refine``; ``loss_fn(outputs, targets)`` replaces its cross-entropy; ``relax="sinkhorn"``
-    refines with soft permutations).
+    refines with soft permutations; ``refine_check_every`` > 0 stops on the objective, keeping the best
+    alignment checked: ``dirichlet_refine``'s ``check_every``, ``patience`` and ``check_data``).
 
     Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
     architecture must agree): each is padded exactly into the largest shape (``widths.pad``), its
@@ -201,7 +204,9 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
                                    masks=[mem.masks[i] for i in live], weights=[mem.weights[i] for i in live],
                                    alpha=alpha, steps=refine_steps, lr=refine_lr, form=form,
                                    keep_layernorm=keep_layernorm, reference=universe, progress=progress,
-                                   device=matching.get("device"), loss_fn=loss_fn, relax=relax)
+                                   device=matching.get("device"), loss_fn=loss_fn, relax=relax,
+                                   check_every=refine_check_every, patience=refine_patience,
+                                   check_data=refine_check_data)
         for i, T in zip(live, refined):
             transforms[i] = T
         universe = mem.merge(transforms)
@@ -244,6 +249,7 @@ def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, red
             transforms[i] = weight_matching(universe, m, start=transforms[i] if it else None, residual_acts=acts,
                                             reuse=reuse, **matching)
         reuse.clear()  # before the average, the merge's peak of memory
+        release_freed_memory()
         with section("universe averages"):
             new = mem.merge(transforms, reduce=reduce, trim=trim)
             moved = _relative_change(universe, new)

@@ -119,3 +119,46 @@ def test_sinkhorn_learned_matching_returns_an_exact_symmetry(arch, record):
     assert T.info["relax"] == "sinkhorn" and float((T["residual"] - init["residual"]).abs().max()) > 1e-4
     record(f"learned {arch}, sinkhorn ({len(moved)} permutations moved): aligned B vs B (float64)",
            _gap(B, apply_transform(B, T), inputs_for(A)), 1e-10)
+
+
+def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(record):
+    """With ``check_every`` the refinement scores the aggregate (the merge at the models' weights, on the
+    data's first batches) at the start and every few steps, returns the best-scoring alignment — the
+    very element a run snapshotted at that step holds — and stops after ``patience`` checks without
+    improvement."""
+    from fedlmc.matching.optimise import Options, learn_alignments
+    from fedlmc.matching.weight import canonical_state
+    from fedlmc.symmetry import Transform, canonical_config
+
+    A, B = make("gpt2", 0), make("gpt2", 1)
+    data = _data(A)
+    init = weight_matching(A, B)
+    states = [canonical_state(m, torch.device("cpu"), torch.float32) for m in (A, B)]
+    cfg = canonical_config(B.config)
+
+    def run(**kw):
+        # rates high enough that the merge's loss goes up again within 18 steps (checked below)
+        opts = Options(steps=18, lr=1.0, perm_lr=10.0, progress=False, batch_size=16, **kw)
+        return learn_alignments(states, cfg, [Transform(), init], data, fixed=0, sample_weights=lambda: [0.5, 0.5],
+                                opts=opts, check_weights=[0.5, 0.5])
+
+    full = run(check_every=3, patience=99, snapshots=(3, 6, 9, 12, 15, 18))
+    assert sorted(full.checks) == [0, 3, 6, 9, 12, 15, 18] and len(full.trace) == 18
+    assert full.best_step == min(full.checks, key=lambda n: (full.checks[n], n))
+    assert 0 < full.best_step < 18  # neither the start nor the last step: the case that matters
+    for k, v in full.snapshots[full.best_step][1].items():  # the best step's elements, bit for bit
+        assert torch.equal(full.elements[1][k], v), k
+    # the start's score is the weight-matched merge's loss on the first batches, computed independently
+    from fedlmc.averaging import merge
+    from fedlmc.train import loss_and_correct
+    mid = merge([canonicalize(A).float(), apply_transform(canonicalize(B), init).float()], [0.5, 0.5])
+    xs = [b for _, b in zip(range(4), data.batches(16))]
+    with torch.no_grad():
+        start = sum(float(loss_and_correct(mid(x), y)[0]) for x, y in xs) / len(xs)
+    record("objective check at the start vs the weight-matched merge's loss", abs(full.checks[0] - start), 1e-4)
+    # patience 1: the descent stops at the first check that does not improve on the best
+    short = run(check_every=3, patience=1)
+    worse = [n for n in sorted(short.checks) if n and short.checks[n] >= min(v for m, v in short.checks.items() if m < n)]
+    assert worse and len(short.trace) == worse[0] < 18
+    T = Transform(short.elements[1])
+    record("stopped on the objective: aligned B vs B (float64)", _gap(B, apply_transform(B, T), inputs_for(A)), 1e-10)

@@ -119,6 +119,28 @@ def test_refined_strategy_on_planted_replies(record):
     assert rec["average_excess"] > rec["excess"] + 0.1
     # the clients compute one function, so their output ensemble scores exactly what each of them does
     assert abs(rec["ensemble_loss"] - rec["mean_client_loss"]) < 1e-4
+    # it stopped on its objective (checked at steps 0 and 10) and says which alignment it kept
+    assert rec["refine_steps_run"] <= 10 and rec["refine_best_step"] in (0, 10)
+
+
+def test_refinement_checks_score_data_the_descent_does_not_train_on():
+    from fedlmc.data.base import ArrayData, TokenData
+    from fedlmc.strategies.aligned import refine_split
+
+    arrays = ArrayData(torch.arange(100.0)[:, None], torch.arange(100))
+    got = refine_split(arrays, 10, 3)
+    assert got["refine_check_every"] == 10 and got["refine_patience"] == 3
+    assert got["data"].y.tolist() == list(range(75)) and got["refine_check_data"].y.tolist() == list(range(75, 100))
+    tokens = refine_split(TokenData(torch.arange(400), block_size=8), 10, 2)
+    assert len(tokens["data"].tokens) == 300 and tokens["refine_check_data"].tokens[0] == 300
+    assert refine_split(arrays, 0, 2) == {"data": arrays}  # no checks: the descent has all of it
+
+    class Batches:  # a user's own batch source: nothing to split, the checks score what is trained on
+        def batches(self, batch_size, shuffle=False, generator=None):
+            yield arrays.x, arrays.y
+
+    mine = Batches()
+    assert refine_split(mine, 10, 2)["data"] is mine and refine_split(mine, 10, 2)["refine_check_data"] is None
 
 
 def _near_copies(base, n=2, scale=1e-3):

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Union
 
-from .base import ArrayData, Data, DataNotFound, Splits, TokenData
+from .base import ArrayData, Data, DataNotFound, Splits, TokenData, split
 from .images import load_cifar10, load_digits, load_mnist, read_idx
 from .partition import partition, partition_indices
 from .text import CharTokenizer, find_shakespeare, load_text

@@ -114,6 +114,20 @@ class TokenData:
 Data = Union[ArrayData, TokenData]
 
 
+def split(data: Data, fraction: float) -> tuple[Data, Data]:
+    """The first ``fraction`` of a data set and the rest, disjoint (tokens of a stream, examples of
+    arrays; in order, so the same call always gives the same parts)."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    if isinstance(data, TokenData):
+        cut = int(len(data.tokens) * fraction)
+        return TokenData(data.tokens[:cut], data.block_size), TokenData(data.tokens[cut:], data.block_size)
+    if isinstance(data, ArrayData):
+        cut = int(len(data) * fraction)
+        return data.subset(list(range(cut))), data.subset(list(range(cut, len(data))))
+    raise TypeError(f"cannot split {type(data).__name__}")
+
+
 @dataclass
 class Splits:
     """train / val / test of one dataset plus what a model needs to know about it (``meta``)."""

@@ -26,8 +26,8 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
                      lr: float = 1e-3, perm_lr: float = 0.05, batch_size: int = 64, form: str = "factored",
                      keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal",
                      reference: Optional[nn.Module] = None, seed: int = 0, progress: bool = True,
-                     device: Optional[str] = None, loss_fn=None, relax: str = "ste", tau: float = 0.1
-                     ) -> list[Transform]:
+                     device: Optional[str] = None, loss_fn=None, relax: str = "ste", tau: float = 0.1,
+                     check_every: int = 0, patience: int = 2, check_data=None) -> list[Transform]:
     """Refine the transforms of ``models`` (same shape, e.g. padded) into their universe.
 
     ``transforms`` are the starting alignments (``universe_merge``'s); ``masks`` mark padded units
@@ -36,8 +36,12 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
     ``keep_layernorm`` keeps every ``O_m·1 = 1`` (learning only the centred block). ``data``: anything
     with fedlmc's ``batches(batch_size, shuffle, generator)``; ``loss_fn(outputs, targets)``: the loss to
     descend on (default: cross-entropy, as in training). ``relax="sinkhorn"``: soft permutations in the
-    merges (see ``learned_matching``).
-    Returns the refined transforms (exact group elements; ``info['loss']`` holds the loss trace).
+    merges (see ``learned_matching``). ``check_every`` > 0 stops on the objective: the merge at ``weights``
+    is scored on the first batches of ``check_data`` (default ``data``; better held out) at the start and
+    every ``check_every`` steps, the best alignment scored is returned and the descent stops after
+    ``patience`` checks without improvement (``optimise.Options``).
+    Returns the refined transforms (exact group elements; ``info['loss']`` holds the loss trace,
+    ``info['checks']`` the scores by step and ``info['best_step']`` the step returned).
     """
     M = len(models)
     if M != len(transforms):
@@ -53,10 +57,12 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
     rng = np.random.default_rng(seed)
     opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,
                    keep_layernorm=keep_layernorm, gauge=gauge, seed=seed, progress=progress, loss_fn=loss_fn,
-                   relax=relax, tau=tau)
+                   relax=relax, tau=tau, check_every=check_every, patience=patience)
     ref = canonical_state(reference, dev, torch.float32) if reference is not None else None
     got = learn_alignments(
         states, cfg, transforms, data, fixed=fixed, sample_weights=lambda: [float(v) for v in rng.dirichlet([alpha] * M)],
-        opts=opts, masks=masks, reference=ref, label=f"Dirichlet refinement ({M} models, α={alpha:g})")
-    info = {"method": "refined", "alpha": alpha, "steps": steps, "relax": relax, "loss": got.trace, "seconds": got.seconds}
+        opts=opts, masks=masks, reference=ref, label=f"Dirichlet refinement ({M} models, α={alpha:g})",
+        check_weights=[w / sum(weights) for w in weights] if weights is not None else None, check_data=check_data)
+    info = {"method": "refined", "alpha": alpha, "steps": steps, "relax": relax, "loss": got.trace, "seconds": got.seconds,
+            "steps_run": len(got.trace), "checks": got.checks, "best_step": got.best_step}
     return [T if el is None else Transform(el, {**info, "init": T.info}) for T, el in zip(transforms, got.elements)]

@@ -22,6 +22,7 @@ from flwr.app import ArrayRecord
 from flwr.supercore import log
 
 from fedlmc.averaging import REDUCES, merge, robust_merge
+from fedlmc.data import split
 from fedlmc.symmetry import spec_for
 from fedlmc.universe import universe_merge
 from fedlmc.vocabulary import method_name
@@ -80,6 +81,9 @@ class AlignedFedAvg(FedlmcStrategy):
         fields: dict[str, Any] = {"align_seconds": time.time() - t0, "kept": "aligned",
                                   "start": "previous" if start is not None else "reply",
                                   "moved": [transform_distance(T, spec_for(merged)) for T in transforms]}
+        refined = next((T.info for T in transforms if T.info.get("method") == "refined"), None)
+        if refined is not None:  # how long the refinement ran, and which of its steps it kept
+            fields.update(refine_steps_run=refined["steps_run"], refine_best_step=refined["best_step"])
         guarded = self.guard_data is not None or self.guard_fn is not None
         plain = self.plain(models, weights) if guarded or self.report_data is not None else None
         result = merged
@@ -104,25 +108,47 @@ class AlignedFedAvg(FedlmcStrategy):
 
 class RefinedFedAvg(AlignedFedAvg):
     """``AlignedFedAvg`` plus Dirichlet(``alpha``) learned refinement of every reply's alignment on a small
-    server-side data set ``refine_data`` (``refine_steps`` steps; see ``fedlmc.matching.refine``): any
-    batch source with fedlmc's ``batches(batch_size, shuffle, generator)`` (``fedlmc.data.ArrayData(x, y)``
+    server-side data set ``refine_data`` (at most ``refine_steps`` steps; see ``fedlmc.matching.refine``):
+    any batch source with fedlmc's ``batches(batch_size, shuffle, generator)`` (``fedlmc.data.ArrayData(x, y)``
     wraps tensors), and ``loss_fn(outputs, targets)`` instead of cross-entropy if given. Keep
-    ``guard_data`` disjoint from ``refine_data`` so the do-no-harm comparison stays honest."""
+    ``guard_data`` disjoint from ``refine_data`` so the do-no-harm comparison stays honest.
 
-    def __init__(self, *, refine_data, alpha: float = 1.0, refine_steps: int = 100,
-                 loss_fn: Optional[Callable] = None, **kwargs: Any) -> None:
+    The refinement stops on its objective: every ``refine_check_every`` steps the aggregate (the merge at
+    the replies' weights) is scored on held-out batches (``refine_split``: the last quarter of
+    ``refine_data``, which the descent then does not train on), the best alignment scored (the
+    weight-matched start included) is kept, and the refinement stops after ``refine_patience`` scores
+    without improvement. In rounds of a gpt2-tiny federation a fixed 100 steps took 41 % of the round
+    and made the aggregate worse from round 2 on (README, "Refinement in a federation");
+    ``refine_check_every=0`` runs every step on all of ``refine_data`` and keeps the last."""
+
+    def __init__(self, *, refine_data, alpha: float = 1.0, refine_steps: int = 100, refine_check_every: int = 10,
+                 refine_patience: int = 2, loss_fn: Optional[Callable] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self.reduce != "mean":
             raise ValueError("RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'")
         if refine_data is None:
             raise ValueError("RefinedFedAvg needs refine_data (a small server-side data set)")
         self.refine_data, self.alpha, self.refine_steps, self.loss_fn = refine_data, alpha, refine_steps, loss_fn
+        self.refine_check_every, self.refine_patience = refine_check_every, refine_patience
 
     def align(self, models, weights, start):
         return universe_merge(models, method="refined", weights=weights, start=start, iterations=self.iterations,
                               form=self.form, keep_layernorm=self.keep_layernorm, residual=self.residual,
-                              data=self.refine_data, alpha=self.alpha, refine_steps=self.refine_steps, device=self.device,
-                              loss_fn=self.loss_fn)
+                              alpha=self.alpha, refine_steps=self.refine_steps, device=self.device, loss_fn=self.loss_fn,
+                              **refine_split(self.refine_data, self.refine_check_every, self.refine_patience))
+
+
+def refine_split(data, check_every: int, patience: int) -> dict[str, Any]:
+    """``universe_merge``'s refinement data and checks: with ``check_every``, the descent trains on the
+    first three quarters of ``data`` and the checks score the last quarter (data fedlmc cannot split,
+    e.g. a user's own batch source, is scored as it is trained on)."""
+    if not check_every:
+        return dict(data=data)
+    try:
+        train, held = split(data, 0.75)
+    except TypeError:
+        train, held = data, None
+    return dict(data=train, refine_check_data=held, refine_check_every=check_every, refine_patience=patience)
 
 
 def transform_distance(T, spec) -> float:
