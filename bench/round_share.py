@@ -28,9 +28,11 @@ def shares(doc: dict) -> list[dict]:
     for r in doc["rounds"]:
         if r["round"] < 1:
             continue
-        agg = float(r.get("strategy", {}).get("seconds", r.get("strategy", {}).get("align_seconds", 0.0)))
+        rec = r.get("strategy", {})
+        agg = float(rec.get("seconds", rec.get("align_seconds", 0.0)))
         out.append({"round": r["round"], "round_seconds": round(r["round_seconds"], 2),
-                    "aggregation_seconds": round(agg, 2), "share": round(agg / r["round_seconds"], 4)})
+                    "aggregation_seconds": round(agg, 2), "share": round(agg / r["round_seconds"], 4),
+                    **{k: rec[k] for k in ("refine_steps_run", "refine_best_step") if k in rec}})
     return out
 
 
