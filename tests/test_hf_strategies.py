@@ -131,7 +131,9 @@ def test_refined_fedavg_on_hf_replies_with_a_batch_source_and_loss_fn():
     strategy._previous = initial
     states = [shaken(hf_llama(), seed=s).state_dict() for s in (12, 13)]
     arrays, _ = strategy.aggregate_train(1, [reply(sd, 5, i + 1) for i, sd in enumerate(states)])
-    assert len(calls) == 3
+    # the user's loss drives the 3 steps and scores the aggregate on the held-out quarter (8 examples: one
+    # batch) at the start and after the last step
+    assert len(calls) == 3 + 2 and strategy.history[-1]["refine_steps_run"] == 3
     out = type(hf)(hf.config)
     out.load_state_dict(arrays.to_torch_state_dict(), strict=True)
     with pytest.raises(ValueError, match="Llama"):
