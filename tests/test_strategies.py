@@ -134,6 +134,8 @@ def test_refinement_checks_score_data_the_descent_does_not_train_on():
     tokens = refine_split(TokenData(torch.arange(400), block_size=8), 10, 2)
     assert len(tokens["data"].tokens) == 300 and tokens["refine_check_data"].tokens[0] == 300
     assert refine_split(arrays, 0, 2) == {"data": arrays}  # no checks: the descent has all of it
+    short = TokenData(torch.arange(12), block_size=8)  # one block: a quarter of it holds none
+    assert refine_split(short, 10, 2)["data"] is short and refine_split(short, 10, 2)["refine_check_data"] is None
 
     class Batches:  # a user's own batch source: nothing to split, the checks score what is trained on
         def batches(self, batch_size, shuffle=False, generator=None):

@@ -226,8 +226,10 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
         def align_all() -> list[tuple[StateDict, Optional[dict]]]:
             return [aligned(i, p) for i, p in enumerate(hard_all(lat, pool))]
 
-        check = _Checks(opts, check_data if check_data is not None else data, cfg, check_weights or [1.0 / M] * M, merged_template(states, cfg, opts.form),
-                        align_all, exact) if opts.check_every else None
+        check = None
+        if opts.check_every:
+            check = _Checks(opts, check_data if check_data is not None else data, cfg, check_weights or [1.0 / M] * M,
+                            merged_template(states, cfg, opts.form), align_all, exact)
 
         def on_step(n: int) -> bool:
             if n in wanted:
@@ -257,6 +259,8 @@ class _Checks:
         self.align_all, self.exact = align_all, exact
         batches = data.batches(opts.batch_size, shuffle=False)
         self.batches = [b for _, b in zip(range(max(1, opts.check_batches)), batches)]
+        if not self.batches:
+            raise ValueError("the data to check the objective on has no batch (too small for one block or example)")
         self.scores: dict[int, float] = {}
         self.best_step, self.stale = 0, 0
         self.score(0)

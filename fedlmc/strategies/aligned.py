@@ -141,12 +141,14 @@ class RefinedFedAvg(AlignedFedAvg):
 def refine_split(data, check_every: int, patience: int) -> dict[str, Any]:
     """``universe_merge``'s refinement data and checks: with ``check_every``, the descent trains on the
     first three quarters of ``data`` and the checks score the last quarter (data fedlmc cannot split,
-    e.g. a user's own batch source, is scored as it is trained on)."""
+    e.g. a user's own batch source, or too small to split, is scored as it is trained on)."""
     if not check_every:
         return dict(data=data)
     try:
         train, held = split(data, 0.75)
     except TypeError:
+        train, held = data, None
+    if held is not None and (len(train) == 0 or len(held) == 0):
         train, held = data, None
     return dict(data=train, refine_check_data=held, refine_check_every=check_every, refine_patience=patience)
 
