@@ -80,7 +80,10 @@ class Members:
     def _streamed_average(self, transforms: list[Transform]) -> nn.Module:
         """The plain weighted average, aligning one model at a time: the server holds the M models plus
         two (the running sum and one aligned model), not 2M (at gpt2-small size, 8 × 650 MB saved).
-        Aligned state dicts are summed as they come, never built into models."""
+        Aligned state dicts are summed as they come, never built into models. The heap's freed pages go
+        back to the kernel first: the retaining heap's holes from the matchings (or a refinement) would
+        otherwise not fit these allocations and grow the peak (``allocator.release_freed_memory``)."""
+        release_freed_memory()
         acc: Optional[StateDict] = None
         for i in self.live:
             sd = {k: v.detach() for k, v in self.padded[i].state_dict().items()}
@@ -249,7 +252,6 @@ def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, red
             transforms[i] = weight_matching(universe, m, start=transforms[i] if it else None, residual_acts=acts,
                                             reuse=reuse, **matching)
         reuse.clear()  # before the average, the merge's peak of memory
-        release_freed_memory()
         with section("universe averages"):
             new = mem.merge(transforms, reduce=reduce, trim=trim)
             moved = _relative_change(universe, new)
