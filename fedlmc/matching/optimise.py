@@ -267,13 +267,10 @@ class _Checks:
 
     def score(self, step: int) -> float:
         with torch.no_grad(), section("learned: checks of the objective"):
-            pairs = self.align_all()
-            masks = [m for _, m in pairs]
-            sd = merged_state([s for s, _ in pairs], self.weights, masks if any(masks) else None, self.cfg, self.opts.form)
+            sd = merged_pairs(self.align_all(), self.weights, self.cfg, self.opts.form)
             dev, total = next(iter(sd.values())).device, 0.0
             for x, y in self.batches:
-                out, y = functional_call(self.template, sd, (x.to(dev),)), y.to(dev)
-                total += float(self.opts.loss_fn(out, y) if self.opts.loss_fn is not None else loss_and_correct(out, y)[0])
+                total += float(merged_loss(self.opts, functional_call(self.template, sd, (x.to(dev),)), y.to(dev)))
         loss = self.scores[step] = total / len(self.batches)
         if step == 0 or loss < self.scores[self.best_step]:
             self.best, self.best_step, self.stale = self.exact(), step, 0
@@ -303,6 +300,17 @@ def merged_state(states: Sequence[StateDict], lam: Sequence[float], masks, cfg, 
     return weighted_state(states, lam)
 
 
+def merged_pairs(pairs: Sequence[tuple[StateDict, Optional[dict]]], lam: Sequence[float], cfg, form: str) -> StateDict:
+    """``merged_state`` of aligned (state, mask) pairs (``align_all``'s), masked only where a model has a mask."""
+    masks = [m for _, m in pairs]
+    return merged_state([s for s, _ in pairs], lam, masks if any(masks) else None, cfg, form)
+
+
+def merged_loss(opts: Options, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss the alignments descend on and are checked by: ``opts.loss_fn``, else cross-entropy."""
+    return opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
+
+
 def merged_template(states: Sequence[StateDict], cfg, form: str) -> torch.nn.Module:
     """A module of the merge's architecture (``functional_call`` runs it on merged states)."""
     M = len(states)
@@ -329,10 +337,8 @@ def _descend(states, cfg, data, opts: Options, opt, align_all: Callable[[], list
             with section("learned: aligned models (solves, gauges, actions)"):
                 pairs = align_all()
             with section("learned: merge, forward and backward"):
-                masks = [m for _, m in pairs]
-                sd = merged_state([s for s, _ in pairs], sample_weights(), masks if any(masks) else None, cfg, opts.form)
-                out = functional_call(template, sd, (x,))
-                loss = opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
+                sd = merged_pairs(pairs, sample_weights(), cfg, opts.form)
+                loss = merged_loss(opts, functional_call(template, sd, (x,)), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
             if opts.schedule == "cosine":
