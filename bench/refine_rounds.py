@@ -7,7 +7,7 @@ Replays the rounds of ``bench/round_share.py``'s federation in one process (gpt2
 data as ``strategies.factory`` does) and aggregates each round's replies four ways: the plain average,
 the aligned universe, the refined one with a fixed 100 steps, and the refined one stopping on its
 objective (``RefinedFedAvg``'s default: checks every 10 steps on held-out refinement batches, patience
-2). Each is scored on the guard half and the test split; the next round starts from the stopping
+2, an improvement counted when it exceeds 2 standard errors), and the same counting any improvement. Each is scored on the guard half and the test split; the next round starts from the stopping
 variant (``--follow`` picks another). Writes every loss, second, step count and check score.
 """
 from __future__ import annotations
@@ -30,6 +30,8 @@ from fedlmc.universe import universe_merge
 def variants(refine_half) -> dict[str, dict]:
     return {"aligned": dict(method="aligned"),
             "refined, 100 steps": dict(method="refined", refine_steps=100, data=refine_half),
+            "refined, stopping on any improvement": dict(method="refined", refine_steps=100, refine_check_sigmas=0.0,
+                                                         **refine_split(refine_half, 10, 2)),
             "refined, stopping on the objective": dict(method="refined", refine_steps=100,
                                                        **refine_split(refine_half, 10, 2))}
 

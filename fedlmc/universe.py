@@ -145,7 +145,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
                    data=None, alpha: float = 1.0, refine_steps: int = 200, refine_lr: float = 1e-3,
                    progress: bool = False, loss_fn=None, reduce: str = "mean", trim: float = 0.2,
                    relax: str = "ste", anchor: str = "heaviest", residual_data=None, refine_check_every: int = 0,
-                   refine_patience: int = 2, refine_check_data=None,
+                   refine_patience: int = 2, refine_check_data=None, refine_check_sigmas: float = 2.0,
                    **matching: Any) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
@@ -161,7 +161,8 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     model's alignment with Dirichlet(``alpha``) refinement on ``data`` (``refine_steps`` steps, see
     ``matching.refine``; ``loss_fn(outputs, targets)`` replaces its cross-entropy; ``relax="sinkhorn"``
     refines with soft permutations; ``refine_check_every`` > 0 stops on the objective, keeping the best
-    alignment checked: ``dirichlet_refine``'s ``check_every``, ``patience`` and ``check_data``).
+    alignment checked: ``dirichlet_refine``'s ``check_every``, ``patience``, ``check_data`` and
+    ``check_sigmas``).
 
     Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
     architecture must agree): each is padded exactly into the largest shape (``widths.pad``), its
@@ -209,7 +210,7 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
                                    keep_layernorm=keep_layernorm, reference=universe, progress=progress,
                                    device=matching.get("device"), loss_fn=loss_fn, relax=relax,
                                    check_every=refine_check_every, patience=refine_patience,
-                                   check_data=refine_check_data)
+                                   check_data=refine_check_data, check_sigmas=refine_check_sigmas)
         for i, T in zip(live, refined):
             transforms[i] = T
         universe = mem.merge(transforms)

@@ -142,7 +142,7 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
         return learn_alignments(states, cfg, [Transform(), init], data, fixed=0, sample_weights=lambda: [0.5, 0.5],
                                 opts=opts, check_weights=[0.5, 0.5])
 
-    full = run(check_every=3, patience=99, snapshots=(3, 6, 9, 12, 15, 18))
+    full = run(check_every=3, patience=99, check_sigmas=0.0, snapshots=(3, 6, 9, 12, 15, 18))
     assert sorted(full.checks) == [0, 3, 6, 9, 12, 15, 18] and len(full.trace) == 18
     assert full.best_step == min(full.checks, key=lambda n: (full.checks[n], n))
     assert 0 < full.best_step < 18  # neither the start nor the last step: the case that matters
@@ -157,8 +157,36 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
         start = sum(float(loss_and_correct(mid(x), y)[0]) for x, y in xs) / len(xs)
     record("objective check at the start vs the weight-matched merge's loss", abs(full.checks[0] - start), 1e-4)
     # patience 1: the descent stops at the first check that does not improve on the best
-    short = run(check_every=3, patience=1)
+    short = run(check_every=3, patience=1, check_sigmas=0.0)
     worse = [n for n in sorted(short.checks) if n and short.checks[n] >= min(v for m, v in short.checks.items() if m < n)]
     assert worse and len(short.trace) == worse[0] < 18
     T = Transform(short.elements[1])
     record("stopped on the objective: aligned B vs B (float64)", _gap(B, apply_transform(B, T), inputs_for(A)), 1e-10)
+    # an improvement must be significant: no check is 10⁶ standard errors better, so the start is kept
+    # (the weight-matched permutations exactly, its residual map through the float32 latent) and the
+    # descent stops after ``patience`` checks
+    strict = run(check_every=3, patience=2, check_sigmas=1e6)
+    assert strict.best_step == 0 and len(strict.trace) == 6 and sorted(strict.checks) == [0, 3, 6]
+    for k, v in init.to(dtype=torch.float64).elements.items():
+        got = strict.elements[1][k]
+        assert torch.equal(got, v) if v.dtype == torch.long else torch.allclose(got, v, atol=1e-5), k
+    # at the default 2 standard errors the kept step is one of the checks, and its elements are that step's
+    usual = run(check_every=3, patience=99, snapshots=(3, 6, 9, 12, 15, 18))
+    assert usual.best_step in usual.checks and usual.checks[usual.best_step] <= usual.checks[0]
+    if usual.best_step:
+        for k, v in usual.snapshots[usual.best_step][1].items():
+            assert torch.equal(usual.elements[1][k], v), k
+
+
+def test_a_check_improves_only_by_more_than_its_standard_errors():
+    """The paired rule: a lower mean loss counts only when the per-example differences' mean exceeds
+    ``sigmas`` standard errors; at 0 any lower mean counts, and a single unit cannot be judged otherwise."""
+    from fedlmc.matching.optimise import significantly_lower
+
+    best = torch.tensor([2.0, 2.1, 1.9, 2.0])
+    consistent = best - 0.01  # every example a little better: zero spread, significant
+    noisy = best + torch.tensor([-0.30, 0.25, -0.20, 0.21])  # lower on average (−0.01) but by noise
+    assert significantly_lower(consistent, best, 2.0)
+    assert not significantly_lower(noisy, best, 2.0) and significantly_lower(noisy, best, 0.0)
+    assert not significantly_lower(best + 0.01, best, 0.0)
+    assert significantly_lower(torch.tensor([1.0]), torch.tensor([1.5]), 2.0)

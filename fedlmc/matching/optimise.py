@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call
 
 from ..averaging import circuit_state, unit_weighted, weighted_state
@@ -78,10 +79,13 @@ class Options:
     snapshots: tuple[int, ...] = ()  # steps after which the exact elements are also kept (one run, many budgets)
     # stop on the objective: every ``check_every`` steps (0: never; the start is checked too) the merge at
     # ``check_weights`` is scored on the data's first ``check_batches`` batches; the best alignment checked
-    # is returned, and the descent stops once ``patience`` checks in a row did not improve on it
+    # is returned, and the descent stops once ``patience`` checks in a row did not improve on it. A check
+    # improves when its loss is lower by more than ``check_sigmas`` standard errors of the paired
+    # per-example difference (0: by any amount): see ``significantly_lower``
     check_every: int = 0
     check_batches: int = 4
     patience: int = 2
+    check_sigmas: float = 2.0
 
 
 @dataclass
@@ -218,18 +222,21 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
     snaps: dict[int, list[Optional[Elements]]] = {}
     wanted = set(opts.snapshots)
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-        def exact() -> list[Optional[Elements]]:
+        def hard() -> list[Optional[dict[str, torch.Tensor]]]:
+            return hard_all(lat, pool)
+
+        def exact(perms: Optional[list] = None) -> list[Optional[Elements]]:
             with torch.no_grad():
                 return [None if p is None else _exact(lat[i], p, gauges, i, spec, opts.keep_layernorm)
-                        for i, p in enumerate(hard_all(lat, pool))]
+                        for i, p in enumerate(hard() if perms is None else perms)]
 
-        def align_all() -> list[tuple[StateDict, Optional[dict]]]:
-            return [aligned(i, p) for i, p in enumerate(hard_all(lat, pool))]
+        def align_all(perms: Optional[list] = None) -> list[tuple[StateDict, Optional[dict]]]:
+            return [aligned(i, p) for i, p in enumerate(hard() if perms is None else perms)]
 
         check = None
         if opts.check_every:
             check = _Checks(opts, check_data if check_data is not None else data, cfg, check_weights or [1.0 / M] * M,
-                            merged_template(states, cfg, opts.form), align_all, exact)
+                            merged_template(states, cfg, opts.form), hard, align_all, exact)
 
         def on_step(n: int) -> bool:
             if n in wanted:
@@ -251,12 +258,14 @@ class _Checks:
     The descent samples merge weights and batches, so its own loss trace is too noisy to stop on; and
     more steps can make the aggregate worse on new data while its training loss still falls (measured
     in rounds of a gpt2-tiny federation, README): scored on held-out batches, the best checked
-    alignment is returned."""
+    alignment is returned. A check replaces the best only when it is significantly lower
+    (``opts.check_sigmas``): the best of many checks on the same few batches would otherwise be
+    partly chosen by those batches' noise, and steps that buy noise cost as much as the others."""
 
     def __init__(self, opts: Options, data, cfg, weights: Sequence[float], template: torch.nn.Module,
-                 align_all: Callable, exact: Callable) -> None:
+                 hard: Callable, align_all: Callable, exact: Callable) -> None:
         self.opts, self.cfg, self.weights, self.template = opts, cfg, list(weights), template
-        self.align_all, self.exact = align_all, exact
+        self.hard, self.align_all, self.exact = hard, align_all, exact
         batches = data.batches(opts.batch_size, shuffle=False)
         self.batches = [b for _, b in zip(range(max(1, opts.check_batches)), batches)]
         if not self.batches:
@@ -267,13 +276,14 @@ class _Checks:
 
     def score(self, step: int) -> float:
         with torch.no_grad(), section("learned: checks of the objective"):
-            sd = merged_pairs(self.align_all(), self.weights, self.cfg, self.opts.form)
-            dev, total = next(iter(sd.values())).device, 0.0
-            for x, y in self.batches:
-                total += float(merged_loss(self.opts, functional_call(self.template, sd, (x.to(dev),)), y.to(dev)))
-        loss = self.scores[step] = total / len(self.batches)
-        if step == 0 or loss < self.scores[self.best_step]:
-            self.best, self.best_step, self.stale = self.exact(), step, 0
+            perms = self.hard()
+            sd = merged_pairs(self.align_all(perms), self.weights, self.cfg, self.opts.form)
+            dev = next(iter(sd.values())).device
+            losses = torch.cat([example_losses(self.opts, functional_call(self.template, sd, (x.to(dev),)), y.to(dev))
+                                for x, y in self.batches]).double().cpu()
+        loss = self.scores[step] = float(losses.mean())
+        if step == 0 or significantly_lower(losses, self.best_losses, self.opts.check_sigmas):
+            self.best, self.best_losses, self.best_step, self.stale = self.exact(perms), losses, step, 0
         else:
             self.stale += 1
         return loss
@@ -284,6 +294,15 @@ class _Checks:
             return False
         self.score(step)
         return self.stale >= self.opts.patience
+
+
+def significantly_lower(new: torch.Tensor, best: torch.Tensor, sigmas: float) -> bool:
+    """Whether the losses ``new`` are lower than ``best`` (the same examples, paired) by more than
+    ``sigmas`` standard errors of their mean difference (``sigmas`` 0, or one example: lower at all)."""
+    d = best - new
+    if sigmas <= 0 or len(d) < 2:
+        return bool(d.mean() > 0)
+    return bool(d.mean() > sigmas * d.std() / math.sqrt(len(d)))
 
 
 def _exact(la: Latents, perms: dict[str, torch.Tensor], gauges: Callable, i: int, spec, keep_layernorm: bool) -> Elements:
@@ -309,6 +328,16 @@ def merged_pairs(pairs: Sequence[tuple[StateDict, Optional[dict]]], lam: Sequenc
 def merged_loss(opts: Options, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The loss the alignments descend on and are checked by: ``opts.loss_fn``, else cross-entropy."""
     return opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
+
+
+def example_losses(opts: Options, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``merged_loss`` per example (a sequence's mean token cross-entropy, its ignored targets left out),
+    the units a check's significance is judged on; with ``opts.loss_fn`` (one number per batch) per batch."""
+    if opts.loss_fn is not None:
+        return merged_loss(opts, out, y).reshape(1)
+    per = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view(y.shape[0], -1)
+    valid = (y != -100).reshape(y.shape[0], -1)  # cross-entropy's default ignore_index
+    return (per * valid).sum(1) / valid.sum(1).clamp_min(1)
 
 
 def merged_template(states: Sequence[StateDict], cfg, form: str) -> torch.nn.Module:

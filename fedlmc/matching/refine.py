@@ -27,7 +27,8 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
                      keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal",
                      reference: Optional[nn.Module] = None, seed: int = 0, progress: bool = True,
                      device: Optional[str] = None, loss_fn=None, relax: str = "ste", tau: float = 0.1,
-                     check_every: int = 0, patience: int = 2, check_data=None) -> list[Transform]:
+                     check_every: int = 0, patience: int = 2, check_data=None,
+                     check_sigmas: float = 2.0) -> list[Transform]:
     """Refine the transforms of ``models`` (same shape, e.g. padded) into their universe.
 
     ``transforms`` are the starting alignments (``universe_merge``'s); ``masks`` mark padded units
@@ -39,7 +40,8 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
     merges (see ``learned_matching``). ``check_every`` > 0 stops on the objective: the merge at ``weights``
     is scored on the first batches of ``check_data`` (default ``data``; better held out) at the start and
     every ``check_every`` steps, the best alignment scored is returned and the descent stops after
-    ``patience`` checks without improvement (``optimise.Options``).
+    ``patience`` checks without improvement — a loss lower by more than ``check_sigmas`` standard
+    errors of the paired per-example difference (``optimise.Options``).
     Returns the refined transforms (exact group elements; ``info['loss']`` holds the loss trace,
     ``info['checks']`` the scores by step and ``info['best_step']`` the step returned).
     """
@@ -57,7 +59,7 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
     rng = np.random.default_rng(seed)
     opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,
                    keep_layernorm=keep_layernorm, gauge=gauge, seed=seed, progress=progress, loss_fn=loss_fn,
-                   relax=relax, tau=tau, check_every=check_every, patience=patience)
+                   relax=relax, tau=tau, check_every=check_every, patience=patience, check_sigmas=check_sigmas)
     ref = canonical_state(reference, dev, torch.float32) if reference is not None else None
     got = learn_alignments(
         states, cfg, transforms, data, fixed=fixed, sample_weights=lambda: [float(v) for v in rng.dirichlet([alpha] * M)],

@@ -117,7 +117,8 @@ class RefinedFedAvg(AlignedFedAvg):
     the replies' weights) is scored on held-out batches (``refine_split``: the last quarter of
     ``refine_data``, which the descent then does not train on), the best alignment scored (the
     weight-matched start included) is kept, and the refinement stops after ``refine_patience`` scores
-    without improvement. In rounds of a gpt2-tiny federation a fixed 100 steps took 41 % of the round
+    without improvement (a score improves when it is lower by more than 2 standard errors of the
+    per-example difference: ``optimise.significantly_lower``). In rounds of a gpt2-tiny federation a fixed 100 steps took 41 % of the round
     and made the aggregate worse from round 2 on (README, "Refinement in a federation");
     ``refine_check_every=0`` runs every step on all of ``refine_data`` and keeps the last."""
 
