@@ -5,7 +5,8 @@
 Runs one multi-round federation per strategy (aligned, refined) on the Ray simulation engine, each in
 its own process, and reads the ServerApp's per-round record: the round's wall time (clients' training
 included) and the strategy's aggregation seconds. Writes results/bench_round_share_<preset>.json.
-Targets (issue 13): aligned ≤ 10 %, refined ≤ 25 % of the round.
+Targets (issue 13): aligned ≤ 10 %, refined ≤ 25 % of the round; ``met`` asks it of every round (the
+median, the whole federation's share and the worst round are all written).
 """
 from __future__ import annotations
 
@@ -59,9 +60,14 @@ def main() -> None:
                                     log_path=Path(tmp) / "log.txt")
         rows = shares(doc)
         med = statistics.median(r["share"] for r in rows)
-        res["runs"][strategy] = {"rounds": rows, "median_share": med, "target_share": TARGETS.get(strategy),
-                                 "met": med <= TARGETS.get(strategy, 1.0)}
-        print(f"{strategy}: median share of the round {med:.1%} (target {TARGETS.get(strategy, 1.0):.0%}); "
+        # the whole federation's share too: a costly first round hides behind a median of cheap ones
+        total = round(sum(r["aggregation_seconds"] for r in rows) / sum(r["round_seconds"] for r in rows), 4)
+        worst = max(r["share"] for r in rows)
+        target = TARGETS.get(strategy, 1.0)
+        res["runs"][strategy] = {"rounds": rows, "median_share": med, "total_share": total, "max_share": worst,
+                                 "target_share": target, "met": worst <= target}
+        print(f"{strategy}: share of the round median {med:.1%}, all rounds {total:.1%}, worst {worst:.1%} "
+              f"(target {target:.0%}, every round); "
               + ", ".join(f"r{r['round']} {r['aggregation_seconds']:.1f}/{r['round_seconds']:.1f} s" for r in rows), flush=True)
     out = Path(args.out or f"results/bench_round_share_{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -122,10 +122,8 @@ class Problem:
         self.anchor_members, self.moving_members = F.anchor_members, F.moving_members
         self.dtype, self.fast = F.dtype, F.fast
         self._anchor_setup(A, B, F)
-        self._a_norms = F.a_norms
         self._b_norms = {k: b.pow(2).sum() for k, b in self.B_mov.items()}  # kept by permutations, orthogonal gauges
         self.head_norms = {g: (nA, circuit_norms(B, self.spec, g)) for g, nA in F.head_norms.items()}
-        self._ff_params, self._gauge_params, self._axis = F.ff_params, F.gauge_params, F.axis
         self.A_fast = F.A_fast
         self.B_fast = {k: v.to(self.fast) for k, v in self.B_mov.items()}
         self.A_features = F.A_features
@@ -160,9 +158,9 @@ class Problem:
         """B's moving tensors under the residual map ``O``: FF members (read by the FF scores) in the
         fast dtype, the rest (read by the head and gauge steps) back in the problem's dtype; ``ff=False``:
         the rest only."""
-        src = self.B_fast if ff else {k: v for k, v in self.B_fast.items() if k not in self._ff_params}
+        src = self.B_fast if ff else {k: v for k, v in self.B_fast.items() if k not in self.fixed.ff_params}
         out = apply_elements(src, self.cfg, {"residual": O.to(self.fast)})
-        return {k: v if k in self._ff_params else v.to(self.dtype) for k, v in out.items()}
+        return {k: v if k in self.fixed.ff_params else v.to(self.dtype) for k, v in out.items()}
 
     def cross(self, elements: Elements, part: str) -> Cross:
         """``Cross`` of A with U(B), U the unit elements (any residual element is ignored), over the
@@ -174,19 +172,20 @@ class Problem:
         identity = all(_is_identity(v) for v in units.values())
         if identity and part in self._identity_cross:
             return self._identity_cross[part]
-        keys = [k for k in self.A_mov if (k in self._ff_params) == (part == "ff")]
-        UB = apply_elements({k: self.B_fast[k] for k in keys if k in self._axis}, self.cfg, units)
-        small = apply_elements({k: self.B_mov[k] for k in keys if k not in self._axis}, self.cfg, units)
-        stretched = {k for g, el in units.items() if g in self._gauge_params and not _orthogonal(el)
-                     for k in self._gauge_params[g]}  # invertible gauges change B's norms
+        F, axis = self.fixed, self.fixed.axis
+        keys = [k for k in self.A_mov if (k in F.ff_params) == (part == "ff")]
+        UB = apply_elements({k: self.B_fast[k] for k in keys if k in axis}, self.cfg, units)
+        small = apply_elements({k: self.B_mov[k] for k in keys if k not in axis}, self.cfg, units)
+        stretched = {k for g, el in units.items() if g in F.gauge_params and not _orthogonal(el)
+                     for k in F.gauge_params[g]}  # invertible gauges change B's norms
         constant, G, M = 0.0, torch.zeros_like(self.M_anchor), torch.zeros_like(self.M_anchor)
         for k in keys:
-            a, na = self.A_mov[k], self._a_norms[k]
-            if k not in self._axis:  # no residual axis (biases of units): O does not act on it
+            a, na = self.A_mov[k], F.a_norms[k]
+            if k not in axis:  # no residual axis (biases of units): O does not act on it
                 constant += float((a - small[k]).pow(2).sum() / na)
                 continue
-            b, ar = UB[k], as_rows(self.A_fast[k], self._axis[k])
-            C = (ar.T @ as_rows(b, self._axis[k])).to(self.dtype)
+            b, ar = UB[k], as_rows(self.A_fast[k], axis[k])
+            C = (ar.T @ as_rows(b, axis[k])).to(self.dtype)
             nb = b.to(self.dtype).pow(2).sum() if k in stretched else self._b_norms[k]
             constant += float((na + nb) / na)
             G += C / na
