@@ -12,19 +12,17 @@ solves, inside "aligned models"). Writes results/bench_refine_gpt2_tiny.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from fedlmc.data import load
 from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
-from fedlmc.train import pick_device
 from fedlmc.universe import universe_merge
+
+from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
 
 def replies(n: int, seed: int = 0) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
@@ -61,14 +59,11 @@ def main() -> None:
         refine = max(T.info.get("seconds", 0.0) for T in Ts)
         runs.append({"seconds": round(secs, 2), "refinement_seconds": round(refine, 2), "profile_seconds": prof})
         print(f"repeat {r + 1}: {secs:.1f} s, refinement {refine:.1f} s ({args.steps} steps)")
-    res = {"preset": "gpt2-tiny", "models": args.models, "steps": args.steps, "device": str(pick_device()),
-           "threads": torch.get_num_threads(), "machine": platform.machine(), "processor": platform.processor(),
-           "torch": torch.__version__, "median_seconds": statistics.median(r["seconds"] for r in runs),
+    res = {"preset": "gpt2-tiny", "models": args.models, "steps": args.steps, **environment(),
+           "median_seconds": statistics.median(r["seconds"] for r in runs),
            "median_refinement_seconds": statistics.median(r["refinement_seconds"] for r in runs), "runs": runs}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"median {res['median_seconds']:.1f} s (refinement {res['median_refinement_seconds']:.1f} s); wrote {out}")
+    print(f"median {res['median_seconds']:.1f} s (refinement {res['median_refinement_seconds']:.1f} s)")
+    write_results(args.out, res)
 
 
 if __name__ == "__main__":

@@ -12,25 +12,23 @@ the clean model. Runs with ``fedlmc.allocator.retain_freed_memory`` as the Serve
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import gc
 import json
 import os
-import platform
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from fedlmc.allocator import retain_freed_memory
+from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.canonical import canonicalize
 from fedlmc.matching.profile import profiling
 from fedlmc.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, random_transform
-from fedlmc.train import pick_device
+
+from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -53,14 +51,6 @@ def noisy_copy(layers: int, s: int) -> torch.nn.Module:
         for p_ in c.parameters():
             p_.add_(0.01 * p_.std() * torch.randn(p_.shape, generator=g))
     return c
-
-
-def trim_heap() -> None:
-    """Return the heap's free memory to the kernel (glibc), so resident size counts live data only."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class PeakMemory:
@@ -107,7 +97,7 @@ def main() -> None:
     # the server holds the M replies and nothing else (the clean model is rebuilt afterwards); what
     # building the copies freed goes back to the kernel, so the peak below is the merge's own
     gc.collect()
-    trim_heap()
+    release_freed_memory()
     with profiling() as prof, PeakMemory() as mem:
         t0 = time.time()
         merged, Ts = universe_merge(copies, iterations=args.iterations, starts=args.init, progress=True)
@@ -116,8 +106,8 @@ def main() -> None:
     noisy0 = _rel(copies[0].state_dict(), clean0)
     dist = _rel(merged.state_dict(), clean0)
     res = {"model": "gpt2-small shape", "layers": args.layers, "models": args.models,
-           "params_per_model": sum(p.numel() for p in copies[0].parameters()), "device": str(pick_device()),
-           "threads": torch.get_num_threads(), "machine": platform.machine(), "iterations": args.iterations,
+           "params_per_model": sum(p.numel() for p in copies[0].parameters()), **environment(),
+           "iterations": args.iterations,
            "retain_freed_memory": retained, "rss_interpreter_gb": round(rss_interpreter / 1e9, 2),
            "init": args.init, "seconds": round(secs, 1), "target_seconds": 120, "profile_seconds": prof,
            "peak_rss_gb": round(mem.peak / 1e9, 2), "rss_before_merge_gb": round(mem.start / 1e9, 2),
@@ -129,10 +119,7 @@ def main() -> None:
     print(f"{args.models} models: {secs:.0f} s; universe vs clean model {dist:.4f} (one noisy copy {noisy0:.4f}); "
           f"peak RSS {mem.peak / 1e9:.2f} GB = {mem.peak / model_bytes:.1f} models (budget {args.models + 4})")
     print("profile (s):", json.dumps(prof))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, res)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,7 @@ reference for the fast path); "rtol-1e-3" stops on the previous, tighter toleran
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from pathlib import Path
 
 import torch
 
@@ -28,7 +25,8 @@ from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, canonical_config, random_transform
-from fedlmc.train import pick_device
+
+from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
 CONFIGS = {  # name: (which B, weight_matching options)
     "independent": ("independent", {}),
@@ -104,17 +102,12 @@ def main() -> None:
     retained = False if args.default_allocator else retain_freed_memory()
     a, ca, b, planted, noise = pair(args.layers)
     results = {"model": "gpt2-small shape", "layers": args.layers, "params": sum(p.numel() for p in a.parameters()),
-               "device": str(pick_device()), "threads": torch.get_num_threads(), "machine": platform.machine(),
-               "processor": platform.processor(), "torch": torch.__version__, "retain_freed_memory": retained,
-               "runs": {}}
+               **environment(), "retain_freed_memory": retained, "runs": {}}
     for name in args.configs:
         r = results["runs"][name] = run(a, ca, b, planted, noise, name)
         print(f"{name:<30s} {r['seconds']:7.1f} s  iterations {r['iterations']}  objective "
               f"{ {k: v if v is None else round(v, 4) for k, v in r['objective'].items()} }", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":
