@@ -4,20 +4,19 @@
 
 Replays the rounds of ``bench/round_share.py``'s federation in one process (gpt2-tiny, 4 IID clients ×
 200 local steps from the global model, the server's validation split halved into refinement and guard
-data as ``strategies.factory`` does) and aggregates each round's replies four ways: the plain average,
-the aligned universe, the refined one with a fixed 100 steps, and the refined one stopping on its
+data as ``strategies.factory`` does) and aggregates each round's replies five ways: the plain average,
+the aligned universe, the refined one with a fixed 100 steps, the refined one stopping on its
 objective (``RefinedFedAvg``'s default: checks every 10 steps on held-out refinement batches, patience
-2, an improvement counted when it exceeds 2 standard errors), and the same counting any improvement. Each is scored on the guard half and the test split; the next round starts from the stopping
+2, an improvement counted when it exceeds 2 standard errors) and the same counting any improvement.
+Each is scored on the guard half and the test split; the next round starts from the default stopping
 variant (``--follow`` picks another). Writes every loss, second, step count and check score.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,6 +24,8 @@ from fedlmc.averaging import merge
 from fedlmc.federated import Settings, client_data, evaluate_model, global_model, halves, local_train, splits_for
 from fedlmc.strategies.aligned import refine_split
 from fedlmc.universe import universe_merge
+
+from _results import write_results  # noqa: E402  (bench/, the script's own folder)
 
 
 def variants(refine_half) -> dict[str, dict]:
@@ -71,9 +72,7 @@ def main() -> None:
         G = scored[args.follow]
     res = {"preset": "gpt2-tiny", "clients": 4, "local_steps": 200, "follow": args.follow, "threads": torch.get_num_threads(),
            "machine": platform.machine(), "rounds": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, res)
 
 
 if __name__ == "__main__":

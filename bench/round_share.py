@@ -11,7 +11,6 @@ median, the whole federation's share and the worst round are all written).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -19,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 from simulations.simulate import run_in_subprocess
+
+from _results import write_results  # noqa: E402  (bench/, the script's own folder)
 
 TARGETS = {"aligned": 0.10, "refined": 0.25}
 
@@ -69,10 +70,7 @@ def main() -> None:
         print(f"{strategy}: share of the round median {med:.1%}, all rounds {total:.1%}, worst {worst:.1%} "
               f"(target {target:.0%}, every round); "
               + ", ".join(f"r{r['round']} {r['aggregation_seconds']:.1f}/{r['round_seconds']:.1f} s" for r in rows), flush=True)
-    out = Path(args.out or f"results/bench_round_share_{args.preset}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out or f"results/bench_round_share_{args.preset}.json", res)
 
 
 if __name__ == "__main__":
