@@ -31,8 +31,8 @@ from _results import write_results  # noqa: E402  (bench/, the script's own fold
 def variants(refine_half) -> dict[str, dict]:
     return {"aligned": dict(method="aligned"),
             "refined, 100 steps": dict(method="refined", refine_steps=100, data=refine_half),
-            "refined, stopping on any improvement": dict(method="refined", refine_steps=100, refine_check_sigmas=0.0,
-                                                         **refine_split(refine_half, 10, 2)),
+            "refined, stopping on any improvement": dict(method="refined", refine_steps=100,
+                                                         **refine_split(refine_half, 10, 2, sigmas=0.0)),
             "refined, stopping on the objective": dict(method="refined", refine_steps=100,
                                                        **refine_split(refine_half, 10, 2))}
 

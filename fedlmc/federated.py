@@ -59,6 +59,7 @@ class Settings:
     refine_steps: int = 100  # at most: the refinement stops on its objective (refine_check_every)
     refine_check_every: int = 10  # score the aggregate on held-out server batches every N steps, keep the best (0: off)
     refine_patience: int = 2  # stop after this many scores without improvement
+    refine_check_sigmas: float = 2.0  # an improvement: lower by more than this many standard errors (0: any)
     refine_alpha: float = 1.0  # Dirichlet(α) refinement: α = 1 samples the whole simplex evenly (README: why)
     eval_batches: int = 0  # 0: the whole test split
     report: bool = False  # record every client's, the plain average's and the aggregate's test loss each round

@@ -97,3 +97,18 @@ def test_permuted_is_the_permutation_only_baseline():
     assert isinstance(strategy, AlignedFedAvg) and strategy.residual == "permutation"
     assert build_strategy(Settings.from_run_config({"strategy": "aligned", "preset": "vit-digits"}),
                           model.config.to_dict(), load("digits")).residual == "orthogonal"
+
+
+def test_run_config_sets_how_the_refinement_stops():
+    """``refine-check-every``, ``refine-patience`` and ``refine-check-sigmas`` reach the refined strategies."""
+    from fedlmc.data import load
+    from fedlmc.models import from_preset
+    from fedlmc.strategies import HeteroWidthFedAvg, RefinedFedAvg
+    from fedlmc.strategies.factory import build_strategy
+
+    model = from_preset("vit-digits")
+    for strategy, cls in (("refined", RefinedFedAvg), ("hetero-refined", HeteroWidthFedAvg)):
+        s = Settings.from_run_config({"strategy": strategy, "preset": "vit-digits", "refine-check-every": 5,
+                                      "refine-patience": 3, "refine-check-sigmas": 0.5})
+        got = build_strategy(s, model.config.to_dict(), load("digits"))
+        assert isinstance(got, cls) and got.refine_checks == {"check_every": 5, "patience": 3, "sigmas": 0.5}

@@ -128,8 +128,8 @@ def test_refinement_checks_score_data_the_descent_does_not_train_on():
     from fedlmc.strategies.aligned import refine_split
 
     arrays = ArrayData(torch.arange(100.0)[:, None], torch.arange(100))
-    got = refine_split(arrays, 10, 3)
-    assert got["refine_check_every"] == 10 and got["refine_patience"] == 3
+    got = refine_split(arrays, 10, 3, sigmas=1.5)
+    assert got["refine_check_every"] == 10 and got["refine_patience"] == 3 and got["refine_check_sigmas"] == 1.5
     assert got["data"].y.tolist() == list(range(75)) and got["refine_check_data"].y.tolist() == list(range(75, 100))
     tokens = refine_split(TokenData(torch.arange(400), block_size=8), 10, 2)
     assert len(tokens["data"].tokens) == 300 and tokens["refine_check_data"].tokens[0] == 300

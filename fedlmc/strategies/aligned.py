@@ -117,33 +117,35 @@ class RefinedFedAvg(AlignedFedAvg):
     the replies' weights) is scored on held-out batches (``refine_split``: the last quarter of
     ``refine_data``, which the descent then does not train on), the best alignment scored (the
     weight-matched start included) is kept, and the refinement stops after ``refine_patience`` scores
-    without improvement (a score improves when it is lower by more than 2 standard errors of the
-    per-example difference: ``optimise.significantly_lower``). In rounds of a gpt2-tiny federation a
+    without improvement (a score improves when it is lower by more than ``refine_check_sigmas``
+    standard errors of the per-example difference: ``optimise.significantly_lower``). In rounds of a gpt2-tiny federation a
     fixed 100 steps took 41 % of the round and made the aggregate worse from round 2 on (README,
     "Refinement in a federation"); ``refine_check_every=0`` runs every step on all of ``refine_data``
     and keeps the last."""
 
     def __init__(self, *, refine_data, alpha: float = 1.0, refine_steps: int = 100, refine_check_every: int = 10,
-                 refine_patience: int = 2, loss_fn: Optional[Callable] = None, **kwargs: Any) -> None:
+                 refine_patience: int = 2, refine_check_sigmas: float = 2.0, loss_fn: Optional[Callable] = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self.reduce != "mean":
             raise ValueError("RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'")
         if refine_data is None:
             raise ValueError("RefinedFedAvg needs refine_data (a small server-side data set)")
         self.refine_data, self.alpha, self.refine_steps, self.loss_fn = refine_data, alpha, refine_steps, loss_fn
-        self.refine_check_every, self.refine_patience = refine_check_every, refine_patience
+        self.refine_checks = dict(check_every=refine_check_every, patience=refine_patience, sigmas=refine_check_sigmas)
 
     def align(self, models, weights, start):
         return universe_merge(models, method="refined", weights=weights, start=start, iterations=self.iterations,
                               form=self.form, keep_layernorm=self.keep_layernorm, residual=self.residual,
                               alpha=self.alpha, refine_steps=self.refine_steps, device=self.device, loss_fn=self.loss_fn,
-                              **refine_split(self.refine_data, self.refine_check_every, self.refine_patience))
+                              **refine_split(self.refine_data, **self.refine_checks))
 
 
-def refine_split(data, check_every: int, patience: int) -> dict[str, Any]:
+def refine_split(data, check_every: int, patience: int, sigmas: float = 2.0) -> dict[str, Any]:
     """``universe_merge``'s refinement data and checks: with ``check_every``, the descent trains on the
     first three quarters of ``data`` and the checks score the last quarter (data fedlmc cannot split,
-    e.g. a user's own batch source, or too small to split, is scored as it is trained on)."""
+    e.g. a user's own batch source, or too small to split, is scored as it is trained on); ``patience``
+    and ``sigmas``: ``universe_merge``'s ``refine_patience`` and ``refine_check_sigmas``."""
     if not check_every:
         return dict(data=data)
     try:
@@ -152,7 +154,8 @@ def refine_split(data, check_every: int, patience: int) -> dict[str, Any]:
         train, held = data, None
     if held is not None and (len(train) == 0 or len(held) == 0):
         train, held = data, None
-    return dict(data=train, refine_check_data=held, refine_check_every=check_every, refine_patience=patience)
+    return dict(data=train, refine_check_data=held, refine_check_every=check_every, refine_patience=patience,
+                refine_check_sigmas=sigmas)
 
 
 def transform_distance(T, spec) -> float:

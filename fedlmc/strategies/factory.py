@@ -41,10 +41,11 @@ def build_strategy(s: Settings, model_config: dict[str, Any], splits, model: Any
     if s.strategy == "refined":
         return RefinedFedAvg(**common, **aligned, refine_data=refine_half, alpha=s.refine_alpha,
                              refine_steps=s.refine_steps, refine_check_every=s.refine_check_every,
-                             refine_patience=s.refine_patience)
+                             refine_patience=s.refine_patience, refine_check_sigmas=s.refine_check_sigmas)
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = dict(refine_data=refine_half, alpha=s.refine_alpha, refine_steps=s.refine_steps,
-                      refine_check_every=s.refine_check_every, refine_patience=s.refine_patience) \
+                      refine_check_every=s.refine_check_every, refine_patience=s.refine_patience,
+                      refine_check_sigmas=s.refine_check_sigmas) \
             if s.strategy == "hetero-refined" else {}
         return HeteroWidthFedAvg(**common, iterations=s.iterations, residual=residual, device=s.device or None,
                                  guard_data=aligned["guard_data"] if model is None else None,

@@ -41,7 +41,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
     ``refine_data`` (a small server-side data set) adds Dirichlet(``alpha``) refinement of every
     client's alignment into the universe (at most ``refine_steps`` steps, stopping on the objective with
-    ``refine_check_every`` and ``refine_patience``), as ``RefinedFedAvg`` does.
+    ``refine_check_every``, ``refine_patience`` and ``refine_check_sigmas``), as ``RefinedFedAvg`` does.
 
     ``guard_data`` (fedlmc models): in a round where every replying client had sliced the global model
     (HeteroFL's prefixes: the first round of a shared-init federation, or after the guard chose
@@ -57,7 +57,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     def __init__(self, *, residual: str = "orthogonal", iterations: int = 3, device: Optional[str] = None,
                  model: Any = None, guard_data=None, guard_batches: Optional[int] = 8, refine_data=None,
                  alpha: float = 1.0, refine_steps: int = 100, refine_check_every: int = 10, refine_patience: int = 2,
-                 **kwargs: Any) -> None:
+                 refine_check_sigmas: float = 2.0, **kwargs: Any) -> None:
         models = list(model) if isinstance(model, (list, tuple)) else None
         super().__init__(model=None if models is not None else model, **kwargs)
         self.adapters: list[HFAdapter] = []
@@ -77,7 +77,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         self.residual, self.iterations, self.device = residual, iterations, device
         self.guard_data, self.guard_batches = guard_data, guard_batches
         self.refine_data, self.alpha, self.refine_steps = refine_data, alpha, refine_steps
-        self.refine_check_every, self.refine_patience = refine_check_every, refine_patience
+        self.refine_checks = dict(check_every=refine_check_every, patience=refine_patience, sigmas=refine_check_sigmas)
         self._sliced: set[int] = set()  # nodes sent the global model itself this round (they slice it)
         self.adapter_of: dict[int, int] = {}  # client -> index of the adapter its replies are read with
         # client -> its transform into the current universe; a client is its declared partition id (stable
@@ -163,7 +163,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
     def combine(self, server_round, replies, models, weights):
         refine = dict(method="refined", alpha=self.alpha, refine_steps=self.refine_steps,
-                      **refine_split(self.refine_data, self.refine_check_every, self.refine_patience)) \
+                      **refine_split(self.refine_data, **self.refine_checks)) \
             if self.refine_data is not None else {}
         start = self.start_for(models)
         universe, transforms = universe_merge(models, weights=weights, start=start,
