@@ -326,7 +326,8 @@ def merged_pairs(pairs: Sequence[tuple[StateDict, Optional[dict]]], lam: Sequenc
 
 
 def merged_loss(opts: Options, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The loss the alignments descend on and are checked by: ``opts.loss_fn``, else cross-entropy."""
+    """The loss the alignments descend on: ``opts.loss_fn``, else cross-entropy (the checks score the same
+    loss per example: ``example_losses``)."""
     return opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
 
 

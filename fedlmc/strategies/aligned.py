@@ -118,10 +118,10 @@ class RefinedFedAvg(AlignedFedAvg):
     ``refine_data``, which the descent then does not train on), the best alignment scored (the
     weight-matched start included) is kept, and the refinement stops after ``refine_patience`` scores
     without improvement (a score improves when it is lower by more than ``refine_check_sigmas``
-    standard errors of the per-example difference: ``optimise.significantly_lower``). In rounds of a gpt2-tiny federation a
-    fixed 100 steps took 41 % of the round and made the aggregate worse from round 2 on (README,
-    "Refinement in a federation"); ``refine_check_every=0`` runs every step on all of ``refine_data``
-    and keeps the last."""
+    standard errors of the per-example difference: ``optimise.significantly_lower``). In rounds of a
+    gpt2-tiny federation a fixed 100 steps took 41 % of the round and made the aggregate worse from
+    round 2 on (README, "Refinement in a federation"); ``refine_check_every=0`` runs every step on all
+    of ``refine_data`` and keeps the last."""
 
     def __init__(self, *, refine_data, alpha: float = 1.0, refine_steps: int = 100, refine_check_every: int = 10,
                  refine_patience: int = 2, refine_check_sigmas: float = 2.0, loss_fn: Optional[Callable] = None,
