@@ -21,7 +21,7 @@ import torch
 
 from fedlmc.averaging import interpolate
 from fedlmc.barrier import barrier, interpolation_curve
-from fedlmc.canonical import canonicalize
+from fedlmc.symmetry import canonicalize
 from fedlmc.commands import console, load_splits
 from fedlmc.matching import learned_matching, weight_matching
 from fedlmc.reproduce import seed_pairs

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fedlmc.allocator import release_freed_memory, retain_freed_memory
-from fedlmc.canonical import canonicalize
+from fedlmc.symmetry import canonicalize
 from fedlmc.matching.profile import profiling
 from fedlmc.universe import universe_merge
 from fedlmc.models import from_preset

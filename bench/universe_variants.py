@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from fedlmc.averaging import merge
-from fedlmc.canonical import canonicalize
+from fedlmc.symmetry import canonicalize
 from fedlmc.commands import console, load_splits
 from fedlmc.manyway import excess
 from fedlmc.matching import learned_matching

@@ -19,7 +19,7 @@ import time
 import torch
 
 from fedlmc.allocator import retain_freed_memory
-from fedlmc.canonical import canonicalize
+from fedlmc.symmetry import canonicalize
 from fedlmc.matching import weight_matching
 from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.matching.profile import profiling

@@ -10,19 +10,40 @@ client is (``client``: partition id, training seconds).
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlmc.federated import (Settings, cached_first_round, client_config, client_data, config_from_json,
-                              evaluate_model, flip_update, fresh_client_model, local_train, shuffled_labels)
+from fedlmc.federated import (Settings, client_config, client_data, config_from_json, evaluate_model,
+                              fresh_client_model, local_train)
 from fedlmc.hf import hf_model_for
 from fedlmc.widths import shape_of, slice_prefix
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 
-def _node(context: Context, overrides: dict) -> tuple[Settings, int, int, object]:
-    s = Settings.from_run_config({**overrides, **context.run_config})
+
+@dataclass
+class Round:
+    """What a client knows about the round it trains: its partition, the federation's size, the round."""
+
+    partition: int
+    partitions: int
+    round: int
+    seed: int
+
+
+# fit(model, data, settings, round) -> history: trains ``model`` in place (default: ``local_train``)
+Fit = Callable[[Any, Any, Settings, Round], dict]
+
+
+def fit(model, data, s: Settings, rnd: Round) -> dict:
+    """Local training: ``local_train`` on this client's partition."""
+    return local_train(model, data, s, rnd.seed)
+
+
+def _node(context: Context, overrides: dict, settings: type[Settings]) -> tuple[Settings, int, int, object]:
+    s = settings.from_run_config({**overrides, **context.run_config})
     s.apply_threads()
     nc = context.node_config
     pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
@@ -49,9 +70,10 @@ def _received(msg: Message, own_cfg, s: Settings):
     return model
 
 
-def train(msg: Message, context: Context, overrides: Optional[dict] = None) -> Message:
+def train(msg: Message, context: Context, overrides: Optional[dict] = None, settings: type[Settings] = Settings,
+          fit_fn: Fit = fit) -> Message:
     """Train the received (or, with independent start in round 1, a fresh) model on this partition."""
-    s, pid, n, cfg = _node(context, overrides or {})
+    s, pid, n, cfg = _node(context, overrides or {}, settings)
     data, _ = client_data(s, pid, n)
     rnd = int(msg.content["config"].get("server-round", 1))
     if s.independent_start and rnd == 1:
@@ -59,29 +81,23 @@ def train(msg: Message, context: Context, overrides: Optional[dict] = None) -> M
     else:
         model = _received(msg, cfg, s)
     t0 = time.time()
-    seed = 1000 * (s.seed + 1) + 100 * rnd + pid
-    poisoned = pid == s.poison_partition
-    if poisoned and s.poison == "labels":
-        data = shuffled_labels(data, seed)
-    start = {k: v.detach().clone() for k, v in model.state_dict().items()} if poisoned else None
-    hist = (cached_first_round(model, data, s, seed, pid, n) if rnd == 1 else None) or local_train(model, data, s, seed)
-    if poisoned and s.poison == "sign-flip":
-        flip_update(model, start, s.poison_scale)
+    hist = fit_fn(model, data, s, Round(pid, n, rnd, seed=1000 * (s.seed + 1) + 100 * rnd + pid))
     last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
     # only quantities whose num-examples-weighted mean means something are metrics; who the client is
     # (partition, width) and how long it took travel as configuration
     metrics = MetricRecord({"num-examples": len(data), "train-loss": sum(last) / len(last)})
     client = ConfigRecord({"partition-id": pid, "train-seconds": time.time() - t0})
-    content = RecordDict({"arrays": ArrayRecord(torch_state_dict={k: v.detach().cpu().float() for k, v in model.state_dict().items()}),
-                          "metrics": metrics, "client": client})
+    state = {k: v.detach().cpu().float() for k, v in model.state_dict().items()}
+    content = RecordDict({"arrays": ArrayRecord(torch_state_dict=state), "metrics": metrics, "client": client})
     if not s.hf:  # a Hugging Face client declares nothing: the server knows its model (model=)
         content["model"] = config_record(model)
     return Message(content=content, reply_to=msg)
 
 
-def evaluate(msg: Message, context: Context, overrides: Optional[dict] = None) -> Message:
+def evaluate(msg: Message, context: Context, overrides: Optional[dict] = None,
+             settings: type[Settings] = Settings) -> Message:
     """Evaluate the received model on this node's validation partition."""
-    s, pid, n, cfg = _node(context, overrides or {})
+    s, pid, n, cfg = _node(context, overrides or {}, settings)
     _, val = client_data(s, pid, n)
     model = _received(msg, cfg, s)
     ev = evaluate_model(model, val)
@@ -96,19 +112,20 @@ def query(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"client": ConfigRecord({"partition-id": pid})}), reply_to=msg)
 
 
-def make_app(overrides: Optional[dict] = None) -> ClientApp:
+def make_app(overrides: Optional[dict] = None, settings: type[Settings] = Settings, fit_fn: Fit = fit) -> ClientApp:
     """A ClientApp whose settings default to ``overrides`` (run_config keys win). ``flwr run`` uses
-    ``app``; in-process simulations (``simulations.compare``) build one per experiment."""
+    ``app``; the experiment layer (``simulations.experiment``) builds one with its own ``settings``
+    class and a ``fit_fn`` wrapped around ``fit``."""
     overrides = dict(overrides or {})
     client = ClientApp()
 
     @client.train()
     def _train(msg: Message, context: Context) -> Message:
-        return train(msg, context, overrides)
+        return train(msg, context, overrides, settings, fit_fn)
 
     @client.evaluate()
     def _evaluate(msg: Message, context: Context) -> Message:
-        return evaluate(msg, context, overrides)
+        return evaluate(msg, context, overrides, settings)
 
     @client.query()
     def _query(msg: Message, context: Context) -> Message:

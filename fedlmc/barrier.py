@@ -30,7 +30,7 @@ class Curve:
 def interpolation_curve(model_a: nn.Module, model_b: nn.Module, data: Data, lambdas: Sequence[float] = LAMBDAS,
                         interpolate: Optional[Callable[[nn.Module, nn.Module, float], nn.Module]] = None,
                         batch_size: int = 256, max_batches: Optional[int] = None) -> Curve:
-    """Evaluate the interpolated model at every λ. ``interpolate`` defaults to ``fedlmc.merge.interpolate``
+    """Evaluate the interpolated model at every λ. ``interpolate`` defaults to ``fedlmc.averaging.interpolate``
     (plain weight averaging for two LayerNorm models); pass e.g. ``partial(interpolate, form="circuit")``."""
     interpolate = interpolate or interpolate_models
     losses, accs = [], []

@@ -96,7 +96,7 @@ def _add_merge_commands(sub) -> None:
     """merge, universe, widths."""
     m = sub.add_parser("merge", help="merge saved models: average, aligned (weight matching to a universe) or refined")
     m.add_argument("models", nargs="+", help="checkpoint directories (widths may differ for aligned/refined)")
-    m.add_argument("--method", default="aligned", choices=["average", "aligned", "refined", "universe", "refine"],
+    m.add_argument("--method", default="aligned", choices=["average", "aligned", "refined"],
                    help="average | aligned | refined ('universe' and 'refine' are deprecated names)")
     m.add_argument("--out", required=True, help="checkpoint directory for the merged model")
     m.add_argument("--weights", nargs="+", type=float, help="merge weights (default: equal)")

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from rich.console import Console
 
-from .vocabulary import method_name
+from .options import Matching, Refinement
 
 console = Console(stderr=True)
 
@@ -184,7 +184,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     """Merge saved models (``average``, ``aligned`` universe or ``refined`` universe); mixed widths allowed."""
     from . import io
     from .manyway import aligned_models, excess, plot_simplex, simplex_losses
-    from .merge import merge, universe_merge
+    from .averaging import merge
+    from .universe import universe_merge
     from .train import evaluate
 
     models = [io.load(p) for p in args.models]
@@ -192,14 +193,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ValueError("fedlmc merge needs at least two checkpoints")
     splits = _splits_for(models[0], args)
     t = time.time()
-    method = method_name(args.method, ("average", "aligned", "refined"))
+    method = args.method
     if method == "average":
         merged, Ts = merge(models, args.weights or [1 / len(models)] * len(models), form=args.form), None
     else:
-        merged, Ts = universe_merge(models, method=method,
-                                    iterations=args.iterations, weights=args.weights, form=args.form,
-                                    keep_layernorm=args.keep_layernorm, data=splits.train, alpha=args.alpha,
-                                    refine_steps=args.steps, progress=not args.quiet)
+        refine = Refinement(data=splits.train, alpha=args.alpha, steps=args.steps, check_every=0) \
+            if method == "refined" else None
+        merged, Ts = universe_merge(models, args.weights, matching=Matching(), refine=refine,
+                                    iterations=args.iterations, form=args.form, keep_layernorm=args.keep_layernorm,
+                                    progress=not args.quiet)
     seconds = time.time() - t
     data = getattr(splits, args.split)
     ends = [evaluate(m, data, max_batches=args.max_batches)["loss"] for m in models]

@@ -5,7 +5,6 @@ Flower's apps (``clients/``, ``simulations/``) stay thin: they translate message
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -15,22 +14,27 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .data import ArrayData, Data, DataNotFound, Splits, TokenData, load, split
+from .data import Data, DataNotFound, Splits, TokenData, load, split
 from .averaging import REDUCES
-from .data.partition import PARTITIONS_VERSION, SCHEMES, partition
+from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
 from .train import TrainConfig, evaluate, model_for_data, train
-from .vocabulary import method_name
+from .options import Matching, Refinement, one_of
 from .widths import width_config
 
 STRATEGIES = ("average", "permuted", "aligned", "refined", "hetero", "hetero-permuted", "hetero-refined", "slicing")
+_DEFAULT_REFINE = Refinement()
 
 
 @dataclass
 class Settings:
-    """One federated experiment. Field ``local_epochs`` is read from run_config key ``local-epochs``, etc."""
+    """One federation, read from ``run_config``: field ``local_epochs`` is run_config key ``local-epochs``.
+
+    These are the production app's keys (``pyproject.toml``'s ``[tool.flwr.app.config]``); the
+    experiment layer adds its own (``simulations.experiment.ExperimentSettings``). ``matching()`` and
+    ``refinement(data)`` map the keys onto the option objects the strategies take."""
 
     strategy: str = "aligned"
     num_server_rounds: int = 3
@@ -51,31 +55,22 @@ class Settings:
     independent_start: bool = True  # round 1: every client starts from its own seed (one-shot / fusion)
     width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
     iterations: int = 3  # universe iterations
-    residual: str = "orthogonal"
+    residual: str = "orthogonal"  # Matching.residual
     form: str = "factored"
     keep_layernorm: bool = True
     guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
     guard_batches: int = 8
-    refine_steps: int = 100  # at most: the refinement stops on its objective (refine_check_every)
-    refine_check_every: int = 10  # score the aggregate on held-out server batches every N steps, keep the best (0: off)
-    refine_patience: int = 2  # stop after this many scores without improvement
-    refine_check_sigmas: float = 2.0  # an improvement: lower by more than this many standard errors (0: any)
-    refine_alpha: float = 1.0  # Dirichlet(α) refinement: α = 1 samples the whole simplex evenly (README: why)
+    refine_steps: int = _DEFAULT_REFINE.steps  # Refinement.steps, at most: the refinement stops on its objective
     eval_batches: int = 0  # 0: the whole test split
-    report: bool = False  # record every client's, the plain average's and the aggregate's test loss each round
     out_dir: str = "runs/flwr"
     round_timeout: float = 3600.0
     device: str = ""
     resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
-    client_cache: str = ""  # one-shot comparisons: a round-1 client trained once is reused by every strategy
     hf: bool = False  # clients train the preset's Hugging Face twin (GPT2LMHeadModel, ...) under its own keys
     threads: int = 1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
     aggregate_threads: int = -1  # torch threads while the server combines a round (0: every core, the clients wait; -1: `threads`)
     reduce: str = "mean"  # mean | median | trimmed: how average / permuted / aligned combine (robust aggregation)
     trim: float = 0.2  # trimmed: the fraction of values cut at each end of every coordinate
-    poison_partition: int = -1  # robustness experiments: this partition's client is poisoned (-1: none)
-    poison: str = "labels"  # labels (trains on shuffled labels / tokens) | sign-flip (sends start - scale * update)
-    poison_scale: float = 1.0
     vocab_size: int = 0  # 0: the data's; larger pads the vocabulary (50257: GPT-2-small's 124M parameters)
 
     @classmethod
@@ -92,18 +87,34 @@ class Settings:
                 value = value.strip().lower() in ("1", "true", "yes", "on")
             values[name] = typ(value)
         s = cls(**values)
-        s.strategy = method_name(s.strategy, STRATEGIES, "strategy")
-        if any(f != 1 for f in s.factors()) and s.strategy in ("average", "permuted", "aligned", "refined"):
-            raise ValueError(f"width-factors {s.width_factors!r} make a mixed-width federation: use strategy "
-                             "'hetero' (aligned), 'hetero-permuted', 'hetero-refined' or 'slicing' (HeteroFL baseline), not " + repr(s.strategy))
-        s.reduce = method_name(s.reduce, REDUCES, "reduce")
-        if s.reduce != "mean" and s.strategy not in ("average", "permuted", "aligned"):
-            raise ValueError(f"reduce={s.reduce!r} applies to strategies average, permuted and aligned, not {s.strategy!r}")
-        if s.poison not in ("labels", "sign-flip"):
-            raise ValueError(f"poison must be 'labels' or 'sign-flip', got {s.poison!r}")
-        if s.partitioner not in SCHEMES:
-            raise ValueError(f"partitioner must be one of {', '.join(SCHEMES)}, got {s.partitioner!r}")
+        s.validate()
         return s
+
+    def validate(self) -> None:
+        """A clear error for values no run could use."""
+        one_of(self.strategy, STRATEGIES, "strategy")
+        if any(f != 1 for f in self.factors()) and self.strategy in ("average", "permuted", "aligned", "refined"):
+            raise ValueError(f"width-factors {self.width_factors!r} make a mixed-width federation: use strategy "
+                             "'hetero' (aligned), 'hetero-permuted', 'hetero-refined' or 'slicing' (HeteroFL baseline), "
+                             "not " + repr(self.strategy))
+        one_of(self.reduce, REDUCES, "reduce")
+        if self.reduce != "mean" and self.strategy not in ("average", "permuted", "aligned"):
+            raise ValueError(f"reduce={self.reduce!r} applies to strategies average, permuted and aligned, not {self.strategy!r}")
+        one_of(self.partitioner, SCHEMES, "partitioner")
+        self.matching()
+
+    def matching(self) -> Matching:
+        """Weight matching's options (the permutation-only strategies match with permutations)."""
+        residual = "permutation" if self.strategy in ("permuted", "hetero-permuted") else self.residual
+        return Matching(residual=residual)
+
+    def refinement(self, data) -> Refinement:
+        """The refinement's options, learning on ``data`` (the server's refinement half)."""
+        return Refinement(data=data, steps=self.refine_steps)
+
+    def report_data(self, splits: Splits) -> Optional[Data]:
+        """A data set on which the strategy records every reply's loss each round (None: no report)."""
+        return None
 
     def apply_threads(self) -> None:
         """Set torch's intra-op threads when ``threads`` asks for it (in the app's own process)."""
@@ -197,55 +208,6 @@ def fresh_client_model(s: Settings, partition_id: int, cfg: TransformerConfig) -
 def local_train(model: nn.Module, data: Data, s: Settings, seed: int) -> dict[str, Any]:
     """Train ``model`` on a client's partition; returns the history (``train_loss``, ``seconds``, ...)."""
     return train(Logits(model) if s.hf else model, data, s.train_config(seed), progress=False)
-
-
-def shuffled_labels(data: Data, seed: int) -> Data:
-    """A poisoned client's data: the labels (for text, the tokens) in a random order."""
-    g = torch.Generator().manual_seed(seed)
-    if isinstance(data, TokenData):
-        return TokenData(data.tokens[torch.randperm(len(data.tokens), generator=g)], data.block_size)
-    return ArrayData(data.x, data.y[torch.randperm(len(data.y), generator=g)])
-
-
-def flip_update(model: nn.Module, start: dict[str, torch.Tensor], scale: float) -> None:
-    """A sign-flip attacker: replace the trained weights θ by ``start − scale·(θ − start)`` in place."""
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if v.is_floating_point():
-                v.copy_(start[k] - scale * (v - start[k]))
-
-
-# What a client's round-1 training depends on (everything else only changes how the server aggregates).
-TRAINING_KEYS = ("preset", "dataset", "data_dir", "text_file", "partitioner", "alpha", "local_epochs", "local_steps",
-                 "lr", "batch_size", "seed", "independent_start", "width_factors", "hf")
-
-
-def cached_first_round(model: nn.Module, data: Data, s: Settings, seed: int, partition_id: int,
-                       num_partitions: int) -> Optional[dict[str, Any]]:
-    """Round 1 of an independently started client, trained once per ``s.client_cache`` and reused: the
-    comparison runner aggregates the very same clients with every strategy (training is seeded, so a
-    rerun would produce them again, at 3× the cost). Returns the history, or None without a cache."""
-    if not s.client_cache or not s.independent_start:
-        return None
-    from safetensors.torch import load_file, save_file
-
-    trained = {k: getattr(s, k) for k in TRAINING_KEYS}
-    if s.poison_partition >= 0:  # only then part of the key, so unpoisoned caches stay valid
-        trained.update(poison_partition=s.poison_partition, poison=s.poison, poison_scale=s.poison_scale)
-    key = json.dumps([trained, partition_id, num_partitions, seed, model.config.to_dict(),
-                      PARTITIONS_VERSION[s.partitioner]],
-                     sort_keys=True, default=str)
-    path = Path(s.client_cache).expanduser() / hashlib.sha1(key.encode()).hexdigest()[:16]
-    if (path / "model.safetensors").is_file() and (path / "history.json").is_file():
-        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
-        return json.loads((path / "history.json").read_text())
-    hist = local_train(model, data, s, seed)
-    path.mkdir(parents=True, exist_ok=True)
-    # clone: a tied model's state dict shares one tensor between two keys, which safetensors refuses
-    save_file({k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}, str(path / "model.tmp"))
-    os.replace(path / "model.tmp", path / "model.safetensors")
-    (path / "history.json").write_text(json.dumps({"train_loss": hist["train_loss"], "key": key}, default=float))
-    return hist
 
 
 def config_from_json(text: str) -> TransformerConfig:

@@ -16,6 +16,7 @@ import torch.nn as nn
 from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .matching import weight_matching
 from .averaging import merge
+from .options import Matching, Refinement
 from .universe import universe_merge
 from .train import evaluate
 from .widths import into_universe, pad, permute_masks, shape_of, unit_masks
@@ -117,8 +118,9 @@ def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200,
     T_ref = None
     for a in alphas:
         t = time.time()
-        ref, T = universe_merge(models, method="refined", iterations=iterations, tol=tol, data=splits.train, alpha=a,
-                                refine_steps=refine_steps, progress=progress)
+        # a fixed budget, every step: the universe table compares refinement lengths as they are
+        refine = Refinement(data=splits.train, alpha=a, steps=refine_steps, check_every=0)
+        ref, T = universe_merge(models, refine=refine, iterations=iterations, tol=tol, progress=progress)
         row(f"refined (α={a:g})" if len(alphas) > 1 else "refined", ref, time.time() - t)
         T_ref = T_ref or T
     v = rows["vanilla"]["excess"]
@@ -149,7 +151,7 @@ def universe_markdown(preset: str, result: dict[str, Any], seeds: Sequence[int])
 
 
 def width_experiment(wide: nn.Module, narrow: dict[int, nn.Module], data, log: Callable[[str], None] = print,
-                     max_batches: Optional[int] = None, **matching: Any) -> dict[str, Any]:
+                     max_batches: Optional[int] = None, matching: Optional[Matching] = None) -> dict[str, Any]:
     """Interpolation barriers between one wide model and narrower ones (paper Fig. 3c).
 
     Each narrower model (key: its residual width) is lifted exactly into the wide model's width by
@@ -163,7 +165,7 @@ def width_experiment(wide: nn.Module, narrow: dict[int, nn.Module], data, log: C
     for d, m in sorted(narrow.items(), reverse=True):
         t = time.time()
         lifted = pad(m, target)
-        T = weight_matching(wide, lifted, **matching)
+        T = weight_matching(wide, lifted, matching)
         aligned = into_universe(lifted, T)
         secs = time.time() - t
         c_lift = interpolation_curve(wide, lifted, data, max_batches=max_batches)

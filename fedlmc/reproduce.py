@@ -12,15 +12,15 @@ from typing import Callable, Optional, Sequence
 import torch.nn as nn
 
 from .barrier import Curve, barrier, interpolation_curve, plot_curves
-from .canonical import canonicalize
 from .averaging import interpolate
 from .matching import activation_matching, learned_matching, residual_activation_cross, weight_matching
-from .symmetry import Transform, apply_transform
+from .options import Learning, Matching
+from .symmetry import Transform, apply_transform, canonicalize
 
 
-def _wm(**kw) -> Callable:
+def _wm(residual: str = "orthogonal", keep_layernorm: bool = False) -> Callable:
     def run(a, b, splits, ctx):
-        return weight_matching(a, b, **kw)
+        return weight_matching(a, b, Matching(residual=residual), keep_layernorm=keep_layernorm)
     return run
 
 
@@ -34,7 +34,7 @@ def _wm_act(a, b, splits, ctx):
 
 def _learned(perms_only: bool) -> Callable:
     def run(a, b, splits, ctx):
-        return learned_matching(a, b, splits.train, start=ctx["wm-orth-factored"], steps=ctx["learned_steps"],
+        return learned_matching(a, b, splits.train, ctx["wm-orth-factored"], Learning(steps=ctx["learned_steps"]),
                                 perms_only=perms_only, progress=ctx["progress"])
     return run
 

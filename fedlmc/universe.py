@@ -2,9 +2,8 @@
 averaged there, optionally refined (Dirichlet), and projected back to each client's shape."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -15,7 +14,7 @@ from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
 from .matching.profile import section
 from .matching.refine import dirichlet_refine
-from .vocabulary import method_name
+from .options import Matching, Refinement, one_of
 from .symmetry.canonical import recentre
 from .symmetry import (StateDict, Transform, WidthMap, apply_to_state, apply_transform, canonical, invert_transform,
                        layernorm_native, rebuild, spec_for, to_layernorm)
@@ -139,78 +138,89 @@ def members(models: Sequence[nn.Module], weights: Optional[Sequence[float]], sta
                    scale, True, lifts)
 
 
-def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterations: int = 5,
-                   weights: Optional[Sequence[float]] = None, start: Optional[nn.Module] = None,
-                   form: str = "factored", keep_layernorm: bool = False, tol: float = 1e-4,
-                   data=None, alpha: float = 1.0, refine_steps: int = 200, refine_lr: float = 1e-3,
-                   progress: bool = False, loss_fn=None, reduce: str = "mean", trim: float = 0.2,
-                   relax: str = "ste", anchor: str = "heaviest", residual_data=None, refine_check_every: int = 0,
-                   refine_patience: int = 2, refine_check_data=None, refine_check_sigmas: float = 2.0,
-                   **matching: Any) -> tuple[nn.Module, list[Transform]]:
+def universe_merge(models: Sequence[nn.Module], weights: Optional[Sequence[float]] = None,
+                   start: Optional[nn.Module] = None, *, matching: Optional[Matching] = None,
+                   refine: Optional[Refinement] = None, iterations: int = 5, tol: float = 1e-4, form: str = "factored",
+                   keep_layernorm: bool = False, reduce: str = "mean", trim: float = 0.2, anchor: str = "heaviest",
+                   device: Optional[str] = None, progress: bool = False) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
-    Start from ``start`` (e.g. the previous global model) or the ``anchor`` model: the largest-weight one
-    ("heaviest") or the one closest to all others after pairwise weight matching ("central", M(M−1)/2
-    extra matchings); align every model
-    to the universe with weight matching; set the universe to the (``weights``-weighted) mean of the
-    aligned models; repeat until it moves by less than ``tol`` (relative) or ``iterations`` are done;
-    from the second iteration on, each model's matching descends from its previous transform (the
-    identity is still scored as the do-no-harm candidate). ``residual_data``: a few batches whose
-    residual-stream activations (universe vs model) join the residual map's objective, as in
-    ``weight_matching(residual_acts=...)``. ``method="refined"`` then learns every
-    model's alignment with Dirichlet(``alpha``) refinement on ``data`` (``refine_steps`` steps, see
-    ``matching.refine``; ``loss_fn(outputs, targets)`` replaces its cross-entropy; ``relax="sinkhorn"``
-    refines with soft permutations; ``refine_check_every`` > 0 stops on the objective, keeping the best
-    alignment checked: ``dirichlet_refine``'s ``check_every``, ``patience``, ``check_data`` and
-    ``check_sigmas``).
+    The universe starts as ``start`` or the ``anchor`` model. Every iteration aligns each model to it
+    by weight matching (from the second iteration on, each descent starts from the model's previous
+    transform), then sets it to the weighted mean of the aligned models, until it moves by less than
+    ``tol`` or ``iterations`` are done. With ``refine``, every model's alignment is then learned by
+    Dirichlet refinement (``matching.refine``).
 
-    Models may differ in width (residual ``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and
-    architecture must agree): each is padded exactly into the largest shape (``widths.pad``), its
-    padded heads and FF neurons are masked out of the averages, and its transform maps *its own*
-    shape into the universe (a rectangular residual map; ``T.width_map`` records the shapes), so
-    ``project(universe, T)`` returns a model of the client's shape.
+    Models may differ in width (``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and architecture
+    must agree): each is padded exactly into the largest shape (``widths.pad``), its padded heads and
+    FF neurons are masked out of the averages, and its transform maps *its own* shape into the universe
+    (a rectangular residual map), so ``project(universe, T)`` returns a model of the client's shape.
 
-    ``reduce="median"`` or ``"trimmed"`` (``trim``: the fraction cut at each end) replaces every
-    iteration's weighted mean by a coordinate-wise robust combination of the aligned models (unweighted,
-    as Flower's FedMedian / FedTrimmedAvg): robust aggregation modulo the symmetries. Same-width models,
-    factored form, no refinement.
+    Parameters
+    ----------
+    models : sequence of nn.Module
+        The fedlmc models to merge.
+    weights : sequence of float or None
+        Non-negative merge weights (e.g. example counts); default uniform.
+    start : nn.Module or None
+        The model the universe starts from (e.g. the previous global model); default the ``anchor``.
+    matching : Matching or None
+        Weight matching's knobs; default ``Matching()``. ``matching.residual_data`` adds residual
+        activations on a few batches to every residual step.
+    refine : Refinement or None
+        Dirichlet refinement after the iterations (needs ``refine.data``); None: aligned only.
+    iterations : int, default 5
+        At most this many universe iterations.
+    tol : float, default 1e-4
+        Stop once an iteration moves the universe by less than this (relative Frobenius change).
+    form : {"factored", "circuit"}, default "factored"
+        The merge's form: factored (same shape as the models) or circuit (QK / OV products).
+    keep_layernorm : bool, default False
+        Keep every residual map O·1 = 1 and return a LayerNorm model (LayerNorm models only: an RMSNorm
+        model such as Llama has no centring to keep).
+    reduce : {"mean", "median", "trimmed"}, default "mean"
+        "median" / "trimmed" replace every iteration's weighted mean by a coordinate-wise robust
+        combination of the aligned models (unweighted, as Flower's FedMedian / FedTrimmedAvg): robust
+        aggregation modulo the symmetries. Same-width models, factored form, no refinement.
+    trim : float, default 0.2
+        "trimmed": the fraction cut at each end of every coordinate.
+    anchor : {"heaviest", "central"}, default "heaviest"
+        Without ``start``: the largest-weight model, or the one closest to all others after pairwise
+        weight matching (M(M−1)/2 extra matchings).
+    device : str or None
+        Where matching and refinement run: CUDA when present, else CPU.
+    progress : bool, default False
 
-    Returns the merged model in ``form`` (``keep_layernorm`` converts it back to LayerNorm; it only
-    applies to LayerNorm models: an RMSNorm model such as Llama has no centring to keep) and each
-    model's transform. ``matching`` options go to ``weight_matching``.
+    Returns
+    -------
+    merged : nn.Module
+        The merged model in ``form``.
+    transforms : list of Transform
+        Each model's map into the universe.
     """
-    keep_layernorm = keep_layernorm and all(layernorm_native(m.config) for m in models)
-    if "init" in matching:
-        warnings.warn("universe_merge(init=...) is deprecated: use start=", DeprecationWarning, stacklevel=2)
-        start = matching.pop("init")
-    method = method_name(method, ("aligned", "refined"))
-    if method == "refined" and data is None:
-        raise ValueError("method='refined' needs data (a small training set) for the Dirichlet refinement")
-    if form not in FORMS:
-        raise ValueError(f"unknown form {form!r}; choose one of {FORMS}")
-    reduce = method_name(reduce, REDUCES, "reduce")
-    if reduce != "mean" and (method == "refined" or form != "factored"):
-        raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, method='aligned'")
+    m = matching if matching is not None else Matching()
+    keep_layernorm = keep_layernorm and all(layernorm_native(x.config) for x in models)
+    if refine is not None and refine.data is None:
+        raise ValueError("refine needs data (a small training set) for the Dirichlet refinement: Refinement(data=...)")
+    one_of(form, FORMS, "form")
+    one_of(reduce, REDUCES, "reduce")
+    if reduce != "mean" and (refine is not None or form != "factored"):
+        raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, no refinement")
     mem = members(models, weights, start, keep_layernorm)
     if reduce != "mean" and mem.hetero:
         raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
-    if keep_layernorm:
-        matching.setdefault("keep_layernorm", True)
+    align = dict(matching=m, keep_layernorm=keep_layernorm, device=device)
     if start is not None:
         universe = pad(start, mem.shape, attn_scale=mem.attn_scale) if mem.hetero else start
     else:
-        universe = mem.padded[anchor_index(mem, anchor, matching)]
-    universe, transforms = _iterate(canonical(universe), mem, iterations, tol, reduce, trim, residual_data, progress,
-                                    matching)
+        universe = mem.padded[anchor_index(mem, anchor, align)]
+    universe, transforms = _iterate(canonical(universe), mem, iterations, tol, reduce, trim, progress, align)
     live = mem.live
-    if method == "refined" and len(live) > 1:
-        refined = dirichlet_refine([mem.padded[i] for i in live], [transforms[i] for i in live], data,
+    if refine is not None and len(live) > 1:
+        refined = dirichlet_refine([mem.padded[i] for i in live], [transforms[i] for i in live], refine,
                                    masks=[mem.masks[i] for i in live], weights=[mem.weights[i] for i in live],
-                                   alpha=alpha, steps=refine_steps, lr=refine_lr, form=form,
-                                   keep_layernorm=keep_layernorm, reference=universe, progress=progress,
-                                   device=matching.get("device"), loss_fn=loss_fn, relax=relax,
-                                   check_every=refine_check_every, patience=refine_patience,
-                                   check_data=refine_check_data, check_sigmas=refine_check_sigmas)
+                                   form=form, keep_layernorm=keep_layernorm, gauge=m.gauge, reference=universe,
+                                   progress=progress, device=device)
         for i, T in zip(live, refined):
             transforms[i] = T
         universe = mem.merge(transforms)
@@ -221,18 +231,17 @@ def universe_merge(models: Sequence[nn.Module], method: str = "aligned", iterati
     return (to_layernorm(universe) if keep_layernorm else universe), mem.client_transforms(transforms)
 
 
-def anchor_index(mem: Members, anchor: str, matching: dict) -> int:
+def anchor_index(mem: Members, anchor: str, align: dict) -> int:
     """The model a universe starts from: the heaviest, or the "central" one (least summed relative
-    distance to the others, each weight-matched to it)."""
-    if anchor not in ("heaviest", "central"):
-        raise ValueError(f"anchor must be 'heaviest' or 'central', got {anchor!r}")
+    distance to the others, each weight-matched to it; ``align``: ``weight_matching``'s options)."""
+    one_of(anchor, ("heaviest", "central"), "anchor")
     live = mem.live
     if anchor == "heaviest" or len(live) < 3:
         return max(range(len(mem.padded)), key=lambda i: mem.weights[i])
     dist = {i: 0.0 for i in live}
     for n, i in enumerate(live):
         for j in live[n + 1:]:
-            T = weight_matching(mem.padded[i], mem.padded[j], **matching)
+            T = weight_matching(mem.padded[i], mem.padded[j], **align)
             d = _relative_change(mem.padded[i], apply_transform(mem.padded[j], T))
             dist[i] += d
             dist[j] += d
@@ -240,9 +249,10 @@ def anchor_index(mem: Members, anchor: str, matching: dict) -> int:
 
 
 def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, reduce: str, trim: float,
-             residual_data, progress: bool, matching: dict) -> tuple[nn.Module, list[Transform]]:
+             progress: bool, align: dict) -> tuple[nn.Module, list[Transform]]:
     """Align every model to the universe, average there, repeat (the warm start is the last transform)."""
     transforms: list[Transform] = [Transform() for _ in mem.padded]
+    residual_data = align["matching"].residual_data
     for it in range(max(1, iterations)):
         states = residual_states(universe, residual_data) if residual_data is not None else None
         reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
@@ -250,8 +260,8 @@ def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, red
             if mem.weights[i] <= 0 or (it == 0 and m is universe):  # the anchor itself: the identity, exactly
                 continue
             acts = residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
-            transforms[i] = weight_matching(universe, m, start=transforms[i] if it else None, residual_acts=acts,
-                                            reuse=reuse, **matching)
+            transforms[i] = weight_matching(universe, m, warm_start=transforms[i] if it else None, residual_acts=acts,
+                                            reuse=reuse, **align)
         reuse.clear()  # before the average, the merge's peak of memory
         with section("universe averages"):
             new = mem.merge(transforms, reduce=reduce, trim=trim)

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .models import from_config
 from .models.layers import TransformerConfig
-from .symmetry import StateDict, Transform, apply_transform, perm_matrix, rebuild, spec_for
+from .symmetry import StateDict, Transform, apply_transform, rebuild, spec_for
 
 SHAPE = ("d_model", "n_head", "d_ff", "d_head")
 

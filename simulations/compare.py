@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from rich.console import Console
 
-from fedlmc.federated import Settings
+from .experiment import ExperimentSettings as Settings
 
 from .simulate import run_in_subprocess
 

@@ -1,6 +1,7 @@
 """Run one federation in-process on Flower's Ray simulation engine (``flwr.simulation.run_simulation``),
 with settings given in Python rather than ``pyproject.toml`` — what the comparison runner and the tests
-use. ``flwr run .`` runs the same apps (``clients.app:app``, ``simulations.server_app:app``)."""
+use. They run the production apps (``clients.app``, ``server.app``) with the experiment layer's settings
+(``simulations.experiment``); ``flwr run .`` runs the production apps alone."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fedlmc.federated import Settings
 
 
 def ray_env() -> None:
@@ -26,6 +26,12 @@ def ray_env() -> None:
     # Ray starts its workers (the ClientApp actors) at nice 15: beside any ordinary job they get a few
     # per cent of a core (a 20 s example took 230 s next to one training job)
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # the apps' packages (clients, server, strategies, simulations) live in the checkout, not in
+    # site-packages: Ray's workers import them from here
+    root = str(Path(__file__).resolve().parents[1])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
 
 
 def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client: float = 1.0,
@@ -36,10 +42,9 @@ def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client:
     ``server_app.run_federation``."""
     from flwr.simulation import run_simulation
 
-    from clients.app import make_app as client_app
-    from simulations.server_app import make_app as server_app
+    from simulations.experiment import ExperimentSettings, client_app, server_app
 
-    s = Settings.from_run_config(settings)  # fail fast on a bad key, before Ray starts
+    s = ExperimentSettings.from_run_config(settings)  # fail fast on a bad key, before Ray starts
     ray_env()
     backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": gpus_per_client},
                "init_args": {"num_cpus": total_cpus or os.cpu_count() or 1, "include_dashboard": False}}

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedlmc.canonical import canonicalize
+from fedlmc.symmetry import canonicalize
 from fedlmc.data.base import ArrayData, TokenData
 from fedlmc.matching import learned_matching, weight_matching
-from fedlmc.merge import universe_merge
+from fedlmc.options import Learning, Refinement
+from fedlmc.universe import universe_merge
 from fedlmc.symmetry import apply_transform
 from fedlmc.widths import into_universe
 
@@ -42,7 +43,7 @@ def _orthogonality(O: torch.Tensor) -> float:
 def test_learned_matching_returns_an_exact_symmetry(arch, keep_layernorm, record):
     A, B = make(arch, 0), make(arch, 1)  # float64, LayerNorm models with every parameter moved
     init = weight_matching(A, B, keep_layernorm=keep_layernorm)
-    T = learned_matching(A, B, _data(A), start=init, steps=8, lr=0.05, keep_layernorm=keep_layernorm,
+    T = learned_matching(A, B, _data(A), init, Learning(steps=8, lr=0.05), keep_layernorm=keep_layernorm,
                          progress=False)
     O = T["residual"]
     assert O.dtype == torch.float64 and float((O - init["residual"]).abs().max()) > 1e-4  # O really moved
@@ -61,8 +62,8 @@ def test_refined_universe_transforms_are_exact_also_for_mixed_widths(make_model,
     """Three models, one narrower: every refined transform maps its model into the universe exactly."""
     models = [canonicalize(make_model(0)), canonicalize(make_model(1)),
               canonicalize(make_model(2, d_model=16, n_head=2, d_ff=40, d_head=8))]
-    _, Ts = universe_merge(models, method="refined", iterations=1, data=_data(models[0]), refine_steps=6,
-                           alpha=1.0, refine_lr=0.05, relax=relax)
+    _, Ts = universe_merge(models, refine=Refinement(data=_data(models[0]), steps=6, lr=0.05, relax=relax,
+                                                     check_every=0), iterations=1)
     assert all(T.info.get("relax", relax) == relax for T in Ts)
     x = inputs_for(models[0])
     arch = models[0].config.arch
@@ -81,18 +82,18 @@ def test_snapshots_are_the_shorter_runs_and_cosine_is_exact(record):
     schedule gives another, still exact, element."""
     A, B = make("gpt2", 0), make("gpt2", 1)
     init = weight_matching(A, B)
-    long = learned_matching(A, B, _data(A), start=init, steps=6, lr=0.05, snapshots=(3,), progress=False)
-    short = learned_matching(A, B, _data(A), start=init, steps=3, lr=0.05, progress=False)
+    long = learned_matching(A, B, _data(A), init, Learning(steps=6, lr=0.05), snapshots=(3,), progress=False)
+    short = learned_matching(A, B, _data(A), init, Learning(steps=3, lr=0.05), progress=False)
     snap = long.info["snapshots"][3]
     assert set(snap.elements) == set(short.elements)
     for k in short.elements:
         assert torch.equal(snap[k], short[k]), k
     assert float((long["residual"] - short["residual"]).abs().max()) > 1e-6  # the later steps moved O
-    cos = learned_matching(A, B, _data(A), start=init, steps=6, lr=0.05, schedule="cosine", progress=False)
+    cos = learned_matching(A, B, _data(A), init, Learning(steps=6, lr=0.05, schedule="cosine"), progress=False)
     assert float((cos["residual"] - long["residual"]).abs().max()) > 1e-6
     record("learned gpt2, cosine schedule: aligned B vs B (float64)", _gap(B, apply_transform(B, cos), inputs_for(A)), 1e-10)
     with pytest.raises(ValueError, match="schedule"):
-        learned_matching(A, B, _data(A), start=init, steps=1, schedule="linear", progress=False)
+        Learning(steps=1, schedule="linear")
 
 
 def test_sinkhorn_is_doubly_stochastic_and_keeps_blocks():
@@ -114,7 +115,7 @@ def test_sinkhorn_is_doubly_stochastic_and_keeps_blocks():
 def test_sinkhorn_learned_matching_returns_an_exact_symmetry(arch, record):
     A, B = make(arch, 0), make(arch, 1)
     init = weight_matching(A, B)
-    T = learned_matching(A, B, _data(A), start=init, steps=6, lr=0.05, perm_lr=1.0, relax="sinkhorn", progress=False)
+    T = learned_matching(A, B, _data(A), init, Learning(steps=6, lr=0.05, perm_lr=1.0, relax="sinkhorn"), progress=False)
     moved = [k for k in T.elements if T[k].dtype == torch.long and not torch.equal(T[k], init[k])]
     assert T.info["relax"] == "sinkhorn" and float((T["residual"] - init["residual"]).abs().max()) > 1e-4
     record(f"learned {arch}, sinkhorn ({len(moved)} permutations moved): aligned B vs B (float64)",
@@ -136,9 +137,10 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
     states = [canonical_state(m, torch.device("cpu"), torch.float32) for m in (A, B)]
     cfg = canonical_config(B.config)
 
-    def run(**kw):
+    def run(snapshots=(), **kw):
         # rates high enough that the merge's loss goes up again within 18 steps (checked below)
-        opts = Options(steps=18, lr=1.0, perm_lr=10.0, progress=False, batch_size=16, **kw)
+        opts = Options(Learning(steps=18, lr=1.0, perm_lr=10.0, batch_size=16, **kw), progress=False,
+                       snapshots=snapshots)
         return learn_alignments(states, cfg, [Transform(), init], data, fixed=0, sample_weights=lambda: [0.5, 0.5],
                                 opts=opts, check_weights=[0.5, 0.5])
 

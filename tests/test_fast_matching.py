@@ -6,7 +6,8 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from fedlmc.canonical import canonicalize
+from fedlmc.options import Matching
+from fedlmc.symmetry import canonicalize
 from fedlmc.matching import weight_matching
 from fedlmc.matching.common import sparse_assignment
 from fedlmc.matching.weight import Problem, canonical_state
@@ -62,8 +63,8 @@ def _wide_pair(seed: int = 0):
 
 def test_the_candidate_path_finds_the_exact_paths_permutations_on_a_planted_model():
     A, B = _wide_pair()
-    fast = weight_matching(A, B, candidates=16)
-    exact = weight_matching(A, B, candidates=None)
+    fast = weight_matching(A, B, Matching(ff_candidates=16))
+    exact = weight_matching(A, B, Matching(ff_candidates=None))
     ff = [k for k in exact.elements if k.startswith("ff.")]
     assert ff and all(torch.equal(fast[k], exact[k]) for k in exact.elements if not k.startswith(("residual", "qk", "ov")))
     assert torch.allclose(fast["residual"], exact["residual"], atol=1e-10)
@@ -74,7 +75,7 @@ def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     """The descent's trace comes from ``moving_objective`` on the transformed B; its last value must be
     the objective of the returned elements computed from scratch."""
     A, B = _wide_pair(1)
-    T = weight_matching(A, B, starts="paper", max_iter=3)
+    T = weight_matching(A, B, Matching(keep_identity=False, iterations=3))
     P = Problem(canonical_state(A, torch.device("cpu"), torch.float64),
                 canonical_state(B, torch.device("cpu"), torch.float64), canonical_config(B.config))
     direct = P.objective(dict(T.elements))
@@ -84,12 +85,13 @@ def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     assert min(trace) == pytest.approx(direct, rel=1e-6)
 
 
-def test_the_identity_start_is_the_paper_descent_and_a_shared_init_stays_put():
+def test_the_identity_is_the_do_no_harm_candidate_and_a_shared_init_stays_put():
     A, B = _wide_pair(2)
     T = weight_matching(A, B)  # B is A scrambled: the identity transform is hopeless
     assert set(T.info["iterations"]) == {"paper"} and T.info["chosen"] == "paper"
-    same = weight_matching(A, B, starts="identity")  # the identical descent under its own name
-    assert same.info["trace"]["identity-start"] == T.info["trace"]["paper"]
+    assert set(T.info["objective"]) == {"paper", "identity"}
+    alone = weight_matching(A, B, Matching(keep_identity=False))  # the same descent, no candidate beside it
+    assert set(alone.info["objective"]) == {"paper"} and alone.info["trace"]["paper"] == T.info["trace"]["paper"]
     near = canonicalize(A)  # a shared init, slightly moved: the identity start is in the running
     with torch.no_grad():
         for p in near.parameters():
@@ -106,8 +108,8 @@ def test_the_fast_path_finds_the_exact_paths_permutations_on_a_planted_model():
     the bfloat16 factors' rounding."""
     A, B = _wide_pair(3)
     A, B = A.float(), B.float()
-    fast = weight_matching(A, B, precision="bfloat16", candidates=16)  # 256 FF neurons: the candidate path
-    exact = weight_matching(A, B, precision="exact", candidates=None, rtol=1e-6, max_iter=30)
+    fast = weight_matching(A, B, Matching(precision="bfloat16", ff_candidates=16))  # 256 FF neurons: the candidate path
+    exact = weight_matching(A, B, Matching(precision="exact", ff_candidates=None, tol=1e-6, iterations=30))
     perms = [k for k, v in exact.elements.items() if not v.is_floating_point()]
     assert any(k.startswith("ff.") for k in perms)
     assert all(torch.equal(fast[k], exact[k]) for k in perms)
@@ -117,9 +119,8 @@ def test_the_fast_path_finds_the_exact_paths_permutations_on_a_planted_model():
 
 
 def test_precision_is_checked():
-    A, B = _wide_pair(4)
     with pytest.raises(ValueError, match="precision"):
-        weight_matching(A, B, precision="half")
+        Matching(precision="half")
 
 
 def test_refinements_hard_permutations_from_the_pool_are_each_latents_own_optimum():

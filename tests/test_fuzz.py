@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Met
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
+from fedlmc.options import Refinement  # noqa: E402
 from fedlmc.data import load  # noqa: E402
 from fedlmc.models import from_config, from_preset  # noqa: E402
 from fedlmc.strategies import (AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg, ReportingFedAvg,  # noqa: E402
@@ -93,11 +94,11 @@ def make_reply(kind: str, node: int, pick: int, where: float) -> Message:
 
 
 STRATEGIES = {
-    "average": lambda: ReportingFedAvg(model_config=CONFIG),
-    "aligned": lambda: AlignedFedAvg(model_config=CONFIG, iterations=1),
-    "refined": lambda: RefinedFedAvg(model_config=CONFIG, iterations=1, refine_data=DIGITS.val, refine_steps=1),
-    "hetero": lambda: HeteroWidthFedAvg(model_config=CONFIG, iterations=1),
-    "slicing": lambda: SlicingFedAvg(model_config=CONFIG),
+    "average": lambda: ReportingFedAvg(model=CONFIG),
+    "aligned": lambda: AlignedFedAvg(model=CONFIG, iterations=1),
+    "refined": lambda: RefinedFedAvg(model=CONFIG, iterations=1, refine=Refinement(data=DIGITS.val, steps=1)),
+    "hetero": lambda: HeteroWidthFedAvg(model=CONFIG, iterations=1),
+    "slicing": lambda: SlicingFedAvg(model=CONFIG),
 }
 
 replies_st = st.lists(st.tuples(st.sampled_from(BROKEN + FINE), st.integers(0, 10_000), st.floats(0, 1)),

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict  # noqa: E402
 
+from fedlmc.options import Refinement  # noqa: E402
 from fedlmc.hf import from_hf  # noqa: E402
 from fedlmc.strategies import AlignedFedAvg  # noqa: E402
 from fedlmc.symmetry import apply_transform, random_transform, to_layernorm  # noqa: E402
@@ -124,8 +125,8 @@ def test_refined_fedavg_on_hf_replies_with_a_batch_source_and_loss_fn():
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     tokens = torch.randint(0, 40, (32, 17))
-    strategy = RefinedFedAvg(model=hf, iterations=1, refine_data=ArrayData(tokens[:, :-1], tokens[:, 1:]),
-                             refine_steps=3, loss_fn=loss_fn)
+    strategy = RefinedFedAvg(model=hf, iterations=1,
+                             refine=Refinement(data=ArrayData(tokens[:, :-1], tokens[:, 1:]), steps=3, loss_fn=loss_fn))
     initial = ArrayRecord(hf.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial
@@ -154,7 +155,7 @@ def test_hetero_width_fedavg_on_hf_clients_of_two_widths(record, monkeypatch):
     from flwr.app import ConfigRecord
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedlmc.canonical import canonicalize
+    from fedlmc.symmetry import canonicalize
     from fedlmc.hf import to_hf
     from fedlmc.strategies import HeteroWidthFedAvg
     from fedlmc.symmetry import Transform

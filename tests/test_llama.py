@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from fedlmc.options import Learning, Matching
 from fedlmc.matching import weight_matching
-from fedlmc.merge import interpolate, universe_merge
+from fedlmc.averaging import interpolate
+from fedlmc.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.symmetry import Transform, apply_transform, canonicalize, random_transform, spec_for
 from fedlmc.symmetry.random import invert_transform, random_invertible
@@ -70,7 +72,7 @@ def test_planted_symmetry_is_recovered(record):
     with torch.no_grad():
         for p in B.parameters():
             p.add_(1e-4 * torch.randn_like(p))
-    T = weight_matching(A, B, gauge="invertible")
+    T = weight_matching(A, B, Matching(gauge="invertible"))
     aligned = apply_transform(B, T)
     err = max(float((aligned.state_dict()[k] - v).abs().max() / v.abs().max()) for k, v in A.state_dict().items())
     record("llama: planted recovery, relative parameter error", err, 1e-2)
@@ -80,7 +82,7 @@ def test_planted_symmetry_is_recovered(record):
 def test_universe_of_planted_copies_returns_the_model(record):
     A = make(3)
     copies = [apply_transform(A, random_transform(A, seed=s)) for s in range(3)]
-    merged, transforms = universe_merge(copies, iterations=2, gauge="invertible")
+    merged, transforms = universe_merge(copies, matching=Matching(gauge="invertible"), iterations=2)
     assert merged.config.norm == "rmsnorm"  # keep_layernorm does not apply to RMSNorm models
     record("llama: universe of 3 planted copies vs the model", gap(A, merged, inputs_for(A)), 1e-6)
 
@@ -131,7 +133,7 @@ def test_learned_matching_keeps_within_group_structure():
     planted.elements["qheads.0"] = torch.tensor([1, 0, 3, 2])
     B = apply_transform(A, planted)
     data = TokenData(torch.randint(0, 20, (2000,)), 16)
-    T = learned_matching(A, B, data, steps=3, batch_size=8, progress=False)
+    T = learned_matching(A, B, data, learning=Learning(steps=3, batch_size=8), progress=False)
     spec = spec_for(A)
     for l in range(2):
         el = T.elements[f"qheads.{l}"]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedlmc.canonical import canonicalize
+from fedlmc.options import Learning, Matching
+from fedlmc.symmetry import canonicalize
 from fedlmc.data import load, partition
 from fedlmc.matching import activation_matching, learned_matching, weight_matching
 from fedlmc.matching.weight import midpoint_loss
-from fedlmc.merge import interpolate
+from fedlmc.averaging import interpolate
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.train import TrainConfig, evaluate, model_for_data, train
@@ -53,7 +54,7 @@ def test_planted_symmetry_is_recovered(arch, residual, record):
     planted = random_transform(A, seed=3, residual=residual)  # O (or P), head perms, invertible gauges, FF perms
     B = noisy(apply_transform(A, planted), 1e-4)
     assert param_error(A, B) > 0.5  # the planted element really scrambled the weights
-    T = weight_matching(A, B, residual=residual, gauge="invertible")
+    T = weight_matching(A, B, Matching(residual=residual, gauge="invertible"))
     aligned = apply_transform(B, T)
     record(f"{arch}/{residual}: planted recovery, relative parameter error", param_error(A, aligned), 1e-2)
     x = inputs_for(A)
@@ -76,9 +77,9 @@ def test_planted_orthogonal_gauge_mode_with_circuit_merge(arch, record):
 def test_aligned_model_computes_the_same_function(arch, record):
     A, B = make(arch, 0), make(arch, 1)  # unrelated LayerNorm models
     x = inputs_for(A)
-    for kw in (dict(), dict(residual="permutation"), dict(keep_layernorm=True)):
-        T = weight_matching(A, B, **kw)
-        record(f"{arch}: aligned B vs B {kw}", output_gap(B, apply_transform(B, T), x), 1e-10)
+    for residual, keep in (("orthogonal", False), ("permutation", False), ("orthogonal", True)):
+        T = weight_matching(A, B, Matching(residual=residual), keep_layernorm=keep)
+        record(f"{arch}: aligned B vs B ({residual}, keep_layernorm={keep})", output_gap(B, apply_transform(B, T), x), 1e-10)
 
 
 @pytest.mark.parametrize("arch", list(SHAPES))
@@ -142,7 +143,7 @@ def trained_b(digits):
 def test_learned_matching_lowers_the_midpoint_loss(digits, trained_a, trained_b, relax):
     A, B = trained_a, trained_b
     init = weight_matching(A, B)
-    T = learned_matching(A, B, digits.train, start=init, steps=60, relax=relax, progress=False)
+    T = learned_matching(A, B, digits.train, init, Learning(steps=60, relax=relax), progress=False)
     before = midpoint_loss(A, B, init, digits.train, max_batches=20)
     after = midpoint_loss(A, B, T, digits.train, max_batches=20)
     print(f"learned matching ({relax}) midpoint loss on train: {before:.3f} -> {after:.3f}")

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedlmc.options import Refinement
 from fedlmc.data.base import ArrayData
-from fedlmc.merge import universe_merge
+from fedlmc.universe import universe_merge
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.train import evaluate
 
@@ -28,7 +29,7 @@ def test_refine_keeps_a_planted_universe(record):
     copies = [_noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
               for s in range(3)]
     wm, _ = universe_merge(copies, iterations=2)
-    refined, Ts = universe_merge(copies, method="refined", iterations=2, data=data, refine_steps=15, alpha=0.1)
+    refined, Ts = universe_merge(copies, refine=Refinement(data=data, steps=15, alpha=0.1, check_every=0), iterations=2)
     assert len(Ts) == 3 and len(Ts[1].info["loss"]) == 15
     for T in Ts:
         O = T["residual"]
@@ -46,4 +47,4 @@ def test_refine_keeps_a_planted_universe(record):
 def test_refine_needs_data():
     base = _base()
     with pytest.raises(ValueError, match="needs data"):
-        universe_merge([base, base], method="refined")
+        universe_merge([base, base], refine=Refinement())

@@ -12,9 +12,10 @@ import torch
 import torch.nn as nn
 from flwr.app import ArrayRecord
 
-from fedlmc.canonical import canonicalize
+from fedlmc.options import Learning
+from fedlmc.symmetry import canonicalize
 from fedlmc.matching import learned_matching, weight_matching
-from fedlmc.merge import universe_merge
+from fedlmc.universe import universe_merge
 from fedlmc.models import GPT2, ViT, GPT2Config, ViTConfig, register_architecture
 from fedlmc.symmetry import apply_transform, register_spec, spec_for
 from fedlmc.strategies import AlignedFedAvg
@@ -122,8 +123,8 @@ def test_other_names_go_through_every_path(arch):
     T, T2 = weight_matching(A, B), weight_matching(A2, B2)
     same_transform(T, T2, "weight matching")
     same(apply_transform(B, T)(x), apply_transform(B2, T2)(x), "aligned B")
-    L = learned_matching(A, B, _data(A), start=T, steps=5, progress=False)
-    L2 = learned_matching(A2, B2, _data(A), start=T2, steps=5, progress=False)  # the same batches
+    L = learned_matching(A, B, _data(A), T, Learning(steps=5), progress=False)
+    L2 = learned_matching(A2, B2, _data(A), T2, Learning(steps=5), progress=False)  # the same batches
     same_transform(L, L2, "learned matching")
     # a universe of mixed widths: two full models and a narrow one
     C, C2 = make_pair(arch, 2, d_model=16, n_head=2, d_ff=40, d_head=8)
@@ -141,7 +142,7 @@ def test_other_names_in_an_aligned_fedavg_round(arch):
     results = []
     for models in ([A, B, C], [A2, B2, C2]):
         models = [m.float() for m in models]
-        strategy = AlignedFedAvg(model_config=models[0].config.to_dict())
+        strategy = AlignedFedAvg(model=models[0].config.to_dict())
         strategy._previous = ArrayRecord(torch_state_dict=models[0].state_dict())
         arrays, _ = strategy.aggregate_train(1, [_reply(m, 10 * (i + 1), node=i + 1) for i, m in enumerate(models)])
         assert strategy.history[-1]["excluded"] == []

@@ -9,15 +9,15 @@ from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
 
 from fedlmc.averaging import robust_state
-from fedlmc.canonical import canonicalize, to_layernorm
-from fedlmc.federated import flip_update, shuffled_labels
-from fedlmc.merge import universe_merge
+from fedlmc.symmetry import canonicalize, to_layernorm
+from fedlmc.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.strategies import AlignedFedAvg, ReportingFedAvg
 from fedlmc.strategies.records import model_from_arrays
 from fedlmc.symmetry import apply_transform, random_transform
 
 from conftest import inputs_for, perturbed
+from simulations.experiment import flip_update, shuffled_labels
 from test_strategies import _reply
 
 KW = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
@@ -74,7 +74,7 @@ def test_reporting_fedavg_reduce_is_flowers_fedmedian_and_fedtrimmedavg():
         return [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(copies + [bad])]
 
     for reduce, theirs in (("median", FedMedian()), ("trimmed", FedTrimmedAvg(beta=0.25))):
-        ours = ReportingFedAvg(model_config=copies[0].config.to_dict(), reduce=reduce, trim=0.25)
+        ours = ReportingFedAvg(model=copies[0].config.to_dict(), reduce=reduce, trim=0.25)
         a, _ = ours.aggregate_train(1, replies())
         b, _ = theirs.aggregate_train(1, replies())
         sa, sb = a.to_torch_state_dict(), b.to_torch_state_dict()
@@ -84,7 +84,7 @@ def test_reporting_fedavg_reduce_is_flowers_fedmedian_and_fedtrimmedavg():
 def test_aligned_fedavg_reduce_option_and_guard_against_the_plain_robust_aggregate():
     base, copies, bad = _copies_and_a_poisoned_one()
     replies = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(copies + [bad])]
-    strategy = AlignedFedAvg(model_config=copies[0].config.to_dict(), reduce="median")
+    strategy = AlignedFedAvg(model=copies[0].config.to_dict(), reduce="median")
     strategy._previous = ArrayRecord(torch_state_dict=copies[0].float().state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     merged = model_from_arrays(arrays, strategy.global_config)
@@ -92,7 +92,7 @@ def test_aligned_fedavg_reduce_option_and_guard_against_the_plain_robust_aggrega
     with torch.no_grad():
         assert float((merged(x) - base.float()(x)).abs().max() / base.float()(x).abs().max()) < 1e-4
     with pytest.raises(ValueError, match="reduce"):
-        AlignedFedAvg(model_config=base.config.to_dict(), reduce="mode")
+        AlignedFedAvg(model=base.config.to_dict(), reduce="mode")
 
 
 def test_poisoned_clients():

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
+from fedlmc.options import Matching
 from fedlmc.matching import weight_matching
 from fedlmc.models import register_architecture
 from fedlmc.models.layers import TransformerConfig, make_norm
@@ -103,7 +104,7 @@ def test_own_transformer_is_exact_under_its_symmetries(record):
 def test_own_transformer_planted_matching_and_a_round(record):
     a = canonicalize(make(1))
     b = apply_transform(a, random_transform(a, seed=3))
-    T = weight_matching(a, b, gauge="invertible")
+    T = weight_matching(a, b, Matching(gauge="invertible"))
     aligned = apply_transform(b, T).state_dict()
     err = max(float((aligned[k] - v).abs().max() / v.abs().max()) for k, v in a.state_dict().items())
     record("own Transformer: planted recovery, relative parameter error", err, 1e-2)  # as test_matching's

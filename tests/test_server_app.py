@@ -13,7 +13,7 @@ from flwr.app import Error, Message, Metadata, MessageType
 
 from fedlmc import io
 from fedlmc.federated import Settings, global_model
-from simulations.server_app import run_federation, serve
+from server.app import run_federation, serve
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +75,7 @@ def test_rounds_that_aggregate_nothing_end_normally_with_the_initial_model():
 
 
 def test_the_summary_table_says_what_each_round_did():
-    from simulations.summary import summary_table
+    from server.summary import summary_table
 
     doc = {"settings": {"strategy": "aligned", "preset": "vit-digits"}, "rounds": [
         {"round": 0, "test_loss": 2.3, "test_acc": 0.1},

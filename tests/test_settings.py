@@ -30,32 +30,57 @@ def test_unknown_keys_and_values_are_clear_errors():
     assert {f.name for f in fields(Settings)} == {k.replace("-", "_") for k in Settings().to_run_config()}
 
 
-def test_one_vocabulary_with_deprecated_aliases():
-    from fedlmc.vocabulary import method_name
+def test_one_name_per_strategy_and_no_experiment_keys_in_production():
+    """No alias is accepted, and the experiment layer's keys (poisoning, the client cache, the report,
+    the refinement's tuning) are unknown to the production app."""
+    from simulations.experiment import ExperimentSettings
 
     assert Settings.from_run_config({"strategy": "average"}).strategy == "average"
-    with pytest.warns(DeprecationWarning, match="'fedavg' is deprecated: use 'average'"):
-        assert Settings.from_run_config({"strategy": "fedavg"}).strategy == "average"
-    with pytest.warns(DeprecationWarning, match="'wm' is deprecated"):
-        assert method_name("wm", ("aligned", "refined")) == "aligned"
-    with pytest.raises(ValueError, match="unknown method 'average'; choose one of aligned, refined"):
-        method_name("average", ("aligned", "refined"))
+    for alias in ("fedavg", "wm", "refine"):
+        with pytest.raises(ValueError, match=f"unknown strategy '{alias}'"):
+            Settings.from_run_config({"strategy": alias})
+    experiment = {f.name for f in fields(ExperimentSettings)} - {f.name for f in fields(Settings)}
+    assert {"poison_partition", "poison", "poison_scale", "client_cache", "report"} <= experiment
+    for key in ("poison-partition", "client-cache", "report", "refine-alpha"):
+        with pytest.raises(ValueError, match="unknown run_config key"):
+            Settings.from_run_config({key: 1})
+    with pytest.raises(ValueError, match="unknown poison"):
+        ExperimentSettings.from_run_config({"poison": "noise"})
+
+
+def test_the_production_client_app_has_no_experiment_code_path():
+    """Poisoning and the client cache live in the experiment layer alone."""
+    import inspect
+
+    import clients.app
+    import fedlmc.federated
+
+    for module in (clients.app, fedlmc.federated):
+        source = inspect.getsource(module)
+        assert "poison" not in source and "client_cache" not in source, module.__name__
+
+
+def _round(pid: int, seed: int):
+    from clients.app import Round
+
+    return Round(partition=pid, partitions=2, round=1, seed=seed)
 
 
 def test_client_cache_keeps_a_tied_hf_client(tmp_path):
     """A Hugging Face GPT-2 client (tied head: two keys, one tensor) goes through the cache intact."""
     import torch
 
-    from fedlmc.federated import Settings, cached_first_round, client_config, client_data, fresh_client_model
+    from fedlmc.federated import client_config, client_data, fresh_client_model
+    from simulations.experiment import ExperimentSettings, cached_first_round
 
-    s = Settings.from_run_config({"preset": "gpt2-tiny", "local-steps": 2, "batch-size": 4, "hf": True,
-                                  "client-cache": str(tmp_path)})
+    s = ExperimentSettings.from_run_config({"preset": "gpt2-tiny", "local-steps": 2, "batch-size": 4, "hf": True,
+                                            "client-cache": str(tmp_path)})
     data, _ = client_data(s, 0, 2)
     cfg = client_config(s, 0).replace(n_layer=1)
     first = fresh_client_model(s, 0, cfg)
-    cached_first_round(first, data, s, 3, 0, 2)
+    cached_first_round(first, data, s, _round(0, 3))
     again = fresh_client_model(s, 0, cfg)
-    cached_first_round(again, data, s, 3, 0, 2)
+    cached_first_round(again, data, s, _round(0, 3))
     assert again.lm_head.weight is again.transformer.wte.weight  # still tied after loading
     assert torch.equal(again.lm_head.weight, first.lm_head.weight)
 
@@ -65,21 +90,23 @@ def test_client_cache_trains_a_one_shot_client_once(tmp_path):
     and a change in anything training depends on (here the learning rate) trains anew."""
     import torch
 
-    from fedlmc.federated import Settings, cached_first_round, client_config, client_data, fresh_client_model
+    from fedlmc.federated import client_config, client_data, fresh_client_model
+    from simulations.experiment import ExperimentSettings, cached_first_round
 
-    s = Settings.from_run_config({"preset": "vit-digits", "local-steps": 3, "client-cache": str(tmp_path)})
+    s = ExperimentSettings.from_run_config({"preset": "vit-digits", "local-steps": 3, "client-cache": str(tmp_path)})
     data, _ = client_data(s, 0, 2)
     cfg = client_config(s, 0)
     first = fresh_client_model(s, 0, cfg)
     start = {k: v.clone() for k, v in first.state_dict().items()}
-    assert cached_first_round(first, data, s, 7, 0, 2) is not None
+    assert cached_first_round(first, data, s, _round(0, 7)) is not None
     assert any(not torch.equal(start[k], v) for k, v in first.state_dict().items())  # it trained
-    again = fresh_client_model(Settings.from_run_config({**s.to_run_config(), "strategy": "refined"}), 0, cfg)
-    cached_first_round(again, data, Settings.from_run_config({**s.to_run_config(), "strategy": "refined"}), 7, 0, 2)
+    refined = ExperimentSettings.from_run_config({**s.to_run_config(), "strategy": "refined"})
+    again = fresh_client_model(refined, 0, cfg)
+    cached_first_round(again, data, refined, _round(0, 7))
     assert all(torch.equal(first.state_dict()[k], v) for k, v in again.state_dict().items())
-    other = Settings.from_run_config({**s.to_run_config(), "lr": 0.01})
+    other = ExperimentSettings.from_run_config({**s.to_run_config(), "lr": 0.01})
     third = fresh_client_model(other, 0, cfg)
-    cached_first_round(third, data, other, 7, 0, 2)
+    cached_first_round(third, data, other, _round(0, 7))
     assert any(not torch.equal(first.state_dict()[k], v) for k, v in third.state_dict().items())
     assert len(list(tmp_path.iterdir())) == 2
 
@@ -89,26 +116,32 @@ def test_permuted_is_the_permutation_only_baseline():
     from fedlmc.data import load
     from fedlmc.models import from_preset
     from fedlmc.strategies import AlignedFedAvg
-    from fedlmc.strategies.factory import build_strategy
+    from strategies.factory import build_strategy
 
     s = Settings.from_run_config({"strategy": "permuted", "preset": "vit-digits"})
     model = from_preset("vit-digits")
     strategy = build_strategy(s, model.config.to_dict(), load("digits"))
-    assert isinstance(strategy, AlignedFedAvg) and strategy.residual == "permutation"
+    assert isinstance(strategy, AlignedFedAvg) and strategy.matching.residual == "permutation"
     assert build_strategy(Settings.from_run_config({"strategy": "aligned", "preset": "vit-digits"}),
-                          model.config.to_dict(), load("digits")).residual == "orthogonal"
+                          model.config.to_dict(), load("digits")).matching.residual == "orthogonal"
 
 
 def test_run_config_sets_how_the_refinement_stops():
-    """``refine-check-every``, ``refine-patience`` and ``refine-check-sigmas`` reach the refined strategies."""
+    """``refine-check-every``, ``refine-patience`` and ``refine-check-sigmas`` (experiment keys) reach the
+    refined strategies' ``Refinement`` under the same names; production runs use its defaults."""
     from fedlmc.data import load
     from fedlmc.models import from_preset
     from fedlmc.strategies import HeteroWidthFedAvg, RefinedFedAvg
-    from fedlmc.strategies.factory import build_strategy
+    from simulations.experiment import ExperimentSettings
+    from strategies.factory import build_strategy
 
     model = from_preset("vit-digits")
     for strategy, cls in (("refined", RefinedFedAvg), ("hetero-refined", HeteroWidthFedAvg)):
-        s = Settings.from_run_config({"strategy": strategy, "preset": "vit-digits", "refine-check-every": 5,
-                                      "refine-patience": 3, "refine-check-sigmas": 0.5})
+        s = ExperimentSettings.from_run_config({"strategy": strategy, "preset": "vit-digits", "refine-check-every": 5,
+                                                "refine-patience": 3, "refine-check-sigmas": 0.5, "refine-steps": 7})
         got = build_strategy(s, model.config.to_dict(), load("digits"))
-        assert isinstance(got, cls) and got.refine_checks == {"check_every": 5, "patience": 3, "sigmas": 0.5}
+        assert isinstance(got, cls)
+        assert (got.refine.check_every, got.refine.patience, got.refine.check_sigmas, got.refine.steps) == (5, 3, 0.5, 7)
+        default = build_strategy(Settings.from_run_config({"strategy": strategy, "preset": "vit-digits"}),
+                                 model.config.to_dict(), load("digits")).refine
+        assert (default.check_every, default.patience, default.check_sigmas) == (10, 2, 2.0) and default.data is not None

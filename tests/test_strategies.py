@@ -11,7 +11,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fedlmc.canonical import canonicalize, to_layernorm
+from fedlmc.options import Refinement
+from fedlmc.symmetry import canonicalize, to_layernorm
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.strategies import AlignedFedAvg
@@ -42,7 +43,7 @@ def test_planted_replies_aggregate_to_the_model(record):
                for s in range(3)]
     replies = [_reply(c, 100 + 10 * i, node=i + 1) for i, c in enumerate(clients)]
     x = torch.randn(8, 1, 12, 12)
-    strategy = AlignedFedAvg(model_config=base.config.to_dict())
+    strategy = AlignedFedAvg(model=base.config.to_dict())
     strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
     arrays, metrics = strategy.aggregate_train(1, replies)
     merged = model_from_arrays(arrays, base.config.to_dict())
@@ -65,11 +66,11 @@ def test_aggregate_threads_0_combines_on_every_core_and_the_apps_threads_come_ba
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        strategy = AlignedFedAvg(model_config=base.config.to_dict(), aggregate_threads=0)
+        strategy = AlignedFedAvg(model=base.config.to_dict(), aggregate_threads=0)
         strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
         assert strategy.history[0]["threads"] == len(os.sched_getaffinity(0))
         assert torch.get_num_threads() == 1
-        default = AlignedFedAvg(model_config=base.config.to_dict())
+        default = AlignedFedAvg(model=base.config.to_dict())
         default.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
         assert default.history[0]["threads"] == 1
     finally:
@@ -102,7 +103,7 @@ def test_refined_strategy_on_planted_replies(record):
     base, clients = _planted_clients()
     data = _labelled(base)
     replies = [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)]
-    strategy = RefinedFedAvg(model_config=base.config.to_dict(), refine_data=data, refine_steps=10, guard_data=data,
+    strategy = RefinedFedAvg(model=base.config.to_dict(), refine=Refinement(data=data, steps=10), guard_data=data,
                              report_data=data)
     strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
@@ -128,21 +129,22 @@ def test_refinement_checks_score_data_the_descent_does_not_train_on():
     from fedlmc.strategies.aligned import refine_split
 
     arrays = ArrayData(torch.arange(100.0)[:, None], torch.arange(100))
-    got = refine_split(arrays, 10, 3, sigmas=1.5)
-    assert got["refine_check_every"] == 10 and got["refine_patience"] == 3 and got["refine_check_sigmas"] == 1.5
-    assert got["data"].y.tolist() == list(range(75)) and got["refine_check_data"].y.tolist() == list(range(75, 100))
-    tokens = refine_split(TokenData(torch.arange(400), block_size=8), 10, 2)
-    assert len(tokens["data"].tokens) == 300 and tokens["refine_check_data"].tokens[0] == 300
-    assert refine_split(arrays, 0, 2) == {"data": arrays}  # no checks: the descent has all of it
+    got = refine_split(Refinement(data=arrays, check_every=10, patience=3, check_sigmas=1.5))
+    assert got.check_every == 10 and got.patience == 3 and got.check_sigmas == 1.5
+    assert got.data.y.tolist() == list(range(75)) and got.check_data.y.tolist() == list(range(75, 100))
+    tokens = refine_split(Refinement(data=TokenData(torch.arange(400), block_size=8)))
+    assert len(tokens.data.tokens) == 300 and tokens.check_data.tokens[0] == 300
+    every = Refinement(data=arrays, check_every=0)
+    assert refine_split(every) is every  # no checks: the descent has all of it
     short = TokenData(torch.arange(12), block_size=8)  # one block: a quarter of it holds none
-    assert refine_split(short, 10, 2)["data"] is short and refine_split(short, 10, 2)["refine_check_data"] is None
+    assert refine_split(Refinement(data=short)).data is short and refine_split(Refinement(data=short)).check_data is None
 
     class Batches:  # a user's own batch source: nothing to split, the checks score what is trained on
         def batches(self, batch_size, shuffle=False, generator=None):
             yield arrays.x, arrays.y
 
     mine = Batches()
-    assert refine_split(mine, 10, 2)["data"] is mine and refine_split(mine, 10, 2)["refine_check_data"] is None
+    assert refine_split(Refinement(data=mine)).data is mine and refine_split(Refinement(data=mine)).check_data is None
 
 
 def _near_copies(base, n=2, scale=1e-3):
@@ -169,7 +171,7 @@ def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_tr
     torch.manual_seed(123)
     unrelated = from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
     assert max(abs(weight_cosine(c, unrelated)) for c in clients) < DESCENT_COSINE / 2
-    strategy = AlignedFedAvg(model_config=base.config.to_dict())
+    strategy = AlignedFedAvg(model=base.config.to_dict())
     strategy._previous = ArrayRecord(torch_state_dict=unrelated.state_dict())
     arrays, _ = strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
     assert strategy.history[0]["start"] == "reply"
@@ -180,7 +182,7 @@ def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_tr
 
     near = _near_copies(base)
     assert min(weight_cosine(m, base) for m in near) > 0.99
-    strategy = AlignedFedAvg(model_config=base.config.to_dict())
+    strategy = AlignedFedAvg(model=base.config.to_dict())
     strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
     strategy.aggregate_train(1, [_reply(m, 50, node=i + 1) for i, m in enumerate(near)])
     assert strategy.history[0]["start"] == "previous"
@@ -205,7 +207,7 @@ def test_guard_keeps_plain_average_when_alignment_is_worse():
                     p.add_(torch.randn_like(p))
             return merged, transforms
 
-    strategy = BrokenAlignment(model_config=base.config.to_dict(), guard_data=data)
+    strategy = BrokenAlignment(model=base.config.to_dict(), guard_data=data)
     strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     rec = strategy.history[0]
@@ -222,7 +224,7 @@ def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
     and the guard keeps it."""
     base, clients = _planted_clients()
     data = _labelled(base)
-    strategy = AlignedFedAvg(model_config=base.config.to_dict(), guard_data=data)
+    strategy = AlignedFedAvg(model=base.config.to_dict(), guard_data=data)
     strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
     strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
     rec = strategy.history[0]
@@ -251,7 +253,7 @@ def test_hetero_permuted_aligns_widths_with_permutations_only(record):
 
     from fedlmc.federated import Settings
     from fedlmc.strategies import HeteroWidthFedAvg
-    from fedlmc.strategies.factory import build_strategy
+    from strategies.factory import build_strategy
 
     x = torch.randn(8, 1, 12, 12)
     gaps = {}
@@ -259,7 +261,7 @@ def test_hetero_permuted_aligns_widths_with_permutations_only(record):
         narrow, wide, wide_cfg = _narrow_and_moved_wide(residual=kind)
         s = Settings.from_run_config({"strategy": "hetero-permuted", "width-factors": "1,2", "guard": False})
         strategy = build_strategy(s, wide_cfg.to_dict(), splits=SimpleNamespace(val=_labelled(narrow), test=None))
-        assert isinstance(strategy, HeteroWidthFedAvg) and strategy.residual == "permutation"
+        assert isinstance(strategy, HeteroWidthFedAvg) and strategy.matching.residual == "permutation"
         arrays, _ = strategy.aggregate_train(1, [_reply(wide, 100, node=1, partition=0),
                                                  _reply(narrow, 100, node=2, partition=1)])
         universe = model_from_arrays(arrays, strategy.global_config)
@@ -276,7 +278,7 @@ def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):
 
     narrow, wide, wide_cfg = _narrow_and_moved_wide()
     replies = [_reply(wide, 100, node=1, partition=0), _reply(narrow, 100, node=2, partition=1)]
-    strategy = HeteroWidthFedAvg(model_config=wide_cfg.to_dict())
+    strategy = HeteroWidthFedAvg(model=wide_cfg.to_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     universe = model_from_arrays(arrays, strategy.global_config)
     x = torch.randn(8, 1, 12, 12)
@@ -298,7 +300,7 @@ def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):
     path = Path(tempfile.mkdtemp(prefix="ckpt-")) / "state"
     save_state(path, 1, arrays, strategy, {"rounds": []})
     state = load_state(path)
-    resumed = HeteroWidthFedAvg(model_config=wide_cfg.to_dict())
+    resumed = HeteroWidthFedAvg(model=wide_cfg.to_dict())
     resumed.load_state({"global_config": state.global_config, "history": state.history,
                         "transforms": state.transforms}, round_offset=state.round)
     assert resumed.transforms[1].width_map == strategy.transforms[1].width_map
@@ -352,7 +354,7 @@ def test_slicing_baseline_averages_each_entry_over_its_holders():
     with torch.no_grad():
         for p in small.parameters():
             p.add_(1.0)
-    strategy = SlicingFedAvg(model_config=glob.config.to_dict())
+    strategy = SlicingFedAvg(model=glob.config.to_dict())
     strategy._previous = ArrayRecord(torch_state_dict=glob.state_dict())
     arrays, _ = strategy.aggregate_train(1, [_reply(glob, 100, node=1), _reply(small, 100, node=2)])
     out = arrays.to_torch_state_dict()
@@ -370,7 +372,7 @@ def test_the_aggregate_does_not_depend_on_the_order_replies_arrive_in():
     replies = [_reply(m, 50 + i, node=10 - i) for i, m in enumerate(models)]
     out = []
     for order in (replies, replies[::-1], [replies[1], replies[2], replies[0]]):
-        strategy = AlignedFedAvg(model_config=models[0].config.to_dict())
+        strategy = AlignedFedAvg(model=models[0].config.to_dict())
         strategy._previous = ArrayRecord(torch_state_dict=models[0].state_dict())
         out.append(strategy.aggregate_train(1, list(order))[0].to_torch_state_dict())
     for other in out[1:]:
@@ -418,7 +420,7 @@ def test_hetero_guard_keeps_slicing_when_it_is_better_and_then_everyone_slices(m
     glob = perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4),
                      2, 0.2).float().eval()
     small = slice_prefix(glob, width_config(glob.config, 2))
-    strategy = HeteroWidthFedAvg(model_config=glob.config.to_dict(), guard_data=_labelled(glob))
+    strategy = HeteroWidthFedAvg(model=glob.config.to_dict(), guard_data=_labelled(glob))
     strategy._previous = ArrayRecord(torch_state_dict=glob.state_dict())
     assert len(_sent(strategy, [1, 2], monkeypatch)) == 2 and strategy._sliced == {1, 2}
     arrays, _ = strategy.aggregate_train(1, [_reply(glob, 100, node=1, partition=0), _reply(small, 100, node=2, partition=1)])
@@ -436,7 +438,7 @@ def test_hetero_guard_keeps_the_universe_when_it_is_better_and_only_compares_sli
     from fedlmc.strategies import HeteroWidthFedAvg
 
     narrow, wide, wide_cfg = _narrow_and_moved_wide()
-    strategy = HeteroWidthFedAvg(model_config=wide_cfg.to_dict(), guard_data=_labelled(narrow))
+    strategy = HeteroWidthFedAvg(model=wide_cfg.to_dict(), guard_data=_labelled(narrow))
     prev = canonicalize(from_preset("vit-tiny", **{k: getattr(wide_cfg, k) for k in (
         "n_layer", "d_model", "n_head", "d_ff", "d_head", "image_size", "patch_size")})).float()
     strategy._previous, strategy.global_config = ArrayRecord(torch_state_dict=prev.state_dict()), prev.config.to_dict()
@@ -453,12 +455,12 @@ def test_hetero_guard_keeps_the_universe_when_it_is_better_and_only_compares_sli
 
 
 def test_hetero_refined_learns_every_clients_alignment_into_the_universe(record):
-    """HeteroWidthFedAvg with refine_data: the transforms come from Dirichlet refinement (one per
+    """HeteroWidthFedAvg with refine: the transforms come from Dirichlet refinement (one per
     client, mixed widths) and the universe still computes the planted narrow function."""
     from fedlmc.strategies import HeteroWidthFedAvg
 
     narrow, wide, wide_cfg = _narrow_and_moved_wide()
-    strategy = HeteroWidthFedAvg(model_config=wide_cfg.to_dict(), refine_data=_labelled(narrow), refine_steps=3)
+    strategy = HeteroWidthFedAvg(model=wide_cfg.to_dict(), refine=Refinement(data=_labelled(narrow), steps=3))
     arrays, _ = strategy.aggregate_train(1, [_reply(wide, 100, node=1, partition=0), _reply(narrow, 100, node=2, partition=1)])
     assert {T.info.get("method") for T in strategy.transforms.values()} >= {"refined"}
     universe = model_from_arrays(arrays, strategy.global_config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedlmc.canonical import canonicalize, residual_offcentre, to_layernorm
+from fedlmc.symmetry import canonicalize, residual_offcentre, to_layernorm
 from fedlmc.models import from_preset
 from fedlmc.symmetry import Transform, apply_to_state, apply_transform, perm_matrix, random_transform, spec_for
 

@@ -8,7 +8,7 @@ import torch
 
 import fedlmc
 from fedlmc.barrier import Curve, barrier, interpolation_curve, plot_curves
-from fedlmc.merge import interpolate
+from fedlmc.averaging import interpolate
 from fedlmc.cli import build_parser, main
 from fedlmc.data import load
 from fedlmc.models import PRESETS, from_preset, preset_config

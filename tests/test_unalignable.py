@@ -7,6 +7,8 @@ import logging
 import time
 
 import pytest
+
+from fedlmc.options import Refinement
 import torch
 import torch.nn as nn
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
@@ -39,7 +41,7 @@ class NoGrid:
         raise AssertionError(f"the strategy touched the grid ({name}) before refusing the model")
 
 
-@pytest.mark.parametrize("make", [lambda: AlignedFedAvg(), lambda: RefinedFedAvg(refine_data=[]),
+@pytest.mark.parametrize("make", [lambda: AlignedFedAvg(), lambda: RefinedFedAvg(refine=Refinement(data=[])),
                                   lambda: HeteroWidthFedAvg()])
 def test_no_architecture_is_an_error_before_round_one(make):
     with pytest.raises(ValueError, match=r"pass model=.*fallback='average'"):
@@ -48,8 +50,8 @@ def test_no_architecture_is_an_error_before_round_one(make):
 
 def test_arrays_of_another_model_are_an_error_naming_the_keys():
     vit = from_preset("vit-digits")
-    strategy = AlignedFedAvg(model_config=vit.config.to_dict())
-    with pytest.raises(ValueError, match="not a model of model_config.*fc1.weight"):
+    strategy = AlignedFedAvg(model=vit.config.to_dict())
+    with pytest.raises(ValueError, match="not a model of the given model.*fc1.weight"):
         strategy.start(grid=NoGrid(), initial_arrays=ArrayRecord(Net(0).state_dict()), num_rounds=2)
 
 

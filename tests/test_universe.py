@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from fedlmc.canonical import canonicalize
-from fedlmc.merge import universe_merge
+from fedlmc.options import Matching
+from fedlmc.symmetry import canonicalize
+from fedlmc.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, random_transform
 
@@ -50,7 +51,7 @@ def test_one_hot_weights_return_that_model(record):
 
 
 def test_lift_then_project_is_the_identity(record):
-    from fedlmc.merge import project
+    from fedlmc.universe import project
 
     small = _base()
     x = inputs_for(small)
@@ -86,7 +87,7 @@ def test_central_anchor_is_the_least_noisy_copy_and_residual_data_still_recovers
     g = torch.Generator().manual_seed(0)
     c = base.config
     data = ArrayData(torch.randn(64, c.channels, c.image_size, c.image_size, generator=g, dtype=torch.float64), torch.randint(0, 10, (64,), generator=g))
-    merged, _ = universe_merge(copies, iterations=2, anchor="central", residual_data=data)
+    merged, _ = universe_merge(copies, matching=Matching(residual_data=data), iterations=2, anchor="central")
     with torch.no_grad():
         record("universe (central anchor, residual data) of 4 planted copies: relative |Δlogits|",
                float((merged(x) - base(x)).abs().max() / base(x).abs().max()), 5e-2)

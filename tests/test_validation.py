@@ -60,7 +60,7 @@ KINDS = ["nan", "inf", "missing key", "extra key", "wrong shape", "width mismatc
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_reply_is_excluded_and_named(kind, caplog):
     good = [_model(1), _model(2)]
-    strategy = AlignedFedAvg(model_config=good[0].config.to_dict(), iterations=1)
+    strategy = AlignedFedAvg(model=good[0].config.to_dict(), iterations=1)
     strategy._previous = ArrayRecord(torch_state_dict=good[0].state_dict())
     replies = [_reply(g, 10, node=i + 1) for i, g in enumerate(good)] + [_bad(kind)]
     with caplog.at_level(logging.WARNING, logger="flwr"):
@@ -75,7 +75,7 @@ def test_bad_reply_is_excluded_and_named(kind, caplog):
 
 def test_too_few_valid_replies_keep_the_previous_model(caplog):
     good = _model(1)
-    strategy = AlignedFedAvg(model_config=good.config.to_dict(), min_replies=2)
+    strategy = AlignedFedAvg(model=good.config.to_dict(), min_replies=2)
     strategy._previous = ArrayRecord(torch_state_dict=good.state_dict())
     with caplog.at_level(logging.WARNING, logger="flwr"):
         arrays, metrics = strategy.aggregate_train(3, [_reply(good, 10, node=1), _bad("nan")])
@@ -86,7 +86,7 @@ def test_too_few_valid_replies_keep_the_previous_model(caplog):
 
 def test_hetero_accepts_declared_narrower_widths_but_not_lies():
     wide = _model(1)
-    strategy = HeteroWidthFedAvg(model_config=wide.config.to_dict(), iterations=1)
+    strategy = HeteroWidthFedAvg(model=wide.config.to_dict(), iterations=1)
     strategy._previous = ArrayRecord(torch_state_dict=wide.state_dict())
     arrays, _ = strategy.aggregate_train(1, [_reply(wide, 10, node=1), _bad("declared other width"), _bad("width mismatch")])
     assert arrays is not None
@@ -101,7 +101,7 @@ def test_the_fedavg_baseline_validates_replies_too():
 
     good = [_model(1), _model(2)]
     replies = [_reply(g, 10, node=i + 1) for i, g in enumerate(good)]
-    strategy = ReportingFedAvg(model_config=good[0].config.to_dict())
+    strategy = ReportingFedAvg(model=good[0].config.to_dict())
     arrays, _ = strategy.aggregate_train(1, replies + [_bad("nan")])
     assert [e["node"] for e in strategy.history[-1]["excluded"]] == [99]
     out, ref = arrays.to_torch_state_dict(), FedAvg().aggregate_train(1, replies)[0].to_torch_state_dict()

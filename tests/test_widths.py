@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedlmc.canonical import canonicalize
-from fedlmc.merge import project, universe_merge
+from fedlmc.symmetry import canonicalize
+from fedlmc.universe import project, universe_merge
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.widths import common_shape, pad, shape_of, unit_masks, unpad
@@ -95,7 +95,7 @@ def test_residual_directions_only_wide_models_span_are_not_diluted():
     """Averaging a wide model with a narrower one lifted into its first 16 coordinates: the last 16
     residual coordinates are the wide model's own (not halved by the narrow model's zeros); the first
     16 are the mean of both."""
-    from fedlmc.merge import merge
+    from fedlmc.averaging import merge
 
     wide = canonicalize(_vit(1))
     narrow = pad(canonicalize(_vit(2, d_model=16, n_head=4, d_ff=64, d_head=8)), {"d_model": 32})
@@ -115,7 +115,7 @@ def test_layernorm_universe_of_mixed_widths(make, record):
     merged with ``keep_layernorm``: each narrower padded model is first turned by ``ones_lift`` so its
     stream stays centred in the universe; the universe comes back as a LayerNorm model and every client's
     projection converts to LayerNorm exactly (without the lift ``to_layernorm`` refuses: off-centre)."""
-    from fedlmc.canonical import to_layernorm
+    from fedlmc.symmetry import to_layernorm
     from fedlmc.widths import ones_lift
 
     narrow = make(1, d_model=16, n_head=2, d_ff=40, d_head=8).double()

@@ -46,7 +46,7 @@ RESULT: dict = {}
 def server_main(grid: Grid, context: Context) -> None:
     model = Net()
     # strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0)
-    strategy = AlignedFedAvg(fraction_train=1.0, fraction_evaluate=0.0, model_config=model.config.to_dict())
+    strategy = AlignedFedAvg(fraction_train=1.0, fraction_evaluate=0.0, model=model.config.to_dict())
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=2,
                             train_config=ConfigRecord({}))
     model.load_state_dict(result.arrays.to_torch_state_dict())  # same keys and shapes as before: LayerNorm kept

@@ -58,4 +58,4 @@ def load(name: str, data_dir: Union[str, Path, None] = None, block_size: int = 6
 
 
 __all__ = ["ArrayData", "TokenData", "Splits", "Data", "DataNotFound", "DATASETS", "load", "search_dirs",
-           "partition", "partition_indices", "CharTokenizer", "read_idx"]
+           "partition", "partition_indices", "CharTokenizer", "read_idx", "split"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -24,6 +24,7 @@ from torch.func import functional_call
 
 from ..averaging import circuit_state, unit_weighted, weighted_state
 from ..models import from_config
+from ..options import Learning
 from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
 from ..train import _progress, loss_and_correct
 from ..widths import permute_masks
@@ -60,32 +61,16 @@ def endless_batches(data, batch_size: int, gen: torch.Generator):
 
 @dataclass
 class Options:
-    """How the alignments are learned (shared by learned matching and refinement)."""
+    """What the optimiser needs beyond ``learn`` (the ``Learning`` or ``Refinement`` knobs): the merge's
+    form and structure, set by learned matching and refinement themselves."""
 
-    steps: int = 200
-    lr: float = 1e-3  # the residual latents'
-    perm_lr: float = 0.05  # permutation latents start as 0/1 matrices: one changes once it moves by ~1
-    batch_size: int = 64
+    learn: Learning = field(default_factory=Learning)
     form: str = "factored"
     keep_layernorm: bool = False  # keep every O·1 = 1 (learn only the centred block)
     gauge: Optional[str] = "orthogonal"
     learn_residual: bool = True  # False: O stays at its start, only permutations learn
-    seed: int = 0
     progress: bool = True
-    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None  # (outputs, targets) -> loss
-    schedule: str = "constant"  # or "cosine": every learning rate decays to 0 over ``steps``
-    relax: str = "ste"  # permutations in the forward: "ste" hard (straight-through), "sinkhorn" soft
-    tau: float = 0.1  # Sinkhorn temperature (latents start as 0/1 matrices: 0.1 puts ~98 % on the start)
     snapshots: tuple[int, ...] = ()  # steps after which the exact elements are also kept (one run, many budgets)
-    # stop on the objective: every ``check_every`` steps (0: never; the start is checked too) the merge at
-    # ``check_weights`` is scored on the data's first ``check_batches`` batches; the best alignment checked
-    # is returned, and the descent stops once ``patience`` checks in a row did not improve on it. A check
-    # improves when its loss is lower by more than ``check_sigmas`` standard errors of the paired
-    # per-example difference (0: by any amount): see ``significantly_lower``
-    check_every: int = 0
-    check_batches: int = 4
-    patience: int = 2
-    check_sigmas: float = 2.0
 
 
 @dataclass
@@ -165,6 +150,75 @@ def sinkhorn(logits: torch.Tensor, block: Optional[int] = None, iters: int = 20)
     return logits.exp()
 
 
+class Alignments:
+    """The latents of every moving model and what is computed from them: each model's aligned state
+    (``aligned``, differentiable), every hard permutation at once (``hard``) and the exact group
+    elements (``exact``). ``fixed`` has no latents: a symmetry applied to all models changes nothing."""
+
+    def __init__(self, states: Sequence[StateDict], cfg, starts: Sequence[Transform], fixed: int, opts: Options,
+                 masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]], reference: Optional[StateDict],
+                 pool: Executor) -> None:
+        ref_t = states[fixed][next(iter(states[fixed]))]
+        dtype, dev, M = ref_t.dtype, ref_t.device, len(states)
+        self.states, self.cfg, self.fixed, self.opts, self.pool = states, cfg, fixed, opts, pool
+        self.spec = spec_for(cfg)
+        Q = ones_basis(cfg.d_model, dtype).to(dev) if opts.keep_layernorm else None
+        starts = [T.to(dtype=dtype, device=dev) for T in starts]
+        self.lat = [None if i == fixed else Latents(starts[i], self.spec, cfg.d_model, Q, opts.learn_residual, dtype, dev)
+                    for i in range(M)]
+        self.masks = list(masks) if masks is not None else [None] * M
+        self.fixed_state = apply_to_state(states[fixed], cfg, starts[fixed])[0]
+        self.fixed_mask = permute_masks(self.masks[fixed], starts[fixed]) if self.masks[fixed] is not None else None
+        self.ref = reference if reference is not None else self.fixed_state
+        self.read = {m.param for kind in ("qk", "ov") for g in self.spec.layer_groups(kind) for m in g.members}
+
+    def optimiser(self) -> torch.optim.Optimizer:
+        learn = self.opts.learn
+        groups = [{"params": [v for la in self.lat if la for v in la.p.values()], "lr": learn.perm_lr}]
+        if self.opts.learn_residual:
+            groups.append({"params": [la.o for la in self.lat if la], "lr": learn.lr})
+        return torch.optim.Adam(groups, lr=learn.lr)
+
+    def gauges(self, i: int, O: torch.Tensor, perms: dict[str, torch.Tensor]) -> Elements:
+        """Model i's intra-head gauges re-aligned to the reference (constants for the gradient)."""
+        if self.opts.form != "factored" or not self.opts.gauge:
+            return {}
+        with torch.no_grad():
+            B = apply_elements({k: v for k, v in self.states[i].items() if k in self.read}, self.cfg,
+                               {"residual": O.detach(), **perms}, kinds=("residual", "heads", "qheads"))
+            return gauge_step(self.ref, B, self.spec, self.opts.gauge)
+
+    def aligned(self, i: int, perms: Optional[dict[str, torch.Tensor]]) -> tuple[StateDict, Optional[dict]]:
+        """Model i's aligned state (differentiable in its latents) and its permuted mask."""
+        if i == self.fixed:
+            return self.fixed_state, self.fixed_mask
+        la = self.lat[i]
+        O = la.residual()
+        moving = la.soft(self.opts.learn.tau) if self.opts.learn.relax == "sinkhorn" else la.straight_through(perms)
+        el = {"residual": O, **self.gauges(i, O, perms), **moving}
+        mask = permute_masks(self.masks[i], Transform(perms)) if self.masks[i] is not None else None
+        return apply_to_state(self.states[i], self.cfg, Transform(el), relaxed=True)[0], mask
+
+    def hard(self) -> list[Optional[dict[str, torch.Tensor]]]:
+        return hard_all(self.lat, self.pool)
+
+    def align_all(self, perms: Optional[list] = None) -> list[tuple[StateDict, Optional[dict]]]:
+        return [self.aligned(i, p) for i, p in enumerate(self.hard() if perms is None else perms)]
+
+    def exact(self, perms: Optional[list] = None) -> list[Optional[Elements]]:
+        """Every moving model's exact elements (CPU float64; None for the fixed one)."""
+        with torch.no_grad():
+            out = []
+            for i, p in enumerate(self.hard() if perms is None else perms):
+                if p is None:
+                    out.append(None)
+                    continue
+                O = self.lat[i].residual()
+                out.append(exact_elements({"residual": O, **p, **self.gauges(i, O, p)}, self.spec,
+                                          self.opts.keep_layernorm))
+            return out
+
+
 def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transform], data, fixed: int,
                      sample_weights: Callable[[], list[float]], opts: Options,
                      masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
@@ -173,79 +227,30 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
     """Learn the alignment of every model but ``fixed`` (canonical ``states`` of config ``cfg``, same
     shape), starting from ``starts``; ``sample_weights()`` draws each step's merge weights; ``masks``
     mark padded units; the gauges align to ``reference`` (default: the fixed model aligned);
-    ``check_weights`` (default uniform): the merge weights ``opts.check_every`` scores, on the first
-    batches of ``check_data`` (default ``data``; held-out data keeps the checks from rewarding overfitting).
+    ``check_weights`` (default uniform): the merge weights ``opts.learn.check_every`` scores, on the first
+    batches of ``check_data`` (default ``data``).
 
     Returns each model's final elements (None for the fixed one, exact, CPU float64) — with
-    ``opts.check_every``, the best checked ones — the loss trace, the seconds, the elements at
+    ``check_every``, the best checked ones — the loss trace, the seconds, the elements at
     ``opts.snapshots`` and the checks."""
-    if opts.schedule not in ("constant", "cosine"):
-        raise ValueError(f"schedule must be 'constant' or 'cosine', got {opts.schedule!r}")
-    if opts.relax not in ("ste", "sinkhorn"):
-        raise ValueError(f"relax must be 'ste' or 'sinkhorn', got {opts.relax!r}")
-    t0 = time.time()
-    ref_t = states[fixed][next(iter(states[fixed]))]
-    dtype, dev, M = ref_t.dtype, ref_t.device, len(states)
-    spec = spec_for(cfg)
-    Q = ones_basis(cfg.d_model, dtype).to(dev) if opts.keep_layernorm else None
-    starts = [T.to(dtype=dtype, device=dev) for T in starts]
-    lat = [None if i == fixed else Latents(starts[i], spec, cfg.d_model, Q, opts.learn_residual, dtype, dev)
-           for i in range(M)]
-    groups = [{"params": [v for la in lat if la for v in la.p.values()], "lr": opts.perm_lr}]
-    if opts.learn_residual:
-        groups.append({"params": [la.o for la in lat if la], "lr": opts.lr})
-    opt = torch.optim.Adam(groups, lr=opts.lr)
-    masks = list(masks) if masks is not None else [None] * M
-    fixed_state = apply_to_state(states[fixed], cfg, starts[fixed])[0]
-    fixed_mask = permute_masks(masks[fixed], starts[fixed]) if masks[fixed] is not None else None
-    ref = reference if reference is not None else fixed_state
-
-    read = {m.param for kind in ("qk", "ov") for g in spec.layer_groups(kind) for m in g.members}  # by gauge_step
-
-    def gauges(i: int, O: torch.Tensor, perms: dict[str, torch.Tensor]) -> Elements:
-        if opts.form != "factored" or not opts.gauge:
-            return {}
-        with torch.no_grad():
-            B = apply_elements({k: v for k, v in states[i].items() if k in read}, cfg, {"residual": O.detach(), **perms},
-                               kinds=("residual", "heads", "qheads"))
-            return gauge_step(ref, B, spec, opts.gauge)
-
-    def aligned(i: int, perms: Optional[dict[str, torch.Tensor]]) -> tuple[StateDict, Optional[dict]]:
-        if i == fixed:
-            return fixed_state, fixed_mask
-        O = lat[i].residual()
-        moving = lat[i].soft(opts.tau) if opts.relax == "sinkhorn" else lat[i].straight_through(perms)
-        el = {"residual": O, **gauges(i, O, perms), **moving}
-        mask = permute_masks(masks[i], Transform(perms)) if masks[i] is not None else None
-        return apply_to_state(states[i], cfg, Transform(el), relaxed=True)[0], mask
-
+    t0, learn = time.time(), opts.learn
     snaps: dict[int, list[Optional[Elements]]] = {}
     wanted = set(opts.snapshots)
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-        def hard() -> list[Optional[dict[str, torch.Tensor]]]:
-            return hard_all(lat, pool)
-
-        def exact(perms: Optional[list] = None) -> list[Optional[Elements]]:
-            with torch.no_grad():
-                return [None if p is None else _exact(lat[i], p, gauges, i, spec, opts.keep_layernorm)
-                        for i, p in enumerate(hard() if perms is None else perms)]
-
-        def align_all(perms: Optional[list] = None) -> list[tuple[StateDict, Optional[dict]]]:
-            return [aligned(i, p) for i, p in enumerate(hard() if perms is None else perms)]
-
+        al = Alignments(states, cfg, starts, fixed, opts, masks, reference, pool)
         check = None
-        if opts.check_every:
-            check = _Checks(opts, check_data if check_data is not None else data, cfg, check_weights or [1.0 / M] * M,
-                            merged_template(states, cfg, opts.form), hard, align_all, exact)
+        if learn.check_every:
+            check = _Checks(opts, check_data if check_data is not None else data, cfg,
+                            check_weights or [1.0 / len(states)] * len(states), merged_template(states, cfg, opts.form), al)
 
         def on_step(n: int) -> bool:
             if n in wanted:
-                snaps[n] = exact()
+                snaps[n] = al.exact()
             return check is not None and check.after(n)
 
-        trace = _descend(states, cfg, data, opts, opt, align_all, sample_weights, label, on_step=on_step)
+        trace = _descend(states, cfg, data, opts, al.optimiser(), al.align_all, sample_weights, label, on_step=on_step)
         if check is None:
-            return Learned(exact(), trace, time.time() - t0, snaps, {}, len(trace))
+            return Learned(al.exact(), trace, time.time() - t0, snaps, {}, len(trace))
         if len(trace) not in check.scores:  # the last steps since the last check
             check.score(len(trace))
         return Learned(check.best, trace, time.time() - t0, snaps, check.scores, check.best_step)
@@ -253,21 +258,21 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
 
 class _Checks:
     """Stopping on the objective: the merge at fixed weights scored on fixed batches (no gradient), at
-    the start and every ``opts.check_every`` steps; keeps the best alignment's exact elements.
+    the start and every ``check_every`` steps; keeps the best alignment's exact elements.
 
     The descent samples merge weights and batches, so its own loss trace is too noisy to stop on; and
     more steps can make the aggregate worse on new data while its training loss still falls (measured
     in rounds of a gpt2-tiny federation, README): scored on held-out batches, the best checked
     alignment is returned. A check replaces the best only when it is significantly lower
-    (``opts.check_sigmas``): the best of many checks on the same few batches would otherwise be
+    (``check_sigmas``): the best of many checks on the same few batches would otherwise be
     partly chosen by those batches' noise, and steps that buy noise cost as much as the others."""
 
     def __init__(self, opts: Options, data, cfg, weights: Sequence[float], template: torch.nn.Module,
-                 hard: Callable, align_all: Callable, exact: Callable) -> None:
+                 alignments: Alignments) -> None:
         self.opts, self.cfg, self.weights, self.template = opts, cfg, list(weights), template
-        self.hard, self.align_all, self.exact = hard, align_all, exact
-        batches = data.batches(opts.batch_size, shuffle=False)
-        self.batches = [b for _, b in zip(range(max(1, opts.check_batches)), batches)]
+        self.al = alignments
+        batches = data.batches(opts.learn.batch_size, shuffle=False)
+        self.batches = [b for _, b in zip(range(max(1, opts.learn.check_batches)), batches)]
         if not self.batches:
             raise ValueError("the data to check the objective on has no batch (too small for one block or example)")
         self.scores: dict[int, float] = {}
@@ -276,24 +281,24 @@ class _Checks:
 
     def score(self, step: int) -> float:
         with torch.no_grad(), section("learned: checks of the objective"):
-            perms = self.hard()
-            sd = merged_pairs(self.align_all(perms), self.weights, self.cfg, self.opts.form)
+            perms = self.al.hard()
+            sd = merged_pairs(self.al.align_all(perms), self.weights, self.cfg, self.opts.form)
             dev = next(iter(sd.values())).device
-            losses = torch.cat([example_losses(self.opts, functional_call(self.template, sd, (x.to(dev),)), y.to(dev))
+            losses = torch.cat([example_losses(self.opts.learn, functional_call(self.template, sd, (x.to(dev),)), y.to(dev))
                                 for x, y in self.batches]).double().cpu()
         loss = self.scores[step] = float(losses.mean())
-        if step == 0 or significantly_lower(losses, self.best_losses, self.opts.check_sigmas):
-            self.best, self.best_losses, self.best_step, self.stale = self.exact(perms), losses, step, 0
+        if step == 0 or significantly_lower(losses, self.best_losses, self.opts.learn.check_sigmas):
+            self.best, self.best_losses, self.best_step, self.stale = self.al.exact(perms), losses, step, 0
         else:
             self.stale += 1
         return loss
 
     def after(self, step: int) -> bool:
         """Score after ``step`` when it is a check step; whether to stop."""
-        if step % self.opts.check_every:
+        if step % self.opts.learn.check_every:
             return False
         self.score(step)
-        return self.stale >= self.opts.patience
+        return self.stale >= self.opts.learn.patience
 
 
 def significantly_lower(new: torch.Tensor, best: torch.Tensor, sigmas: float) -> bool:
@@ -303,11 +308,6 @@ def significantly_lower(new: torch.Tensor, best: torch.Tensor, sigmas: float) ->
     if sigmas <= 0 or len(d) < 2:
         return bool(d.mean() > 0)
     return bool(d.mean() > sigmas * d.std() / math.sqrt(len(d)))
-
-
-def _exact(la: Latents, perms: dict[str, torch.Tensor], gauges: Callable, i: int, spec, keep_layernorm: bool) -> Elements:
-    O = la.residual()
-    return exact_elements({"residual": O, **perms, **gauges(i, O, perms)}, spec, keep_layernorm)
 
 
 def merged_state(states: Sequence[StateDict], lam: Sequence[float], masks, cfg, form: str) -> StateDict:
@@ -325,17 +325,17 @@ def merged_pairs(pairs: Sequence[tuple[StateDict, Optional[dict]]], lam: Sequenc
     return merged_state([s for s, _ in pairs], lam, masks if any(masks) else None, cfg, form)
 
 
-def merged_loss(opts: Options, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The loss the alignments descend on: ``opts.loss_fn``, else cross-entropy (the checks score the same
+def merged_loss(learn: Learning, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss the alignments descend on: ``learn.loss_fn``, else cross-entropy (the checks score the same
     loss per example: ``example_losses``)."""
-    return opts.loss_fn(out, y) if opts.loss_fn is not None else loss_and_correct(out, y)[0]
+    return learn.loss_fn(out, y) if learn.loss_fn is not None else loss_and_correct(out, y)[0]
 
 
-def example_losses(opts: Options, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def example_losses(learn: Learning, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``merged_loss`` per example (a sequence's mean token cross-entropy, its ignored targets left out),
-    the units a check's significance is judged on; with ``opts.loss_fn`` (one number per batch) per batch."""
-    if opts.loss_fn is not None:
-        return merged_loss(opts, out, y).reshape(1)
+    the units a check's significance is judged on; with ``learn.loss_fn`` (one number per batch) per batch."""
+    if learn.loss_fn is not None:
+        return merged_loss(learn, out, y).reshape(1)
     per = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view(y.shape[0], -1)
     valid = (y != -100).reshape(y.shape[0], -1)  # cross-entropy's default ignore_index
     return (per * valid).sum(1) / valid.sum(1).clamp_min(1)
@@ -355,25 +355,25 @@ def _descend(states, cfg, data, opts: Options, opt, align_all: Callable[[], list
     stops the loop by returning True."""
     dev = next(iter(states[0].values())).device
     template = merged_template(states, cfg, opts.form)
-    batches = endless_batches(data, opts.batch_size, torch.Generator().manual_seed(opts.seed))
+    batches = endless_batches(data, opts.learn.batch_size, torch.Generator().manual_seed(opts.learn.seed))
     trace: list[float] = []
     running = None
     base_lrs = [g["lr"] for g in opt.param_groups]
     with _progress(opts.progress) as bar:
-        task = bar.add_task(label, total=opts.steps, info="")
-        for step in range(opts.steps):
+        task = bar.add_task(label, total=opts.learn.steps, info="")
+        for step in range(opts.learn.steps):
             x, y = next(batches)
             x, y = x.to(dev), y.to(dev)
             with section("learned: aligned models (solves, gauges, actions)"):
                 pairs = align_all()
             with section("learned: merge, forward and backward"):
                 sd = merged_pairs(pairs, sample_weights(), cfg, opts.form)
-                loss = merged_loss(opts, functional_call(template, sd, (x,)), y)
+                loss = merged_loss(opts.learn, functional_call(template, sd, (x,)), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-            if opts.schedule == "cosine":
+            if opts.learn.schedule == "cosine":
                 for g, lr in zip(opt.param_groups, base_lrs):
-                    g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / opts.steps))
+                    g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / opts.learn.steps))
             opt.step()
             trace.append(float(loss.detach()))
             running = trace[-1] if running is None else 0.9 * running + 0.1 * trace[-1]

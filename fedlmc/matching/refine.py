@@ -14,57 +14,66 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ..options import Refinement
 from ..symmetry import Transform, canonical_config
 from ..train import pick_device
 from .optimise import Options, learn_alignments
 from .weight import canonical_state
 
 
-def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform], data,
+def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform], refine: Refinement, *,
                      masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
-                     weights: Optional[Sequence[float]] = None, alpha: float = 1.0, steps: int = 200,
-                     lr: float = 1e-3, perm_lr: float = 0.05, batch_size: int = 64, form: str = "factored",
-                     keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal",
-                     reference: Optional[nn.Module] = None, seed: int = 0, progress: bool = True,
-                     device: Optional[str] = None, loss_fn=None, relax: str = "ste", tau: float = 0.1,
-                     check_every: int = 0, patience: int = 2, check_data=None,
-                     check_sigmas: float = 2.0) -> list[Transform]:
+                     weights: Optional[Sequence[float]] = None, form: str = "factored", keep_layernorm: bool = False,
+                     gauge: Optional[str] = "orthogonal", reference: Optional[nn.Module] = None, progress: bool = True,
+                     device: Optional[str] = None) -> list[Transform]:
     """Refine the transforms of ``models`` (same shape, e.g. padded) into their universe.
 
-    ``transforms`` are the starting alignments (``universe_merge``'s); ``masks`` mark padded units
-    (see ``widths.unit_masks``, before permutation); ``weights`` pick the fixed model (the largest);
-    ``reference`` (default: the fixed model aligned) is what the intra-head gauges align to.
-    ``keep_layernorm`` keeps every ``O_m·1 = 1`` (learning only the centred block). ``data``: anything
-    with fedlmc's ``batches(batch_size, shuffle, generator)``; ``loss_fn(outputs, targets)``: the loss to
-    descend on (default: cross-entropy, as in training). ``relax="sinkhorn"``: soft permutations in the
-    merges (see ``learned_matching``). ``check_every`` > 0 stops on the objective: the merge at ``weights``
-    is scored on the first batches of ``check_data`` (default ``data``; better held out) at the start and
-    every ``check_every`` steps, the best alignment scored is returned and the descent stops after
-    ``patience`` checks without improvement — a loss lower by more than ``check_sigmas`` standard
-    errors of the paired per-example difference (``optimise.Options``).
-    Returns the refined transforms (exact group elements; ``info['loss']`` holds the loss trace,
-    ``info['checks']`` the scores by step and ``info['best_step']`` the step returned).
+    Parameters
+    ----------
+    models : sequence of nn.Module
+        The universe's members, of one shape.
+    transforms : sequence of Transform
+        The starting alignments (``universe_merge``'s).
+    refine : Refinement
+        The data, the Dirichlet concentration, the optimiser's knobs and when to stop.
+    masks : sequence of dict or None
+        Each model's padded units (``widths.unit_masks``, before permutation).
+    weights : sequence of float or None
+        The models' weights: the largest stays fixed, and the checks score the merge at these weights.
+    form : {"factored", "circuit"}, default "factored"
+    keep_layernorm : bool, default False
+        Keep every ``O_m·1 = 1`` (learn only the centred block).
+    gauge : {"orthogonal", "invertible", None}, default "orthogonal"
+    reference : nn.Module or None
+        What the intra-head gauges align to (default: the fixed model aligned).
+    progress : bool, default True
+    device : str or None
+
+    Returns
+    -------
+    list of Transform
+        The refined transforms (exact group elements; ``info['loss']`` holds the loss trace,
+        ``info['checks']`` the scores by step and ``info['best_step']`` the step returned).
     """
     M = len(models)
     if M != len(transforms):
         raise ValueError("dirichlet_refine needs one transform per model")
-    if alpha <= 0:
-        raise ValueError(f"alpha must be positive, got {alpha}")
+    if refine.data is None:
+        raise ValueError("the refinement needs data: Refinement(data=...)")
     if M < 2:
         return list(transforms)
     dev = pick_device(device)
     states = [canonical_state(m, dev, torch.float32) for m in models]
     cfg = canonical_config(models[0].config)
     fixed = int(np.argmax(weights)) if weights is not None else 0
-    rng = np.random.default_rng(seed)
-    opts = Options(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=batch_size, form=form,
-                   keep_layernorm=keep_layernorm, gauge=gauge, seed=seed, progress=progress, loss_fn=loss_fn,
-                   relax=relax, tau=tau, check_every=check_every, patience=patience, check_sigmas=check_sigmas)
+    rng = np.random.default_rng(refine.seed)
+    opts = Options(refine, form=form, keep_layernorm=keep_layernorm, gauge=gauge, progress=progress)
     ref = canonical_state(reference, dev, torch.float32) if reference is not None else None
     got = learn_alignments(
-        states, cfg, transforms, data, fixed=fixed, sample_weights=lambda: [float(v) for v in rng.dirichlet([alpha] * M)],
-        opts=opts, masks=masks, reference=ref, label=f"Dirichlet refinement ({M} models, α={alpha:g})",
-        check_weights=[w / sum(weights) for w in weights] if weights is not None else None, check_data=check_data)
-    info = {"method": "refined", "alpha": alpha, "steps": steps, "relax": relax, "loss": got.trace, "seconds": got.seconds,
-            "steps_run": len(got.trace), "checks": got.checks, "best_step": got.best_step}
+        states, cfg, transforms, refine.data, fixed=fixed,
+        sample_weights=lambda: [float(v) for v in rng.dirichlet([refine.alpha] * M)], opts=opts, masks=masks,
+        reference=ref, label=f"Dirichlet refinement ({M} models, α={refine.alpha:g})",
+        check_weights=[w / sum(weights) for w in weights] if weights is not None else None, check_data=refine.check_data)
+    info = {"method": "refined", "alpha": refine.alpha, "steps": refine.steps, "relax": refine.relax, "loss": got.trace,
+            "seconds": got.seconds, "steps_run": len(got.trace), "checks": got.checks, "best_step": got.best_step}
     return [T if el is None else Transform(el, {**info, "init": T.info}) for T, el in zip(transforms, got.elements)]

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..averaging import interpolate
+from ..options import Matching
 from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
 from ..train import evaluate, pick_device
 from .profile import section
@@ -230,11 +231,11 @@ class Descent:
 
 
 def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "orthogonal",
-                       keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal", max_iter: int = 15,
+                       keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal", iterations: int = 15,
                        M_extra: Optional[torch.Tensor] = None, extra_weight: float = 0.0,
-                       rtol: float = 2e-3, candidates: Optional[int] = None) -> "Descent":
+                       tol: float = 2e-3, candidates: Optional[int] = None) -> "Descent":
     """Alternate the four steps from ``elements`` until nothing changes, the objective improves by less
-    than ``rtol`` (relative) plus 1e-5 per tensor in an iteration, or ``max_iter`` iterations are done.
+    than ``tol`` (relative) plus 1e-5 per tensor in an iteration, or ``iterations`` iterations are done.
     When the last unit steps moved no permutation, an iteration first scores its residual step alone
     (free: ``Cross.value``); if that gains less than the tolerance, only the gauges are refitted to the
     new O and the descent stops (``_finish``): the permutations have settled, so the FF and head steps,
@@ -251,7 +252,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     ``candidates``: see ``common.ff_step``.
     """
     spec = P.spec
-    tol = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6
+    still = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6
     trace: list[float] = []
     # improvements below this are noise however small the objective (a planted pair ends at its noise
     # level, ~1e-4 per tensor, where a relative test would keep iterating on nothing)
@@ -259,7 +260,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     with section("residual cross-covariances"):
         X_ff, X = _crosses(P, elements)
     it, settled = 0, False
-    for it in range(1, max_iter + 1):
+    for it in range(1, iterations + 1):
         old = dict(elements)
         # residual map given the units (anchors do not move with them)
         M = X.M + P.M_anchor
@@ -267,7 +268,7 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
             M = M / M.norm() + extra_weight * M_extra / M_extra.norm()
         with section("residual SVD"):
             O = elements["residual"] = residual_element(M, residual, keep_layernorm)
-        if trace and settled and trace[-1] - X.value(O) - P.anchor_objective(O) < rtol * trace[-1] + floor:
+        if trace and settled and trace[-1] - X.value(O) - P.anchor_objective(O) < tol * trace[-1] + floor:
             return _finish(P, elements, old, X_ff, trace, it, gauge)
         with section("apply residual map"):
             B_res = P.rotated(O)
@@ -278,13 +279,13 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
             with section("gauges"):
                 B_heads = apply_elements(B_res, P.cfg, elements, ("heads", "qheads"))
                 elements.update(gauge_step(P.A_mov, B_heads, spec, gauge, P.A_sides))
-        if trace and not _changed(old, elements, tol):  # a fixed point: keep the elements whose objective is known
+        if trace and not _changed(old, elements, still):  # a fixed point: keep the elements whose objective is known
             return Descent(old, it, trace, trace[-1])
         settled = all(torch.equal(old[k], v) for k, v in elements.items() if not v.is_floating_point() and k in old)
         with section("residual cross-covariances"):
             X_ff, X = _crosses(P, elements)
         value = X.value(O) + P.anchor_objective(O)
-        if trace and trace[-1] - value < rtol * abs(value) + floor:
+        if trace and trace[-1] - value < tol * abs(value) + floor:
             if value > trace[-1]:  # the last step made things worse: keep the previous elements
                 return Descent(old, it, trace + [value], trace[-1])
             return Descent(elements, it, trace + [value], value)
@@ -327,78 +328,69 @@ def identity_elements(cfg, device, dtype) -> Elements:
     return out
 
 
-def weight_matching(
-    model_a: nn.Module,
-    model_b: nn.Module,
-    residual: str = "orthogonal",
-    keep_layernorm: bool = False,
-    max_iter: int = 15,
-    starts: str = "both",
-    gauge: Optional[str] = "orthogonal",
-    guard_data=None,
-    guard_batches: int = 4,
-    form: str = "factored",
-    residual_acts: Optional[torch.Tensor] = None,
-    device: Union[str, torch.device, None] = None,
-    dtype: Optional[torch.dtype] = None,
-    start: Optional[Transform] = None,
-    candidates: Optional[int] = 64,
-    rtol: float = 2e-3,
-    precision: str = "auto",
-    reuse: Optional[dict] = None,
-) -> Transform:
+def weight_matching(model_a: nn.Module, model_b: nn.Module, matching: Optional[Matching] = None, *,
+                    warm_start: Optional[Transform] = None, keep_layernorm: bool = False, form: str = "factored",
+                    guard_data=None, guard_batches: int = 4, residual_acts: Optional[torch.Tensor] = None,
+                    device: Union[str, torch.device, None] = None, reuse: Optional[dict] = None) -> Transform:
     """Align ``model_b`` to ``model_a`` without data; returns T so that ``apply_transform(B, T)`` ≈ A.
 
-    ``residual``: "orthogonal" (the paper) or "permutation" (Git Re-Basin-style baseline).
-    ``keep_layernorm``: restrict O to O·1 = 1 so the merge can go back to a LayerNorm model.
-    ``starts``: "paper" (the paper's start), "identity" (the same descent, recorded as "identity-start":
-    both begin with the identity units and recompute O first, see ``_descents``) or "both" (that
-    descent, then compared with the identity transform itself, which wins unless a matched transform
-    is better — the do-no-harm guard for models sharing an initialisation). With ``guard_data`` (a data
-    set), candidates are finally compared by the loss of their λ = 0.5 merge in ``form`` on
-    ``guard_batches`` batches.
-    ``residual_acts``: a precomputed activation cross-covariance (see ``activation.residual_activation_cross``)
-    added to every residual step (the data-light residual option).
-    ``dtype``: float64 below 20M parameters, else float32 (default).
-    ``gauge``: how to align the intra-head gauges (needed by the factored merge): "orthogonal"
-    (Procrustes), "invertible" (least squares, recovers any invertible gauge) or None.
-    ``start``: a transform to descend from *instead of* the paper/identity starts (a warm start, e.g.
-    the previous universe iteration's); with ``starts="both"`` the identity is still scored.
-    ``candidates``: FF assignments of groups over 4 × ``candidates`` neurons are solved on each neuron's
-    ``candidates`` best partners (``common.sparse_assignment``; None: the dense solver everywhere).
-    ``rtol``: a descent stops when an iteration improves the objective by less than this (relative).
-    ``precision``: the dtype of the large per-iteration products (see ``Problem``): "auto" (bfloat16
-    factors for float32 problems on CPUs with native bfloat16, else exact), "exact" or "bfloat16".
-    ``reuse``: a dict shared by calls that align models to the same ``model_a`` (a universe iteration):
-    A's canonical state and what matching computes from A alone (``Fixed``) are built once and kept there.
-    ``T.info`` records the objective of each candidate, which one won, iterations, the objective
-    after each iteration and seconds.
-    """
+    Parameters
+    ----------
+    model_a, model_b : nn.Module
+        Two fedlmc models of one shape (lift the narrower one first).
+    matching : Matching or None
+        The matching's knobs (residual group, gauges, iterations, tolerance, do-no-harm candidate...);
+        default ``Matching()``.
+    warm_start : Transform or None
+        A transform to descend from instead of the identity units (e.g. the previous universe
+        iteration's); the identity is still scored when ``matching.keep_identity``.
+    keep_layernorm : bool, default False
+        Restrict O to O·1 = 1 so the merge can go back to a LayerNorm model.
+    form : {"factored", "circuit"}, default "factored"
+        The merge ``guard_data`` scores.
+    guard_data : data set or None
+        When given, the candidates (descent, identity) are finally compared by the loss of their
+        λ = 0.5 merge on ``guard_batches`` of its batches.
+    guard_batches : int, default 4
+    residual_acts : torch.Tensor or None
+        A precomputed activation cross-covariance (``activation.residual_activation_cross``) added to
+        every residual step.
+    device : str, torch.device or None
+        Where to match: CUDA when present, else CPU.
+    reuse : dict or None
+        Shared by calls that align models to the same ``model_a`` (a universe iteration): what matching
+        computes from A alone (``Fixed``) is built once and kept there.
 
+    Returns
+    -------
+    Transform
+        ``info`` records each candidate's objective, which one won, the iterations, the objective after
+        each iteration and the seconds.
+    """
+    m = matching if matching is not None else Matching()
     t0 = time.time()
     canon = dict(norm="rmsnorm", norm_bias=False, norm_gain=False, norm_eps=model_a.config.norm_eps)  # a lift rescales eps only
     if model_a.config.replace(**canon) != model_b.config.replace(**canon):
         raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
     dev = pick_device(device) if device is None or isinstance(device, str) else device
+    dtype = m.dtype
     if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32
         dtype = torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
     cfg = canonical_config(model_b.config)
-    F = fixed_side(model_a, cfg, dev, dtype, precision, reuse)
+    F = fixed_side(model_a, cfg, dev, dtype, m.precision, reuse)
     B = canonical_state(model_b, dev, dtype)
     with section("anchor cross-covariances"):
-        P = Problem(F.A, B, cfg, precision, F)
+        P = Problem(F.A, B, cfg, m.precision, F)
     Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
-    opts = dict(residual=residual, keep_layernorm=keep_layernorm, gauge=gauge, max_iter=max_iter,
-                M_extra=Mx, extra_weight=1.0 if Mx is not None else 0.0, candidates=candidates, rtol=rtol)
-    if starts not in ("paper", "identity", "both"):
-        raise ValueError(f"starts must be 'paper', 'identity' or 'both', got {starts!r}")
-    found, info = _descents(P, start, starts, opts)
+    opts = dict(residual=m.residual, keep_layernorm=keep_layernorm, gauge=m.gauge, iterations=m.iterations,
+                M_extra=Mx, extra_weight=1.0 if Mx is not None else 0.0, candidates=m.ff_candidates, tol=m.tol)
+    found, info = _descents(P, warm_start, m.keep_identity, opts)
     best = min(info["objective"], key=info["objective"].get)
     if guard_data is not None and len(found) > 1:
         losses = {k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches) for k, el in found.items()}
         info["midpoint_loss"] = losses
         best = min(losses, key=losses.get)
-    info.update(chosen=best, seconds=time.time() - t0, residual=residual, keep_layernorm=keep_layernorm)
+    info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
     return Transform({k: v.cpu() for k, v in found[best].items()}, info)
 
 
@@ -417,30 +409,25 @@ def fixed_side(model_a: nn.Module, cfg, dev: torch.device, dtype: torch.dtype, p
     return F
 
 
-def _descents(P: Problem, start: Optional[Transform], starts: str, opts: dict) -> tuple[dict[str, Elements], dict]:
-    """Run the requested descents; returns the candidates and ``info`` (iterations, objective traces,
-    each candidate's objective).
+def _descents(P: Problem, warm_start: Optional[Transform], keep_identity: bool,
+              opts: dict) -> tuple[dict[str, Elements], dict]:
+    """Run the descent; returns the candidates and ``info`` (iterations, objective traces, each
+    candidate's objective).
 
-    The paper start and the identity start are one descent: both begin with the identity units, and
-    every descent's first step recomputes the residual map from them (a start's own O is never read),
-    so ``starts="both"`` runs it once and adds the identity transform as the do-no-harm candidate.
-    (Until 2026-12 the identity start ran a second, identical descent unless abandoned.)"""
+    The descent starts from the identity units ("paper": its first step recomputes the residual map
+    from them, so the paper's anchor-only O is never read) or from ``warm_start`` ("warm");
+    ``keep_identity`` adds the identity transform as the do-no-harm candidate."""
     dev, dtype = P.M_anchor.device, P.M_anchor.dtype
     found: dict[str, Elements] = {}
     info: dict = {"iterations": {}, "trace": {}, "objective": {}}
-
-    def run(name: str, el: Elements) -> None:
-        d = coordinate_descent(P, el, **opts)
-        info["iterations"][name], info["trace"][name] = d.iterations, d.trace
-        found[name], info["objective"][name] = d.elements, d.objective
-
-    if start is not None:
-        el = identity_elements(P.cfg, dev, dtype)
-        el.update(start.to(dtype=dtype, device=dev).elements)
-        run("warm", el)
-    else:  # the paper's start (O from the anchor blocks) is overwritten by the first step: identity units
-        run("identity-start" if starts == "identity" else "paper", identity_elements(P.cfg, dev, dtype))
-    if starts == "both":  # the do-no-harm candidate
+    el = identity_elements(P.cfg, dev, dtype)
+    if warm_start is not None:
+        el.update(warm_start.to(dtype=dtype, device=dev).elements)
+    name = "warm" if warm_start is not None else "paper"
+    d = coordinate_descent(P, el, **opts)
+    info["iterations"][name], info["trace"][name] = d.iterations, d.trace
+    found[name], info["objective"][name] = d.elements, d.objective
+    if keep_identity:
         with section("objective"):
             found["identity"], info["objective"]["identity"] = {}, P.objective({})
     return found, info

@@ -13,6 +13,7 @@ data-free identity guard applies (the identity transform — plain averaging —
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from logging import INFO
 from typing import Any, Callable, Optional
 
@@ -21,11 +22,11 @@ import torch.nn as nn
 from flwr.app import ArrayRecord
 from flwr.supercore import log
 
-from fedlmc.averaging import REDUCES, merge, robust_merge
+from fedlmc.averaging import FORMS, REDUCES, merge, robust_merge
 from fedlmc.data import split
 from fedlmc.symmetry import spec_for
 from fedlmc.universe import universe_merge
-from fedlmc.vocabulary import method_name
+from fedlmc.options import Matching, Refinement, one_of
 
 from .base import FedlmcStrategy
 
@@ -33,38 +34,56 @@ from .base import FedlmcStrategy
 class AlignedFedAvg(FedlmcStrategy):
     """FedAvg whose aggregation aligns replies along their symmetries before averaging.
 
-    Parameters (beyond ``FedlmcStrategy``'s and FedAvg's): ``residual`` — "orthogonal" or
-    "permutation"; ``form`` — "factored" (default; same-shape model) or "circuit"; ``keep_layernorm``
-    (default True: the global model stays an ordinary LayerNorm model); ``iterations`` — universe
-    iterations; ``guard_data`` — a fedlmc data set (e.g. the preset's validation split) on which the
-    aligned aggregate must beat plain averaging to be kept; ``guard_batches`` — how many of its batches
-    to use; ``guard_fn`` — instead of ``guard_data``, a callable ``guard_fn(arrays) -> float`` (Flower's
-    ``evaluate_fn`` convention: the loss of an ArrayRecord in the clients' own form, lower is better);
-    ``device`` — where matching runs; ``reduce`` — "mean" (default), or "median" / "trimmed" (with
-    ``trim``, the fraction cut at each end): robust aggregation modulo the symmetries, the coordinate-wise
-    median or trimmed mean taken among the *aligned* replies (the guard then compares it with Flower's
-    plain FedMedian / FedTrimmedAvg).
+    Parameters
+    ----------
+    matching : Matching, optional
+        Weight matching's knobs (``fedlmc.options.Matching``); ``Matching(residual="permutation")`` is
+        the permutation-only peers' method.
+    iterations : int, default 3
+        Universe iterations per round.
+    form : {"factored", "circuit"}, default "factored"
+    keep_layernorm : bool, default True
+        The global model stays an ordinary LayerNorm model.
+    guard_data : data set, optional
+        A server-side data set (e.g. a validation split) on which the aligned aggregate must beat the
+        plain one to be kept.
+    guard_batches : int, optional, default 8
+        How many batches of ``guard_data`` to score.
+    guard_fn : callable, optional
+        Instead of ``guard_data``: ``guard_fn(arrays) -> float``, the loss of an ArrayRecord in the
+        clients' own form, lower is better (Flower's ``evaluate_fn`` convention).
+    device : str, optional
+        Where matching runs: CUDA when present, else CPU.
+    reduce : {"mean", "median", "trimmed"}, default "mean"
+        "median" / "trimmed": the coordinate-wise median or trimmed mean among the *aligned* replies
+        (robust aggregation modulo the symmetries; the guard compares it with Flower's plain FedMedian /
+        FedTrimmedAvg).
+    trim : float, default 0.2
+        "trimmed": the fraction cut at each end of every coordinate.
+    **kwargs
+        ``FedlmcStrategy``'s (``model``, ``report_data``...) and Flower's ``FedAvg``'s parameters.
     """
 
     needs_architecture = True
 
-    def __init__(self, *, residual: str = "orthogonal", form: str = "factored", keep_layernorm: bool = True,
-                 iterations: int = 3, guard_data=None, guard_batches: Optional[int] = 8, device: Optional[str] = None,
-                 guard_fn: Optional[Callable[[ArrayRecord], float]] = None, reduce: str = "mean", trim: float = 0.2,
-                 **kwargs: Any) -> None:
+    def __init__(self, *, matching: Optional[Matching] = None, iterations: int = 3, form: str = "factored",
+                 keep_layernorm: bool = True, guard_data=None, guard_batches: Optional[int] = 8,
+                 guard_fn: Optional[Callable[[ArrayRecord], float]] = None, device: Optional[str] = None,
+                 reduce: str = "mean", trim: float = 0.2, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.reduce, self.trim = method_name(reduce, REDUCES, "reduce"), trim
+        self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
         if guard_fn is not None and guard_data is not None:
             raise ValueError("pass guard_data or guard_fn, not both")
         self.guard_fn = guard_fn
-        self.residual, self.form, self.keep_layernorm = residual, form, keep_layernorm
+        self.matching = matching if matching is not None else Matching()
+        self.form, self.keep_layernorm = one_of(form, FORMS, "form"), keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
         self.device = device
 
     def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
-        return universe_merge(models, weights=weights, start=start, iterations=self.iterations, form=self.form,
-                              keep_layernorm=self.keep_layernorm, residual=self.residual, device=self.device,
+        return universe_merge(models, weights, start, matching=self.matching, iterations=self.iterations,
+                              form=self.form, keep_layernorm=self.keep_layernorm, device=self.device,
                               reduce=self.reduce, trim=self.trim)
 
     def plain(self, models: list[nn.Module], weights: list[float]) -> nn.Module:
@@ -98,7 +117,6 @@ class AlignedFedAvg(FedlmcStrategy):
             server_round, len(models), fields["align_seconds"], sum(fields["moved"]) / len(models))
         return result, fields, plain
 
-
     def guard_loss(self, model: nn.Module) -> float:
         """The do-no-harm loss: ``guard_fn`` on the clients' form of ``model``, else the loss on ``guard_data``."""
         if self.guard_fn is not None:
@@ -107,55 +125,51 @@ class AlignedFedAvg(FedlmcStrategy):
 
 
 class RefinedFedAvg(AlignedFedAvg):
-    """``AlignedFedAvg`` plus Dirichlet(``alpha``) learned refinement of every reply's alignment on a small
-    server-side data set ``refine_data`` (at most ``refine_steps`` steps; see ``fedlmc.matching.refine``):
-    any batch source with fedlmc's ``batches(batch_size, shuffle, generator)`` (``fedlmc.data.ArrayData(x, y)``
-    wraps tensors), and ``loss_fn(outputs, targets)`` instead of cross-entropy if given. Keep
-    ``guard_data`` disjoint from ``refine_data`` so the do-no-harm comparison stays honest.
+    """``AlignedFedAvg`` plus Dirichlet refinement of every reply's alignment on a small server-side data
+    set (``fedlmc.matching.refine``).
 
-    The refinement stops on its objective: every ``refine_check_every`` steps the aggregate (the merge at
-    the replies' weights) is scored on held-out batches (``refine_split``: the last quarter of
-    ``refine_data``, which the descent then does not train on), the best alignment scored (the
-    weight-matched start included) is kept, and the refinement stops after ``refine_patience`` scores
-    without improvement (a score improves when it is lower by more than ``refine_check_sigmas``
-    standard errors of the per-example difference: ``optimise.significantly_lower``). In rounds of a
-    gpt2-tiny federation a fixed 100 steps took 41 % of the round and made the aggregate worse from
-    round 2 on (README, "Refinement in a federation"); ``refine_check_every=0`` runs every step on all
-    of ``refine_data`` and keeps the last."""
+    The refinement stops on its objective: every ``refine.check_every`` steps the aggregate (the merge
+    at the replies' weights) is scored on held-out batches (the last quarter of ``refine.data``, split
+    off by ``refine_split``), the best alignment scored (the weight-matched start included) is kept,
+    and it stops after ``refine.patience`` checks without a significant improvement. Keep ``guard_data``
+    disjoint from ``refine.data`` so the do-no-harm comparison stays honest.
 
-    def __init__(self, *, refine_data, alpha: float = 1.0, refine_steps: int = 100, refine_check_every: int = 10,
-                 refine_patience: int = 2, refine_check_sigmas: float = 2.0, loss_fn: Optional[Callable] = None,
-                 **kwargs: Any) -> None:
+    Parameters
+    ----------
+    refine : Refinement
+        The refinement's data (required), steps, Dirichlet α, loss and stopping rule
+        (``fedlmc.options.Refinement``).
+    **kwargs
+        ``AlignedFedAvg``'s parameters (``reduce`` must stay "mean": refinement learns weighted means).
+    """
+
+    def __init__(self, *, refine: Refinement, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self.reduce != "mean":
             raise ValueError("RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'")
-        if refine_data is None:
-            raise ValueError("RefinedFedAvg needs refine_data (a small server-side data set)")
-        self.refine_data, self.alpha, self.refine_steps, self.loss_fn = refine_data, alpha, refine_steps, loss_fn
-        self.refine_checks = dict(check_every=refine_check_every, patience=refine_patience, sigmas=refine_check_sigmas)
+        if refine is None or refine.data is None:
+            raise ValueError("RefinedFedAvg needs refine=Refinement(data=...) (a small server-side data set)")
+        self.refine = refine
 
     def align(self, models, weights, start):
-        return universe_merge(models, method="refined", weights=weights, start=start, iterations=self.iterations,
-                              form=self.form, keep_layernorm=self.keep_layernorm, residual=self.residual,
-                              alpha=self.alpha, refine_steps=self.refine_steps, device=self.device, loss_fn=self.loss_fn,
-                              **refine_split(self.refine_data, **self.refine_checks))
+        return universe_merge(models, weights, start, matching=self.matching, refine=refine_split(self.refine),
+                              iterations=self.iterations, form=self.form, keep_layernorm=self.keep_layernorm,
+                              device=self.device)
 
 
-def refine_split(data, check_every: int, patience: int, sigmas: float = 2.0) -> dict[str, Any]:
-    """``universe_merge``'s refinement data and checks: with ``check_every``, the descent trains on the
-    first three quarters of ``data`` and the checks score the last quarter (data fedlmc cannot split,
-    e.g. a user's own batch source, or too small to split, is scored as it is trained on); ``patience``
-    and ``sigmas``: ``universe_merge``'s ``refine_patience`` and ``refine_check_sigmas``."""
-    if not check_every:
-        return dict(data=data)
+def refine_split(refine: Refinement) -> Refinement:
+    """``refine`` with held-out checks: with ``check_every`` and no ``check_data``, the descent trains on
+    the first three quarters of ``refine.data`` and the checks score the last quarter (data fedlmc cannot
+    split, e.g. a user's own batch source, or too small to split, is scored as it is trained on)."""
+    if not refine.check_every or refine.check_data is not None:
+        return refine
     try:
-        train, held = split(data, 0.75)
+        train, held = split(refine.data, 0.75)
     except TypeError:
-        train, held = data, None
-    if held is not None and (len(train) == 0 or len(held) == 0):
-        train, held = data, None
-    return dict(data=train, refine_check_data=held, refine_check_every=check_every, refine_patience=patience,
-                refine_check_sigmas=sigmas)
+        return refine
+    if len(train) == 0 or len(held) == 0:
+        return refine
+    return replace(refine, data=train, check_data=held)
 
 
 def transform_distance(T, spec) -> float:

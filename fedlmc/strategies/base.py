@@ -25,6 +25,7 @@ from fedlmc.hf import HFAdapter, recognise
 from fedlmc.hf.adapter import key_mismatch
 from fedlmc.models import from_config
 from fedlmc.models.layers import TransformerConfig
+from fedlmc.options import one_of
 from fedlmc.train import evaluate
 
 from .records import MODEL_CONFIG_KEY, model_from_arrays, state_arrays
@@ -56,42 +57,44 @@ def weight_cosine(model: nn.Module, reference: nn.Module) -> float:
 class FedlmcStrategy(FedAvg):
     """``FedAvg`` with fedlmc's shared machinery; subclasses implement ``combine``.
 
-    Parameters (beyond FedAvg's): ``model_config`` — the global model's ``config.to_dict()`` (sent to
-    clients with every message; used for replies that carry no ``model`` ConfigRecord);
-    ``report_data``/``report_batches`` — an optional data set (e.g. the test split) on which every round
-    also records each client model's loss, the plain average's and the aggregate's (costly: opt-in);
-    ``min_replies`` — fewest valid replies a round aggregates (else the previous model is kept);
-    ``max_norm_ratio`` — a reply whose weight norm exceeds this multiple of the global model's is excluded;
-    ``fallback`` — what ``start`` does with a model the strategy cannot align (no ``model_config``, or
-    initial arrays that are not a model of it): "error" (default) or "average" (plain FedAvg, warned
-    about every round); ``model`` — the clients' model (or its config) when it is not a fedlmc model:
-    a ``transformers`` GPT-2, ViT or Llama model or config. Replies then come, and the aggregate goes
-    back, under that model's own keys (``fedlmc.hf.HFAdapter``); a fedlmc model or config here is the
-    same as ``model_config``; ``aggregate_threads`` — torch threads while a round is combined: None
-    (default) leaves the process's setting alone, 0 uses every core (in a synchronous round the clients
-    wait for the aggregate; on a busy shared host, extra OpenMP threads can thrash instead).
+    Parameters
+    ----------
+    model : model or config, optional
+        The clients' model or its config: a fedlmc model, ``TransformerConfig`` (or its ``to_dict()``),
+        or a ``transformers`` GPT-2, ViT or Llama model or config. With a Hugging Face model, replies
+        come, and the aggregate goes back, under that model's own keys (``fedlmc.hf.HFAdapter``). The
+        config travels to the clients with every message.
+    report_data : data set, optional
+        When given (e.g. the test split), every round also records each client model's loss, the plain
+        average's and the aggregate's (costly: opt-in).
+    report_batches : int, optional
+        How many batches of ``report_data`` to score (default: all).
+    min_replies : int, default 1
+        Fewest valid replies a round aggregates (else the previous model is kept).
+    max_norm_ratio : float, default 100.0
+        A reply whose weight norm exceeds this multiple of the global model's is excluded.
+    fallback : {"error", "average"}, default "error"
+        What ``start`` does with a model the strategy cannot align (no ``model``, or initial arrays that
+        are not a model of it): stop with an error that names the fix, or average plainly (warned about
+        every round).
+    aggregate_threads : int, optional
+        Torch threads while a round is combined: None leaves the process's setting alone, 0 uses every
+        core (on a busy shared host, extra OpenMP threads can thrash instead).
+    **fedavg
+        Flower's ``FedAvg`` parameters (``fraction_train``, ``min_available_nodes``...).
     """
 
     same_shape = True  # replies must have the global model's shape (mixed-width strategies say False)
     needs_architecture = False  # strategies that align or slice must know the model before round 1
 
-    def __init__(self, *, model_config: Optional[dict[str, Any]] = None, report_data=None,
-                 report_batches: Optional[int] = None, min_replies: int = 1, max_norm_ratio: float = 100.0,
-                 fallback: str = "error", model: Any = None, aggregate_threads: Optional[int] = None,
-                 **fedavg: Any) -> None:
+    def __init__(self, *, model: Any = None, report_data=None, report_batches: Optional[int] = None,
+                 min_replies: int = 1, max_norm_ratio: float = 100.0, fallback: str = "error",
+                 aggregate_threads: Optional[int] = None, **fedavg: Any) -> None:
         super().__init__(**fedavg)
         self.aggregate_threads = aggregate_threads
-        if fallback not in ("error", "average"):
-            raise ValueError(f"fallback must be 'error' or 'average', got {fallback!r}")
-        self.adapter, self.client_keys = None, None
-        if model is not None:
-            cfg = getattr(model, "config", model)
-            if isinstance(cfg, TransformerConfig):
-                model_config = cfg.to_dict()
-            else:  # a transformers model or config (clear error for anything else)
-                self.adapter = HFAdapter(cfg)
-                model_config = self.adapter.config.to_dict()
-        self.global_config = model_config
+        one_of(fallback, ("error", "average"), "fallback")
+        self.adapter, self.client_keys, self.unknown_model = None, None, None
+        self.global_config = self._config_of(model, fallback)
         self.fallback, self.plain_reason = fallback, None
         self.report_data, self.report_batches = report_data, report_batches
         self.min_replies, self.max_norm_ratio = max(1, int(min_replies)), max_norm_ratio
@@ -100,6 +103,26 @@ class FedlmcStrategy(FedAvg):
         self._previous: Optional[ArrayRecord] = None
         self._excluded: list[dict[str, Any]] = []
         self._failures: list[dict[str, Any]] = []
+
+    def _config_of(self, model: Any, fallback: str) -> Optional[dict[str, Any]]:
+        """The global model's fedlmc config (as a dict) from ``model``; sets the Hugging Face adapter."""
+        if model is None:
+            return None
+        cfg = getattr(model, "config", model)
+        if isinstance(cfg, TransformerConfig):
+            return cfg.to_dict()
+        if isinstance(cfg, dict) and "arch" in cfg:
+            return dict(cfg)
+        if hasattr(cfg, "model_type"):  # a transformers model or config (clear error for an unsupported family)
+            self.adapter = HFAdapter(cfg)
+            return self.adapter.config.to_dict()
+        reason = (f"{type(self).__name__}(model=...) got a {type(model).__name__}, which is neither a fedlmc nor a "
+                  "Hugging Face GPT-2 / ViT / Llama model: describe your own Transformer's parameters with "
+                  "fedlmc.symmetry.Roles (docs: models), or pass fallback='average' to average it plainly")
+        if fallback == "error":
+            raise ValueError(reason)
+        self.unknown_model = reason
+        return None
 
     # ---- what subclasses provide ------------------------------------------------------------------
     def combine(self, server_round: int, replies: list[Message], models: list[nn.Module],
@@ -150,6 +173,8 @@ class FedlmcStrategy(FedAvg):
         if hf_class is not None:
             reason = (f"{name}: these are a Hugging Face {hf_class}'s weights, whose head count is not in the "
                       f"weights: pass model=<your {hf_class} or its config>")
+        elif self.unknown_model is not None:
+            reason = self.unknown_model
         elif self.global_config is None:
             reason = (f"{name} needs the model's architecture to align replies and was given none: pass "
                       "model=<your model or its config> (a fedlmc, Hugging Face GPT-2 / ViT / Llama model), or "
@@ -164,7 +189,7 @@ class FedlmcStrategy(FedAvg):
                 model_from_arrays(arrays, self.global_config)
                 return
             except Exception as e:  # noqa: BLE001 -- any mismatch is reported with its cause
-                reason = f"{name}: the initial arrays are not a model of model_config ({_key_mismatch(arrays, self.global_config) or e})"
+                reason = f"{name}: the initial arrays are not a model of the given model ({_key_mismatch(arrays, self.global_config) or e})"
         if self.fallback == "error":
             raise ValueError(reason + "; or pass fallback='average' to average such a model plainly")
         self.plain_reason = reason

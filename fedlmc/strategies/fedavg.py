@@ -7,7 +7,7 @@ from typing import Any
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedlmc.averaging import REDUCES, robust_merge
-from fedlmc.vocabulary import method_name
+from fedlmc.options import one_of
 
 from .base import FedlmcStrategy
 
@@ -19,7 +19,7 @@ class ReportingFedAvg(FedlmcStrategy):
 
     def __init__(self, *, reduce: str = "mean", trim: float = 0.2, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.reduce, self.trim = method_name(reduce, REDUCES, "reduce"), trim
+        self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
 
     def combine(self, server_round, replies, models, weights):
         if self.reduce != "mean":

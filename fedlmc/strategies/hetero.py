@@ -18,6 +18,7 @@ from flwr.supercore import log
 
 from fedlmc.hf import HFAdapter
 from fedlmc.models import from_config
+from fedlmc.options import Matching, Refinement
 from fedlmc.symmetry import spec_for
 from fedlmc.universe import project, universe_merge
 from fedlmc.widths import prefix_average
@@ -30,34 +31,41 @@ from .records import MODEL_CONFIG_KEY, state_arrays
 class HeteroWidthFedAvg(FedlmcStrategy):
     """Aggregate clients of different widths in one universe; send each its own-width projection.
 
-    ``model_config`` is the universe's (widest) architecture. Options as ``AlignedFedAvg``
-    (``iterations``, ``residual``...). The global model is the universe in canonical (RMSNorm) form: its
-    config travels with it (``model-config``).
+    The global model is the universe (the widest architecture) in canonical (RMSNorm) form: its config
+    travels with it (``model-config``).
 
-    Hugging Face clients: ``model=[...]`` lists the federation's ``transformers`` models or configs, one
-    per width (GPT-2 or ViT). Each reply is read by the one whose shapes it has, the universe is kept a
-    LayerNorm model (``keep_layernorm``: narrower streams are lifted so they stay centred), and every
-    client is sent its projection as a model of its own class and width, under its own keys.
-
-    ``refine_data`` (a small server-side data set) adds Dirichlet(``alpha``) refinement of every
-    client's alignment into the universe (at most ``refine_steps`` steps, stopping on the objective with
-    ``refine_check_every``, ``refine_patience`` and ``refine_check_sigmas``), as ``RefinedFedAvg`` does.
-
-    ``guard_data`` (fedlmc models): in a round where every replying client had sliced the global model
-    (HeteroFL's prefixes: the first round of a shared-init federation, or after the guard chose
-    slicing), the strategy also builds the slicing aggregate (``SlicingFedAvg``'s) and keeps whichever
-    has the lower loss on ``guard_data`` (``guard_batches`` batches). Choosing slicing drops every
-    client's transform, so the next round's clients slice again and both aggregates can be compared.
+    Parameters
+    ----------
+    model : model, config or list of them, optional
+        The universe's (widest) fedlmc model or config; or, for Hugging Face clients, a list of the
+        federation's ``transformers`` GPT-2 or ViT models or configs, one per width. Each reply is then
+        read by the one whose shapes it has, the universe is kept a LayerNorm model (narrower streams are
+        lifted so they stay centred), and every client is sent its projection as a model of its own
+        class and width, under its own keys.
+    matching : Matching, optional
+        Weight matching's knobs, as ``AlignedFedAvg``'s.
+    iterations : int, default 3
+    device : str, optional
+    guard_data : data set, optional
+        fedlmc models: in a round where every replying client had sliced the global model (HeteroFL's
+        prefixes: the first round of a shared-init federation, or after the guard chose slicing), the
+        slicing aggregate (``SlicingFedAvg``'s) is also built and whichever has the lower loss on
+        ``guard_data`` is kept. Choosing slicing drops every client's transform, so the next round's
+        clients slice again and both aggregates can be compared.
+    guard_batches : int, optional, default 8
+    refine : Refinement, optional
+        Dirichlet refinement of every client's alignment into the universe, as ``RefinedFedAvg``'s.
+    **kwargs
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
     """
 
     needs_architecture = True
 
     same_shape = False  # replies differ in shape: each is checked against its own declared config
 
-    def __init__(self, *, residual: str = "orthogonal", iterations: int = 3, device: Optional[str] = None,
-                 model: Any = None, guard_data=None, guard_batches: Optional[int] = 8, refine_data=None,
-                 alpha: float = 1.0, refine_steps: int = 100, refine_check_every: int = 10, refine_patience: int = 2,
-                 refine_check_sigmas: float = 2.0, **kwargs: Any) -> None:
+    def __init__(self, *, model: Any = None, matching: Optional[Matching] = None, iterations: int = 3,
+                 device: Optional[str] = None, guard_data=None, guard_batches: Optional[int] = 8,
+                 refine: Optional[Refinement] = None, **kwargs: Any) -> None:
         models = list(model) if isinstance(model, (list, tuple)) else None
         super().__init__(model=None if models is not None else model, **kwargs)
         self.adapters: list[HFAdapter] = []
@@ -74,10 +82,12 @@ class HeteroWidthFedAvg(FedlmcStrategy):
                              "Llama-style models (RoPE, grouped-query attention) are not supported yet")
         if guard_data is not None and self.adapters:
             raise ValueError("HeteroWidthFedAvg's slicing guard is for fedlmc models; Hugging Face clients are not sliced")
-        self.residual, self.iterations, self.device = residual, iterations, device
+        if refine is not None and refine.data is None:
+            raise ValueError("HeteroWidthFedAvg(refine=...) needs Refinement(data=...) (a small server-side data set)")
+        self.matching = matching if matching is not None else Matching()
+        self.iterations, self.device = iterations, device
         self.guard_data, self.guard_batches = guard_data, guard_batches
-        self.refine_data, self.alpha, self.refine_steps = refine_data, alpha, refine_steps
-        self.refine_checks = dict(check_every=refine_check_every, patience=refine_patience, sigmas=refine_check_sigmas)
+        self.refine = refine
         self._sliced: set[int] = set()  # nodes sent the global model itself this round (they slice it)
         self.adapter_of: dict[int, int] = {}  # client -> index of the adapter its replies are read with
         # client -> its transform into the current universe; a client is its declared partition id (stable
@@ -162,13 +172,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         return out
 
     def combine(self, server_round, replies, models, weights):
-        refine = dict(method="refined", alpha=self.alpha, refine_steps=self.refine_steps,
-                      **refine_split(self.refine_data, **self.refine_checks)) \
-            if self.refine_data is not None else {}
         start = self.start_for(models)
-        universe, transforms = universe_merge(models, weights=weights, start=start,
-                                              iterations=self.iterations, residual=self.residual, device=self.device,
-                                              keep_layernorm=bool(self.adapters), **refine)  # HF: LayerNorm models
+        refine = refine_split(self.refine) if self.refine is not None else None
+        universe, transforms = universe_merge(models, weights, start, matching=self.matching, refine=refine,
+                                              iterations=self.iterations, device=self.device,
+                                              keep_layernorm=bool(self.adapters))  # HF: LayerNorm models
         widths = [int(m.config.d_model) for m in models]
         fields = {"moved": [transform_distance(T, spec_for(universe)) for T in transforms], "widths": widths,
                   "kept": "aligned", "start": "previous" if start is not None else "reply"}
@@ -210,7 +218,7 @@ class SlicingFedAvg(FedlmcStrategy):
 
     def combine(self, server_round, replies, models, weights):
         if self._previous is None or self.global_config is None:
-            raise ValueError("SlicingFedAvg needs model_config and a previous global model (configure_train)")
+            raise ValueError("SlicingFedAvg needs model= and a previous global model (configure_train)")
         result = slicing_aggregate(models, weights, self._previous.to_torch_state_dict(), self.global_config)
         return result, {"widths": [int(m.config.d_model) for m in models]}, None
 

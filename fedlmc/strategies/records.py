@@ -38,5 +38,5 @@ def reply_config(content: RecordDict, default: Optional[dict[str, Any]] = None) 
     if rec is not None and "config" in rec:
         return json.loads(str(rec["config"]))
     if default is None:
-        raise ValueError("reply carries no model config and the strategy was given none (model_config=...)")
+        raise ValueError("reply carries no model config and the strategy was given none (model=...)")
     return default

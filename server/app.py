@@ -24,10 +24,11 @@ from fedlmc.allocator import retain_freed_memory
 from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
 from fedlmc.hf import hf_model_for
 from fedlmc.strategies.checkpoint import load_state, save_state
-from fedlmc.strategies.factory import build_strategy
 from fedlmc.strategies.records import state_arrays
 
-from simulations.summary import plot_rounds, summary_table
+from strategies.factory import build_strategy
+
+from .summary import plot_rounds, summary_table
 
 class Recorder:
     """Collects one record per round and rewrites ``metrics.json`` atomically after each."""
@@ -68,7 +69,7 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
     model = global_model(s)
     out = Path(s.out_dir).expanduser()
     client_model = hf_model_for(model.config, s.seed) if s.hf else None  # the clients' Hugging Face twin
-    strategy = build_strategy(s, model.config.to_dict(), splits, client_model)
+    strategy = build_strategy(s, model.config, splits, client_model)
     recorder = Recorder(out / "metrics.json", s)
     initial, done = (ArrayRecord(client_model.state_dict()) if s.hf else state_arrays(model)), 0
     state = load_state(out / "state") if s.resume else None
@@ -121,17 +122,17 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
     return recorder.doc
 
 
-def make_app(overrides: Optional[dict[str, Any]] = None,
-             after_round: Optional[Callable[[int], None]] = None) -> ServerApp:
+def make_app(overrides: Optional[dict[str, Any]] = None, after_round: Optional[Callable[[int], None]] = None,
+             settings: type[Settings] = Settings) -> ServerApp:
     """A ServerApp whose settings default to ``overrides`` (run_config keys win). ``flwr run`` uses
-    ``app``; in-process simulations (``simulations.compare``) build one per experiment."""
+    ``app``; the experiment layer (``simulations.experiment``) builds one with its own ``settings``."""
     overrides = dict(overrides or {})
     server = ServerApp()
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         retain_freed_memory()  # aggregation's temporaries: reuse freed pages (fedlmc.allocator)
-        serve(grid, Settings.from_run_config({**overrides, **context.run_config}), after_round)
+        serve(grid, settings.from_run_config({**overrides, **context.run_config}), after_round)
 
     return server
 

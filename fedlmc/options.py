@@ -1,0 +1,171 @@
+"""The knobs that travel together, one object each, with their defaults defined once.
+
+* ``Matching``: how weight matching aligns one model to another (``matching.weight_matching``, every
+  universe iteration, the strategies).
+* ``Learning``: how the shared optimiser learns alignments (``matching.learned_matching``).
+* ``Refinement``: Dirichlet refinement of a universe's alignments: ``Learning`` plus its data, its
+  Dirichlet concentration and when it stops (``universe_merge(refine=...)``, ``RefinedFedAvg``,
+  ``HeteroWidthFedAvg``).
+
+A knob has one name from ``run_config`` down to the optimiser: run_config ``refine-check-sigmas`` is
+``Settings.refine_check_sigmas`` is ``Refinement.check_sigmas``, the one the optimiser reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+RESIDUALS = ("orthogonal", "permutation")
+GAUGES = ("orthogonal", "invertible", None)
+PRECISIONS = ("auto", "exact", "bfloat16")
+SCHEDULES = ("constant", "cosine")
+RELAXATIONS = ("ste", "sinkhorn")
+
+
+def one_of(value: Any, allowed: Iterable[Any], what: str) -> Any:
+    """``value`` if it is one of ``allowed``, else a ``ValueError`` that lists the choices."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+@dataclass(frozen=True)
+class Matching:
+    """How weight matching aligns a model B to a model A, without data.
+
+    Parameters
+    ----------
+    residual : {"orthogonal", "permutation"}, default "orthogonal"
+        The residual stream's group: any orthogonal map (the paper), or permutations only (the Git
+        Re-Basin / FedMA-style baseline).
+    gauge : {"orthogonal", "invertible", None}, default "orthogonal"
+        How the intra-head QK / OV gauges are aligned (the factored merge needs them): Procrustes, least
+        squares (recovers any invertible gauge), or not at all.
+    iterations : int, default 15
+        At most this many coordinate-descent iterations.
+    tol : float, default 2e-3
+        A descent stops when an iteration improves its objective by less than this (relative).
+    keep_identity : bool, default True
+        Also score the identity transform (plain averaging) and return it when the descent found nothing
+        better: the do-no-harm candidate for models that share an initialisation.
+    ff_candidates : int or None, default 64
+        FF groups of more than 4 × ``ff_candidates`` neurons are assigned on each neuron's
+        ``ff_candidates`` best partners (a sparse assignment); None solves every group densely.
+    precision : {"auto", "exact", "bfloat16"}, default "auto"
+        The dtype of the large per-iteration products: bfloat16 factors for float32 problems on CPUs
+        with native bfloat16 ("auto"), or always exact / always bfloat16.
+    dtype : torch.dtype or None, default None
+        The problem's dtype: None picks float64 below 20M parameters, float32 above.
+    residual_data : data set or None, default None
+        A few batches whose residual-stream activations join the residual map's objective (the
+        data-light residual option, ``activation.residual_activation_cross``); universe merges only.
+    """
+
+    residual: str = "orthogonal"
+    gauge: Optional[str] = "orthogonal"
+    iterations: int = 15
+    tol: float = 2e-3
+    keep_identity: bool = True
+    ff_candidates: Optional[int] = 64
+    precision: str = "auto"
+    dtype: Optional[torch.dtype] = None
+    residual_data: Any = None
+
+    def __post_init__(self) -> None:
+        one_of(self.residual, RESIDUALS, "residual")
+        one_of(self.gauge, GAUGES, "gauge")
+        one_of(self.precision, PRECISIONS, "precision")
+        if self.iterations < 1:
+            raise ValueError(f"iterations must be at least 1, got {self.iterations}")
+
+
+@dataclass(frozen=True)
+class Learning:
+    """How the shared optimiser learns alignments (learned matching; ``Refinement`` extends it).
+
+    Parameters
+    ----------
+    steps : int, default 300
+        At most this many optimiser steps.
+    lr : float, default 1e-3
+        The residual latents' learning rate (Adam).
+    perm_lr : float, default 0.05
+        The permutation latents' learning rate: they start as 0/1 matrices, so a permutation changes
+        once a latent moves by about one.
+    batch_size : int, default 64
+    seed : int, default 0
+        Seeds the batch order and the sampled merge weights.
+    schedule : {"constant", "cosine"}, default "constant"
+        "cosine" decays both learning rates to 0 over ``steps``.
+    relax : {"ste", "sinkhorn"}, default "ste"
+        Permutations in the forward pass: hard, with a straight-through gradient, or soft
+        (``sinkhorn(latent / tau)``). The result is the latents' hard assignment either way.
+    tau : float, default 0.1
+        The Sinkhorn temperature.
+    loss_fn : callable or None, default None
+        ``loss_fn(outputs, targets) -> loss`` instead of cross-entropy.
+    check_every : int, default 0
+        Stop on the objective: every ``check_every`` steps (and at the start) the merge at the models'
+        weights is scored, without gradient, on the first ``check_batches`` batches of the check data;
+        the best alignment scored is returned. 0: never, run every step and return the last.
+    check_batches : int, default 4
+    patience : int, default 2
+        Stop after this many checks in a row that did not improve on the best.
+    check_sigmas : float, default 2.0
+        A check improves when its loss is lower by more than this many standard errors of the paired
+        per-example difference (0: lower at all).
+    """
+
+    steps: int = 300
+    lr: float = 1e-3
+    perm_lr: float = 0.05
+    batch_size: int = 64
+    seed: int = 0
+    schedule: str = "constant"
+    relax: str = "ste"
+    tau: float = 0.1
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    check_every: int = 0
+    check_batches: int = 4
+    patience: int = 2
+    check_sigmas: float = 2.0
+
+    def __post_init__(self) -> None:
+        one_of(self.schedule, SCHEDULES, "schedule")
+        one_of(self.relax, RELAXATIONS, "relax")
+        if self.steps < 0 or self.check_every < 0:
+            raise ValueError(f"steps and check_every must be non-negative, got {self.steps} and {self.check_every}")
+
+
+@dataclass(frozen=True)
+class Refinement(Learning):
+    """Dirichlet refinement of a universe: every model's alignment learned so that merges at weights
+    λ ~ Dirichlet(α·1) have low loss on ``data``. ``Learning``'s parameters, with these defaults:
+    at most 100 steps, stopping on the objective every 10 steps.
+
+    Parameters
+    ----------
+    data : data set or None, default None
+        What the refinement learns on: anything with fedlmc's ``batches(batch_size, shuffle, generator)``
+        (``fedlmc.data.ArrayData(x, y)`` wraps tensors). The strategies split off its last quarter for
+        the checks (``check_data``) when they can.
+    alpha : float, default 1.0
+        The Dirichlet concentration: α = 1 samples the whole simplex of merges evenly.
+    check_data : data set or None, default None
+        Held-out batches the checks score (default: ``data``; held out, the checks do not reward
+        overfitting the descent's batches).
+    """
+
+    steps: int = 100
+    check_every: int = 10
+    data: Any = None
+    alpha: float = 1.0
+    check_data: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be positive, got {self.alpha}")

@@ -1,0 +1,1 @@
+"""The fedlmc ServerApp (``server.app:app``): a federation driven by ``run_config``."""
