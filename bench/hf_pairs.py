@@ -94,10 +94,11 @@ def main() -> None:
            "curves": curves}
     if args.family == "gpt2":  # the tied head: each residual group's midpoint, untied vs written back tied
         from fedlmc.matching import weight_matching
+        from fedlmc.options import Matching
         ca, cb = canonicalize(a), canonicalize(b)
         ref = Path(args.cache) / f"hf-gpt2-s{args.seeds[0]}-{args.steps or 'preset'}"
-        doc["tied"] = {residual: tied_midpoint(ca, apply_transform(cb, weight_matching(ca, cb, keep_layernorm=True,
-                                                                                       residual=residual)), ref, splits)
+        doc["tied"] = {residual: tied_midpoint(ca, apply_transform(cb, weight_matching(ca, cb, Matching(residual=residual),
+                                                                                       keep_layernorm=True)), ref, splits)
                        for residual in ("orthogonal", "permutation")}
         doc["tied"]["plain"] = tied_midpoint(a, b, ref, splits)
     doc["seconds"] = time.time() - t0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from fedlmc.options import Learning
 from fedlmc.averaging import interpolate
 from fedlmc.barrier import barrier, interpolation_curve
 from fedlmc.symmetry import canonicalize
@@ -80,8 +81,8 @@ def one_pair(a, b, splits, epoch: int, long: int, cache: Path, tag: str, log, on
             continue
         kw = dict(kw)
         snaps = kw.pop("snapshots", [])
-        T = learned_matching(a, b, splits.train, start=wm, progress=False, snapshots=snaps, **kw)
-        form = kw.get("form", "factored")
+        form = kw.pop("form", "factored")
+        T = learned_matching(a, b, splits.train, wm, Learning(**kw), form=form, snapshots=snaps, progress=False)
         row = {"steps": kw["steps"], "seconds": T.info["seconds"], "form": form,
                "options": {k: v for k, v in kw.items() if k != "steps"},
                "barrier": measure(ca, cb, T, splits.test, form)}

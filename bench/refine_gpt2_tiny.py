@@ -5,7 +5,7 @@
 The replies are one random gpt2-tiny moved by 5 % noise each (clients trained from the global model:
 the universe starts from it, as ``RefinedFedAvg`` does in a multi-round federation); the refinement
 learns on Tiny Shakespeare's validation split, the server's half a round would use. Reports the
-seconds of the whole ``universe_merge(method="refined")`` and of the refinement alone per repeat, their
+seconds of the whole ``universe_merge(refine=...)`` and of the refinement alone per repeat, their
 medians, and a profile (seconds per section; "assignment solves" is the waiting for the Hungarian
 solves, inside "aligned models"). Writes results/bench_refine_gpt2_tiny.json.
 """
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from fedlmc.options import Refinement
 from fedlmc.data import load
 from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
@@ -53,8 +54,8 @@ def main() -> None:
     for r in range(args.repeats):
         with profiling() as prof:
             t0 = time.time()
-            _, Ts = universe_merge(models, method="refined", start=base, iterations=2, data=data,
-                                   refine_steps=args.steps, progress=False)
+            refine = Refinement(data=data, steps=args.steps, check_every=0)  # a fixed budget, every step
+            _, Ts = universe_merge(models, None, base, refine=refine, iterations=2, progress=False)
             secs = time.time() - t0
         refine = max(T.info.get("seconds", 0.0) for T in Ts)
         runs.append({"seconds": round(secs, 2), "refinement_seconds": round(refine, 2), "profile_seconds": prof})

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from fedlmc.options import Refinement
 from fedlmc.averaging import merge
 from fedlmc.federated import Settings, client_data, evaluate_model, global_model, halves, local_train, splits_for
 from fedlmc.strategies.aligned import refine_split
@@ -29,12 +30,10 @@ from _results import write_results  # noqa: E402  (bench/, the script's own fold
 
 
 def variants(refine_half) -> dict[str, dict]:
-    return {"aligned": dict(method="aligned"),
-            "refined, 100 steps": dict(method="refined", refine_steps=100, data=refine_half),
-            "refined, stopping on any improvement": dict(method="refined", refine_steps=100,
-                                                         **refine_split(refine_half, 10, 2, sigmas=0.0)),
-            "refined, stopping on the objective": dict(method="refined", refine_steps=100,
-                                                       **refine_split(refine_half, 10, 2))}
+    return {"aligned": dict(refine=None),
+            "refined, 100 steps": dict(refine=Refinement(data=refine_half, steps=100, check_every=0)),
+            "refined, stopping on any improvement": dict(refine=refine_split(Refinement(data=refine_half, check_sigmas=0.0))),
+            "refined, stopping on the objective": dict(refine=refine_split(Refinement(data=refine_half)))}
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 Runs one multi-round federation per strategy (aligned, refined) on the Ray simulation engine, each in
 its own process, and reads the ServerApp's per-round record: the round's wall time (clients' training
 included) and the strategy's aggregation seconds. Writes results/bench_round_share_<preset>.json.
-Targets (issue 13): aligned ≤ 10 %, refined ≤ 25 % of the round; ``met`` asks it of every round (the
+Targets: aligned ≤ 10 %, refined ≤ 25 % of the round; ``met`` asks it of every round (the
 median, the whole federation's share and the worst round are all written).
 """
 from __future__ import annotations

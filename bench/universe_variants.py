@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from fedlmc.options import Learning, Matching, Refinement
 from fedlmc.averaging import merge
 from fedlmc.symmetry import canonicalize
 from fedlmc.commands import console, load_splits
@@ -32,7 +33,8 @@ from _models import add_model_args, trained_models, width_arch  # noqa: E402  (b
 def pairwise_learned(models, splits, steps: int = 300):
     """Every model learned-matched (from weight matching) to model 0, then averaged (factored)."""
     anchor = canonicalize(models[0])
-    aligned = [anchor] + [apply_transform(canonicalize(m), learned_matching(models[0], m, splits.train, steps=steps,
+    aligned = [anchor] + [apply_transform(canonicalize(m), learned_matching(models[0], m, splits.train,
+                                                                             learning=Learning(steps=steps),
                                                                              progress=False)) for m in models[1:]]
     return merge(aligned, [1 / len(models)] * len(models))
 
@@ -43,16 +45,17 @@ def variants(refine_steps: int) -> dict[str, Callable]:
         return lambda models, splits: universe_merge(models, **kw)[0]
 
     def refined(alpha: float, **kw):
-        return lambda models, splits: universe_merge(models, method="refined", iterations=10, data=splits.train,
-                                                     alpha=alpha, refine_steps=refine_steps, **kw)[0]
+        refine = dict(alpha=alpha, steps=refine_steps, check_every=0)  # a fixed budget, every step
+        return lambda models, splits: universe_merge(models, refine=Refinement(data=splits.train, **refine),
+                                                     iterations=10, **kw)[0]
     return {
         "vanilla averaging": lambda models, splits: merge(models, [1 / len(models)] * len(models)),
         "universe, 10 iterations (the default anchor: heaviest = model 0)": uni(iterations=10),
         "universe, 1 iteration (each model weight-matched to model 0, averaged)": uni(iterations=1),
         "universe, until it stops moving (≤ 50 iterations, tol 1e-6)": uni(iterations=50, tol=1e-6),
         "universe, central anchor": uni(iterations=10, anchor="central"),
-        "universe + residual activations": lambda models, splits: universe_merge(models, iterations=10,
-                                                                                 residual_data=splits.train)[0],
+        "universe + residual activations": lambda models, splits: universe_merge(
+            models, matching=Matching(residual_data=splits.train), iterations=10)[0],
         "universe, circuit merge": uni(iterations=10, form="circuit"),
         "pairwise learned matching to model 0 (300 steps each), averaged": pairwise_learned,
         f"refined α = 0.1, {refine_steps} steps": refined(0.1),

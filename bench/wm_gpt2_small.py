@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from fedlmc.options import Matching
 from fedlmc.allocator import retain_freed_memory
 from fedlmc.symmetry import canonicalize
 from fedlmc.matching import weight_matching
@@ -30,9 +31,9 @@ from _results import environment, write_results  # noqa: E402  (bench/, the scri
 
 CONFIGS = {  # name: (which B, weight_matching options)
     "independent": ("independent", {}),
-    "independent-paper-init": ("independent", {"starts": "paper"}),
-    "independent-paper-init-exact": ("independent", {"starts": "paper", "candidates": None, "precision": "exact"}),
-    "independent-paper-init-rtol-1e-3": ("independent", {"starts": "paper", "rtol": 1e-3}),
+    "independent-paper-init": ("independent", {"keep_identity": False}),
+    "independent-paper-init-exact": ("independent", {"keep_identity": False, "ff_candidates": None, "precision": "exact"}),
+    "independent-paper-init-rtol-1e-3": ("independent", {"keep_identity": False, "tol": 1e-3}),
     "planted": ("planted", {}),
 }
 
@@ -75,7 +76,7 @@ def run(a, ca, b, planted, noise: float, name: str) -> dict:
     other = planted if which == "planted" else b
     with profiling() as prof:
         t0 = time.time()
-        T = weight_matching(a, other, **kw)
+        T = weight_matching(a, other, Matching(**kw))
         secs = time.time() - t0
     out = {"options": {k: str(v) for k, v in kw.items()}, "seconds": round(secs, 2),
            "iterations": T.info["iterations"], "chosen": T.info["chosen"], "objective": T.info["objective"],

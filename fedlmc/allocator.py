@@ -3,8 +3,7 @@ every large block back to the kernel and faulting it in again on the next alloca
 
 A matching iteration at gpt2-small size allocates and frees a few hundred MB of temporaries. By
 default glibc serves each large block with a fresh ``mmap`` and returns freed heap tops to the kernel
-(``M_TRIM_THRESHOLD``), so every iteration pays page faults for memory it has just released: on the
-2-core bench machine the kernel's share of an 8-model universe merge was ~20 % of its wall time.
+(``M_TRIM_THRESHOLD``), so every iteration pays page faults for memory it has just released.
 Raising the thresholds keeps those pages mapped for reuse. The process's resident size then stays at
 its peak rather than shrinking between rounds, which is what a server holding M replies does anyway.
 

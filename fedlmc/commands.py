@@ -234,7 +234,8 @@ def cmd_universe(args: argparse.Namespace) -> int:
     over = {k: v for k, v in budget(args).items() if v is not None}
     console.rule(f"{args.preset}: universe of {len(seeds)} models on {splits.summary()}")
     models = [trained(args.preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in seeds]
-    res = universe_table(models, splits, refine_steps=args.refine_steps, alpha=args.alpha, iterations=args.iterations,
+    res = universe_table(models, splits, Refinement(steps=args.refine_steps, check_every=0), alphas=args.alpha,
+                         iterations=args.iterations,
                          log=console.print, progress=not args.quiet, simplex_n=args.simplex_n,
                          max_batches=args.max_batches, forms=args.forms)
     res.update(preset=args.preset, seeds=seeds, dataset=splits.name, budget=over)

@@ -6,6 +6,8 @@ model is than the models it came from, on average.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import time
 from pathlib import Path
@@ -88,8 +90,8 @@ def plot_simplex(panels: dict[str, list[dict]], path: Path, title: str = "") -> 
     return path
 
 
-def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200, alpha: float | Sequence[float] = 1.0,
-                   iterations: int = 5, log: Callable[[str], None] = print, progress: bool = True,
+def universe_table(models: Sequence[nn.Module], splits, refine: Optional[Refinement] = None,
+                   alphas: Sequence[float] = (1.0,), iterations: int = 5, log: Callable[[str], None] = print, progress: bool = True,
                    simplex_n: int = 0, max_batches: Optional[int] = None, forms: Sequence[str] = ("factored",),
                    tol: float = 1e-6) -> dict[str, Any]:
     """Vanilla average vs universe (weight matching) vs Dirichlet-refined universe of ``models``:
@@ -114,19 +116,20 @@ def universe_table(models: Sequence[nn.Module], splits, refine_steps: int = 200,
         if form != "factored":
             t = time.time()
             row(f"universe ({form})", universe_merge(models, iterations=iterations, tol=tol, form=form)[0], time.time() - t)
-    alphas = [alpha] if isinstance(alpha, (int, float)) else list(alpha)
+    # a fixed budget, every step (the table compares refinement lengths as they are); ``alphas`` override its α
+    refine = refine if refine is not None else Refinement(steps=200, check_every=0)
+    alphas = list(alphas)
     T_ref = None
     for a in alphas:
         t = time.time()
-        # a fixed budget, every step: the universe table compares refinement lengths as they are
-        refine = Refinement(data=splits.train, alpha=a, steps=refine_steps, check_every=0)
-        ref, T = universe_merge(models, refine=refine, iterations=iterations, tol=tol, progress=progress)
+        ref, T = universe_merge(models, refine=replace(refine, data=splits.train, alpha=a), iterations=iterations,
+                                tol=tol, progress=progress)
         row(f"refined (α={a:g})" if len(alphas) > 1 else "refined", ref, time.time() - t)
         T_ref = T_ref or T
     v = rows["vanilla"]["excess"]
     for name in rows:
         rows[name]["ratio"] = rows[name]["excess"] / v if v > 0 else float("nan")
-    out: dict[str, Any] = {"endpoints": ends, "rows": rows, "alpha": alphas, "refine_steps": refine_steps,
+    out: dict[str, Any] = {"endpoints": ends, "rows": rows, "alpha": alphas, "refine_steps": refine.steps,
                            "iterations": iterations}
     if simplex_n and n >= 3:
         three = list(models[:3])

@@ -24,7 +24,7 @@ def ray_env() -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Ray starts its workers (the ClientApp actors) at nice 15: beside any ordinary job they get a few
-    # per cent of a core (a 20 s example took 230 s next to one training job)
+    # per cent of a core
     os.environ.setdefault("RAY_worker_niceness", "0")
     # the apps' packages (clients, server, strategies, simulations) live in the checkout, not in
     # site-packages: Ray's workers import them from here

@@ -9,7 +9,7 @@ from scipy.optimize import linear_sum_assignment
 from fedlmc.options import Matching
 from fedlmc.symmetry import canonicalize
 from fedlmc.matching import weight_matching
-from fedlmc.matching.common import sparse_assignment
+from fedlmc.matching.solvers import sparse_assignment
 from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.models import from_preset
 from fedlmc.symmetry import apply_transform, canonical_config, random_transform

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from ..symmetry import canonical, canonical_config
 from ..symmetry import Transform, spec_for
-from .common import apply_elements, assignment, gauge_step, grouped_assignment, residual_element
+from .solvers import assignment, grouped_assignment
+from .steps import apply_elements, gauge_step, residual_element
 from .weight import canonical_state, identity_elements
 
 

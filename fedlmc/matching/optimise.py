@@ -8,7 +8,7 @@ symmetry applied to all models at once changes nothing. ``O`` is the polar facto
 (differentiable, with a stable gradient); permutations are Hungarian projections of their latents with
 a straight-through gradient; intra-head gauges (factored merge) are re-aligned to a reference by
 Procrustes from the current hard alignment at every step (constants for the gradient). What comes out
-is an exact group element in float64 (``common.exact_elements``).
+is an exact group element in float64 (``solvers.exact_elements``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_ma
 from ..train import _progress, loss_and_correct
 from ..widths import permute_masks
 from .profile import section
-from .common import Elements, apply_elements, assignments, exact_elements, gauge_step
+from .solvers import Elements, assignments, exact_elements
+from .steps import apply_elements, gauge_step
 
 
 class _Polar(torch.autograd.Function):
@@ -126,8 +127,7 @@ class Latents:
 def hard_all(lat: Sequence[Optional[Latents]], pool: Executor) -> list[Optional[dict[str, torch.Tensor]]]:
     """Every moving model's hard permutations (None for the fixed one): each group's latent projected to
     its nearest permutation (block by block for "within" groups), all solves at once so that they spread
-    over the pool's threads. Latents that drifted far from 0/1 make slow assignments: on two cores these
-    solves were half of a refinement step."""
+    over the pool's threads (latents that drifted far from 0/1 make slow assignments)."""
     jobs = [(i, k, lo, v[lo:lo + b, lo:lo + b] if b else v) for i, la in enumerate(lat) if la is not None
             for k, v in la.p.items() for b in [la.blocks.get(k)] for lo in (range(0, v.shape[0], b) if b else [0])]
     solved = assignments([score for *_, score in jobs], pool)
@@ -155,7 +155,7 @@ class Alignments:
     (``aligned``, differentiable), every hard permutation at once (``hard``) and the exact group
     elements (``exact``). ``fixed`` has no latents: a symmetry applied to all models changes nothing."""
 
-    def __init__(self, states: Sequence[StateDict], cfg, starts: Sequence[Transform], fixed: int, opts: Options,
+    def __init__(self, states: Sequence[StateDict], cfg, warm_starts: Sequence[Transform], fixed: int, opts: Options,
                  masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]], reference: Optional[StateDict],
                  pool: Executor) -> None:
         ref_t = states[fixed][next(iter(states[fixed]))]
@@ -163,7 +163,7 @@ class Alignments:
         self.states, self.cfg, self.fixed, self.opts, self.pool = states, cfg, fixed, opts, pool
         self.spec = spec_for(cfg)
         Q = ones_basis(cfg.d_model, dtype).to(dev) if opts.keep_layernorm else None
-        starts = [T.to(dtype=dtype, device=dev) for T in starts]
+        starts = [T.to(dtype=dtype, device=dev) for T in warm_starts]
         self.lat = [None if i == fixed else Latents(starts[i], self.spec, cfg.d_model, Q, opts.learn_residual, dtype, dev)
                     for i in range(M)]
         self.masks = list(masks) if masks is not None else [None] * M
@@ -219,13 +219,13 @@ class Alignments:
             return out
 
 
-def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transform], data, fixed: int,
+def learn_alignments(states: Sequence[StateDict], cfg, warm_starts: Sequence[Transform], data, fixed: int,
                      sample_weights: Callable[[], list[float]], opts: Options,
                      masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
                      reference: Optional[StateDict] = None, label: str = "learning alignments",
                      check_weights: Optional[Sequence[float]] = None, check_data=None) -> Learned:
     """Learn the alignment of every model but ``fixed`` (canonical ``states`` of config ``cfg``, same
-    shape), starting from ``starts``; ``sample_weights()`` draws each step's merge weights; ``masks``
+    shape), starting from ``warm_starts``; ``sample_weights()`` draws each step's merge weights; ``masks``
     mark padded units; the gauges align to ``reference`` (default: the fixed model aligned);
     ``check_weights`` (default uniform): the merge weights ``opts.learn.check_every`` scores, on the first
     batches of ``check_data`` (default ``data``).
@@ -237,7 +237,7 @@ def learn_alignments(states: Sequence[StateDict], cfg, starts: Sequence[Transfor
     snaps: dict[int, list[Optional[Elements]]] = {}
     wanted = set(opts.snapshots)
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-        al = Alignments(states, cfg, starts, fixed, opts, masks, reference, pool)
+        al = Alignments(states, cfg, warm_starts, fixed, opts, masks, reference, pool)
         check = None
         if learn.check_every:
             check = _Checks(opts, check_data if check_data is not None else data, cfg,
@@ -261,8 +261,8 @@ class _Checks:
     the start and every ``check_every`` steps; keeps the best alignment's exact elements.
 
     The descent samples merge weights and batches, so its own loss trace is too noisy to stop on; and
-    more steps can make the aggregate worse on new data while its training loss still falls (measured
-    in rounds of a gpt2-tiny federation, README): scored on held-out batches, the best checked
+    more steps can make the aggregate worse on new data while its training loss still falls: scored
+    on held-out batches, the best checked
     alignment is returned. A check replaces the best only when it is significantly lower
     (``check_sigmas``): the best of many checks on the same few batches would otherwise be
     partly chosen by those batches' noise, and steps that buy noise cost as much as the others."""

@@ -20,8 +20,9 @@ from ..options import Matching
 from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
 from ..train import evaluate, pick_device
 from .profile import section
-from .common import (Elements, anchors, apply_elements, as_rows, circuit_norms, ff_step, gauge_step, heads_step,
-                     residual_element, score_dtype, unit_features)
+from .solvers import Elements, score_dtype
+from .steps import (anchors, apply_elements, as_rows, circuit_norms, ff_step, gauge_step, heads_step, residual_element,
+                    unit_features)
 
 
 def canonical_state(model: nn.Module, device: torch.device, dtype: torch.dtype) -> StateDict:
@@ -85,7 +86,7 @@ class Fixed:
         self.axis = {m.param: m.axis for m in self.moving_members}
         self.A_fast = {k: v.to(self.fast) for k, v in self.A_mov.items() if k in self.axis}
         self.A_features = {g.name: unit_features(A, g).to(self.fast) for g in ff}
-        self.A_sides: dict = {}  # A's head factors, filled by the head and gauge steps (common.cached_side)
+        self.A_sides: dict = {}  # A's head factors, filled by the head and gauge steps (steps.cached_side)
 
     def fits(self, A: StateDict, precision: str) -> bool:
         """Whether this was built from the same tensors (same device and dtype) and precision."""
@@ -101,7 +102,7 @@ class Problem:
     Head circuit norms, A's FF features and the identity units' ``Cross`` are computed once too.
 
     Precision: the per-iteration products (B's tensors under the residual map, the FF similarity
-    scores, the cross-covariances) multiply factors held in ``self.fast`` (``common.score_dtype``:
+    scores, the cross-covariances) multiply factors held in ``self.fast`` (``solvers.score_dtype``:
     bfloat16 for float32 problems on a CPU with native bfloat16, else the problem's dtype) and
     accumulate in float32; residual map and gauges are solved in the problem's dtype. Rounding the
     factors makes errors that mostly average out over each product's length: on the gpt2-small-shaped
@@ -239,17 +240,15 @@ def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "ortho
     When the last unit steps moved no permutation, an iteration first scores its residual step alone
     (free: ``Cross.value``); if that gains less than the tolerance, only the gauges are refitted to the
     new O and the descent stops (``_finish``): the permutations have settled, so the FF and head steps,
-    most of an iteration's cost, would not move (on a planted gpt2-small-shaped pair this replaces the
-    last of four iterations).
+    most of an iteration's cost, would not move.
 
-    Every iteration begins with the residual step, the first one too. (Keeping the paper start's
-    anchor-only O for the first unit steps halves the iterations on a planted pair, but it moved the
-    vit-tiny reproduction's weight-matching barriers by up to +0.10: measured, and not done.)
+    Every iteration begins with the residual step, the first one too (the paper start's anchor-only O
+    is never used for the unit steps: docs/results.md says why).
     Two passes over the moving tensors per iteration: the residual map applied to B (which the unit
     steps read), and the cross-covariance of A with U(B) (``Problem.cross``), which gives both the
     objective for every O and the next residual step's matrix (units commute with the residual map).
     ``M_extra`` (e.g. residual activations) is mixed into every residual step with ``extra_weight``.
-    ``candidates``: see ``common.ff_step``.
+    ``candidates``: see ``steps.ff_step``.
     """
     spec = P.spec
     still = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6

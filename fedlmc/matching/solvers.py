@@ -1,0 +1,196 @@
+"""The solvers every matching method shares: linear assignment (dense, sparse on candidate edges,
+many at once in a thread pool, blocks of units), orthogonal Procrustes, the Sylvester equation of
+invertible gauges, exact group elements from learned latents, and the precision of the large products
+(native bfloat16 on CPUs that have it). Nothing here reads a symmetry spec's parameters."""
+from __future__ import annotations
+
+import functools
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import min_weight_full_bipartite_matching
+
+from ..symmetry import SymmetrySpec, ones_basis
+from .profile import section
+
+Elements = dict[str, torch.Tensor]
+
+
+def procrustes(M: torch.Tensor) -> torch.Tensor:
+    """The orthogonal (or orthonormal-column) R maximising ``tr(Rᵀ M)``: ``U Vᵀ`` from ``M = U S Vᵀ``."""
+    U, _, Vh = torch.linalg.svd(M, full_matrices=False)
+    return U @ Vh
+
+
+def procrustes_fix_ones(M: torch.Tensor) -> torch.Tensor:
+    """Procrustes restricted to ``O·1 = 1`` (square): identity on 1/√d, free on its complement."""
+    d = M.shape[0]
+    Q = ones_basis(d, M.dtype).to(M.device)
+    R = procrustes((Q.T @ M @ Q)[1:, 1:])
+    return Q @ torch.block_diag(torch.ones(1, 1, dtype=M.dtype, device=M.device), R) @ Q.T
+
+
+def exact_elements(elements: dict[str, torch.Tensor], spec: SymmetrySpec, keep_ones: bool = False) -> Elements:
+    """Learned elements as exact group elements, on the CPU in float64.
+
+    Latents train in float32, where the polar factor is orthogonal only to ~1e-6 (enough to change a
+    model's outputs by ~1e-5): the residual map is re-polarised in float64 (the nearest orthogonal
+    matrix; with ``keep_ones`` the nearest one with O·1 = 1). Permutations stay index tensors; gauges
+    act through their exact inverses, so any invertible float64 matrix is exact.
+    """
+    out: Elements = {}
+    for name, el in elements.items():
+        el = el.detach().cpu()
+        kind = spec.groups[name].kind
+        if kind == "permutation":
+            out[name] = el
+        elif kind == "orthogonal":
+            out[name] = (procrustes_fix_ones if keep_ones else procrustes)(el.to(torch.float64))
+        else:
+            out[name] = el.to(torch.float64)
+    return out
+
+
+def _obvious(score: torch.Tensor, maximize: bool = True) -> Optional[torch.Tensor]:
+    """The assignment when every row's best column is distinct (then it is optimal, no solver needed)."""
+    if not torch.isfinite(score.sum()) and not torch.isfinite(score).all():  # the sum: 40× cheaper, same answer
+        raise ValueError("assignment scores contain NaN/Inf")
+    best = score.argmax(1) if maximize else score.argmin(1)
+    return best.cpu() if len(torch.unique(best)) == len(best) else None
+
+
+def _perm(rows, cols, n: int) -> torch.Tensor:
+    """``perm[rows] = cols`` as a long tensor (a solver's row/column pairs as ``new[i] = old[perm[i]]``)."""
+    perm = torch.empty(n, dtype=torch.long)
+    perm[torch.as_tensor(rows, dtype=torch.long)] = torch.as_tensor(cols, dtype=torch.long)
+    return perm
+
+
+def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
+    """The permutation ``perm`` (``new[i] = old[perm[i]]``) maximising ``Σ_i score[i, perm[i]]``."""
+    best = _obvious(score, maximize)
+    if best is not None:
+        return best
+    with section("assignment solves"):
+        return dense_solve(score.detach().to("cpu", torch.float64).numpy(), maximize)
+
+
+def dense_solve(score: np.ndarray, maximize: bool = True) -> torch.Tensor:
+    """scipy's dense solver on a float64 array, as a permutation (no torch work before the answer, so
+    it can run in a worker thread)."""
+    rows, cols = linear_sum_assignment(score, maximize=maximize)
+    return _perm(rows, cols, len(rows))
+
+
+def assignments(scores: Sequence[torch.Tensor], pool: Executor) -> list[torch.Tensor]:
+    """``assignment`` (maximising) of every score matrix, the solves spread over ``pool``'s threads
+    (scipy's solver releases the GIL). Only the solver runs there: the torch steps (the obvious-case
+    check, the conversion) stay on the caller's thread, because torch ops in extra threads start
+    OpenMP teams whose spinning slows the caller's own work."""
+    out: list[Optional[torch.Tensor]] = [_obvious(s) for s in scores]
+    futures = {i: pool.submit(dense_solve, s.detach().to("cpu", torch.float64).numpy())
+               for i, s in enumerate(scores) if out[i] is None}
+    with section("assignment solves"):
+        for i, f in futures.items():
+            out[i] = f.result()
+    return out
+
+
+def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``assignment`` restricted to about ``candidates`` best partners of each row and each column, plus
+    ``current`` (so a full matching always exists and the result never scores below ``current``).
+
+    Exact whenever the optimal assignment uses only candidate edges, which on matching scores it does
+    with a wide margin (a neuron's partner ranks far above its 64th-best alternative; tested against the
+    dense solver).
+    """
+    graph = candidate_graph(score, candidates, current)
+    return graph if isinstance(graph, torch.Tensor) else solve_graph(graph)
+
+
+def candidate_graph(score: torch.Tensor, candidates: int, current: Optional[torch.Tensor] = None):
+    """``sparse_assignment``'s torch half: the obvious assignment when there is one, else the sparse
+    cost graph of the candidate edges for ``solve_graph`` (which needs no torch, so it can run in
+    another thread without starting OpenMP teams there)."""
+    best = _obvious(score)
+    if best is not None:
+        return best
+    n = score.shape[0]
+    with section("assignment solves"):
+        mask = (score >= rank_threshold(score, candidates, 1)[:, None]) | (score >= rank_threshold(score, candidates, 0)[None, :])
+        if current is not None:
+            mask[torch.arange(n, device=score.device), current.to(score.device)] = True
+        rows, cols = mask.nonzero(as_tuple=True)
+        vals = score[rows, cols].to("cpu", torch.float64)
+        cost = (vals.max() - vals + 1.0).numpy()  # positive: the sparse solver reads 0 as "no edge"
+        return csr_matrix((cost, (rows.cpu().numpy(), cols.cpu().numpy())), shape=(n, n))
+
+
+def solve_graph(graph: csr_matrix) -> torch.Tensor:
+    """The minimum-cost full matching of a ``candidate_graph``, as a permutation."""
+    with section("assignment solves"):
+        r, c = min_weight_full_bipartite_matching(graph)
+    return _perm(r, c, graph.shape[0])
+
+
+def rank_threshold(score: torch.Tensor, k: int, dim: int) -> torch.Tensor:
+    """About the ``k``-th largest score along ``dim`` of every row (dim 1) or column (dim 0), read off a
+    fixed sample of 8k entries: a rank statistic of a sample costs a fraction of a full ``topk`` (on
+    large matrices, more than the assignment it prepares). The candidate count per unit then
+    varies around ``k``; the ``current`` edges keep the matching feasible whatever the sample."""
+    n = score.shape[dim]
+    s = min(n, 8 * k)
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:s].to(score.device)
+    q = max(1, min(s, round(k * s / n)))
+    return score.index_select(dim, idx).topk(q, dim=dim).values.select(dim, q - 1)
+
+
+def grouped_assignment(score: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best permutation of blocks of ``block`` units and, inside each matched pair of blocks, of
+    their units: ``(sigma, tau)`` with unit i of block b taken from unit ``tau[i]`` (same block) after
+    block b was taken from block ``sigma[b]`` (maximises the summed ``score``)."""
+    nb = score.shape[0] // block
+    inner: dict[tuple[int, int], torch.Tensor] = {}
+    pair = torch.empty(nb, nb, dtype=torch.float64)
+    rows = torch.arange(block)
+    for a in range(nb):
+        for b in range(nb):
+            sub = score[a * block:(a + 1) * block, b * block:(b + 1) * block]
+            inner[a, b] = assignment(sub)
+            pair[a, b] = float(sub[rows, inner[a, b].to(sub.device)].sum())
+    sigma = assignment(pair)
+    tau = torch.cat([inner[a, int(sigma[a])] + a * block for a in range(nb)])
+    return sigma, tau
+
+
+def _sylvester(P: torch.Tensor, S: torch.Tensor, C: torch.Tensor, ridge: float = 1e-9) -> torch.Tensor:
+    """Solve ``P G + G S = C`` for symmetric PSD P, S (batched) through their eigenbases."""
+    lp, Up = torch.linalg.eigh(P)
+    ls, Us = torch.linalg.eigh(S)
+    scale = (lp.abs().mean(-1) + ls.abs().mean(-1))[:, None, None]
+    Gt = (Up.transpose(1, 2) @ C @ Us) / (lp[:, :, None] + ls[:, None, :] + ridge * scale)
+    return Up @ Gt @ Us.transpose(1, 2)
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    """Whether this CPU has native bfloat16 dot products (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def score_dtype(dtype: torch.dtype, device: torch.device, size: int) -> torch.dtype:
+    """The dtype of weight matching's large products (see ``weight.Problem``): bfloat16 for float32
+    problems of ``size`` ≥ 1024 on a CPU with native bfloat16 dot products, else ``dtype``. Float64 problems (small models, hence every reproduction
+    table) and GPUs compute exactly."""
+    if dtype == torch.float32 and device.type == "cpu" and size >= 1024 and _native_bf16():
+        return torch.bfloat16
+    return dtype

@@ -1,0 +1,69 @@
+"""The public API's shape: one import path and one name per thing, option objects instead of long
+parameter lists, and a wheel that installs only the library."""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RETIRED = {"init", "model_config", "starts", "max_iter", "rtol", "refine_data", "refine_steps", "refine_check_every",
+           "refine_patience", "refine_check_sigmas", "refine_check_data", "refine_lr", "method"}
+
+
+def _public_functions():
+    for path in sorted((ROOT / "fedlmc").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and (not node.name.startswith("_") or node.name == "__init__"):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                yield path.relative_to(ROOT), node.name, names
+
+
+def test_no_public_function_takes_a_long_parameter_list():
+    long = {(str(p), f): len(n) for p, f, n in _public_functions() if len(n) > 12}
+    assert long == {("fedlmc/universe.py", "universe_merge"): 14}, long
+
+
+def test_no_retired_name_in_a_public_signature():
+    found = [(str(p), f, sorted(set(n) & RETIRED)) for p, f, n in _public_functions() if set(n) & RETIRED]
+    assert not found, found
+
+
+@pytest.mark.parametrize("module", ["fedlmc.merge", "fedlmc.canonical", "fedlmc.vocabulary", "fedlmc.strategies.factory",
+                                    "simulations.server_app"])
+def test_the_old_import_paths_are_gone(module):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(module)
+
+
+def test_one_name_per_knob_from_run_config_to_the_option_objects():
+    """Every refinement key of run_config is ``refine-<field>`` of ``Refinement`` (the same name below
+    the prefix), and its default is the object's."""
+    from fedlmc.options import Refinement
+    from simulations.experiment import ExperimentSettings
+
+    refine = {f.name: f.default for f in fields(Refinement)}
+    keys = [f for f in fields(ExperimentSettings) if f.name.startswith("refine_")]
+    assert {f.name for f in keys} == {"refine_steps", "refine_alpha", "refine_check_every", "refine_patience",
+                                      "refine_check_sigmas"}
+    for f in keys:
+        assert f.default == refine[f.name.removeprefix("refine_")], f.name
+
+
+def test_universe_merge_takes_the_option_objects():
+    from fedlmc.universe import universe_merge
+
+    params = inspect.signature(universe_merge).parameters
+    assert {"matching", "refine"} <= set(params) and not {"data", "alpha", "gauge", "residual"} & set(params)
+
+
+def test_the_wheel_installs_only_the_library():
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["fedlmc*"]
