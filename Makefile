@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 FLWR_ENV := PATH=$(CURDIR)/$(BIN):$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
 	RAY_TMPDIR=/tmp/ray-$$(id -u) FLWR_TELEMETRY_ENABLED=0 FLWR_HOME=$(CURDIR)/.flwr
 
-.PHONY: setup run demo compare test test-fast clean
+.PHONY: setup run demo compare lint test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,11 +23,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The main job: a Flower federation (AlignedFedAvg, 2 SuperNodes, embedded digits) on the Ray engine.
+# The main job (the app's default run_config): two independently started GPT-2 clients train one
+# epoch of the shipped Tiny Shakespeare on 2 SuperNodes (Ray), then FedAvg, aligned and refined
+# aggregation side by side on the same replies; a table, runs/flwr/summary.json and comparison.png.
 run: $(STAMP)
 	mkdir -p /tmp/ray-$$(id -u)
-	# simulations.launch = `flwr run . --stream`, but exits non-zero when the ServerApp failed
-	$(FLWR_ENV) $(BIN)/python -m simulations.launch .
+	# fedlmc run = `flwr run . --stream`, but exits non-zero when the ServerApp failed
+	$(FLWR_ENV) $(BIN)/fedlmc run .
 
 # Two seeds of the tiny presets and their vanilla barrier (results/demo).
 demo: $(STAMP)
@@ -37,9 +39,14 @@ demo: $(STAMP)
 compare: $(STAMP)
 	$(BIN)/python -m simulations.compare --setting oneshot --preset vit-tiny
 
-# Everything (what CI runs: .ci/run): the fast suite and the slow tests (real Ray simulations,
-# deployments, training). About 15 minutes on an idle 2-core machine.
-test: $(STAMP)
+# The code style: ruff's lint and formatter (120 columns; pyproject.toml [tool.ruff]).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# Everything (what CI runs: .ci/run): lint, the fast suite and the slow tests (real Ray simulations,
+# deployments, training, the main job's claim on three seeds). About 20 minutes on an idle 2-core machine.
+test: lint
 	$(BIN)/python -m pytest -q --durations=15
 
 # The everyday suite (no test marked slow): exactness, matching on tiny models, strategies on crafted

@@ -1,5 +1,6 @@
 """What the barrier benches share: the command-line options for which models to use, and those models
 (a preset at another width and training budget, trained once per seed and cached)."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,5 +34,7 @@ def trained_models(args: argparse.Namespace, seeds, splits) -> tuple[dict, dict]
     the budget overrides used."""
     over = {"steps": args.train_steps} if args.train_steps else {}
     arch = width_arch(args.preset, args.width)
-    return {s: trained(args.preset, s, splits, Path(args.cache), progress=False, model_overrides=arch, **over)
-            for s in seeds}, over
+    return {
+        s: trained(args.preset, s, splits, Path(args.cache), progress=False, model_overrides=arch, **over)
+        for s in seeds
+    }, over

@@ -7,6 +7,7 @@ server averages. Samples every process's resident memory twice a second and writ
 
     python bench/deploy_gpt2_small.py [--local-steps 1] [--strategy average]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,16 @@ def free_port() -> int:
 
 
 def role(args: str) -> str:
-    for key in ("flower-superlink", "flower-supernode", "flwr-serverapp", "flwr-clientapp", "flower-superexec",
-                "flwr-superexec", "simulations.launch", "flwr run"):
+    for key in (
+        "flower-superlink",
+        "flower-supernode",
+        "flwr-serverapp",
+        "flwr-clientapp",
+        "flower-superexec",
+        "flwr-superexec",
+        "fedlmc.launch",
+        "flwr run",
+    ):
         if key in args:
             return key
     return args.split()[0] if args else "?"
@@ -73,25 +82,47 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=1)
     p.add_argument("--strategy", default="average")
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--database", choices=["sqlite", "memory"], default="memory",
-                   help="the SuperLink's state: a sqlite file (deploy/start.sh's default) or in memory")
+    p.add_argument(
+        "--database",
+        choices=["sqlite", "memory"],
+        default="memory",
+        help="the SuperLink's state: a sqlite file (deploy/start.sh's default) or in memory",
+    )
     args = p.parse_args()
     d = Path(tempfile.mkdtemp(prefix="dep-g2s-", dir="/tmp"))
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "DIR": str(d), "BIN": bin_dir, "FLWR_TELEMETRY_ENABLED": "0", "MODE": "insecure", "N": "2",
-           "PORT": str(free_port()), "NODE_PORT": str(free_port()), "WIDTHS": "", "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "DATABASE": str(d / "state.db") if args.database == "sqlite" else ""}
+    env = {
+        **os.environ,
+        "DIR": str(d),
+        "BIN": bin_dir,
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "MODE": "insecure",
+        "N": "2",
+        "PORT": str(free_port()),
+        "NODE_PORT": str(free_port()),
+        "WIDTHS": "",
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "DATABASE": str(d / "state.db") if args.database == "sqlite" else "",
+    }
     out = d / "out"
-    cfg = (f"preset='gpt2-small' vocab-size=50257 num-server-rounds=1 local-steps={args.local_steps} batch-size=2 "
-           f"strategy='{args.strategy}' independent-start=false eval-batches=1 guard=false threads=1 out-dir='{out}'")
+    cfg = (
+        f"preset='gpt2-small' vocab-size=50257 num-server-rounds=1 local-steps={args.local_steps} batch-size=2 "
+        f"strategy='{args.strategy}' independent-start=false eval-batches=1 guard=false threads=1 out-dir='{out}'"
+    )
     doc = {"config": cfg, "database": args.database}
     try:
         subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
         sampler = Sampler(d / "pids", [os.getpid()])
         sampler.start()
         t0 = time.time()
-        run = subprocess.run([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c", cfg], cwd=ROOT,
-                             env={**env, "FLWR_HOME": str(d / "flwr")}, capture_output=True, text=True, timeout=args.timeout)
+        run = subprocess.run(
+            [sys.executable, "-m", "fedlmc.launch", ".", "fedlmc-deploy", "-c", cfg],
+            cwd=ROOT,
+            env={**env, "FLWR_HOME": str(d / "flwr")},
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
         doc["wall_seconds"] = time.time() - t0
         sampler.stop.set()
         sampler.join()

@@ -15,6 +15,7 @@ For the tied GPT-2 the aligned midpoint is also written back in the clients' tie
 
     python bench/hf_pairs.py --family gpt2 [--seeds 0 1] [--steps N]   # results/bench_hf_pair_{family}.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,6 @@ import torch
 import torch.nn as nn
 
 from fedlmc.averaging import interpolate
-from fedlmc.barrier import barrier
 from fedlmc.data import load
 from fedlmc.hf import HFAdapter, Logits, from_hf, hf_model_for
 from fedlmc.models import preset_config, preset_dataset
@@ -70,8 +70,11 @@ def tied_midpoint(a, b_aligned, hf_dir: Path, splits) -> dict:
     adapter = HFAdapter(ref)
     client = GPT2LMHeadModel(ref.config).eval()
     client.load_state_dict(adapter.to_client(mid, keys=ref.state_dict().keys()), strict=True)
-    return {"untied_midpoint_loss": evaluate(mid, splits.test)["loss"],
-            "tied_midpoint_loss": evaluate(Logits(client), splits.test)["loss"], "tie_fit_error": adapter.fit_error}
+    return {
+        "untied_midpoint_loss": evaluate(mid, splits.test)["loss"],
+        "tied_midpoint_loss": evaluate(Logits(client), splits.test)["loss"],
+        "tie_fit_error": adapter.fit_error,
+    }
 
 
 def main() -> None:
@@ -84,27 +87,46 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
-    splits = load(preset_dataset(PRESET[args.family]), block_size=getattr(preset_config(PRESET[args.family]), "block_size", 64))
+    splits = load(
+        preset_dataset(PRESET[args.family]), block_size=getattr(preset_config(PRESET[args.family]), "block_size", 64)
+    )
     a, b = (trained(args.family, splits, s, Path(args.cache), args.steps) for s in args.seeds)
     curves = pair_curves(a, b, splits, METHODS, progress=False)
-    doc = {"family": args.family, "preset_shape": PRESET[args.family], "seeds": args.seeds, "steps": args.steps,
-           "client_test_loss": [evaluate(m, splits.test)["loss"] for m in (a, b)],
-           "barriers": {k: v["barrier"] for k, v in curves.items()},
-           "ratio_to_vanilla": {k: v["barrier"] / curves["vanilla"]["barrier"] for k, v in curves.items()},
-           "curves": curves}
+    doc = {
+        "family": args.family,
+        "preset_shape": PRESET[args.family],
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "client_test_loss": [evaluate(m, splits.test)["loss"] for m in (a, b)],
+        "barriers": {k: v["barrier"] for k, v in curves.items()},
+        "ratio_to_vanilla": {k: v["barrier"] / curves["vanilla"]["barrier"] for k, v in curves.items()},
+        "curves": curves,
+    }
     if args.family == "gpt2":  # the tied head: each residual group's midpoint, untied vs written back tied
         from fedlmc.matching import weight_matching
         from fedlmc.options import Matching
+
         ca, cb = canonicalize(a), canonicalize(b)
         ref = Path(args.cache) / f"hf-gpt2-s{args.seeds[0]}-{args.steps or 'preset'}"
-        doc["tied"] = {residual: tied_midpoint(ca, apply_transform(cb, weight_matching(ca, cb, Matching(residual=residual),
-                                                                                       keep_layernorm=True)), ref, splits)
-                       for residual in ("orthogonal", "permutation")}
+        doc["tied"] = {
+            residual: tied_midpoint(
+                ca,
+                apply_transform(cb, weight_matching(ca, cb, Matching(residual=residual), keep_layernorm=True)),
+                ref,
+                splits,
+            )
+            for residual in ("orthogonal", "permutation")
+        }
         doc["tied"]["plain"] = tied_midpoint(a, b, ref, splits)
     doc["seconds"] = time.time() - t0
     out = Path(args.out or ROOT / "results" / f"bench_hf_pair_{args.family}.json")
     out.write_text(json.dumps(doc, indent=2))
-    print(json.dumps({k: doc[k] for k in ("barriers", "ratio_to_vanilla")} | ({"tied": doc["tied"]} if "tied" in doc else {}), indent=2))
+    print(
+        json.dumps(
+            {k: doc[k] for k in ("barriers", "ratio_to_vanilla")} | ({"tied": doc["tied"]} if "tied" in doc else {}),
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

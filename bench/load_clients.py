@@ -6,6 +6,7 @@ Runs the federation in a subprocess (``simulations.simulate``) and samples the r
 whole process tree (ServerApp, Ray, ClientApp actors) every half second. Writes
 results/bench_load_<clients>_clients.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,13 +65,28 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="load-", dir="/tmp"))
-    settings = {"strategy": args.strategy, "num-server-rounds": args.rounds, "preset": args.preset,
-                "local-steps": args.local_steps, "min-nodes": args.clients, "out-dir": str(out_dir), "threads": 1}
-    cmd = [sys.executable, "-m", "simulations.simulate", "--settings", json.dumps(settings), "--supernodes",
-           str(args.clients)]
+    settings = {
+        "strategy": args.strategy,
+        "num-server-rounds": args.rounds,
+        "preset": args.preset,
+        "local-steps": args.local_steps,
+        "min-nodes": args.clients,
+        "out-dir": str(out_dir),
+        "threads": 1,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "simulations.simulate",
+        "--settings",
+        json.dumps(settings),
+        "--supernodes",
+        str(args.clients),
+    ]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(out_dir / "log.txt", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=open(out_dir / "log.txt", "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     peak, peak_server, samples = 0, 0, []
 
     def sample() -> None:
@@ -91,14 +106,29 @@ def main() -> None:
         print((out_dir / "log.txt").read_text()[-3000:])
         raise SystemExit(f"simulation failed ({code})")
     doc = json.loads((out_dir / "metrics.json").read_text())
-    rounds = [{"round": r["round"], "seconds": round(r["round_seconds"], 1),
-               "aggregation_seconds": round((r.get("strategy") or {}).get("align_seconds", 0.0), 2),
-               "replies": len((r.get("strategy") or {}).get("client_losses", [])), "test_loss": r["test_loss"]}
-              for r in doc["rounds"][1:]]
-    res = {"clients": args.clients, "rounds": args.rounds, "strategy": args.strategy, "preset": args.preset,
-           "local_steps": args.local_steps, "wall_seconds": round(time.time() - t0, 1), "cpus": os.cpu_count(),
-           "peak_rss_tree_mib": round(peak / 2**20), "peak_rss_server_process_mib": round(peak_server / 2**20),
-           "per_round": rounds, "rss_samples_mib": [(t, round(b / 2**20)) for t, b in samples[:: max(1, len(samples) // 60)]]}
+    rounds = [
+        {
+            "round": r["round"],
+            "seconds": round(r["round_seconds"], 1),
+            "aggregation_seconds": round((r.get("strategy") or {}).get("align_seconds", 0.0), 2),
+            "replies": len((r.get("strategy") or {}).get("client_losses", [])),
+            "test_loss": r["test_loss"],
+        }
+        for r in doc["rounds"][1:]
+    ]
+    res = {
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "strategy": args.strategy,
+        "preset": args.preset,
+        "local_steps": args.local_steps,
+        "wall_seconds": round(time.time() - t0, 1),
+        "cpus": os.cpu_count(),
+        "peak_rss_tree_mib": round(peak / 2**20),
+        "peak_rss_server_process_mib": round(peak_server / 2**20),
+        "per_round": rounds,
+        "rss_samples_mib": [(t, round(b / 2**20)) for t, b in samples[:: max(1, len(samples) // 60)]],
+    }
     out = Path(args.out or ROOT / f"results/bench_load_{args.clients}_clients.json")
     out.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "rss_samples_mib"}, indent=1))

@@ -9,6 +9,7 @@ seconds of the whole ``universe_merge(refine=...)`` and of the refinement alone 
 medians, and a profile (seconds per section; "assignment solves" is the waiting for the Hungarian
 solves, inside "aligned models"). Writes results/bench_refine_gpt2_tiny.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,14 +17,13 @@ import statistics
 import time
 
 import torch
+from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.options import Refinement
 from fedlmc.data import load
 from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
+from fedlmc.options import Refinement
 from fedlmc.universe import universe_merge
-
-from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
 
 def replies(n: int, seed: int = 0) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
@@ -60,9 +60,15 @@ def main() -> None:
         refine = max(T.info.get("seconds", 0.0) for T in Ts)
         runs.append({"seconds": round(secs, 2), "refinement_seconds": round(refine, 2), "profile_seconds": prof})
         print(f"repeat {r + 1}: {secs:.1f} s, refinement {refine:.1f} s ({args.steps} steps)")
-    res = {"preset": "gpt2-tiny", "models": args.models, "steps": args.steps, **environment(),
-           "median_seconds": statistics.median(r["seconds"] for r in runs),
-           "median_refinement_seconds": statistics.median(r["refinement_seconds"] for r in runs), "runs": runs}
+    res = {
+        "preset": "gpt2-tiny",
+        "models": args.models,
+        "steps": args.steps,
+        **environment(),
+        "median_seconds": statistics.median(r["seconds"] for r in runs),
+        "median_refinement_seconds": statistics.median(r["refinement_seconds"] for r in runs),
+        "runs": runs,
+    }
     print(f"median {res['median_seconds']:.1f} s (refinement {res['median_refinement_seconds']:.1f} s)")
     write_results(args.out, res)
 

@@ -11,6 +11,7 @@ objective (``RefinedFedAvg``'s default: checks every 10 steps on held-out refine
 Each is scored on the guard half and the test split; the next round starts from the default stopping
 variant (``--follow`` picks another). Writes every loss, second, step count and check score.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,21 +20,24 @@ import platform
 import time
 
 import torch
+from _results import write_results  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.options import Refinement
 from fedlmc.averaging import merge
 from fedlmc.federated import Settings, client_data, evaluate_model, global_model, halves, local_train, splits_for
+from fedlmc.options import Refinement
 from fedlmc.strategies.aligned import refine_split
 from fedlmc.universe import universe_merge
 
-from _results import write_results  # noqa: E402  (bench/, the script's own folder)
-
 
 def variants(refine_half) -> dict[str, dict]:
-    return {"aligned": dict(refine=None),
-            "refined, 100 steps": dict(refine=Refinement(data=refine_half, steps=100, check_every=0)),
-            "refined, stopping on any improvement": dict(refine=refine_split(Refinement(data=refine_half, check_sigmas=0.0))),
-            "refined, stopping on the objective": dict(refine=refine_split(Refinement(data=refine_half)))}
+    return {
+        "aligned": dict(refine=None),
+        "refined, 100 steps": dict(refine=Refinement(data=refine_half, steps=100, check_every=0)),
+        "refined, stopping on any improvement": dict(
+            refine=refine_split(Refinement(data=refine_half, check_sigmas=0.0))
+        ),
+        "refined, stopping on the objective": dict(refine=refine_split(Refinement(data=refine_half))),
+    }
 
 
 def main() -> None:
@@ -59,18 +63,32 @@ def main() -> None:
         scored = {"plain average": merge(replies, [w / sum(weights) for w in weights])}
         for name, kw in variants(refine_half).items():
             t0 = time.time()
-            scored[name], Ts = universe_merge(replies, weights=weights, start=G, iterations=3, keep_layernorm=True, **kw)
+            scored[name], Ts = universe_merge(
+                replies, weights=weights, start=G, iterations=3, keep_layernorm=True, **kw
+            )
             info = next((T.info for T in Ts if T.info.get("method") == "refined"), {})
-            row[name] = {"seconds": round(time.time() - t0, 2), "steps_run": info.get("steps_run"),
-                         "best_step": info.get("best_step"), "checks": info.get("checks")}
+            row[name] = {
+                "seconds": round(time.time() - t0, 2),
+                "steps_run": info.get("steps_run"),
+                "best_step": info.get("best_step"),
+                "checks": info.get("checks"),
+            }
         for name, model in scored.items():
-            row.setdefault(name, {}).update({k: evaluate_model(model, d)["loss"] for k, d in (("guard", guard_half),
-                                                                                             ("test", sp.test))})
+            row.setdefault(name, {}).update(
+                {k: evaluate_model(model, d)["loss"] for k, d in (("guard", guard_half), ("test", sp.test))}
+            )
             print(f"round {rnd} {name}: {row[name]}", flush=True)
         rows.append(row)
         G = scored[args.follow]
-    res = {"preset": "gpt2-tiny", "clients": 4, "local_steps": 200, "follow": args.follow, "threads": torch.get_num_threads(),
-           "machine": platform.machine(), "rounds": rows}
+    res = {
+        "preset": "gpt2-tiny",
+        "clients": 4,
+        "local_steps": 200,
+        "follow": args.follow,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "rounds": rows,
+    }
     write_results(args.out, res)
 
 

@@ -9,6 +9,7 @@ every 20 ms) against the (M + 4) × model-size budget, and the relative distance
 the clean model. Runs with ``fedlmc.allocator.retain_freed_memory`` as the ServerApp does
 (``--default-allocator``: without).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,16 +21,14 @@ import time
 from pathlib import Path
 
 import torch
-
-from fedlmc.options import Matching
-from fedlmc.allocator import release_freed_memory, retain_freed_memory
-from fedlmc.symmetry import canonicalize
-from fedlmc.matching.profile import profiling
-from fedlmc.universe import universe_merge
-from fedlmc.models import from_preset
-from fedlmc.symmetry import apply_transform, random_transform
-
 from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+
+from fedlmc.allocator import release_freed_memory, retain_freed_memory
+from fedlmc.matching.profile import profiling
+from fedlmc.models import from_preset
+from fedlmc.options import Matching
+from fedlmc.symmetry import apply_transform, canonicalize, random_transform
+from fedlmc.universe import universe_merge
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -41,7 +40,9 @@ def clean_copy(layers: int, s: int) -> torch.nn.Module:
     """Copy ``s``: one fixed random gpt2-small (canonical) under the random group element of seed 100 + s."""
     torch.manual_seed(0)
     base = canonicalize(from_preset("gpt2-small", n_layer=layers).eval())
-    return apply_transform(base, random_transform(base, seed=100 + s, groups=["residual", "heads", "ff"], dtype=torch.float32))
+    return apply_transform(
+        base, random_transform(base, seed=100 + s, groups=["residual", "heads", "ff"], dtype=torch.float32)
+    )
 
 
 def noisy_copy(layers: int, s: int) -> torch.nn.Module:
@@ -83,12 +84,18 @@ def main() -> None:
     p.add_argument("--models", type=int, default=8)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--iterations", type=int, default=2)
-    p.add_argument("--keep-identity", action="store_true",
-                   help="also score the identity as the do-no-harm candidate (Matching.keep_identity)")
+    p.add_argument(
+        "--keep-identity",
+        action="store_true",
+        help="also score the identity as the do-no-harm candidate (Matching.keep_identity)",
+    )
     p.add_argument("--out", default="results/bench_universe_gpt2_small.json")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, i.e. all cores)")
-    p.add_argument("--default-allocator", action="store_true",
-                   help="leave glibc's malloc thresholds as they are (fedlmc.allocator is what servers use)")
+    p.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's malloc thresholds as they are (fedlmc.allocator is what servers use)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,25 +109,46 @@ def main() -> None:
     release_freed_memory()
     with profiling() as prof, PeakMemory() as mem:
         t0 = time.time()
-        merged, Ts = universe_merge(copies, matching=Matching(keep_identity=args.keep_identity),
-                                    iterations=args.iterations, progress=True)
+        merged, Ts = universe_merge(
+            copies, matching=Matching(keep_identity=args.keep_identity), iterations=args.iterations, progress=True
+        )
         secs = time.time() - t0
     clean0 = clean_copy(args.layers, 0).state_dict()
     noisy0 = _rel(copies[0].state_dict(), clean0)
     dist = _rel(merged.state_dict(), clean0)
-    res = {"model": "gpt2-small shape", "layers": args.layers, "models": args.models,
-           "params_per_model": sum(p.numel() for p in copies[0].parameters()), **environment(),
-           "iterations": args.iterations,
-           "retain_freed_memory": retained, "rss_interpreter_gb": round(rss_interpreter / 1e9, 2),
-           "keep_identity": args.keep_identity, "seconds": round(secs, 1), "target_seconds": 120, "profile_seconds": prof,
-           "peak_rss_gb": round(mem.peak / 1e9, 2), "rss_before_merge_gb": round(mem.start / 1e9, 2),
-           "model_float32_gb": round(model_bytes / 1e9, 3),
-           "peak_rss_in_models": round(mem.peak / model_bytes, 1), "budget_in_models": args.models + 4,
-           "relative_distance_to_clean_model": dist, "one_noisy_copy_distance": noisy0,
-           "per_model": [{"chosen": T.info.get("chosen"), "iterations": T.info.get("iterations"),
-                          "seconds": round(T.info.get("seconds", 0.0), 1)} for T in Ts]}
-    print(f"{args.models} models: {secs:.0f} s; universe vs clean model {dist:.4f} (one noisy copy {noisy0:.4f}); "
-          f"peak RSS {mem.peak / 1e9:.2f} GB = {mem.peak / model_bytes:.1f} models (budget {args.models + 4})")
+    res = {
+        "model": "gpt2-small shape",
+        "layers": args.layers,
+        "models": args.models,
+        "params_per_model": sum(p.numel() for p in copies[0].parameters()),
+        **environment(),
+        "iterations": args.iterations,
+        "retain_freed_memory": retained,
+        "rss_interpreter_gb": round(rss_interpreter / 1e9, 2),
+        "keep_identity": args.keep_identity,
+        "seconds": round(secs, 1),
+        "target_seconds": 120,
+        "profile_seconds": prof,
+        "peak_rss_gb": round(mem.peak / 1e9, 2),
+        "rss_before_merge_gb": round(mem.start / 1e9, 2),
+        "model_float32_gb": round(model_bytes / 1e9, 3),
+        "peak_rss_in_models": round(mem.peak / model_bytes, 1),
+        "budget_in_models": args.models + 4,
+        "relative_distance_to_clean_model": dist,
+        "one_noisy_copy_distance": noisy0,
+        "per_model": [
+            {
+                "chosen": T.info.get("chosen"),
+                "iterations": T.info.get("iterations"),
+                "seconds": round(T.info.get("seconds", 0.0), 1),
+            }
+            for T in Ts
+        ],
+    }
+    print(
+        f"{args.models} models: {secs:.0f} s; universe vs clean model {dist:.4f} (one noisy copy {noisy0:.4f}); "
+        f"peak RSS {mem.peak / 1e9:.2f} GB = {mem.peak / model_bytes:.1f} models (budget {args.models + 4})"
+    )
     print("profile (s):", json.dumps(prof))
     write_results(args.out, res)
 

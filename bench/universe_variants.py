@@ -7,6 +7,7 @@ results/universe_variants_{preset}[_d{width}].{json,md}. Usage:
     python bench/universe_variants.py --preset gpt2-tiny --train-steps 1000 --width 128
 Each variant's row is cached, so an interrupted run resumes and a new variant reuses the others.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,37 +18,43 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.options import Learning, Matching, Refinement
 from fedlmc.averaging import merge
-from fedlmc.symmetry import canonicalize
 from fedlmc.commands import console, load_splits
 from fedlmc.manyway import excess
 from fedlmc.matching import learned_matching
-from fedlmc.symmetry import apply_transform
+from fedlmc.options import Learning, Matching, Refinement
+from fedlmc.symmetry import apply_transform, canonicalize
 from fedlmc.train import evaluate
 from fedlmc.universe import universe_merge
-from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
 
 def pairwise_learned(models, splits, steps: int = 300):
     """Every model learned-matched (from weight matching) to model 0, then averaged (factored)."""
     anchor = canonicalize(models[0])
-    aligned = [anchor] + [apply_transform(canonicalize(m), learned_matching(models[0], m, splits.train,
-                                                                             learning=Learning(steps=steps),
-                                                                             progress=False)) for m in models[1:]]
+    aligned = [anchor] + [
+        apply_transform(
+            canonicalize(m),
+            learned_matching(models[0], m, splits.train, learning=Learning(steps=steps), progress=False),
+        )
+        for m in models[1:]
+    ]
     return merge(aligned, [1 / len(models)] * len(models))
 
 
 def variants(refine_steps: int) -> dict[str, Callable]:
     """label -> (models, splits) -> merged model."""
+
     def uni(**kw):
         return lambda models, splits: universe_merge(models, **kw)[0]
 
     def refined(alpha: float, **kw):
         refine = dict(alpha=alpha, steps=refine_steps, check_every=0)  # a fixed budget, every step
-        return lambda models, splits: universe_merge(models, refine=Refinement(data=splits.train, **refine),
-                                                     iterations=10, **kw)[0]
+        return lambda models, splits: universe_merge(
+            models, refine=Refinement(data=splits.train, **refine), iterations=10, **kw
+        )[0]
+
     return {
         "vanilla averaging": lambda models, splits: merge(models, [1 / len(models)] * len(models)),
         "universe, 10 iterations (the default anchor: heaviest = model 0)": uni(iterations=10),
@@ -55,7 +62,8 @@ def variants(refine_steps: int) -> dict[str, Callable]:
         "universe, until it stops moving (≤ 50 iterations, tol 1e-6)": uni(iterations=50, tol=1e-6),
         "universe, central anchor": uni(iterations=10, anchor="central"),
         "universe + residual activations": lambda models, splits: universe_merge(
-            models, matching=Matching(residual_data=splits.train), iterations=10)[0],
+            models, matching=Matching(residual_data=splits.train), iterations=10
+        )[0],
         "universe, circuit merge": uni(iterations=10, form="circuit"),
         "pairwise learned matching to model 0 (300 steps each), averaged": pairwise_learned,
         f"refined α = 0.1, {refine_steps} steps": refined(0.1),
@@ -80,7 +88,9 @@ def main() -> None:
     models = [by_seed[s] for s in range(args.models)]
     arch = width_arch(args.preset, args.width)
     ends = [evaluate(m, splits.test)["loss"] for m in models]
-    tag = hashlib.sha1(json.dumps([args.preset, [m.meta.get("seconds") for m in models], over, arch]).encode()).hexdigest()[:8]
+    tag = hashlib.sha1(
+        json.dumps([args.preset, [m.meta.get("seconds") for m in models], over, arch]).encode()
+    ).hexdigest()[:8]
     rows = {}
     for label, build in variants(args.refine_steps).items():
         if args.only and not any(o in label for o in args.only):
@@ -93,7 +103,12 @@ def main() -> None:
         merged = build(models, splits)
         secs = time.time() - t0
         ev = evaluate(merged, splits.test)
-        rows[label] = {"loss": ev["loss"], "acc": ev["acc"], "excess": excess(ev["loss"], ends), "seconds": round(secs, 1)}
+        rows[label] = {
+            "loss": ev["loss"],
+            "acc": ev["acc"],
+            "excess": excess(ev["loss"], ends),
+            "seconds": round(secs, 1),
+        }
         f.write_text(json.dumps(rows[label]))
         console.print(f"{label}: loss {ev['loss']:.4f} excess {rows[label]['excess']:+.4f} ({secs:.0f} s)")
     van = rows["vanilla averaging"]["excess"]
@@ -101,17 +116,37 @@ def main() -> None:
         r["ratio"] = r["excess"] / van
     budget = f"{args.train_steps} steps" if args.train_steps else "the preset's budget"
     width = f", d_model {args.width}" if args.width else ""
-    lines = [f"### Universe variants, {args.preset}{width}: {args.models} models (seeds 0..{args.models - 1}), "
-             f"each trained for {budget}", "", "Endpoint test losses: " + ", ".join(f"{x:.3f}" for x in ends), "",
-             "| merge | test loss | acc | excess E | E / E(vanilla) | seconds |", "|---|---|---|---|---|---|"]
-    lines += [f"| {k} | {r['loss']:.4f} | {r['acc']:.4f} | {r['excess']:+.4f} | {r['ratio']:.3f} | {r['seconds']:.0f} |"
-              for k, r in rows.items()]
+    lines = [
+        f"### Universe variants, {args.preset}{width}: {args.models} models (seeds 0..{args.models - 1}), "
+        f"each trained for {budget}",
+        "",
+        "Endpoint test losses: " + ", ".join(f"{x:.3f}" for x in ends),
+        "",
+        "| merge | test loss | acc | excess E | E / E(vanilla) | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k} | {r['loss']:.4f} | {r['acc']:.4f} | {r['excess']:+.4f} | {r['ratio']:.3f} | {r['seconds']:.0f} |"
+        for k, r in rows.items()
+    ]
     md = "\n".join(lines) + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     stem = Path(args.out) / (f"universe_variants_{args.preset}" + (f"_d{args.width}" if args.width else ""))
-    stem.with_suffix(".json").write_text(json.dumps({"preset": args.preset, "models": args.models, "width": args.width,
-                                                     "train_steps": args.train_steps, "refine_steps": args.refine_steps,
-                                                     "threads": args.threads, "endpoints": ends, "rows": rows}, indent=1))
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "preset": args.preset,
+                "models": args.models,
+                "width": args.width,
+                "train_steps": args.train_steps,
+                "refine_steps": args.refine_steps,
+                "threads": args.threads,
+                "endpoints": ends,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     stem.with_suffix(".md").write_text(md)
     print(md)
 

@@ -8,6 +8,7 @@ Only the width changes: d_model = d, d_ff = the preset's ratio × d, the preset'
 grows with d), depth and data as the preset. Models and each width's barriers are cached under
 --cache, so an interrupted study resumes where it stopped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,11 @@ import time
 from pathlib import Path
 
 import torch
+from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
 from fedlmc.commands import console, load_splits
 from fedlmc.models import preset_config
 from fedlmc.reproduce import METHODS, pair_curves
-from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
 PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny"}
 WIDTHS = {"gpt2": [64, 128, 256], "vit": [32, 64, 128]}
@@ -33,7 +34,9 @@ def one_width(preset: str, d: int, splits, args) -> dict:
     base = preset_config(preset)
     arch = width_arch(preset, d)
     over = {"steps": args.train_steps} if args.train_steps else {}
-    key = hashlib.sha1(json.dumps([preset, arch, over, args.seeds, args.learned_steps, METHOD_KEYS]).encode()).hexdigest()[:10]
+    key = hashlib.sha1(
+        json.dumps([preset, arch, over, args.seeds, args.learned_steps, METHOD_KEYS]).encode()
+    ).hexdigest()[:10]
     cached = Path(args.cache) / f"width-{preset}-d{d}-{key}.json"
     if cached.is_file():
         console.print(f"width {d}: reusing {cached}")
@@ -45,36 +48,49 @@ def one_width(preset: str, d: int, splits, args) -> dict:
     console.rule(f"{preset} at d = {d}: {sum(p.numel() for p in a.parameters()) / 1e6:.2f}M parameters")
     curves = pair_curves(a, b, splits, METHOD_KEYS, args.learned_steps, progress=not args.quiet, log=console.print)
     van = curves["vanilla"]["barrier"]
-    row = {"d_model": d, **arch, "n_head": base.n_head, "d_head": d // base.n_head,
-           "parameters": sum(p.numel() for p in a.parameters()),
-           "test_loss": [m.meta.get("test", {}).get("loss") for m in (a, b)],
-           "train_steps": [m.meta.get("steps") for m in (a, b)], "train_seconds": round(train_s, 1),
-           "barrier": {k: c["barrier"] for k, c in curves.items()},
-           "ratio": {k: c["barrier"] / van for k, c in curves.items()},
-           "acc_mid": {k: c["acc_mid"] for k, c in curves.items()},
-           "seconds": {k: round(c["seconds"], 1) for k, c in curves.items()},
-           "curves": {k: c["curve"] for k, c in curves.items()}}
+    row = {
+        "d_model": d,
+        **arch,
+        "n_head": base.n_head,
+        "d_head": d // base.n_head,
+        "parameters": sum(p.numel() for p in a.parameters()),
+        "test_loss": [m.meta.get("test", {}).get("loss") for m in (a, b)],
+        "train_steps": [m.meta.get("steps") for m in (a, b)],
+        "train_seconds": round(train_s, 1),
+        "barrier": {k: c["barrier"] for k, c in curves.items()},
+        "ratio": {k: c["barrier"] / van for k, c in curves.items()},
+        "acc_mid": {k: c["acc_mid"] for k, c in curves.items()},
+        "seconds": {k: round(c["seconds"], 1) for k, c in curves.items()},
+        "curves": {k: c["curve"] for k, c in curves.items()},
+    }
     cached.write_text(json.dumps(row))
     return row
 
 
 def markdown(arch: str, rows: list[dict], args) -> str:
     budget = f"{args.train_steps} steps" if args.train_steps else "the preset's budget"
-    lines = [f"### Width study, {arch} ({PRESET[arch]}'s depth and data; seeds {args.seeds}, one pair per width; "
-             f"each model trained for {budget}; learned matching {args.learned_steps} steps from weight matching)", "",
-             "| d_model | parameters | endpoint test losses | " + " | ".join(METHODS[k][0] for k in METHOD_KEYS)
-             + " | weight matching × vanilla | learned × vanilla |",
-             "|---|---|---|" + "---|" * len(METHOD_KEYS) + "---|---|"]
+    lines = [
+        f"### Width study, {arch} ({PRESET[arch]}'s depth and data; seeds {args.seeds}, one pair per width; "
+        f"each model trained for {budget}; learned matching {args.learned_steps} steps from weight matching)",
+        "",
+        "| d_model | parameters | endpoint test losses | "
+        + " | ".join(METHODS[k][0] for k in METHOD_KEYS)
+        + " | weight matching × vanilla | learned × vanilla |",
+        "|---|---|---|" + "---|" * len(METHOD_KEYS) + "---|---|",
+    ]
     for r in rows:
         losses = " / ".join(f"{x:.3f}" for x in r["test_loss"])
         bars = " | ".join(f"{r['barrier'][k]:.3f}" for k in METHOD_KEYS)
-        lines.append(f"| {r['d_model']} | {r['parameters'] / 1e6:.2f}M | {losses} | {bars} | "
-                     f"{r['ratio']['wm-orth-circuit']:.3f}× | {r['ratio']['learned']:.3f}× |")
+        lines.append(
+            f"| {r['d_model']} | {r['parameters'] / 1e6:.2f}M | {losses} | {bars} | "
+            f"{r['ratio']['wm-orth-circuit']:.3f}× | {r['ratio']['learned']:.3f}× |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def plot(arch: str, rows: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -116,9 +132,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"width_study_{args.arch}"
-    payload = {"arch": args.arch, "preset": preset, "seeds": args.seeds, "steps": args.train_steps,
-               "learned_steps": args.learned_steps, "threads": args.threads, "device": "cpu",
-               "seconds": round(time.time() - t0, 1), "rows": rows}
+    payload = {
+        "arch": args.arch,
+        "preset": preset,
+        "seeds": args.seeds,
+        "steps": args.train_steps,
+        "learned_steps": args.learned_steps,
+        "threads": args.threads,
+        "device": "cpu",
+        "seconds": round(time.time() - t0, 1),
+        "rows": rows,
+    }
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     md = markdown(args.arch, rows, args)
     stem.with_suffix(".md").write_text(md)

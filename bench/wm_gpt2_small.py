@@ -11,28 +11,30 @@ the time went); "exact" runs the dense assignment solver and float32 products ev
 reference for the fast path); "rtol-1e-3" stops on the previous, tighter tolerance. Runs with
 ``fedlmc.allocator.retain_freed_memory`` as the ServerApp does (``--default-allocator``: without).
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 
 import torch
-
-from fedlmc.options import Matching
-from fedlmc.allocator import retain_freed_memory
-from fedlmc.symmetry import canonicalize
-from fedlmc.matching import weight_matching
-from fedlmc.matching.weight import Problem, canonical_state
-from fedlmc.matching.profile import profiling
-from fedlmc.models import from_preset
-from fedlmc.symmetry import apply_transform, canonical_config, random_transform
-
 from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+
+from fedlmc.allocator import retain_freed_memory
+from fedlmc.matching import weight_matching
+from fedlmc.matching.profile import profiling
+from fedlmc.matching.weight import Problem, canonical_state
+from fedlmc.models import from_preset
+from fedlmc.options import Matching
+from fedlmc.symmetry import apply_transform, canonical_config, canonicalize, random_transform
 
 CONFIGS = {  # name: (which B, weight_matching options)
     "independent": ("independent", {}),
     "independent-paper-init": ("independent", {"keep_identity": False}),
-    "independent-paper-init-exact": ("independent", {"keep_identity": False, "ff_candidates": None, "precision": "exact"}),
+    "independent-paper-init-exact": (
+        "independent",
+        {"keep_identity": False, "ff_candidates": None, "precision": "exact"},
+    ),
     "independent-paper-init-rtol-1e-3": ("independent", {"keep_identity": False, "tol": 1e-3}),
     "planted": ("planted", {}),
 }
@@ -66,8 +68,12 @@ def exact_objective(a, b, T) -> float:
     """The chosen elements' objective with every product in float32 (the descent's own figure uses
     bfloat16 factors where ``precision="auto"`` picks them; computed after the timed run)."""
     cpu = torch.device("cpu")
-    P = Problem(canonical_state(a, cpu, torch.float32), canonical_state(b, cpu, torch.float32),
-                canonical_config(b.config), "exact")
+    P = Problem(
+        canonical_state(a, cpu, torch.float32),
+        canonical_state(b, cpu, torch.float32),
+        canonical_config(b.config),
+        "exact",
+    )
     return P.objective({k: v.float() if v.is_floating_point() else v for k, v in T.elements.items()})
 
 
@@ -78,9 +84,15 @@ def run(a, ca, b, planted, noise: float, name: str) -> dict:
         t0 = time.time()
         T = weight_matching(a, other, Matching(**kw))
         secs = time.time() - t0
-    out = {"options": {k: str(v) for k, v in kw.items()}, "seconds": round(secs, 2),
-           "iterations": T.info["iterations"], "chosen": T.info["chosen"], "objective": T.info["objective"],
-           "trace": T.info["trace"], "profile_seconds": prof}
+    out = {
+        "options": {k: str(v) for k, v in kw.items()},
+        "seconds": round(secs, 2),
+        "iterations": T.info["iterations"],
+        "chosen": T.info["chosen"],
+        "objective": T.info["objective"],
+        "trace": T.info["trace"],
+        "profile_seconds": prof,
+    }
     out["objective_exact"] = exact_objective(a, other, T)
     if which == "planted":  # recovered: A's canonical form and aligned B differ by the noise only
         out["relative_distance_after_alignment"] = relative_distance(ca, apply_transform(other, T))
@@ -92,22 +104,35 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--out", default="results/bench_wm_gpt2_small.json")
-    p.add_argument("--configs", nargs="+", default=["independent-paper-init", "independent", "planted"],
-                   choices=list(CONFIGS))
+    p.add_argument(
+        "--configs", nargs="+", default=["independent-paper-init", "independent", "planted"], choices=list(CONFIGS)
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, i.e. all cores)")
-    p.add_argument("--default-allocator", action="store_true",
-                   help="leave glibc's malloc thresholds as they are (fedlmc.allocator is what servers use)")
+    p.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's malloc thresholds as they are (fedlmc.allocator is what servers use)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     retained = False if args.default_allocator else retain_freed_memory()
     a, ca, b, planted, noise = pair(args.layers)
-    results = {"model": "gpt2-small shape", "layers": args.layers, "params": sum(p.numel() for p in a.parameters()),
-               **environment(), "retain_freed_memory": retained, "runs": {}}
+    results = {
+        "model": "gpt2-small shape",
+        "layers": args.layers,
+        "params": sum(p.numel() for p in a.parameters()),
+        **environment(),
+        "retain_freed_memory": retained,
+        "runs": {},
+    }
     for name in args.configs:
         r = results["runs"][name] = run(a, ca, b, planted, noise, name)
-        print(f"{name:<30s} {r['seconds']:7.1f} s  iterations {r['iterations']}  objective "
-              f"{ {k: v if v is None else round(v, 4) for k, v in r['objective'].items()} }", flush=True)
+        print(
+            f"{name:<30s} {r['seconds']:7.1f} s  iterations {r['iterations']}  objective "
+            f"{ {k: v if v is None else round(v, 4) for k, v in r['objective'].items()} }",
+            flush=True,
+        )
     write_results(args.out, results)
 
 

@@ -7,6 +7,7 @@ the width). Run config: see ``fedlmc.federated.Settings``. A train reply carries
 weighted mean means something), the model's config (``model``: architecture and width) and who the
 client is (``client``: partition id, training seconds).
 """
+
 from __future__ import annotations
 
 import time
@@ -16,11 +17,18 @@ from typing import Any, Callable, Optional
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlmc.federated import (Settings, client_config, client_data, config_from_json, evaluate_model,
-                              fresh_client_model, local_train)
+from fedlmc.federated import (
+    Settings,
+    client_config,
+    client_data,
+    config_from_json,
+    evaluate_model,
+    fresh_client_model,
+    local_train,
+)
 from fedlmc.hf import hf_model_for
-from fedlmc.widths import shape_of, slice_prefix
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
+from fedlmc.widths import shape_of, slice_prefix
 
 
 @dataclass
@@ -61,8 +69,10 @@ def _received(msg: Message, own_cfg, s: Settings):
         return model
     config = msg.content["config"]
     if MODEL_CONFIG_KEY not in config:
-        raise ValueError("the server's message carries no model config (ConfigRecord key "
-                         f"'{MODEL_CONFIG_KEY}'): use a fedlmc strategy or add it to the train config")
+        raise ValueError(
+            "the server's message carries no model config (ConfigRecord key "
+            f"'{MODEL_CONFIG_KEY}'): use a fedlmc strategy or add it to the train config"
+        )
     cfg = config_from_json(str(config[MODEL_CONFIG_KEY]))
     model = model_from_arrays(msg.content["arrays"], cfg.to_dict())
     if shape_of(cfg) != shape_of(own_cfg):
@@ -70,8 +80,13 @@ def _received(msg: Message, own_cfg, s: Settings):
     return model
 
 
-def train(msg: Message, context: Context, overrides: Optional[dict] = None, settings: type[Settings] = Settings,
-          fit_fn: Fit = fit) -> Message:
+def train(
+    msg: Message,
+    context: Context,
+    overrides: Optional[dict] = None,
+    settings: type[Settings] = Settings,
+    fit_fn: Fit = fit,
+) -> Message:
     """Train the received (or, with independent start in round 1, a fresh) model on this partition."""
     s, pid, n, cfg = _node(context, overrides or {}, settings)
     data, _ = client_data(s, pid, n)
@@ -94,8 +109,9 @@ def train(msg: Message, context: Context, overrides: Optional[dict] = None, sett
     return Message(content=content, reply_to=msg)
 
 
-def evaluate(msg: Message, context: Context, overrides: Optional[dict] = None,
-             settings: type[Settings] = Settings) -> Message:
+def evaluate(
+    msg: Message, context: Context, overrides: Optional[dict] = None, settings: type[Settings] = Settings
+) -> Message:
     """Evaluate the received model on this node's validation partition."""
     s, pid, n, cfg = _node(context, overrides or {}, settings)
     _, val = client_data(s, pid, n)

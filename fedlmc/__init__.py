@@ -2,6 +2,7 @@
 
 The library has no Flower import; ``strategies/``, ``clients/`` and ``simulations/`` build on it.
 """
+
 from .io import load, read_meta, save
 
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ its peak rather than shrinking between rounds, which is what a server holding M 
 Called by fedlmc's own entry points (the ServerApp, the ``fedlmc`` CLI, the benches); a library user
 may call it in theirs. A no-op (returning False) on other C libraries and platforms.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -32,8 +33,13 @@ def retain_freed_memory() -> bool:
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all([mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX_THRESHOLD) == 1, mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1,
-                mallopt(_M_TOP_PAD, 256 << 20) == 1])
+    return all(
+        [
+            mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX_THRESHOLD) == 1,
+            mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1,
+            mallopt(_M_TOP_PAD, 256 << 20) == 1,
+        ]
+    )
 
 
 def release_freed_memory() -> bool:
@@ -54,4 +60,3 @@ def release_freed_memory() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
-

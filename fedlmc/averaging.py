@@ -15,6 +15,7 @@ Both models must share one architecture and width. LayerNorm models are canonica
 with canonical ones or merged as circuits; two LayerNorm models in the factored form are averaged as
 they are, so the identity transform gives exactly plain averaging (FedAvg).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -33,7 +34,9 @@ def _check_same_shape(models: Sequence[nn.Module]) -> None:
     for m in models[1:]:
         # a width lift rescales eps by d/d_u (see apply_to_state); at 1e-5 that is immaterial to a merge
         if m.config.replace(norm=first.norm, norm_bias=first.norm_bias, norm_eps=first.norm_eps) != first:
-            raise ValueError(f"models differ in shape:\n  {first}\n  {m.config}\n(lift or project them to one width first)")
+            raise ValueError(
+                f"models differ in shape:\n  {first}\n  {m.config}\n(lift or project them to one width first)"
+            )
 
 
 def weighted_state(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
@@ -58,7 +61,7 @@ def robust_state(states: Sequence[StateDict], reduce: str = "median", trim: floa
     out: StateDict = {}
     for key in states[0]:
         ordered = torch.stack([sd[key] for sd in states]).sort(dim=0).values
-        out[key] = ordered[k:M - k].mean(0)  # median: the middle one or two values
+        out[key] = ordered[k : M - k].mean(0)  # median: the middle one or two values
     return out
 
 
@@ -67,8 +70,12 @@ def robust_merge(models: Sequence[nn.Module], reduce: str, trim: float = 0.2) ->
     return rebuild(models[0], robust_state([m.state_dict() for m in models], reduce, trim))
 
 
-def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg,
-                  masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None) -> tuple[StateDict, object]:
+def circuit_state(
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    cfg,
+    masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
+) -> tuple[StateDict, object]:
     """Merge heads as circuits: concatenate every model's heads, weighting one factor of each circuit.
     ``masks`` (see ``widths.unit_masks``) weight each head and FF neuron only over the models having it."""
     spec = spec_for(cfg)
@@ -96,14 +103,23 @@ def circuit_state(states: Sequence[StateDict], weights: Sequence[float], cfg,
 
 def _head_weights(weights, masks, name: str, H: int, ref: torch.Tensor) -> torch.Tensor:
     """(M, H) per-head merge weights: ``w_m`` renormalised over the models that have each head."""
-    W = torch.stack([w * ((m[name] if m is not None and name in m else torch.ones(H, dtype=torch.bool)).to(ref))
-                     for w, m in zip(weights, masks or [None] * len(weights))])
+    W = torch.stack(
+        [
+            w * ((m[name] if m is not None and name in m else torch.ones(H, dtype=torch.bool)).to(ref))
+            for w, m in zip(weights, masks or [None] * len(weights))
+        ]
+    )
     den = W.sum(0, keepdim=True)
     return torch.where(den > 0, W / den.clamp_min(1e-30), torch.full_like(W, 1.0 / len(weights)))
 
 
-def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "factored",
-          keep_layernorm: bool = False, masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None) -> nn.Module:
+def merge(
+    models: Sequence[nn.Module],
+    weights: Sequence[float],
+    form: str = "factored",
+    keep_layernorm: bool = False,
+    masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
+) -> nn.Module:
     """``Σ w_m θ_m`` of same-shape (already aligned) models, in the given form.
 
     ``masks`` (one per model, from ``widths.unit_masks``/``permute_masks``) mark padded heads and FF
@@ -131,14 +147,20 @@ def merge(models: Sequence[nn.Module], weights: Sequence[float], form: str = "fa
     return to_layernorm(out) if keep else out
 
 
-def interpolate(model_a: nn.Module, model_b: nn.Module, lam: float, form: str = "factored",
-                keep_layernorm: bool = False) -> nn.Module:
+def interpolate(
+    model_a: nn.Module, model_b: nn.Module, lam: float, form: str = "factored", keep_layernorm: bool = False
+) -> nn.Module:
     """``λ·A + (1−λ)·B`` of two same-shape models (B already aligned to A), in the given ``form``."""
     return merge([model_a, model_b], [lam, 1.0 - lam], form=form, keep_layernorm=keep_layernorm)
 
 
-def unit_weighted(states: Sequence[StateDict], weights: Sequence[float], masks: Sequence[Optional[dict[str, torch.Tensor]]],
-                  cfg: TransformerConfig, base: Optional[StateDict] = None) -> StateDict:
+def unit_weighted(
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    masks: Sequence[Optional[dict[str, torch.Tensor]]],
+    cfg: TransformerConfig,
+    base: Optional[StateDict] = None,
+) -> StateDict:
     """``Σ w_m θ_m`` where every entry is averaged only over the models that hold it.
 
     Heads and FF neurons: a mask per model (``unit_masks`` after permutation) says which units are its
@@ -165,8 +187,12 @@ def unit_weighted(states: Sequence[StateDict], weights: Sequence[float], masks: 
             out[k] = _combine([sd[k] for sd in states], list(weights), projs, raxis)
             continue
         name, g, mem = unit_of[k]
-        held = torch.stack([(m[name] if m is not None and name in m else torch.ones(g.size, dtype=torch.bool)).bool().cpu()
-                            for m in masks])  # (M, units)
+        held = torch.stack(
+            [
+                (m[name] if m is not None and name in m else torch.ones(g.size, dtype=torch.bool)).bool().cpu()
+                for m in masks
+            ]
+        )  # (M, units)
         result = torch.empty_like(states[0][k])
         for pattern in torch.unique(held, dim=1).T:
             units = torch.nonzero((held == pattern[:, None]).all(0)).flatten()

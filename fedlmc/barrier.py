@@ -1,4 +1,5 @@
 """Interpolation curves and loss barriers (the paper's protocol: λ = 0, 0.1, ..., 1 on the test split)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -8,8 +9,8 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .data import Data
 from .averaging import interpolate as interpolate_models
+from .data import Data
 from .train import evaluate
 
 LAMBDAS = tuple(round(0.1 * i, 10) for i in range(11))
@@ -27,9 +28,15 @@ class Curve:
         return asdict(self)
 
 
-def interpolation_curve(model_a: nn.Module, model_b: nn.Module, data: Data, lambdas: Sequence[float] = LAMBDAS,
-                        interpolate: Optional[Callable[[nn.Module, nn.Module, float], nn.Module]] = None,
-                        batch_size: int = 256, max_batches: Optional[int] = None) -> Curve:
+def interpolation_curve(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    data: Data,
+    lambdas: Sequence[float] = LAMBDAS,
+    interpolate: Optional[Callable[[nn.Module, nn.Module, float], nn.Module]] = None,
+    batch_size: int = 256,
+    max_batches: Optional[int] = None,
+) -> Curve:
     """Evaluate the interpolated model at every λ. ``interpolate`` defaults to ``fedlmc.averaging.interpolate``
     (plain weight averaging for two LayerNorm models); pass e.g. ``partial(interpolate, form="circuit")``."""
     interpolate = interpolate or interpolate_models

@@ -1,4 +1,5 @@
 """The ``fedlmc`` command line: its argument parsers and ``main`` (the subcommands live in ``commands``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,8 +7,18 @@ import sys
 from typing import Optional
 
 from .allocator import retain_freed_memory
-from .commands import (cmd_barrier, cmd_demo, cmd_export, cmd_import, cmd_merge, cmd_reproduce, cmd_train, cmd_universe, cmd_widths,
-                       console)
+from .commands import (
+    cmd_barrier,
+    cmd_demo,
+    cmd_export,
+    cmd_import,
+    cmd_merge,
+    cmd_reproduce,
+    cmd_train,
+    cmd_universe,
+    cmd_widths,
+    console,
+)
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -25,12 +36,31 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedlmc", description="Federated learning of Transformers merged modulo symmetries.")
+    p = argparse.ArgumentParser(
+        prog="fedlmc", description="Federated learning of Transformers merged modulo symmetries."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     _add_model_commands(sub)
     _add_merge_commands(sub)
     _add_hf_commands(sub)
+    run = sub.add_parser(
+        "run", help="`flwr run APP --stream` for any Flower app; exits non-zero when its ServerApp failed"
+    )
+    run.add_argument("app", help="the Flower app's directory (its pyproject.toml names the apps)")
+    run.add_argument(
+        "flwr_args",
+        nargs=argparse.REMAINDER,
+        help='the rest of `flwr run`\'s arguments: a SuperLink connection, -c "key=value ...", ...',
+    )
+    run.set_defaults(func=cmd_run)
     return p
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``flwr run`` through ``fedlmc.launch``: its output streamed, its outcome asked of the SuperLink."""
+    from .launch import launch
+
+    return launch([args.app, *args.flwr_args])
 
 
 def _add_hf_commands(sub) -> None:
@@ -96,8 +126,12 @@ def _add_merge_commands(sub) -> None:
     """merge, universe, widths."""
     m = sub.add_parser("merge", help="merge saved models: average, aligned (weight matching to a universe) or refined")
     m.add_argument("models", nargs="+", help="checkpoint directories (widths may differ for aligned/refined)")
-    m.add_argument("--method", default="aligned", choices=["average", "aligned", "refined"],
-                   help="average | aligned | refined ('universe' and 'refine' are deprecated names)")
+    m.add_argument(
+        "--method",
+        default="aligned",
+        choices=["average", "aligned", "refined"],
+        help="average | aligned | refined ('universe' and 'refine' are deprecated names)",
+    )
     m.add_argument("--out", required=True, help="checkpoint directory for the merged model")
     m.add_argument("--weights", nargs="+", type=float, help="merge weights (default: equal)")
     m.add_argument("--form", default="factored", choices=["factored", "circuit"])
@@ -116,7 +150,9 @@ def _add_merge_commands(sub) -> None:
     u = sub.add_parser("universe", help="M seeds of a preset: vanilla vs universe vs refined merge (table + simplex)")
     u.add_argument("--preset", required=True)
     u.add_argument("--models", type=int, default=4)
-    u.add_argument("--iterations", type=int, default=10, help="universe iterations (stops earlier once it stops moving)")
+    u.add_argument(
+        "--iterations", type=int, default=10, help="universe iterations (stops earlier once it stops moving)"
+    )
     u.add_argument("--alpha", type=float, nargs="+", default=[1.0], help="Dirichlet concentration(s) of the refinement")
     u.add_argument("--refine-steps", type=int, default=200, help="refinement steps")
     u.add_argument("--forms", nargs="+", default=["factored"], choices=["factored", "circuit"])
@@ -132,7 +168,9 @@ def _add_merge_commands(sub) -> None:
     w = sub.add_parser("widths", help="width experiment: one model of width d vs d/2, d/4, d/8 (barriers)")
     w.add_argument("--preset", default="gpt2-tiny")
     w.add_argument("--factors", nargs="+", type=int, default=[2, 4, 8])
-    w.add_argument("--narrow-steps", type=int, nargs="+", help="training steps of each narrow model (default: the budget)")
+    w.add_argument(
+        "--narrow-steps", type=int, nargs="+", help="training steps of each narrow model (default: the budget)"
+    )
     w.add_argument("--max-batches", type=int)
     w.add_argument("--out", default="results")
     w.add_argument("--cache", default="runs/cache")

@@ -1,4 +1,5 @@
 """The ``fedlmc`` subcommands' implementations (``cli.py`` parses the arguments and calls these)."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,28 @@ def load_splits(preset: str, args: argparse.Namespace, seed: int = 0):
     from .models import preset_config, preset_dataset
 
     cfg = preset_config(preset)
-    return load(getattr(args, "dataset", None) or preset_dataset(preset), data_dir=getattr(args, "data_dir", None),
-                block_size=getattr(cfg, "block_size", 64), text_file=getattr(args, "text", None), seed=seed)
+    return load(
+        getattr(args, "dataset", None) or preset_dataset(preset),
+        data_dir=getattr(args, "data_dir", None),
+        block_size=getattr(cfg, "block_size", 64),
+        text_file=getattr(args, "text", None),
+        seed=seed,
+    )
 
 
 def budget(args: argparse.Namespace) -> dict[str, Any]:
     return dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, device=args.device)
 
 
-def trained(preset: str, seed: int, splits, cache: Path, progress: bool = True,
-            model_overrides: Optional[dict[str, Any]] = None, **over: Any):
+def trained(
+    preset: str,
+    seed: int,
+    splits,
+    cache: Path,
+    progress: bool = True,
+    model_overrides: Optional[dict[str, Any]] = None,
+    **over: Any,
+):
     """Train (or reuse from ``cache``) preset ``preset`` with ``seed``; returns the loaded model.
     ``model_overrides`` change the architecture (e.g. ``{"d_model": 64}``), ``over`` the budget."""
     from . import io
@@ -48,8 +61,10 @@ def trained(preset: str, seed: int, splits, cache: Path, progress: bool = True,
         return io.load(path)
     model, hist = train_preset(preset, splits, seed=seed, progress=progress, model_overrides=model_overrides, **over)
     io.save(model, path, model.meta)
-    console.print(f"{preset} seed {seed}: test loss {hist['test']['loss']:.4f} acc {hist['test']['acc']:.4f} "
-                  f"({hist['seconds']:.0f} s) → {path}")
+    console.print(
+        f"{preset} seed {seed}: test loss {hist['test']['loss']:.4f} acc {hist['test']['acc']:.4f} "
+        f"({hist['seconds']:.0f} s) → {path}"
+    )
     return model
 
 
@@ -80,8 +95,12 @@ def _splits_for(model, args: argparse.Namespace):
     if not name:
         raise SystemExit("the checkpoint does not record its data set: pass --dataset")
     text = args.text or (meta.get("source") if name not in ("digits", "mnist", "cifar10", "shakespeare") else None)
-    return load(name if name in ("digits", "mnist", "cifar10", "shakespeare") else "text", data_dir=args.data_dir,
-                block_size=getattr(model.config, "block_size", 64), text_file=text)
+    return load(
+        name if name in ("digits", "mnist", "cifar10", "shakespeare") else "text",
+        data_dir=args.data_dir,
+        block_size=getattr(model.config, "block_size", 64),
+        text_file=text,
+    )
 
 
 def cmd_barrier(args: argparse.Namespace) -> int:
@@ -91,8 +110,14 @@ def cmd_barrier(args: argparse.Namespace) -> int:
     a, b = io.load(args.model_a), io.load(args.model_b)
     data = _eval_split(a, args)
     curve = interpolation_curve(a, b, data, max_batches=args.max_batches)
-    out = {"model_a": args.model_a, "model_b": args.model_b, "split": args.split, "method": "vanilla",
-           "barrier": barrier(curve), "curve": curve.to_dict()}
+    out = {
+        "model_a": args.model_a,
+        "model_b": args.model_b,
+        "split": args.split,
+        "method": "vanilla",
+        "barrier": barrier(curve),
+        "curve": curve.to_dict(),
+    }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
@@ -129,12 +154,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         models = [trained(preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in args.seeds[:2]]
         train_s = time.time() - t0
         curve = interpolation_curve(models[0], models[1], splits.test)
-        png = plot_curves({"vanilla": curve}, out / f"barrier_{preset}.png", title=f"{preset}: seed {args.seeds[0]} ↔ {args.seeds[1]}")
-        summary[preset] = {"dataset": splits.name, "budget": over, "train_seconds": round(train_s, 1),
-                           "test": [m.meta.get("test") for m in models],
-                           "barrier": barrier(curve), "curve": curve.to_dict(), "plot": str(png)}
-        console.print(f"{preset}: test loss {[round(t['loss'], 4) for t in summary[preset]['test']]}, "
-                      f"vanilla barrier {summary[preset]['barrier']:.4f}  → {png}")
+        png = plot_curves(
+            {"vanilla": curve}, out / f"barrier_{preset}.png", title=f"{preset}: seed {args.seeds[0]} ↔ {args.seeds[1]}"
+        )
+        summary[preset] = {
+            "dataset": splits.name,
+            "budget": over,
+            "train_seconds": round(train_s, 1),
+            "test": [m.meta.get("test") for m in models],
+            "barrier": barrier(curve),
+            "curve": curve.to_dict(),
+            "plot": str(png),
+        }
+        console.print(
+            f"{preset}: test loss {[round(t['loss'], 4) for t in summary[preset]['test']]}, "
+            f"vanilla barrier {summary[preset]['barrier']:.4f}  → {png}"
+        )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: {"barrier": round(v["barrier"], 4), "test": v["test"]} for k, v in summary.items()}, indent=1))
     return 0
@@ -157,23 +192,43 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     per_pair = []
     for a, b in pairs:
         # a pair's curves are kept beside its models, so a larger --pairs run reuses the smaller one's work
-        key = hashlib.sha1(json.dumps([models[a].meta.get("seed"), models[b].meta.get("seed"), models[a].meta.get("seconds"),
-                                       models[b].meta.get("seconds"), sorted(methods), args.learned_steps]).encode()).hexdigest()[:12]
+        key = hashlib.sha1(
+            json.dumps(
+                [
+                    models[a].meta.get("seed"),
+                    models[b].meta.get("seed"),
+                    models[a].meta.get("seconds"),
+                    models[b].meta.get("seconds"),
+                    sorted(methods),
+                    args.learned_steps,
+                ]
+            ).encode()
+        ).hexdigest()[:12]
         cached = Path(args.cache) / f"pair-{args.preset}-{a}-{b}-{key}.json"
         if cached.is_file():
             console.print(f"pair ({a}, {b}): reusing {cached}")
             per_pair.append(json.loads(cached.read_text()))
             continue
         console.print(f"pair ({a}, {b})")
-        per_pair.append(pair_curves(models[a], models[b], splits, methods, args.learned_steps, progress=not args.quiet,
-                                    log=console.print))
+        per_pair.append(
+            pair_curves(
+                models[a], models[b], splits, methods, args.learned_steps, progress=not args.quiet, log=console.print
+            )
+        )
         cached.write_text(json.dumps(per_pair[-1]))
     rows = summarise(per_pair, methods)
     test_losses = {s: (m.meta.get("test") or {}).get("loss", float("nan")) for s, m in models.items()}
     md = markdown(args.preset, rows, pairs, show_acc=models[seeds[0]].config.arch == "vit", test_losses=test_losses)
-    payload = {"preset": args.preset, "pairs": pairs, "dataset": splits.name, "budget": over,
-               "learned_steps": args.learned_steps, "test": {s: m.meta.get("test") for s, m in models.items()},
-               "summary": rows, "per_pair": per_pair}
+    payload = {
+        "preset": args.preset,
+        "pairs": pairs,
+        "dataset": splits.name,
+        "budget": over,
+        "learned_steps": args.learned_steps,
+        "test": {s: m.meta.get("test") for s, m in models.items()},
+        "summary": rows,
+        "per_pair": per_pair,
+    }
     files = write_results(Path(args.out), args.preset, payload, md, per_pair, methods)
     print(md)
     console.print(f"wrote {files}")
@@ -183,10 +238,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge saved models (``average``, ``aligned`` universe or ``refined`` universe); mixed widths allowed."""
     from . import io
-    from .manyway import aligned_models, excess, plot_simplex, simplex_losses
     from .averaging import merge
-    from .universe import universe_merge
+    from .manyway import aligned_models, excess, plot_simplex, simplex_losses
     from .train import evaluate
+    from .universe import universe_merge
 
     models = [io.load(p) for p in args.models]
     if len(models) < 2:
@@ -197,22 +252,47 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if method == "average":
         merged, Ts = merge(models, args.weights or [1 / len(models)] * len(models), form=args.form), None
     else:
-        refine = Refinement(data=splits.train, alpha=args.alpha, steps=args.steps, check_every=0) \
-            if method == "refined" else None
-        merged, Ts = universe_merge(models, args.weights, matching=Matching(), refine=refine,
-                                    iterations=args.iterations, form=args.form, keep_layernorm=args.keep_layernorm,
-                                    progress=not args.quiet)
+        refine = (
+            Refinement(data=splits.train, alpha=args.alpha, steps=args.steps, check_every=0)
+            if method == "refined"
+            else None
+        )
+        merged, Ts = universe_merge(
+            models,
+            args.weights,
+            matching=Matching(),
+            refine=refine,
+            iterations=args.iterations,
+            form=args.form,
+            keep_layernorm=args.keep_layernorm,
+            progress=not args.quiet,
+        )
     seconds = time.time() - t
     data = getattr(splits, args.split)
     ends = [evaluate(m, data, max_batches=args.max_batches)["loss"] for m in models]
     ev = evaluate(merged, data, max_batches=args.max_batches)
-    meta = {"merged_from": [str(p) for p in args.models], "method": method, "form": args.form,
-            "dataset": models[0].meta.get("dataset"), "source": models[0].meta.get("source"),
-            "chars": models[0].meta.get("chars"), "block_size": models[0].meta.get("block_size"),
-            args.split: ev, "endpoint_loss": ends, "excess": excess(ev["loss"], ends), "seconds": seconds}
+    meta = {
+        "merged_from": [str(p) for p in args.models],
+        "method": method,
+        "form": args.form,
+        "dataset": models[0].meta.get("dataset"),
+        "source": models[0].meta.get("source"),
+        "chars": models[0].meta.get("chars"),
+        "block_size": models[0].meta.get("block_size"),
+        args.split: ev,
+        "endpoint_loss": ends,
+        "excess": excess(ev["loss"], ends),
+        "seconds": seconds,
+    }
     io.save(merged, args.out, meta)
-    result = {"out": str(args.out), "method": method, args.split: ev, "endpoint_loss": ends,
-              "excess": meta["excess"], "seconds": round(seconds, 1)}
+    result = {
+        "out": str(args.out),
+        "method": method,
+        args.split: ev,
+        "endpoint_loss": ends,
+        "excess": meta["excess"],
+        "seconds": round(seconds, 1),
+    }
     if args.plot:
         if len(models) != 3:
             raise ValueError("--plot draws the loss over the 2-simplex: give exactly three models")
@@ -234,17 +314,30 @@ def cmd_universe(args: argparse.Namespace) -> int:
     over = {k: v for k, v in budget(args).items() if v is not None}
     console.rule(f"{args.preset}: universe of {len(seeds)} models on {splits.summary()}")
     models = [trained(args.preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in seeds]
-    res = universe_table(models, splits, Refinement(steps=args.refine_steps, check_every=0), alphas=args.alpha,
-                         iterations=args.iterations,
-                         log=console.print, progress=not args.quiet, simplex_n=args.simplex_n,
-                         max_batches=args.max_batches, forms=args.forms)
+    res = universe_table(
+        models,
+        splits,
+        Refinement(steps=args.refine_steps, check_every=0),
+        alphas=args.alpha,
+        iterations=args.iterations,
+        log=console.print,
+        progress=not args.quiet,
+        simplex_n=args.simplex_n,
+        max_batches=args.max_batches,
+        forms=args.forms,
+    )
     res.update(preset=args.preset, seeds=seeds, dataset=splits.name, budget=over)
     md = universe_markdown(args.preset, res, seeds)
     stem = f"universe_{args.preset}"
     files = write(Path(args.out), stem, res, md)
     if "simplex" in res:
-        files.append(plot_simplex(res["simplex"], Path(args.out) / f"simplex_{args.preset}.png",
-                                  title=f"{args.preset}: test loss over the simplex of seeds 0, 1, 2"))
+        files.append(
+            plot_simplex(
+                res["simplex"],
+                Path(args.out) / f"simplex_{args.preset}.png",
+                title=f"{args.preset}: test loss over the simplex of seeds 0, 1, 2",
+            )
+        )
     print(md)
     console.print(f"wrote {[str(f) for f in files]}")
     return 0
@@ -268,15 +361,31 @@ def cmd_widths(args: argparse.Namespace) -> int:
             raise ValueError(f"width {d} is not divisible by {f}")
         budget_f = {**over, **({"steps": args.narrow_steps[j]} if args.narrow_steps else {})}
         # only the residual width shrinks (heads and FF keep their sizes), as in the paper
-        narrow[d // f] = trained(args.preset, 1, splits, Path(args.cache), progress=not args.quiet,
-                                 model_overrides={"d_model": d // f, "d_head": cfg.d_head}, **budget_f)
+        narrow[d // f] = trained(
+            args.preset,
+            1,
+            splits,
+            Path(args.cache),
+            progress=not args.quiet,
+            model_overrides={"d_model": d // f, "d_head": cfg.d_head},
+            **budget_f,
+        )
     res = width_experiment(wide, narrow, splits.test, log=console.print, max_batches=args.max_batches)
-    res.update(preset=args.preset, d=d, factors=args.factors, budget=over, narrow_steps=args.narrow_steps,
-               steps={str(k): m.meta.get("steps") for k, m in narrow.items()} | {"wide": wide.meta.get("steps")})
+    res.update(
+        preset=args.preset,
+        d=d,
+        factors=args.factors,
+        budget=over,
+        narrow_steps=args.narrow_steps,
+        steps={str(k): m.meta.get("steps") for k, m in narrow.items()} | {"wide": wide.meta.get("steps")},
+    )
     md = width_markdown(args.preset, res, d)
     files = write(Path(args.out), f"widths_{args.preset}", res, md)
-    files.append(plot_width_curves(res, Path(args.out) / f"widths_{args.preset}.png",
-                                   f"{args.preset}: width {d} ↔ narrower models"))
+    files.append(
+        plot_width_curves(
+            res, Path(args.out) / f"widths_{args.preset}.png", f"{args.preset}: width {d} ↔ narrower models"
+        )
+    )
     print(md)
     console.print(f"wrote {[str(f) for f in files]}")
     return 0

@@ -1,4 +1,5 @@
 """The output ensemble of several models: the reference a one-shot merge tries to reach with one model."""
+
 from __future__ import annotations
 
 import math

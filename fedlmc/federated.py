@@ -3,6 +3,7 @@ mapping, each client's partition and width, local training, and the experiment's
 
 Flower's apps (``clients/``, ``simulations/``) stay thin: they translate messages to these calls.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,14 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .data import Data, DataNotFound, Splits, TokenData, load, split
 from .averaging import REDUCES
+from .data import Data, DataNotFound, Splits, TokenData, load, split
 from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
-from .train import TrainConfig, evaluate, model_for_data, train
 from .options import Matching, Refinement, one_of
+from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
 
 STRATEGIES = ("average", "permuted", "aligned", "refined", "hetero", "hetero-permuted", "hetero-refined", "slicing")
@@ -36,9 +37,9 @@ class Settings:
     experiment layer adds its own (``simulations.experiment.ExperimentSettings``). ``matching()`` and
     ``refinement(data)`` map the keys onto the option objects the strategies take."""
 
-    strategy: str = "aligned"
-    num_server_rounds: int = 3
-    preset: str = "vit-digits"
+    strategy: str = "average,aligned,refined"  # one of STRATEGIES, or several: a one-shot side-by-side comparison
+    num_server_rounds: int = 1
+    preset: str = "gpt2-tiny"
     dataset: str = ""  # default: the preset's
     data_dir: str = ""
     text_file: str = ""
@@ -47,7 +48,7 @@ class Settings:
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     min_nodes: int = 2
-    local_epochs: float = 30.0
+    local_epochs: float = 1.0
     local_steps: int = 0  # > 0 overrides local_epochs
     lr: float = 2e-3
     batch_size: int = 32
@@ -67,8 +68,12 @@ class Settings:
     device: str = ""
     resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
     hf: bool = False  # clients train the preset's Hugging Face twin (GPT2LMHeadModel, ...) under its own keys
-    threads: int = 1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
-    aggregate_threads: int = -1  # torch threads while the server combines a round (0: every core, the clients wait; -1: `threads`)
+    threads: int = (
+        1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
+    )
+    aggregate_threads: int = (
+        -1
+    )  # torch threads while the server combines a round (0: every core, the clients wait; -1: `threads`)
     reduce: str = "mean"  # mean | median | trimmed: how average / permuted / aligned combine (robust aggregation)
     trim: float = 0.2  # trimmed: the fraction of values cut at each end of every coordinate
     vocab_size: int = 0  # 0: the data's; larger pads the vocabulary (50257: GPT-2-small's 124M parameters)
@@ -81,7 +86,9 @@ class Settings:
         for key, value in run_config.items():
             name = key.replace("-", "_")
             if name not in known:
-                raise ValueError(f"unknown run_config key {key!r}; known: {', '.join(sorted(k.replace('_', '-') for k in known))}")
+                raise ValueError(
+                    f"unknown run_config key {key!r}; known: {', '.join(sorted(k.replace('_', '-') for k in known))}"
+                )
             typ = type(known[name].default)
             if typ is bool and isinstance(value, str):
                 value = value.strip().lower() in ("1", "true", "yes", "on")
@@ -92,16 +99,33 @@ class Settings:
 
     def validate(self) -> None:
         """A clear error for values no run could use."""
-        one_of(self.strategy, STRATEGIES, "strategy")
-        if any(f != 1 for f in self.factors()) and self.strategy in ("average", "permuted", "aligned", "refined"):
-            raise ValueError(f"width-factors {self.width_factors!r} make a mixed-width federation: use strategy "
-                             "'hetero' (aligned), 'hetero-permuted', 'hetero-refined' or 'slicing' (HeteroFL baseline), "
-                             "not " + repr(self.strategy))
+        names = self.strategies()
+        if len(names) > 1 and self.num_server_rounds != 1:
+            raise ValueError(
+                f"strategy {self.strategy!r} compares {len(names)} strategies on the same replies: "
+                f"a one-shot run, so num-server-rounds must be 1 (got {self.num_server_rounds})"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"strategy {self.strategy!r} names a strategy twice")
+        for name in names:
+            one_of(name, STRATEGIES, "strategy")
+            if any(f != 1 for f in self.factors()) and name in ("average", "permuted", "aligned", "refined"):
+                raise ValueError(
+                    f"width-factors {self.width_factors!r} make a mixed-width federation: use strategy "
+                    "'hetero' (aligned), 'hetero-permuted', 'hetero-refined' or 'slicing' (HeteroFL "
+                    "baseline), not " + repr(name)
+                )
+            if self.reduce != "mean" and name not in ("average", "permuted", "aligned"):
+                raise ValueError(
+                    f"reduce={self.reduce!r} applies to strategies average, permuted and aligned, not {name!r}"
+                )
         one_of(self.reduce, REDUCES, "reduce")
-        if self.reduce != "mean" and self.strategy not in ("average", "permuted", "aligned"):
-            raise ValueError(f"reduce={self.reduce!r} applies to strategies average, permuted and aligned, not {self.strategy!r}")
         one_of(self.partitioner, SCHEMES, "partitioner")
         self.matching()
+
+    def strategies(self) -> list[str]:
+        """The strategy, or the strategies a side-by-side comparison aggregates the same replies with."""
+        return [x.strip() for x in self.strategy.split(",") if x.strip()]
 
     def matching(self) -> Matching:
         """Weight matching's options (the permutation-only strategies match with permutations)."""
@@ -141,8 +165,13 @@ def splits_for(s: Settings) -> Splits:
     if key not in _SPLITS:
         cfg = preset_config(s.preset)
         try:
-            _SPLITS[key] = load(s.dataset or preset_dataset(s.preset), data_dir=s.data_dir or None,
-                                block_size=getattr(cfg, "block_size", 64), text_file=s.text_file or None, seed=0)
+            _SPLITS[key] = load(
+                s.dataset or preset_dataset(s.preset),
+                data_dir=s.data_dir or None,
+                block_size=getattr(cfg, "block_size", 64),
+                text_file=s.text_file or None,
+                seed=0,
+            )
         except DataNotFound as e:  # told as a federation user provides data: a run_config key
             raise e.in_federation(Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr"))) from None
     return _SPLITS[key]
@@ -189,8 +218,9 @@ def client_data(s: Settings, partition_id: int, num_partitions: int) -> tuple[Da
     if key not in _PARTS:
         sp = splits_for(s)
         tr = partition(sp.train, num_partitions, s.partitioner, s.alpha, s.seed)[partition_id]
-        va = partition(sp.val, num_partitions, "contiguous" if isinstance(sp.val, TokenData) else "iid", s.alpha,
-                       s.seed)[partition_id]
+        va = partition(
+            sp.val, num_partitions, "contiguous" if isinstance(sp.val, TokenData) else "iid", s.alpha, s.seed
+        )[partition_id]
         _PARTS[key] = (tr, va)
     return _PARTS[key]
 

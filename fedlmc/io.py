@@ -1,4 +1,5 @@
 """Checkpoints: safetensors weights + a JSON config (and free-form metadata). Never pickle."""
+
 from __future__ import annotations
 
 import json

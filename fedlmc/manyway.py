@@ -4,23 +4,23 @@
 The excess of a merge is ``E = L(merged) − mean_m L(θ_m)`` on the test split: how much worse the merged
 model is than the models it came from, on average.
 """
-from __future__ import annotations
 
-from dataclasses import replace
+from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
+from .averaging import merge
 from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .matching import weight_matching
-from .averaging import merge
 from .options import Matching, Refinement
-from .universe import universe_merge
 from .train import evaluate
+from .universe import universe_merge
 from .widths import into_universe, pad, permute_masks, shape_of, unit_masks
 
 
@@ -42,8 +42,9 @@ def simplex_grid(n: int = 8) -> list[tuple[float, float, float]]:
     return [(i / n, j / n, (n - i - j) / n) for i in range(n + 1) for j in range(n + 1 - i)]
 
 
-def simplex_losses(models: Sequence[nn.Module], data, n: int = 8, masks=None, max_batches: Optional[int] = None,
-                   form: str = "factored") -> list[dict]:
+def simplex_losses(
+    models: Sequence[nn.Module], data, n: int = 8, masks=None, max_batches: Optional[int] = None, form: str = "factored"
+) -> list[dict]:
     """Loss and accuracy of ``merge(models, λ)`` at every point of ``simplex_grid(n)`` (three models)."""
     if len(models) != 3:
         raise ValueError(f"the simplex plot needs exactly 3 models, got {len(models)}")
@@ -66,7 +67,7 @@ def plot_simplex(panels: dict[str, list[dict]], path: Path, title: str = "") -> 
     lo = min(p["loss"] for pts in panels.values() for p in pts)
     hi = max(p["loss"] for pts in panels.values() for p in pts)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2), squeeze=False)
-    corners = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, 3 ** 0.5 / 2]])
+    corners = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, 3**0.5 / 2]])
     for ax, (name, pts) in zip(axes[0], panels.items()):
         lam = np.array([p["lambda"] for p in pts])
         xy = lam @ corners
@@ -76,8 +77,14 @@ def plot_simplex(panels: dict[str, list[dict]], path: Path, title: str = "") -> 
         centre = loss[np.argmin(np.abs(lam - 1 / 3).sum(1))]
         ax.set_title(f"{name}\nmax {loss.max():.2f}, near centre {centre:.2f}", fontsize=10)
         for k, (cx, cy) in enumerate(corners):
-            ax.annotate(f"θ{k + 1}", (cx, cy), textcoords="offset points", xytext=(0, -12 if cy == 0 else 4),
-                        ha="center", fontsize=9)
+            ax.annotate(
+                f"θ{k + 1}",
+                (cx, cy),
+                textcoords="offset points",
+                xytext=(0, -12 if cy == 0 else 4),
+                ha="center",
+                fontsize=9,
+            )
         ax.set_aspect("equal")
         ax.axis("off")
     fig.colorbar(cs, ax=axes[0].tolist(), shrink=0.8, label="test loss")
@@ -90,10 +97,19 @@ def plot_simplex(panels: dict[str, list[dict]], path: Path, title: str = "") -> 
     return path
 
 
-def universe_table(models: Sequence[nn.Module], splits, refine: Optional[Refinement] = None,
-                   alphas: Sequence[float] = (1.0,), iterations: int = 5, log: Callable[[str], None] = print, progress: bool = True,
-                   simplex_n: int = 0, max_batches: Optional[int] = None, forms: Sequence[str] = ("factored",),
-                   tol: float = 1e-6) -> dict[str, Any]:
+def universe_table(
+    models: Sequence[nn.Module],
+    splits,
+    refine: Optional[Refinement] = None,
+    alphas: Sequence[float] = (1.0,),
+    iterations: int = 5,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+    simplex_n: int = 0,
+    max_batches: Optional[int] = None,
+    forms: Sequence[str] = ("factored",),
+    tol: float = 1e-6,
+) -> dict[str, Any]:
     """Vanilla average vs universe (weight matching) vs Dirichlet-refined universe of ``models``:
     test loss of each merge and its excess over the mean endpoint loss. With ``simplex_n`` > 0 and
     the first three models, also the loss over their 2-simplex for each method."""
@@ -104,7 +120,10 @@ def universe_table(models: Sequence[nn.Module], splits, refine: Optional[Refinem
     def row(name: str, model: nn.Module, seconds: float) -> None:
         ev = evaluate(model, splits.test, max_batches=max_batches)
         rows[name] = {"loss": ev["loss"], "acc": ev["acc"], "excess": excess(ev["loss"], end_loss), "seconds": seconds}
-        log(f"{name:<28s} loss {ev['loss']:.4f} acc {ev['acc']:.4f} excess {rows[name]['excess']:+.4f} ({seconds:.0f} s)")
+        log(
+            f"{name:<28s} loss {ev['loss']:.4f} acc {ev['acc']:.4f} excess {rows[name]['excess']:+.4f} "
+            f"({seconds:.0f} s)"
+        )
 
     n = len(models)
     t = time.time()
@@ -115,22 +134,36 @@ def universe_table(models: Sequence[nn.Module], splits, refine: Optional[Refinem
     for form in forms:
         if form != "factored":
             t = time.time()
-            row(f"universe ({form})", universe_merge(models, iterations=iterations, tol=tol, form=form)[0], time.time() - t)
+            row(
+                f"universe ({form})",
+                universe_merge(models, iterations=iterations, tol=tol, form=form)[0],
+                time.time() - t,
+            )
     # a fixed budget, every step (the table compares refinement lengths as they are); ``alphas`` override its α
     refine = refine if refine is not None else Refinement(steps=200, check_every=0)
     alphas = list(alphas)
     T_ref = None
     for a in alphas:
         t = time.time()
-        ref, T = universe_merge(models, refine=replace(refine, data=splits.train, alpha=a), iterations=iterations,
-                                tol=tol, progress=progress)
+        ref, T = universe_merge(
+            models,
+            refine=replace(refine, data=splits.train, alpha=a),
+            iterations=iterations,
+            tol=tol,
+            progress=progress,
+        )
         row(f"refined (α={a:g})" if len(alphas) > 1 else "refined", ref, time.time() - t)
         T_ref = T_ref or T
     v = rows["vanilla"]["excess"]
     for name in rows:
         rows[name]["ratio"] = rows[name]["excess"] / v if v > 0 else float("nan")
-    out: dict[str, Any] = {"endpoints": ends, "rows": rows, "alpha": alphas, "refine_steps": refine.steps,
-                           "iterations": iterations}
+    out: dict[str, Any] = {
+        "endpoints": ends,
+        "rows": rows,
+        "alpha": alphas,
+        "refine_steps": refine.steps,
+        "iterations": iterations,
+    }
     if simplex_n and n >= 3:
         three = list(models[:3])
         panels = {"vanilla": simplex_losses(three, splits.test, simplex_n, max_batches=max_batches)}
@@ -142,19 +175,35 @@ def universe_table(models: Sequence[nn.Module], splits, refine: Optional[Refinem
 
 
 def universe_markdown(preset: str, result: dict[str, Any], seeds: Sequence[int]) -> str:
-    lines = [f"### {preset}: universe of {len(seeds)} models (seeds {', '.join(map(str, seeds))})", "",
-             "Endpoint test losses: " + ", ".join(f"{e['loss']:.3f}" for e in result["endpoints"]), "",
-             "| merge | test loss | acc | excess E | E / E(vanilla) | seconds |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"### {preset}: universe of {len(seeds)} models (seeds {', '.join(map(str, seeds))})",
+        "",
+        "Endpoint test losses: " + ", ".join(f"{e['loss']:.3f}" for e in result["endpoints"]),
+        "",
+        "| merge | test loss | acc | excess E | E / E(vanilla) | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in result["rows"].items():
-        lines.append(f"| {name} | {r['loss']:.4f} | {r['acc']:.4f} | {r['excess']:+.4f} | {r['ratio']:.3f} | {r['seconds']:.0f} |")
+        lines.append(
+            f"| {name} | {r['loss']:.4f} | {r['acc']:.4f} | {r['excess']:+.4f} | {r['ratio']:.3f} "
+            f"| {r['seconds']:.0f} |"
+        )
     lines.append("")
-    lines.append(f"Refinement: Dirichlet α = {', '.join(f'{a:g}' for a in result['alpha'])}, {result['refine_steps']} steps; "
-                 f"universe: {result['iterations']} iterations of weight matching.")
+    lines.append(
+        f"Refinement: Dirichlet α = {', '.join(f'{a:g}' for a in result['alpha'])}, {result['refine_steps']} steps; "
+        f"universe: {result['iterations']} iterations of weight matching."
+    )
     return "\n".join(lines)
 
 
-def width_experiment(wide: nn.Module, narrow: dict[int, nn.Module], data, log: Callable[[str], None] = print,
-                     max_batches: Optional[int] = None, matching: Optional[Matching] = None) -> dict[str, Any]:
+def width_experiment(
+    wide: nn.Module,
+    narrow: dict[int, nn.Module],
+    data,
+    log: Callable[[str], None] = print,
+    max_batches: Optional[int] = None,
+    matching: Optional[Matching] = None,
+) -> dict[str, Any]:
     """Interpolation barriers between one wide model and narrower ones (paper Fig. 3c).
 
     Each narrower model (key: its residual width) is lifted exactly into the wide model's width by
@@ -175,22 +224,39 @@ def width_experiment(wide: nn.Module, narrow: dict[int, nn.Module], data, log: C
         c_al = interpolation_curve(wide, aligned, data, max_batches=max_batches)
         curves[f"d={d}: lifted"] = c_lift
         curves[f"d={d}: aligned"] = c_al
-        rows[str(d)] = {"ratio": d / wide.config.d_model, "lifted": barrier(c_lift), "aligned": barrier(c_al),
-                        "narrow_loss": c_lift.loss[0], "align_seconds": secs}
-        log(f"d={d} ({d / wide.config.d_model:.3g}·d): barrier lifted {rows[str(d)]['lifted']:.4f} → aligned "
-            f"{rows[str(d)]['aligned']:.4f} ({secs:.0f} s)")
-    return {"wide_loss": next(iter(curves.values())).loss[-1], "rows": rows,
-            "curves": {k: c.to_dict() for k, c in curves.items()}}
+        rows[str(d)] = {
+            "ratio": d / wide.config.d_model,
+            "lifted": barrier(c_lift),
+            "aligned": barrier(c_al),
+            "narrow_loss": c_lift.loss[0],
+            "align_seconds": secs,
+        }
+        log(
+            f"d={d} ({d / wide.config.d_model:.3g}·d): barrier lifted {rows[str(d)]['lifted']:.4f} → aligned "
+            f"{rows[str(d)]['aligned']:.4f} ({secs:.0f} s)"
+        )
+    return {
+        "wide_loss": next(iter(curves.values())).loss[-1],
+        "rows": rows,
+        "curves": {k: c.to_dict() for k, c in curves.items()},
+    }
 
 
 def width_markdown(preset: str, result: dict[str, Any], d: int) -> str:
-    lines = [f"### {preset}: one model of width {d} vs narrower ones (interpolation barrier, test split)", "",
-             f"Wide model test loss {result['wide_loss']:.4f} ({result.get('steps', {}).get('wide', '?')} steps).", "",
-             "| narrow width | ratio | training steps | narrow loss | barrier, lifted by [I;0] | barrier, aligned | align s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {preset}: one model of width {d} vs narrower ones (interpolation barrier, test split)",
+        "",
+        f"Wide model test loss {result['wide_loss']:.4f} ({result.get('steps', {}).get('wide', '?')} steps).",
+        "",
+        "| narrow width | ratio | training steps | narrow loss | barrier, lifted by [I;0] | barrier, aligned "
+        "| align s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for dn, r in result["rows"].items():
-        lines.append(f"| {dn} | {r['ratio']:.3g} | {result.get('steps', {}).get(dn, '?')} | {r['narrow_loss']:.4f} | "
-                     f"{r['lifted']:.4f} | {r['aligned']:.4f} | {r['align_seconds']:.0f} |")
+        lines.append(
+            f"| {dn} | {r['ratio']:.3g} | {result.get('steps', {}).get(dn, '?')} | {r['narrow_loss']:.4f} | "
+            f"{r['lifted']:.4f} | {r['aligned']:.4f} | {r['align_seconds']:.0f} |"
+        )
     return "\n".join(lines)
 
 

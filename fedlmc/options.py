@@ -10,6 +10,7 @@
 A knob has one name from ``run_config`` down to the optimiser: run_config ``refine-check-sigmas`` is
 ``Settings.refine_check_sigmas`` is ``Refinement.check_sigmas``, the one the optimiser reads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """The paper's Table 1 on our presets: loss barriers of every alignment method over pairs of seeds."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,8 +12,8 @@ from typing import Callable, Optional, Sequence
 
 import torch.nn as nn
 
-from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .averaging import interpolate
+from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .matching import activation_matching, learned_matching, residual_activation_cross, weight_matching
 from .options import Learning, Matching
 from .symmetry import Transform, apply_transform, canonicalize
@@ -21,6 +22,7 @@ from .symmetry import Transform, apply_transform, canonicalize
 def _wm(residual: str = "orthogonal", keep_layernorm: bool = False) -> Callable:
     def run(a, b, splits, ctx):
         return weight_matching(a, b, Matching(residual=residual), keep_layernorm=keep_layernorm)
+
     return run
 
 
@@ -34,8 +36,16 @@ def _wm_act(a, b, splits, ctx):
 
 def _learned(perms_only: bool) -> Callable:
     def run(a, b, splits, ctx):
-        return learned_matching(a, b, splits.train, ctx["wm-orth-factored"], Learning(steps=ctx["learned_steps"]),
-                                perms_only=perms_only, progress=ctx["progress"])
+        return learned_matching(
+            a,
+            b,
+            splits.train,
+            ctx["wm-orth-factored"],
+            Learning(steps=ctx["learned_steps"]),
+            perms_only=perms_only,
+            progress=ctx["progress"],
+        )
+
     return run
 
 
@@ -43,10 +53,20 @@ def _learned(perms_only: bool) -> Callable:
 METHODS: dict[str, tuple[str, Optional[Callable], str, bool]] = {
     "vanilla": ("vanilla averaging", None, "factored", False),
     "activation": ("activation matching (factored)", _act, "factored", False),
-    "wm-perm-circuit": ("weight matching, permutation residual (circuit)", _wm(residual="permutation"), "circuit", False),
+    "wm-perm-circuit": (
+        "weight matching, permutation residual (circuit)",
+        _wm(residual="permutation"),
+        "circuit",
+        False,
+    ),
     "wm-orth-circuit": ("weight matching, orthogonal residual (circuit)", _wm(), "circuit", False),
     "wm-orth-factored": ("weight matching, orthogonal (factored)", _wm(), "factored", False),
-    "wm-orth-keepln": ("weight matching, orthogonal, O·1 = 1 (LayerNorm kept)", _wm(keep_layernorm=True), "factored", True),
+    "wm-orth-keepln": (
+        "weight matching, orthogonal, O·1 = 1 (LayerNorm kept)",
+        _wm(keep_layernorm=True),
+        "factored",
+        True,
+    ),
     "wm-act-factored": ("weight matching + residual activations (factored)", _wm_act, "factored", False),
     "wm-act-circuit": ("weight matching + residual activations (circuit)", _wm_act, "circuit", False),
     "learned": ("learned matching (factored)", _learned(False), "factored", False),
@@ -62,8 +82,15 @@ def seed_pairs(pairs: int) -> list[tuple[int, int]]:
     return sorted(itertools.combinations(range(n), 2), key=lambda p: (p[1], p[0]))[:pairs]
 
 
-def pair_curves(a: nn.Module, b: nn.Module, splits, methods: Sequence[str], learned_steps: int = 300,
-                progress: bool = True, log: Callable[[str], None] = print) -> dict[str, dict]:
+def pair_curves(
+    a: nn.Module,
+    b: nn.Module,
+    splits,
+    methods: Sequence[str],
+    learned_steps: int = 300,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict]:
     """Every method's interpolation curve for one pair (reusing weight matching as learned's init)."""
     ctx: dict = {"learned_steps": learned_steps, "progress": progress}
     out: dict[str, dict] = {}
@@ -80,11 +107,17 @@ def pair_curves(a: nn.Module, b: nn.Module, splits, methods: Sequence[str], lear
             T: Transform = ctx.get(key) or build(a, b, splits, ctx)
             ctx[key] = T
             aligned = apply_transform(cb, T)
-            curve = interpolation_curve(ca, aligned, splits.test, interpolate=partial(interpolate, form=form, keep_layernorm=keep))
+            curve = interpolation_curve(
+                ca, aligned, splits.test, interpolate=partial(interpolate, form=form, keep_layernorm=keep)
+            )
         secs = time.time() - t0
         if key in methods:
-            out[key] = {"curve": curve.to_dict(), "barrier": barrier(curve), "acc_mid": curve.acc[len(curve.acc) // 2],
-                        "seconds": secs}
+            out[key] = {
+                "curve": curve.to_dict(),
+                "barrier": barrier(curve),
+                "acc_mid": curve.acc[len(curve.acc) // 2],
+                "seconds": secs,
+            }
             log(f"  {label:<58s} barrier {out[key]['barrier']:.4f}  ({secs:.0f} s)")
     return out
 
@@ -98,8 +131,14 @@ def summarise(per_pair: list[dict[str, dict]], methods: Sequence[str]) -> dict[s
         n = len(vals)
         mean = sum(vals) / n
         se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1) / n) if n > 1 else 0.0
-        rows[key] = {"label": METHODS[key][0], "barrier_mean": mean, "barrier_se": se, "acc_mid": sum(accs) / n,
-                     "seconds": sum(p[key]["seconds"] for p in per_pair) / n, "barriers": vals}
+        rows[key] = {
+            "label": METHODS[key][0],
+            "barrier_mean": mean,
+            "barrier_se": se,
+            "acc_mid": sum(accs) / n,
+            "seconds": sum(p[key]["seconds"] for p in per_pair) / n,
+            "barriers": vals,
+        }
     if "vanilla" in rows and rows["vanilla"]["barrier_mean"] > 0:
         for r in rows.values():
             r["ratio"] = r["barrier_mean"] / rows["vanilla"]["barrier_mean"]
@@ -107,14 +146,26 @@ def summarise(per_pair: list[dict[str, dict]], methods: Sequence[str]) -> dict[s
 
 
 def markdown(preset: str, rows: dict[str, dict], pairs: list, show_acc: bool, test_losses: dict) -> str:
-    head = "| method | loss barrier (mean ± s.e.) | × vanilla |" + (" acc at λ = 0.5 |" if show_acc else "") + " s / pair |"
+    head = (
+        "| method | loss barrier (mean ± s.e.) | × vanilla |"
+        + (" acc at λ = 0.5 |" if show_acc else "")
+        + " s / pair |"
+    )
     sep = "|---|---|---|" + ("---|" if show_acc else "") + "---|"
-    lines = [f"### {preset}: {len(pairs)} pair(s) of seeds {pairs}", "",
-             "Endpoint test losses: " + ", ".join(f"seed {s} {l:.3f}" for s, l in sorted(test_losses.items())), "", head, sep]
+    lines = [
+        f"### {preset}: {len(pairs)} pair(s) of seeds {pairs}",
+        "",
+        "Endpoint test losses: " + ", ".join(f"seed {s} {l:.3f}" for s, l in sorted(test_losses.items())),
+        "",
+        head,
+        sep,
+    ]
     for r in rows.values():
         ratio = f"{r['ratio']:.3f}×" if "ratio" in r else "–"
         acc = f" {r['acc_mid']:.3f} |" if show_acc else ""
-        lines.append(f"| {r['label']} | {r['barrier_mean']:.3f} ± {r['barrier_se']:.3f} | {ratio} |{acc} {r['seconds']:.0f} |")
+        lines.append(
+            f"| {r['label']} | {r['barrier_mean']:.3f} ± {r['barrier_se']:.3f} | {ratio} |{acc} {r['seconds']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -123,8 +174,11 @@ def plot_mean_curves(per_pair: list[dict[str, dict]], methods: Sequence[str], pa
     for key in methods:
         cs = [Curve(**p[key]["curve"]) for p in per_pair]
         n = len(cs)
-        curves[METHODS[key][0]] = Curve(cs[0].lambdas, [sum(c.loss[i] for c in cs) / n for i in range(len(cs[0].loss))],
-                                        [sum(c.acc[i] for c in cs) / n for i in range(len(cs[0].acc))])
+        curves[METHODS[key][0]] = Curve(
+            cs[0].lambdas,
+            [sum(c.loss[i] for c in cs) / n for i in range(len(cs[0].loss))],
+            [sum(c.acc[i] for c in cs) / n for i in range(len(cs[0].acc))],
+        )
     return plot_curves(curves, path, title=title)
 
 
@@ -132,5 +186,11 @@ def write_results(out_dir: Path, preset: str, payload: dict, md: str, per_pair: 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"reproduce_{preset}.json").write_text(json.dumps(payload, indent=2))
     (out_dir / f"reproduce_{preset}.md").write_text(md)
-    png = plot_mean_curves(per_pair, methods, out_dir / f"reproduce_{preset}.png", f"{preset}: mean interpolation curves")
-    return {"json": str(out_dir / f"reproduce_{preset}.json"), "md": str(out_dir / f"reproduce_{preset}.md"), "png": str(png)}
+    png = plot_mean_curves(
+        per_pair, methods, out_dir / f"reproduce_{preset}.png", f"{preset}: mean interpolation curves"
+    )
+    return {
+        "json": str(out_dir / f"reproduce_{preset}.json"),
+        "md": str(out_dir / f"reproduce_{preset}.md"),
+        "png": str(png),
+    }

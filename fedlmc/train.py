@@ -1,4 +1,5 @@
 """Local training and evaluation: AdamW, cosine schedule with linear warmup, seeded init and data order."""
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ def _vocab_size(model: nn.Module) -> Optional[int]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Data, batch_size: int = 256, device: Optional[str] = None,
-             max_batches: Optional[int] = None) -> dict[str, float]:
+def evaluate(
+    model: nn.Module, data: Data, batch_size: int = 256, device: Optional[str] = None, max_batches: Optional[int] = None
+) -> dict[str, float]:
     """Mean loss and accuracy over ``data`` (next-token accuracy for text), in eval mode. For text the
     batch is capped so that one batch's logits stay under ``LOGITS_BUDGET`` numbers (256 windows of 1024
     tokens over GPT-2's 50257-token vocabulary would be 52 GB)."""
@@ -85,8 +87,10 @@ class TrainConfig:
     device: Optional[str] = None
 
     def total_steps(self, data: Data) -> int:
-        per_epoch = max(1, math.ceil(len(data) / self.batch_size) if not isinstance(data, TokenData)
-                        else len(data) // self.batch_size)
+        per_epoch = max(
+            1,
+            math.ceil(len(data) / self.batch_size) if not isinstance(data, TokenData) else len(data) // self.batch_size,
+        )
         if self.steps:
             return int(self.steps)
         if self.epochs:
@@ -115,13 +119,27 @@ def cosine_lr(step: int, total: int, warmup: int) -> float:
 def _progress(enabled: bool):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    disable=not enabled, transient=False)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=not enabled,
+        transient=False,
+    )
 
 
-def train(model: nn.Module, data: Data, cfg: TrainConfig, val: Optional[Data] = None, progress: bool = True,
-          desc: str = "train", on_eval: Optional[Callable[[int, dict], None]] = None) -> dict[str, Any]:
+def train(
+    model: nn.Module,
+    data: Data,
+    cfg: TrainConfig,
+    val: Optional[Data] = None,
+    progress: bool = True,
+    desc: str = "train",
+    on_eval: Optional[Callable[[int, dict], None]] = None,
+) -> dict[str, Any]:
     """Train ``model`` in place on ``data``; returns a history (losses, evaluations, seconds)."""
     dev = pick_device(cfg.device)
     model.to(dev).train()
@@ -129,8 +147,11 @@ def train(model: nn.Module, data: Data, cfg: TrainConfig, val: Optional[Data] = 
     warmup = max(1, int(cfg.warmup * total))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, total, warmup))
     gen = torch.Generator().manual_seed(cfg.seed)
     hist: dict[str, Any] = {"train_loss": [], "evals": [], "steps": total}
@@ -187,17 +208,30 @@ def model_for_data(preset: str, splits: Splits, seed: int, **overrides: Any) -> 
     if "vocab_size" in splits.meta:
         fit["vocab_size"] = splits.meta["vocab_size"]
     if "channels" in splits.meta:
-        fit.update(channels=splits.meta["channels"], image_size=splits.meta["image_size"],
-                   num_classes=splits.meta["num_classes"])
+        fit.update(
+            channels=splits.meta["channels"],
+            image_size=splits.meta["image_size"],
+            num_classes=splits.meta["num_classes"],
+        )
     torch.manual_seed(seed)
     model = from_preset(preset, **{**fit, **overrides})
-    model.meta = {"preset": preset, "dataset": splits.name, "seed": seed,
-                  **{k: v for k, v in splits.meta.items() if k in ("chars", "block_size", "source")}}
+    model.meta = {
+        "preset": preset,
+        "dataset": splits.name,
+        "seed": seed,
+        **{k: v for k, v in splits.meta.items() if k in ("chars", "block_size", "source")},
+    }
     return model
 
 
-def train_preset(preset: str, splits: Splits, seed: int = 0, progress: bool = True,
-                 model_overrides: Optional[dict[str, Any]] = None, **overrides: Any) -> tuple[nn.Module, dict]:
+def train_preset(
+    preset: str,
+    splits: Splits,
+    seed: int = 0,
+    progress: bool = True,
+    model_overrides: Optional[dict[str, Any]] = None,
+    **overrides: Any,
+) -> tuple[nn.Module, dict]:
     """Initialise preset ``preset`` from ``seed`` and train it on ``splits.train``; evaluate on test.
 
     ``model_overrides`` change the architecture (e.g. ``{"d_model": 64}``), ``overrides`` the budget."""

@@ -1,5 +1,6 @@
 """Universe merging: M models (mixed widths allowed) aligned by weight matching to one universe,
 averaged there, optionally refined (Dirichlet), and projected back to each client's shape."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,11 +16,31 @@ from .matching.activation import residual_states
 from .matching.profile import section
 from .matching.refine import dirichlet_refine
 from .options import Matching, Refinement, one_of
+from .symmetry import (
+    StateDict,
+    Transform,
+    WidthMap,
+    apply_to_state,
+    apply_transform,
+    canonical,
+    invert_transform,
+    layernorm_native,
+    rebuild,
+    spec_for,
+    to_layernorm,
+)
 from .symmetry.canonical import recentre
-from .symmetry import (StateDict, Transform, WidthMap, apply_to_state, apply_transform, canonical, invert_transform,
-                       layernorm_native, rebuild, spec_for, to_layernorm)
-from .widths import (common_shape, lift_residual, ones_lift, pad, permute_masks, residual_projector, same_shape, unit_masks,
-                     unpad)
+from .widths import (
+    common_shape,
+    lift_residual,
+    ones_lift,
+    pad,
+    permute_masks,
+    residual_projector,
+    same_shape,
+    unit_masks,
+    unpad,
+)
 
 
 @dataclass
@@ -63,8 +84,9 @@ class Members:
             out["residual"] = residual_projector(self.own(i, T), d_c, self.shape["d_model"])
         return out
 
-    def merge(self, transforms: list[Transform], form: str = "factored", reduce: str = "mean",
-              trim: float = 0.2) -> nn.Module:
+    def merge(
+        self, transforms: list[Transform], form: str = "factored", reduce: str = "mean", trim: float = 0.2
+    ) -> nn.Module:
         """The weighted average of the live models, each aligned by its transform (``reduce``: or their
         coordinate-wise median / trimmed mean, see ``averaging.robust_state``)."""
         live = self.live
@@ -73,8 +95,12 @@ class Members:
         if form == "factored" and not self.hetero:
             return self._streamed_average(transforms)
         aligned = [apply_transform(self.padded[i], transforms[i]) for i in live]
-        return merge(aligned, [self.weights[i] for i in live], form=form,
-                     masks=[self.aligned_masks(i, transforms[i]) for i in live])
+        return merge(
+            aligned,
+            [self.weights[i] for i in live],
+            form=form,
+            masks=[self.aligned_masks(i, transforms[i]) for i in live],
+        )
 
     def _streamed_average(self, transforms: list[Transform]) -> nn.Module:
         """The plain weighted average, aligning one model at a time: the server holds the M models plus
@@ -109,8 +135,9 @@ class Members:
         return out
 
 
-def members(models: Sequence[nn.Module], weights: Optional[Sequence[float]], start: Optional[nn.Module],
-            keep_layernorm: bool) -> Members:
+def members(
+    models: Sequence[nn.Module], weights: Optional[Sequence[float]], start: Optional[nn.Module], keep_layernorm: bool
+) -> Members:
     """Validate and prepare the models of a universe (see ``Members``)."""
     if not models:
         raise ValueError("universe_merge needs at least one model")
@@ -132,17 +159,39 @@ def members(models: Sequence[nn.Module], weights: Optional[Sequence[float]], sta
     if keep_layernorm and len({c.d_model for c in configs}) > 1:  # keep every padded stream centred
         D = shape["d_model"]
         lifts = [ones_lift(m.config.d_model, D) if m.config.d_model < D else None for m in models]
-        padded = [apply_transform(p, Transform({"residual": U.to(next(p.parameters()).dtype)})) if U is not None else p
-                  for p, U in zip(padded, lifts)]
-    return Members(models, [x / sum(w) for x in w], shape, padded, [unit_masks(m.config, shape) for m in models],
-                   scale, True, lifts)
+        padded = [
+            apply_transform(p, Transform({"residual": U.to(next(p.parameters()).dtype)})) if U is not None else p
+            for p, U in zip(padded, lifts)
+        ]
+    return Members(
+        models,
+        [x / sum(w) for x in w],
+        shape,
+        padded,
+        [unit_masks(m.config, shape) for m in models],
+        scale,
+        True,
+        lifts,
+    )
 
 
-def universe_merge(models: Sequence[nn.Module], weights: Optional[Sequence[float]] = None,
-                   start: Optional[nn.Module] = None, *, matching: Optional[Matching] = None,
-                   refine: Optional[Refinement] = None, iterations: int = 5, tol: float = 1e-4, form: str = "factored",
-                   keep_layernorm: bool = False, reduce: str = "mean", trim: float = 0.2, anchor: str = "heaviest",
-                   device: Optional[str] = None, progress: bool = False) -> tuple[nn.Module, list[Transform]]:
+def universe_merge(
+    models: Sequence[nn.Module],
+    weights: Optional[Sequence[float]] = None,
+    start: Optional[nn.Module] = None,
+    *,
+    matching: Optional[Matching] = None,
+    refine: Optional[Refinement] = None,
+    iterations: int = 5,
+    tol: float = 1e-4,
+    form: str = "factored",
+    keep_layernorm: bool = False,
+    reduce: str = "mean",
+    trim: float = 0.2,
+    anchor: str = "heaviest",
+    device: Optional[str] = None,
+    progress: bool = False,
+) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
     The universe starts as ``start`` or the ``anchor`` model. Every iteration aligns each model to it
@@ -217,10 +266,19 @@ def universe_merge(models: Sequence[nn.Module], weights: Optional[Sequence[float
     universe, transforms = _iterate(canonical(universe), mem, iterations, tol, reduce, trim, progress, align)
     live = mem.live
     if refine is not None and len(live) > 1:
-        refined = dirichlet_refine([mem.padded[i] for i in live], [transforms[i] for i in live], refine,
-                                   masks=[mem.masks[i] for i in live], weights=[mem.weights[i] for i in live],
-                                   form=form, keep_layernorm=keep_layernorm, gauge=m.gauge, reference=universe,
-                                   progress=progress, device=device)
+        refined = dirichlet_refine(
+            [mem.padded[i] for i in live],
+            [transforms[i] for i in live],
+            refine,
+            masks=[mem.masks[i] for i in live],
+            weights=[mem.weights[i] for i in live],
+            form=form,
+            keep_layernorm=keep_layernorm,
+            gauge=m.gauge,
+            reference=universe,
+            progress=progress,
+            device=device,
+        )
         for i, T in zip(live, refined):
             transforms[i] = T
         universe = mem.merge(transforms)
@@ -240,7 +298,7 @@ def anchor_index(mem: Members, anchor: str, align: dict) -> int:
         return max(range(len(mem.padded)), key=lambda i: mem.weights[i])
     dist = {i: 0.0 for i in live}
     for n, i in enumerate(live):
-        for j in live[n + 1:]:
+        for j in live[n + 1 :]:
             T = weight_matching(mem.padded[i], mem.padded[j], **align)
             d = _relative_change(mem.padded[i], apply_transform(mem.padded[j], T))
             dist[i] += d
@@ -248,8 +306,16 @@ def anchor_index(mem: Members, anchor: str, align: dict) -> int:
     return min(live, key=lambda i: dist[i])
 
 
-def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, reduce: str, trim: float,
-             progress: bool, align: dict) -> tuple[nn.Module, list[Transform]]:
+def _iterate(
+    universe: nn.Module,
+    mem: Members,
+    iterations: int,
+    tol: float,
+    reduce: str,
+    trim: float,
+    progress: bool,
+    align: dict,
+) -> tuple[nn.Module, list[Transform]]:
     """Align every model to the universe, average there, repeat (the warm start is the last transform)."""
     transforms: list[Transform] = [Transform() for _ in mem.padded]
     residual_data = align["matching"].residual_data
@@ -259,9 +325,12 @@ def _iterate(universe: nn.Module, mem: Members, iterations: int, tol: float, red
         for i, m in enumerate(mem.padded):
             if mem.weights[i] <= 0 or (it == 0 and m is universe):  # the anchor itself: the identity, exactly
                 continue
-            acts = residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
-            transforms[i] = weight_matching(universe, m, warm_start=transforms[i] if it else None, residual_acts=acts,
-                                            reuse=reuse, **align)
+            acts = (
+                residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
+            )
+            transforms[i] = weight_matching(
+                universe, m, warm_start=transforms[i] if it else None, residual_acts=acts, reuse=reuse, **align
+            )
         reuse.clear()  # before the average, the merge's peak of memory
         with section("universe averages"):
             new = mem.merge(transforms, reduce=reduce, trim=trim)

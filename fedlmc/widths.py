@@ -16,6 +16,7 @@ diluting it with zeros. Head-width padding and the residual lift are rotated by 
 averaged plainly. ``unpad`` is the inverse (exact on padded models): it slices a universe-shaped model
 back to a client's shape.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -40,13 +41,21 @@ def common_shape(configs: Sequence[TransformerConfig]) -> dict[str, int]:
     first = configs[0]
     for c in configs[1:]:
         if c.arch != first.arch or c.n_layer != first.n_layer:
-            raise ValueError(f"models must share architecture and depth to be merged: {first.arch}×{first.n_layer} "
-                             f"vs {c.arch}×{c.n_layer}")
-        other = {k: v for k, v in c.to_dict().items() if k not in SHAPE + ("norm", "norm_bias", "norm_gain", "norm_eps", "attn_scale")}
+            raise ValueError(
+                f"models must share architecture and depth to be merged: {first.arch}×{first.n_layer} "
+                f"vs {c.arch}×{c.n_layer}"
+            )
+        other = {
+            k: v
+            for k, v in c.to_dict().items()
+            if k not in SHAPE + ("norm", "norm_bias", "norm_gain", "norm_eps", "attn_scale")
+        }
         mine = {k: v for k, v in first.to_dict().items() if k in other}
         if other != mine:
             diff = sorted(k for k in other if other[k] != mine[k])
-            raise ValueError(f"models differ in more than width ({', '.join(diff)}); only {', '.join(SHAPE)} may differ")
+            raise ValueError(
+                f"models differ in more than width ({', '.join(diff)}); only {', '.join(SHAPE)} may differ"
+            )
     return {k: max(int(getattr(c, k)) for c in configs) for k in SHAPE}
 
 
@@ -96,7 +105,9 @@ def residual_lift(d_small: int, d_large: int, dtype: torch.dtype = torch.float64
     return torch.eye(d_large, d_small, dtype=dtype)
 
 
-def pad(model: nn.Module, shape: dict[str, int], residual: bool = True, attn_scale: Optional[float] = None) -> nn.Module:
+def pad(
+    model: nn.Module, shape: dict[str, int], residual: bool = True, attn_scale: Optional[float] = None
+) -> nn.Module:
     """``model`` zero-padded exactly into ``shape`` (fields of ``SHAPE``; missing ones are kept).
 
     ``residual=False`` pads only the units (heads, head width, FF), leaving the residual lift to a
@@ -108,10 +119,17 @@ def pad(model: nn.Module, shape: dict[str, int], residual: bool = True, attn_sca
     for k in SHAPE:
         if target[k] < getattr(cfg, k):
             raise ValueError(f"cannot pad {k}={getattr(cfg, k)} into a smaller {target[k]}")
-    scale = attn_scale if attn_scale is not None else (
-        cfg.attn_scale if target["d_head"] == cfg.d_head else target["d_head"] ** -0.5)
+    scale = (
+        attn_scale
+        if attn_scale is not None
+        else (cfg.attn_scale if target["d_head"] == cfg.d_head else target["d_head"] ** -0.5)
+    )
     out = model
-    if (target["n_head"], target["d_head"], target["d_ff"]) != (cfg.n_head, cfg.d_head, cfg.d_ff) or scale != cfg.attn_scale:
+    if (target["n_head"], target["d_head"], target["d_ff"]) != (
+        cfg.n_head,
+        cfg.d_head,
+        cfg.d_ff,
+    ) or scale != cfg.attn_scale:
         out = _resize_units(model, target["n_head"], target["d_head"], target["d_ff"], scale, grow=True)
     if residual and target["d_model"] != cfg.d_model:
         ref = next(out.parameters())
@@ -182,8 +200,8 @@ def ones_lift(d_small: int, d_large: int, dtype: torch.dtype = torch.float64) ->
     it lifts a centred (LayerNorm) stream of width ``d_small`` to one that is centred in ``d_large``, so
     models of several widths can share a LayerNorm universe and be projected back to LayerNorm models."""
     a = torch.zeros(d_large, dtype=dtype)
-    a[:d_small] = d_small ** -0.5
-    v = a - torch.full((d_large,), d_large ** -0.5, dtype=dtype)
+    a[:d_small] = d_small**-0.5
+    v = a - torch.full((d_large,), d_large**-0.5, dtype=dtype)
     if float(v.norm()) < 1e-12:
         return torch.eye(d_large, dtype=dtype)
     return torch.eye(d_large, dtype=dtype) - 2 * torch.outer(v, v) / v.dot(v)
@@ -202,6 +220,7 @@ def residual_projector(transform: Transform, d_small: int, d_large: int) -> torc
 # --------------------------------------------------------------------------------------------------
 # HeteroFL-style index slicing (the baseline for mixed widths): no alignment, prefixes of every axis.
 
+
 def width_config(cfg: TransformerConfig, factor: float) -> TransformerConfig:
     """A client's config at ``1/factor`` of the width: ``d_model`` and ``d_ff`` shrink, heads keep their
     number and width (so prefixes of Q/K/V rows stay whole heads)."""
@@ -215,8 +234,9 @@ def width_config(cfg: TransformerConfig, factor: float) -> TransformerConfig:
 
 def slice_prefix(model: nn.Module, client: TransformerConfig) -> nn.Module:
     """HeteroFL's sub-model: every tensor's leading block of the client's sizes (no alignment)."""
-    template = from_config(client.replace(norm=model.config.norm, norm_bias=model.config.norm_bias,
-                                              norm_gain=model.config.norm_gain))
+    template = from_config(
+        client.replace(norm=model.config.norm, norm_bias=model.config.norm_bias, norm_gain=model.config.norm_gain)
+    )
     src = model.state_dict()
     sd = {}
     for k, t in template.state_dict().items():

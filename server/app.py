@@ -6,6 +6,7 @@ plain / aggregate losses, excluded replies) and the whole server state to ``<out
 (atomically; ``resume=true`` continues from it), and at the end the global model to
 ``<out-dir>/final`` (safetensors + JSON).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,10 @@ from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
 from fedlmc.hf import hf_model_for
 from fedlmc.strategies.checkpoint import load_state, save_state
 from fedlmc.strategies.records import state_arrays
-
 from strategies.factory import build_strategy
 
 from .summary import plot_rounds, summary_table
+
 
 class Recorder:
     """Collects one record per round and rewrites ``metrics.json`` atomically after each."""
@@ -41,8 +42,12 @@ class Recorder:
 
     def add(self, rnd: int, test: dict[str, float], strategy_record: Optional[dict[str, Any]]) -> None:
         now = time.time()
-        rec = {"round": rnd, "test_loss": test["loss"], "test_acc": test["acc"],
-               "round_seconds": (now - self._last) if rnd > 0 else 0.0}
+        rec = {
+            "round": rnd,
+            "test_loss": test["loss"],
+            "test_acc": test["acc"],
+            "round_seconds": (now - self._last) if rnd > 0 else 0.0,
+        }
         if strategy_record:
             rec["strategy"] = strategy_record
         self._last = now
@@ -75,15 +80,30 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
     state = load_state(out / "state") if s.resume else None
     if state is not None:
         done, initial = state.round, state.arrays
-        strategy.load_state({**state.extra, "global_config": state.global_config, "history": state.history,
-                             "transforms": state.transforms}, round_offset=done)
+        strategy.load_state(
+            {
+                **state.extra,
+                "global_config": state.global_config,
+                "history": state.history,
+                "transforms": state.transforms,
+            },
+            round_offset=done,
+        )
         recorder.doc = state.metrics
         recorder.doc.pop("finished", None)
         log(INFO, "fedlmc: resuming from %s after round %d of %d", out / "state", done, s.num_server_rounds)
     elif s.resume:
         log(INFO, "fedlmc: resume requested but %s holds no state: starting from round 1", out / "state")
-    log(INFO, "fedlmc: %s on %s (%s, %s partitions), %d rounds → %s", type(strategy).__name__, s.preset,
-        splits.summary(), s.partitioner, s.num_server_rounds, out)
+    log(
+        INFO,
+        "fedlmc: %s on %s (%s, %s partitions), %d rounds → %s",
+        type(strategy).__name__,
+        s.preset,
+        splits.summary(),
+        s.partitioner,
+        s.num_server_rounds,
+        out,
+    )
 
     def evaluate_fn(rnd: int, arrays) -> MetricRecord:
         real = rnd + done
@@ -102,28 +122,49 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
     if remaining <= 0:
         log(INFO, "fedlmc: all %d rounds already done", s.num_server_rounds)
         return recorder.doc
-    result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=remaining,
-                            train_config=ConfigRecord({}), evaluate_config=ConfigRecord({}),
-                            timeout=s.round_timeout, evaluate_fn=evaluate_fn)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=remaining,
+        train_config=ConfigRecord({}),
+        evaluate_config=ConfigRecord({}),
+        timeout=s.round_timeout,
+        evaluate_fn=evaluate_fn,
+    )
     # Flower's Result holds arrays only from a round that aggregated something: when every round kept
     # the previous model (no valid reply), the run's final model is the one it started from.
     arrays = result.arrays if len(result.arrays) > 0 else initial
     final = strategy.model_of(arrays)
-    final.meta = {"dataset": splits.name, "preset": s.preset, **{k: v for k, v in splits.meta.items()
-                                                                  if k in ("chars", "block_size", "source")}}
-    io.save(final, out / "final", {**final.meta, "settings": s.to_run_config(),
-                                   "test": recorder.doc["rounds"][-1] if recorder.doc["rounds"] else None})
+    final.meta = {
+        "dataset": splits.name,
+        "preset": s.preset,
+        **{k: v for k, v in splits.meta.items() if k in ("chars", "block_size", "source")},
+    }
+    io.save(
+        final,
+        out / "final",
+        {
+            **final.meta,
+            "settings": s.to_run_config(),
+            "test": recorder.doc["rounds"][-1] if recorder.doc["rounds"] else None,
+        },
+    )
     recorder.doc["finished"] = time.time()
     recorder.save()
     png = plot_rounds(recorder.doc, out / "rounds.png")
     for line in summary_table(recorder.doc).splitlines():
         log(INFO, "%s", line)
-    log(INFO, "fedlmc: results in %s (per round), %s (plot), %s (final model)", out / "metrics.json", png, out / "final")
+    log(
+        INFO, "fedlmc: results in %s (per round), %s (plot), %s (final model)", out / "metrics.json", png, out / "final"
+    )
     return recorder.doc
 
 
-def make_app(overrides: Optional[dict[str, Any]] = None, after_round: Optional[Callable[[int], None]] = None,
-             settings: type[Settings] = Settings) -> ServerApp:
+def make_app(
+    overrides: Optional[dict[str, Any]] = None,
+    after_round: Optional[Callable[[int], None]] = None,
+    settings: type[Settings] = Settings,
+) -> ServerApp:
     """A ServerApp whose settings default to ``overrides`` (run_config keys win). ``flwr run`` uses
     ``app``; the experiment layer (``simulations.experiment``) builds one with its own ``settings``."""
     overrides = dict(overrides or {})
@@ -138,8 +179,13 @@ def make_app(overrides: Optional[dict[str, Any]] = None, after_round: Optional[C
 
 
 def serve(grid: Grid, s: Settings, after_round: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
-    """``run_federation``; if it raises, the error is first written into ``<out-dir>/metrics.json``."""
+    """``run_federation`` (or, when ``s.strategy`` names several, ``run_comparison``: each aggregates the
+    same replies); if it raises, the error is first written into ``<out-dir>/metrics.json``."""
     try:
+        if len(s.strategies()) > 1:
+            from .comparison import run_comparison
+
+            return run_comparison(grid, s, write_json)
         return run_federation(grid, s, after_round)
     except BaseException as e:
         record_failure(Path(s.out_dir).expanduser() / "metrics.json", e)
@@ -148,7 +194,7 @@ def serve(grid: Grid, s: Settings, after_round: Optional[Callable[[int], None]] 
 
 def record_failure(path: Path, error: BaseException) -> None:
     """Write the ServerApp's error into ``metrics.json`` (``failed``, ``error``), so whoever started the
-    run sees it: ``flwr run`` itself exits 0 when the ServerApp crashes (``simulations.launch`` checks)."""
+    run sees it: ``flwr run`` itself exits 0 when the ServerApp crashes (``fedlmc.launch`` checks)."""
     import traceback
 
     try:

@@ -10,6 +10,7 @@ between runs). Prints a table (final test loss / accuracy, excess over the mean 
 per round and per aggregation) and writes ``results/compare_<setting>_<preset>.{md,json,png}``.
 Finished runs are reused from ``--runs`` (delete it to start over).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,39 +23,89 @@ from typing import Any, Optional
 from rich.console import Console
 
 from .experiment import ExperimentSettings as Settings
-
 from .simulate import run_in_subprocess
 
 console = Console(stderr=True)
 
 SETTINGS: dict[str, dict[str, Any]] = {
     # one-shot model fusion: independent inits, one round of long local training, one aggregation
-    "oneshot": dict(strategies=["average", "permuted", "aligned", "refined"], clients=4,
-                    config={"num-server-rounds": 1, "independent-start": True, "partitioner": "dirichlet",
-                            "alpha": 0.5, "local-epochs": 20.0}),
+    "oneshot": dict(
+        strategies=["average", "permuted", "aligned", "refined"],
+        clients=4,
+        config={
+            "num-server-rounds": 1,
+            "independent-start": True,
+            "partitioner": "dirichlet",
+            "alpha": 0.5,
+            "local-epochs": 20.0,
+        },
+    ),
     # federated training from a shared init under strong label skew
-    "multiround": dict(strategies=["average", "permuted", "aligned", "refined"], clients=4,
-                       config={"num-server-rounds": 5, "independent-start": False, "partitioner": "dirichlet",
-                               "alpha": 0.1, "local-epochs": 2.0}),
+    "multiround": dict(
+        strategies=["average", "permuted", "aligned", "refined"],
+        clients=4,
+        config={
+            "num-server-rounds": 5,
+            "independent-start": False,
+            "partitioner": "dirichlet",
+            "alpha": 0.1,
+            "local-epochs": 2.0,
+        },
+    ),
     # robust aggregation: 5 one-shot clients, the last one poisoned (shuffled labels); "X@median" is
     # strategy X with reduce=median (average@median is Flower's FedMedian)
-    "robust": dict(strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"], clients=5,
-                   config={"num-server-rounds": 1, "independent-start": True, "partitioner": "dirichlet",
-                           "alpha": 0.5, "local-epochs": 20.0, "poison-partition": 4, "poison": "labels"}),
+    "robust": dict(
+        strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
+        clients=5,
+        config={
+            "num-server-rounds": 1,
+            "independent-start": True,
+            "partitioner": "dirichlet",
+            "alpha": 0.5,
+            "local-epochs": 20.0,
+            "poison-partition": 4,
+            "poison": "labels",
+        },
+    ),
     # ... and federated training from a shared init with a sign-flipping attacker (scaled ×4: its
     # flipped update cancels the four honest ones in a plain mean)
-    "robust-multiround": dict(strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
-                              clients=5, config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
-                                                 "local-epochs": 2.0, "poison-partition": 4, "poison": "sign-flip",
-                                                 "poison-scale": 4.0}),
+    "robust-multiround": dict(
+        strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
+        clients=5,
+        config={
+            "num-server-rounds": 5,
+            "independent-start": False,
+            "partitioner": "iid",
+            "local-epochs": 2.0,
+            "poison-partition": 4,
+            "poison": "sign-flip",
+            "poison-scale": 4.0,
+        },
+    ),
     # mixed widths: d, d/2, d/4 clients from one shared init (HeteroFL's home ground)
-    "widths": dict(strategies=["slicing", "hetero-permuted", "hetero"], clients=3,
-                   config={"num-server-rounds": 5, "independent-start": False, "partitioner": "iid",
-                           "local-epochs": 2.0, "width-factors": "1,2,4"}),
+    "widths": dict(
+        strategies=["slicing", "hetero-permuted", "hetero"],
+        clients=3,
+        config={
+            "num-server-rounds": 5,
+            "independent-start": False,
+            "partitioner": "iid",
+            "local-epochs": 2.0,
+            "width-factors": "1,2,4",
+        },
+    ),
     # model-heterogeneous one-shot: organisations bring models of widths d, d/2, d/4, trained separately
-    "widths-independent": dict(strategies=["slicing", "hetero-permuted", "hetero", "hetero-refined"], clients=3,
-                               config={"num-server-rounds": 1, "independent-start": True, "partitioner": "iid",
-                                       "local-epochs": 20.0, "width-factors": "1,2,4"}),
+    "widths-independent": dict(
+        strategies=["slicing", "hetero-permuted", "hetero", "hetero-refined"],
+        clients=3,
+        config={
+            "num-server-rounds": 1,
+            "independent-start": True,
+            "partitioner": "iid",
+            "local-epochs": 20.0,
+            "width-factors": "1,2,4",
+        },
+    ),
 }
 
 SPEED_ONLY = ("threads", "device", "round-timeout", "client-cache")  # change how fast a run goes, not what it computes
@@ -75,17 +126,34 @@ def _parse_value(v: str) -> Any:
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def run_all(setting: str, preset: str, seeds: list[int], strategies: list[str], clients: int,
-            extra: dict[str, Any], runs: Path, timeout: float) -> dict[str, dict[int, dict]]:
+def run_all(
+    setting: str,
+    preset: str,
+    seeds: list[int],
+    strategies: list[str],
+    clients: int,
+    extra: dict[str, Any],
+    runs: Path,
+    timeout: float,
+) -> dict[str, dict[int, dict]]:
     spec = SETTINGS[setting]
     out: dict[str, dict[int, dict]] = {s: {} for s in strategies}
     for seed in seeds:
         for strategy in strategies:
             name, _, reduce = strategy.partition("@")  # "aligned@median": strategy aligned, reduce median
-            cfg = {**spec["config"], **PRESET_DEFAULTS.get(preset, {}), **extra, "preset": preset, "seed": seed,
-                   "strategy": name, "min-nodes": clients, "report": True,  # excess losses need every reply scored
-                   **({"reduce": reduce} if reduce else {})}
-            tag = f"{setting}-{preset}-{cfg['partitioner']}{cfg.get('alpha', '') if cfg['partitioner'] == 'dirichlet' else ''}"
+            cfg = {
+                **spec["config"],
+                **PRESET_DEFAULTS.get(preset, {}),
+                **extra,
+                "preset": preset,
+                "seed": seed,
+                "strategy": name,
+                "min-nodes": clients,
+                "report": True,  # excess losses need every reply scored
+                **({"reduce": reduce} if reduce else {}),
+            }
+            alpha = cfg.get("alpha", "") if cfg["partitioner"] == "dirichlet" else ""
+            tag = f"{setting}-{preset}-{cfg['partitioner']}{alpha}"
             run_dir = runs / tag / f"{strategy.replace('@', '-')}-s{seed}"
             cfg["out-dir"] = str(run_dir.resolve())
             if setting in ("oneshot", "robust", "widths-independent"):  # every strategy aggregates the same clients
@@ -97,7 +165,8 @@ def run_all(setting: str, preset: str, seeds: list[int], strategies: list[str], 
                 wanted = Settings.from_run_config(cfg).to_run_config()
                 defaults = Settings().to_run_config()  # keys added since the run default to their old behaviour
                 if "finished" in doc and all(
-                        doc["settings"].get(k, defaults[k]) == v for k, v in wanted.items() if k not in SPEED_ONLY):
+                    doc["settings"].get(k, defaults[k]) == v for k, v in wanted.items() if k not in SPEED_ONLY
+                ):
                     console.print(f"[dim]{strategy} seed {seed}: reusing {metrics}[/dim]")
                     out[strategy][seed] = doc
                     continue
@@ -106,7 +175,9 @@ def run_all(setting: str, preset: str, seeds: list[int], strategies: list[str], 
             run_dir.mkdir(parents=True, exist_ok=True)
             doc = run_in_subprocess(cfg, num_supernodes=clients, timeout=timeout, log_path=run_dir / "log.txt")
             last = doc["rounds"][-1]
-            console.print(f"  done in {time.time() - t0:.0f} s: test loss {last['test_loss']:.4f} acc {last['test_acc']:.4f}")
+            console.print(
+                f"  done in {time.time() - t0:.0f} s: test loss {last['test_loss']:.4f} acc {last['test_acc']:.4f}"
+            )
             out[strategy][seed] = doc
     return out
 
@@ -133,7 +204,9 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
             finals.append(last["test_loss"])
             accs.append(last["test_acc"])
             rec = last.get("strategy") or {}
-            share = ensemble_share(rec, ((docs.get(baseline, {}).get(seed) or {}).get("rounds") or [{}])[-1].get("strategy") or {})
+            share = ensemble_share(
+                rec, ((docs.get(baseline, {}).get(seed) or {}).get("rounds") or [{}])[-1].get("strategy") or {}
+            )
             if share is not None:
                 recovered.append(share)
             if "excess" in rec:
@@ -149,14 +222,25 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
             round_s.append(sum(rs) / len(rs) if rs else float("nan"))
             al = [(r.get("strategy") or {}).get("align_seconds", float("nan")) for r in doc["rounds"][1:]]
             align_s.append(sum(al) / len(al) if al else float("nan"))
-            kept += [(r.get("strategy") or {}).get("kept") for r in doc["rounds"][1:] if (r.get("strategy") or {}).get("kept")]
+            kept += [
+                (r.get("strategy") or {}).get("kept")
+                for r in doc["rounds"][1:]
+                if (r.get("strategy") or {}).get("kept")
+            ]
         rows[strategy] = {
-            "final_loss": _mean_se(finals), "final_acc": _mean_se(accs), "excess": _mean_se(excess),
-            "excess_ratio": _mean_se(ratio), "excess_per_seed": excess, "final_loss_per_seed": finals,
-            "worst_gap_to_baseline": max(worst_gap) if worst_gap else None, "round_seconds": _mean_se(round_s),
-            "aggregation_seconds": _mean_se(align_s), "kept": {k: kept.count(k) for k in set(kept)},
+            "final_loss": _mean_se(finals),
+            "final_acc": _mean_se(accs),
+            "excess": _mean_se(excess),
+            "excess_ratio": _mean_se(ratio),
+            "excess_per_seed": excess,
+            "final_loss_per_seed": finals,
+            "worst_gap_to_baseline": max(worst_gap) if worst_gap else None,
+            "round_seconds": _mean_se(round_s),
+            "aggregation_seconds": _mean_se(align_s),
+            "kept": {k: kept.count(k) for k in set(kept)},
             "ensemble_recovered": _mean_se(recovered),
-            "per_round_loss": _per_round(by_seed, "test_loss"), "per_round_acc": _per_round(by_seed, "test_acc"),
+            "per_round_loss": _per_round(by_seed, "test_loss"),
+            "per_round_acc": _per_round(by_seed, "test_acc"),
         }
     return rows
 
@@ -199,8 +283,12 @@ def clients_rows(docs: dict[str, dict[int, dict]]) -> Optional[dict[str, tuple[f
         return None
     best = {k: min(v) for k, v in sorted(losses.items())}
     mean = {k: sum(v) / len(v) for k, v in sorted(losses.items())}
-    return {"best_client": _mean_se(list(best.values())), "mean_client": _mean_se(list(mean.values())),
-            "best_client_per_seed": list(best.values()), "mean_client_per_seed": list(mean.values())}
+    return {
+        "best_client": _mean_se(list(best.values())),
+        "mean_client": _mean_se(list(mean.values())),
+        "best_client_per_seed": list(best.values()),
+        "mean_client_per_seed": list(mean.values()),
+    }
 
 
 def _per_round(by_seed: dict[int, dict], key: str) -> list[float]:
@@ -209,30 +297,52 @@ def _per_round(by_seed: dict[int, dict], key: str) -> list[float]:
     return [sum(s[i] for s in series) / len(series) for i in range(n)]
 
 
-def markdown(setting: str, preset: str, rows: dict[str, Any], seeds: list[int], cfg: dict[str, Any],
-             ensemble: Optional[dict[str, tuple[float, float]]] = None, clients: Optional[dict] = None) -> str:
+def markdown(
+    setting: str,
+    preset: str,
+    rows: dict[str, Any],
+    seeds: list[int],
+    cfg: dict[str, Any],
+    ensemble: Optional[dict[str, tuple[float, float]]] = None,
+    clients: Optional[dict] = None,
+) -> str:
     def ms(v: tuple[float, float], fmt: str = ".4f") -> str:
         return "–" if math.isnan(v[0]) else f"{v[0]:{fmt}} ± {v[1]:{fmt}}"
 
-    lines = [f"### {setting}, {preset}: {', '.join(f'{k}={v}' for k, v in cfg.items())}; seeds {seeds}", "",
-             "| strategy | final test loss | acc | excess over mean client | excess / baseline's | ensemble's gain recovered | worst round gap to baseline | s / round | s / aggregation | guard kept |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {setting}, {preset}: {', '.join(f'{k}={v}' for k, v in cfg.items())}; seeds {seeds}",
+        "",
+        "| strategy | final test loss | acc | excess over mean client | excess / baseline's "
+        "| ensemble's gain recovered | worst round gap to baseline | s / round | s / aggregation | guard kept |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         gap = "–" if r["worst_gap_to_baseline"] is None else f"{r['worst_gap_to_baseline']:+.4f}"
         kept = ", ".join(f"{k} {v}" for k, v in sorted(r["kept"].items())) or "–"
         share = r.get("ensemble_recovered", (float("nan"), 0.0))
-        lines.append(f"| {name} | {ms(r['final_loss'])} | {ms(r['final_acc'], '.3f')} | {ms(r['excess'])} | "
-                     f"{ms(r['excess_ratio'], '.3f')} | {ms(share, '.3f')} | {gap} | {ms(r['round_seconds'], '.1f')} | "
-                     f"{ms(r['aggregation_seconds'], '.2f')} | {kept} |")
+        lines.append(
+            f"| {name} | {ms(r['final_loss'])} | {ms(r['final_acc'], '.3f')} | {ms(r['excess'])} | "
+            f"{ms(r['excess_ratio'], '.3f')} | {ms(share, '.3f')} | {gap} | {ms(r['round_seconds'], '.1f')} | "
+            f"{ms(r['aggregation_seconds'], '.2f')} | {kept} |"
+        )
     if ensemble is not None:
-        lines.append(f"| *output ensemble of the clients (reference, report data)* | {ms(ensemble['loss'])} | "
-                     f"{ms(ensemble['acc'], '.3f')} | | | 1 | | | | |")
+        lines.append(
+            f"| *output ensemble of the clients (reference, report data)* | {ms(ensemble['loss'])} | "
+            f"{ms(ensemble['acc'], '.3f')} | | | 1 | | | | |"
+        )
     if clients is not None and setting.startswith("widths"):
         for key, label in (("best_client", "best single client"), ("mean_client", "mean client")):
             per = ", ".join(f"{x:.3f}" for x in clients[f"{key}_per_seed"])
             lines.append(f"| *{label} (reference, report data; per seed {per})* | {ms(clients[key])} | | | | | | | | |")
-    lines += ["", "Per seed, excess over the mean client loss (last round): " + "; ".join(
-        f"{n}: " + ", ".join(f"{x:+.3f}" for x in r["excess_per_seed"]) for n, r in rows.items() if r["excess_per_seed"])]
+    lines += [
+        "",
+        "Per seed, excess over the mean client loss (last round): "
+        + "; ".join(
+            f"{n}: " + ", ".join(f"{x:+.3f}" for x in r["excess_per_seed"])
+            for n, r in rows.items()
+            if r["excess_per_seed"]
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -285,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--strategies", nargs="+", help="default: the setting's (baseline first)")
     p.add_argument("--clients", type=int, help="number of SuperNodes (default: the setting's)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run_config overrides, e.g. partitioner=iid")
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="run_config overrides, e.g. partitioner=iid"
+    )
     p.add_argument("--runs", default="runs/compare", help="where each run's metrics and checkpoint go")
     p.add_argument("--out", default="results")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
@@ -304,17 +416,34 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {**spec["config"], **extra, "clients": clients}
     ensemble, clients_ref = ensemble_row(docs), clients_rows(docs)
     md = markdown(args.setting, args.preset, rows, args.seeds, cfg, ensemble, clients_ref)
-    suffix = "".join(f"_{k}-{v}" for k, v in sorted(extra.items()) if k in ("partitioner", "alpha", "width-factors", "hf", "local-epochs", "local-steps"))
+    suffix = "".join(
+        f"_{k}-{v}"
+        for k, v in sorted(extra.items())
+        if k in ("partitioner", "alpha", "width-factors", "hf", "local-epochs", "local-steps")
+    )
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(md + "\n")
-    (out / f"{stem}.json").write_text(json.dumps({"setting": args.setting, "preset": args.preset, "seeds": args.seeds,
-                                                  "config": cfg, "rows": rows, "ensemble": ensemble,
-                                                  "clients": clients_ref}, indent=1,
-                                                 default=float))
+    (out / f"{stem}.json").write_text(
+        json.dumps(
+            {
+                "setting": args.setting,
+                "preset": args.preset,
+                "seeds": args.seeds,
+                "config": cfg,
+                "rows": rows,
+                "ensemble": ensemble,
+                "clients": clients_ref,
+            },
+            indent=1,
+            default=float,
+        )
+    )
     part = cfg.get("partitioner", "iid") + (f"({cfg['alpha']})" if cfg.get("partitioner") == "dirichlet" else "")
-    png = plot(rows, out / f"{stem}.png", f"{args.setting}, {args.preset}, {part}, {clients} clients, seeds {args.seeds}")
+    png = plot(
+        rows, out / f"{stem}.png", f"{args.setting}, {args.preset}, {part}, {clients} clients, seeds {args.seeds}"
+    )
     print(md)
     console.print(f"wrote {out / (stem + '.md')}, {out / (stem + '.json')}, {png}")
     return 0

@@ -11,6 +11,7 @@ poisoning or caching code path:
 * the report: every round records each reply's, the plain average's and the aggregate's test loss;
 * the refinement's tuning knobs: Dirichlet α and the stop-on-the-objective rule.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,8 @@ import torch.nn as nn
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
-from clients.app import Round, fit, make_app as make_client_app
+from clients.app import Round, fit
+from clients.app import make_app as make_client_app
 from fedlmc.data import ArrayData, Data, Splits, TokenData
 from fedlmc.data.partition import PARTITIONS_VERSION
 from fedlmc.federated import Settings, local_train
@@ -54,8 +56,13 @@ class ExperimentSettings(Settings):
         one_of(self.poison, ("labels", "sign-flip"), "poison")
 
     def refinement(self, data) -> Refinement:
-        return replace(super().refinement(data), alpha=self.refine_alpha, check_every=self.refine_check_every,
-                       patience=self.refine_patience, check_sigmas=self.refine_check_sigmas)
+        return replace(
+            super().refinement(data),
+            alpha=self.refine_alpha,
+            check_every=self.refine_check_every,
+            patience=self.refine_patience,
+            check_sigmas=self.refine_check_sigmas,
+        )
 
     def report_data(self, splits: Splits) -> Optional[Data]:
         return splits.test if self.report else None
@@ -78,8 +85,22 @@ def flip_update(model: nn.Module, start: dict[str, torch.Tensor], scale: float) 
 
 
 # What a client's round-1 training depends on (everything else only changes how the server aggregates).
-TRAINING_KEYS = ("preset", "dataset", "data_dir", "text_file", "partitioner", "alpha", "local_epochs", "local_steps",
-                 "lr", "batch_size", "seed", "independent_start", "width_factors", "hf")
+TRAINING_KEYS = (
+    "preset",
+    "dataset",
+    "data_dir",
+    "text_file",
+    "partitioner",
+    "alpha",
+    "local_epochs",
+    "local_steps",
+    "lr",
+    "batch_size",
+    "seed",
+    "independent_start",
+    "width_factors",
+    "hf",
+)
 
 
 def cached_first_round(model: nn.Module, data: Data, s: ExperimentSettings, rnd: Round) -> Optional[dict[str, Any]]:
@@ -93,8 +114,11 @@ def cached_first_round(model: nn.Module, data: Data, s: ExperimentSettings, rnd:
     trained = {k: getattr(s, k) for k in TRAINING_KEYS}
     if s.poison_partition >= 0:  # only then part of the key, so unpoisoned caches stay valid
         trained.update(poison_partition=s.poison_partition, poison=s.poison, poison_scale=s.poison_scale)
-    key = json.dumps([trained, rnd.partition, rnd.partitions, rnd.seed, model.config.to_dict(),
-                      PARTITIONS_VERSION[s.partitioner]], sort_keys=True, default=str)
+    key = json.dumps(
+        [trained, rnd.partition, rnd.partitions, rnd.seed, model.config.to_dict(), PARTITIONS_VERSION[s.partitioner]],
+        sort_keys=True,
+        default=str,
+    )
     path = Path(s.client_cache).expanduser() / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file() and (path / "history.json").is_file():
         model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
@@ -102,7 +126,9 @@ def cached_first_round(model: nn.Module, data: Data, s: ExperimentSettings, rnd:
     hist = local_train(model, data, s, rnd.seed)
     path.mkdir(parents=True, exist_ok=True)
     # clone: a tied model's state dict shares one tensor between two keys, which safetensors refuses
-    save_file({k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}, str(path / "model.tmp"))
+    save_file(
+        {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}, str(path / "model.tmp")
+    )
     os.replace(path / "model.tmp", path / "model.safetensors")
     (path / "history.json").write_text(json.dumps({"train_loss": hist["train_loss"], "key": key}, default=float))
     return hist
@@ -125,7 +151,8 @@ def client_app(overrides: Optional[dict[str, Any]] = None) -> ClientApp:
     return make_client_app(overrides, ExperimentSettings, experiment_fit)
 
 
-def server_app(overrides: Optional[dict[str, Any]] = None,
-               after_round: Optional[Callable[[int], None]] = None) -> ServerApp:
+def server_app(
+    overrides: Optional[dict[str, Any]] = None, after_round: Optional[Callable[[int], None]] = None
+) -> ServerApp:
     """The production ServerApp with the experiment's settings (the report, the refinement's knobs)."""
     return make_server_app(overrides, after_round, ExperimentSettings)

@@ -2,6 +2,7 @@
 with settings given in Python rather than ``pyproject.toml`` — what the comparison runner and the tests
 use. They run the production apps (``clients.app``, ``server.app``) with the experiment layer's settings
 (``simulations.experiment``); ``flwr run .`` runs the production apps alone."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
-
 
 
 def ray_env() -> None:
@@ -34,9 +34,15 @@ def ray_env() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
 
 
-def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client: float = 1.0,
-             gpus_per_client: float = 0.0, total_cpus: Optional[int] = None, verbose: bool = False,
-             after_round: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
+def simulate(
+    settings: dict[str, Any],
+    num_supernodes: int = 2,
+    cpus_per_client: float = 1.0,
+    gpus_per_client: float = 0.0,
+    total_cpus: Optional[int] = None,
+    verbose: bool = False,
+    after_round: Optional[Callable[[int], None]] = None,
+) -> dict[str, Any]:
     """Run the federation ``settings`` (run_config keys) on ``num_supernodes`` virtual SuperNodes; returns
     the metrics document the ServerApp wrote (``<out-dir>/metrics.json``). ``after_round``: see
     ``server_app.run_federation``."""
@@ -46,10 +52,17 @@ def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client:
 
     s = ExperimentSettings.from_run_config(settings)  # fail fast on a bad key, before Ray starts
     ray_env()
-    backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": gpus_per_client},
-               "init_args": {"num_cpus": total_cpus or os.cpu_count() or 1, "include_dashboard": False}}
-    run_simulation(server_app=server_app(settings, after_round), client_app=client_app(settings), num_supernodes=num_supernodes,
-                   backend_config=backend, verbose_logging=verbose)
+    backend = {
+        "client_resources": {"num_cpus": cpus_per_client, "num_gpus": gpus_per_client},
+        "init_args": {"num_cpus": total_cpus or os.cpu_count() or 1, "include_dashboard": False},
+    }
+    run_simulation(
+        server_app=server_app(settings, after_round),
+        client_app=client_app(settings),
+        num_supernodes=num_supernodes,
+        backend_config=backend,
+        verbose_logging=verbose,
+    )
     path = Path(s.out_dir).expanduser() / "metrics.json"
     if not path.is_file():
         raise RuntimeError(f"the simulation wrote no {path}: see the log above for the ServerApp's error")
@@ -59,9 +72,15 @@ def simulate(settings: dict[str, Any], num_supernodes: int = 2, cpus_per_client:
     return doc
 
 
-def run_in_subprocess(settings: dict[str, Any], num_supernodes: int = 2, timeout: float = 600,
-                      cpus_per_client: float = 1.0, log_path: Optional[Path] = None,
-                      env: Optional[dict[str, str]] = None, script: Optional[Path] = None) -> dict[str, Any]:
+def run_in_subprocess(
+    settings: dict[str, Any],
+    num_supernodes: int = 2,
+    timeout: float = 600,
+    cpus_per_client: float = 1.0,
+    log_path: Optional[Path] = None,
+    env: Optional[dict[str, str]] = None,
+    script: Optional[Path] = None,
+) -> dict[str, Any]:
     """``simulate`` in a fresh Python process, killed after ``timeout`` seconds (Ray never outlives it,
     a crashed run never hangs the caller). Returns the metrics document. ``script``: a Python file to
     run instead of this module's ``main`` (same arguments)."""
@@ -70,11 +89,25 @@ def run_in_subprocess(settings: dict[str, Any], num_supernodes: int = 2, timeout
     import sys
 
     entry = [str(script)] if script is not None else ["-m", "simulations.simulate"]
-    cmd = [sys.executable, *entry, "--settings", json.dumps(settings),
-           "--supernodes", str(num_supernodes), "--cpus-per-client", str(cpus_per_client)]
+    cmd = [
+        sys.executable,
+        *entry,
+        "--settings",
+        json.dumps(settings),
+        "--supernodes",
+        str(num_supernodes),
+        "--cpus-per-client",
+        str(cpus_per_client),
+    ]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
-                            start_new_session=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -99,12 +132,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description="Run one fedlmc federation on the Ray simulation engine.")
-    p.add_argument("--settings", default="{}", help="JSON object of run_config keys (see pyproject [tool.flwr.app.config])")
+    p.add_argument(
+        "--settings", default="{}", help="JSON object of run_config keys (see pyproject [tool.flwr.app.config])"
+    )
     p.add_argument("--supernodes", type=int, default=2)
     p.add_argument("--cpus-per-client", type=float, default=1.0)
     p.add_argument("--gpus-per-client", type=float, default=0.0)
     args = p.parse_args(argv)
     doc = simulate(json.loads(args.settings), args.supernodes, args.cpus_per_client, args.gpus_per_client)
+    if doc.get("comparison") is not None:  # a side-by-side comparison: its summary.json
+        summary = json.loads((Path(doc["settings"]["out-dir"]).expanduser() / "summary.json").read_text())
+        print(
+            json.dumps(
+                {k: {"test_loss": v["test_loss"], "test_acc": v["test_acc"]} for k, v in summary["strategies"].items()}
+            )
+        )
+        return 0
     last = doc["rounds"][-1]
     print(json.dumps({"rounds": len(doc["rounds"]) - 1, "test_loss": last["test_loss"], "test_acc": last["test_acc"]}))
     return 0

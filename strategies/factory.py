@@ -1,4 +1,5 @@
 """The strategy a run asks for (``Settings.strategy``), built with its server-side data."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,18 +18,28 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
     client / plain / aggregate losses each round. ``model_config``: the global fedlmc model's config;
     ``model``: the clients' model when it is not a fedlmc one (``s.hf``: its Hugging Face twin).
     """
-    common: dict[str, Any] = dict(fraction_train=s.fraction_train, fraction_evaluate=s.fraction_evaluate,
-                                  min_train_nodes=s.min_nodes, min_available_nodes=s.min_nodes,
-                                  min_evaluate_nodes=s.min_nodes if s.fraction_evaluate > 0 else 0,
-                                  aggregate_threads=s.aggregate_threads if s.aggregate_threads >= 0 else None,
-                                  model=model if model is not None else model_config)
+    common: dict[str, Any] = dict(
+        fraction_train=s.fraction_train,
+        fraction_evaluate=s.fraction_evaluate,
+        min_train_nodes=s.min_nodes,
+        min_available_nodes=s.min_nodes,
+        min_evaluate_nodes=s.min_nodes if s.fraction_evaluate > 0 else 0,
+        aggregate_threads=s.aggregate_threads if s.aggregate_threads >= 0 else None,
+        model=model if model is not None else model_config,
+    )
     report = s.report_data(splits)
     if report is not None:
         common.update(report_data=report, report_batches=s.eval_batches or None)
     refine_half, guard_half = halves(splits.val)
     guard = dict(guard_data=guard_half if s.guard else None, guard_batches=s.guard_batches or None)
-    aligned = dict(matching=s.matching(), iterations=s.iterations, form=s.form, keep_layernorm=s.keep_layernorm,
-                   device=s.device or None, **guard)
+    aligned = dict(
+        matching=s.matching(),
+        iterations=s.iterations,
+        form=s.form,
+        keep_layernorm=s.keep_layernorm,
+        device=s.device or None,
+        **guard,
+    )
     robust = dict(reduce=s.reduce, trim=s.trim)
     if s.strategy == "average":
         return ReportingFedAvg(**common, **robust)
@@ -38,9 +49,15 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
         return RefinedFedAvg(**common, **aligned, refine=s.refinement(refine_half))
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = s.refinement(refine_half) if s.strategy == "hetero-refined" else None
-        return HeteroWidthFedAvg(**common, matching=s.matching(), iterations=s.iterations, device=s.device or None,
-                                 guard_data=guard["guard_data"] if model is None else None,
-                                 guard_batches=guard["guard_batches"], refine=refine)
+        return HeteroWidthFedAvg(
+            **common,
+            matching=s.matching(),
+            iterations=s.iterations,
+            device=s.device or None,
+            guard_data=guard["guard_data"] if model is None else None,
+            guard_batches=guard["guard_batches"],
+            refine=refine,
+        )
     if s.strategy == "slicing":
         return SlicingFedAvg(**common)
     raise ValueError(f"unknown strategy {s.strategy!r}")

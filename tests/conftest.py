@@ -1,4 +1,5 @@
 """Shared fixtures; measured numerical errors are collected and printed at the end of the run."""
+
 from __future__ import annotations
 
 import os
@@ -18,10 +19,12 @@ torch.set_num_threads(int(os.environ.get("FEDLMC_TEST_THREADS", "1")))
 @pytest.fixture
 def record():
     """``record(name, error, bound)``: assert error <= bound and keep it for the end-of-run table."""
+
     def _record(name: str, error: float, bound: float) -> float:
         MEASURED.append((name, float(error), bound))
         assert error <= bound, f"{name}: measured {error:.3e} > {bound:.0e}"
         return error
+
     return _record
 
 

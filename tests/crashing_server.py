@@ -1,5 +1,6 @@
 """``python -m simulations.simulate`` whose server dies hard (``os._exit``) right after round 2's state
 is saved: what the crash-resume test runs as its interrupted federation."""
+
 import os
 import sys
 from pathlib import Path

@@ -1,4 +1,5 @@
 """fedlmc.allocator: a retaining heap keeps freed memory resident; releasing it hands it back."""
+
 from __future__ import annotations
 
 import subprocess

@@ -1,19 +1,33 @@
 """The public API's shape: one import path and one name per thing, option objects instead of long
 parameter lists, and a wheel that installs only the library."""
+
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
-import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-RETIRED = {"init", "model_config", "starts", "max_iter", "rtol", "refine_data", "refine_steps", "refine_check_every",
-           "refine_patience", "refine_check_sigmas", "refine_check_data", "refine_lr", "method"}
+RETIRED = {
+    "init",
+    "model_config",
+    "starts",
+    "max_iter",
+    "rtol",
+    "refine_data",
+    "refine_steps",
+    "refine_check_every",
+    "refine_patience",
+    "refine_check_sigmas",
+    "refine_check_data",
+    "refine_lr",
+    "method",
+}
 
 
 def _public_functions():
@@ -36,8 +50,10 @@ def test_no_retired_name_in_a_public_signature():
     assert not found, found
 
 
-@pytest.mark.parametrize("module", ["fedlmc.merge", "fedlmc.canonical", "fedlmc.vocabulary", "fedlmc.strategies.factory",
-                                    "simulations.server_app"])
+@pytest.mark.parametrize(
+    "module",
+    ["fedlmc.merge", "fedlmc.canonical", "fedlmc.vocabulary", "fedlmc.strategies.factory", "simulations.server_app"],
+)
 def test_the_old_import_paths_are_gone(module):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(module)
@@ -51,8 +67,13 @@ def test_one_name_per_knob_from_run_config_to_the_option_objects():
 
     refine = {f.name: f.default for f in fields(Refinement)}
     keys = [f for f in fields(ExperimentSettings) if f.name.startswith("refine_")]
-    assert {f.name for f in keys} == {"refine_steps", "refine_alpha", "refine_check_every", "refine_patience",
-                                      "refine_check_sigmas"}
+    assert {f.name for f in keys} == {
+        "refine_steps",
+        "refine_alpha",
+        "refine_check_every",
+        "refine_patience",
+        "refine_check_sigmas",
+    }
     for f in keys:
         assert f.default == refine[f.name.removeprefix("refine_")], f.name
 

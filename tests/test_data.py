@@ -1,4 +1,5 @@
 """Loaders (real files where shipped, crafted files for user directories) and partitions."""
+
 from __future__ import annotations
 
 import gzip

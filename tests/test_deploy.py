@@ -1,6 +1,7 @@
 """Real deployment on loopback: a SuperLink and SuperNodes as separate processes (deploy/start.sh),
 insecure and with TLS + SuperNode authentication; ``flwr run`` against them; an unregistered key is
 refused. Everything is stopped (deploy/stop.sh) whatever happens; each step is bounded in time."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.launch import kill_tree
+from fedlmc.launch import kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -29,8 +30,14 @@ def _free_port() -> int:
 
 
 def _env(d: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "DIR": str(d), "BIN": str(Path(sys.executable).parent), "FLWR_TELEMETRY_ENABLED": "0",
-            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **extra}
+    return {
+        **os.environ,
+        "DIR": str(d),
+        "BIN": str(Path(sys.executable).parent),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        **extra,
+    }
 
 
 def _deploy_and_run(mode: str, d: Path) -> dict:
@@ -38,9 +45,22 @@ def _deploy_and_run(mode: str, d: Path) -> dict:
     env = _env(d, MODE=mode, N="2", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
     subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
     out = d / "out"
-    run = subprocess.run([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c",
-                          f"num-server-rounds=1 local-steps=3 threads=1 out-dir='{out}'"],
-                         cwd=ROOT, env={**env, "FLWR_HOME": str(d / "flwr")}, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedlmc.launch",
+            ".",
+            "fedlmc-deploy",
+            "-c",
+            f"strategy='aligned' preset='vit-digits' num-server-rounds=1 local-steps=3 threads=1 out-dir='{out}'",
+        ],
+        cwd=ROOT,
+        env={**env, "FLWR_HOME": str(d / "flwr")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads((out / "metrics.json").read_text())
     assert "finished" in doc
@@ -50,10 +70,26 @@ def _deploy_and_run(mode: str, d: Path) -> dict:
 
 
 def _node(res: dict, log: Path, *tls: str) -> subprocess.Popen:
-    return subprocess.Popen(["flower-supernode", *tls, "--superlink", f"127.0.0.1:{res['port']}", "--node-config",
-                             "partition-id=0 num-partitions=2", "--port", str(_free_port()), "--max-retries", "2",
-                             "--max-wait-time", "20"], env=res["env"], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [
+            "flower-supernode",
+            *tls,
+            "--superlink",
+            f"127.0.0.1:{res['port']}",
+            "--node-config",
+            "partition-id=0 num-partitions=2",
+            "--port",
+            str(_free_port()),
+            "--max-retries",
+            "2",
+            "--max-wait-time",
+            "20",
+        ],
+        env=res["env"],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.timeout(600)
@@ -67,8 +103,9 @@ def test_insecure_deployment_runs_a_round():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not (shutil.which("openssl") and shutil.which("ssh-keygen")),
-                    reason="deploy/certs.sh needs openssl and ssh-keygen")
+@pytest.mark.skipif(
+    not (shutil.which("openssl") and shutil.which("ssh-keygen")), reason="deploy/certs.sh needs openssl and ssh-keygen"
+)
 def test_tls_and_node_authentication_refuse_an_unregistered_key():
     d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
     rogue, procs = None, []
@@ -78,8 +115,14 @@ def test_tls_and_node_authentication_refuse_an_unregistered_key():
             assert "registered successfully" in (d / f"register{i}.log").read_text()
         subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(d / "rogue")], check=True)
         # output to files, each in its own process group: a SuperNode's SuperExec child would hold a pipe open
-        rogue = _node(res, d / "rogue.log", "--root-certificates", str(d / "certs/ca.crt"),
-                      "--auth-supernode-private-key", str(d / "rogue"))
+        rogue = _node(
+            res,
+            d / "rogue.log",
+            "--root-certificates",
+            str(d / "certs/ca.crt"),
+            "--auth-supernode-private-key",
+            str(d / "rogue"),
+        )
         assert rogue.wait(timeout=180) != 0
         assert "Failed to activate SuperNode" in (d / "rogue.log").read_text()
         # a plaintext client cannot talk to the TLS SuperLink either
@@ -111,8 +154,15 @@ SECURE_TOOLS = bool(shutil.which("openssl") and shutil.which("ssh-keygen"))
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["insecure", pytest.param("secure", marks=pytest.mark.skipif(
-    not SECURE_TOOLS, reason="TLS and node keys need openssl and ssh-keygen"))])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "insecure",
+        pytest.param(
+            "secure", marks=pytest.mark.skipif(not SECURE_TOOLS, reason="TLS and node keys need openssl and ssh-keygen")
+        ),
+    ],
+)
 def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
     """3 SuperNodes, one killed while round 1 trains: the SuperLink reports its message failed (no
     heartbeat), round 1 aggregates the other two, and round 2 runs with the survivors (min-nodes=2).
@@ -128,11 +178,24 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
         subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
         pids = [int(x) for x in (d / "pids").read_text().split()]
         out, log = d / "out", d / "run.log"
-        run = subprocess.Popen([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c",
-                                f"num-server-rounds=2 local-steps=40 threads=1 min-nodes=2 round-timeout=400.0 "
-                                f"out-dir='{out}'"],
-                               cwd=ROOT, env={**env, "FLWR_HOME": str(d / "flwr")}, stdout=open(log, "w"),
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedlmc.launch",
+                ".",
+                "fedlmc-deploy",
+                "-c",
+                f"strategy='aligned' preset='vit-digits' num-server-rounds=2 local-steps=40 threads=1 min-nodes=2 "
+                f"round-timeout=400.0 "
+                f"out-dir='{out}'",
+            ],
+            cwd=ROOT,
+            env={**env, "FLWR_HOME": str(d / "flwr")},
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         victim_log = d / "supernode2.log"
         assert _wait_for(victim_log, "Start `flwr-clientapp` process", 300), victim_log.read_text()[-2000:]
         victim = pids[3]  # the third SuperNode (pids: SuperLink, node0, node1, node2)
@@ -181,20 +244,36 @@ def test_superlink_restart_and_resume():
         link = pids[0]
         argv = Path(f"/proc/{link}/cmdline").read_bytes().split(b"\0")[:-1]
         out = d / "out"
-        cfg = f"num-server-rounds=2 local-steps=10 threads=1 round-timeout=400.0 out-dir='{out}'"
+        cfg = (
+            f"strategy='aligned' preset='vit-digits' num-server-rounds=2 local-steps=10 threads=1 round-timeout=400.0 "
+            f"out-dir='{out}'"
+        )
         flwr_env = {**env, "FLWR_HOME": str(d / "flwr")}
-        first = subprocess.Popen([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c", cfg], cwd=ROOT,
-                                 env=flwr_env, stdout=open(d / "run1.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        first = subprocess.Popen(
+            [sys.executable, "-m", "fedlmc.launch", ".", "fedlmc-deploy", "-c", cfg],
+            cwd=ROOT,
+            env=flwr_env,
+            stdout=open(d / "run1.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         assert _round_done(out, 1, 400), (d / "run1.log").read_text()[-2000:]
         kill_tree(link)
         assert first.wait(timeout=300) != 0  # the run's stream broke with its SuperLink
-        relinked = subprocess.Popen(argv, env=env, stdout=open(d / "superlink2.log", "w"), stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        relinked = subprocess.Popen(
+            argv, env=env, stdout=open(d / "superlink2.log", "w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
         with open(d / "pids", "a") as f:
             f.write(f"{relinked.pid}\n")
         assert _wait_for(d / "superlink2.log", "Application startup complete", 120)
-        second = subprocess.run([sys.executable, "-m", "simulations.launch", ".", "fedlmc-deploy", "-c", cfg + " resume=true"],
-                                cwd=ROOT, env=flwr_env, capture_output=True, text=True, timeout=600)
+        second = subprocess.run(
+            [sys.executable, "-m", "fedlmc.launch", ".", "fedlmc-deploy", "-c", cfg + " resume=true"],
+            cwd=ROOT,
+            env=flwr_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]
         assert "resuming from" in second.stdout + second.stderr
         doc = json.loads((out / "metrics.json").read_text())

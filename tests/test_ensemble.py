@@ -1,13 +1,14 @@
 """The output ensemble (the one-shot reference): averaged probabilities, never worse than the mean
 member's loss (cross-entropy is convex in the probabilities), and the compare table's share of its gain."""
+
 from __future__ import annotations
 
 import torch
 
+from fedlmc.data.base import ArrayData
 from fedlmc.ensemble import Ensemble
 from fedlmc.models import from_preset
 from fedlmc.train import evaluate
-from fedlmc.data.base import ArrayData
 from simulations.compare import ensemble_share
 
 KW = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, image_size=8, patch_size=4)

@@ -1,22 +1,21 @@
 """Transforms that come out of learning (learned matching, Dirichlet refinement, refined universes) are
 exact group elements: applied to a model in float64 they keep its function to ≤ 1e-10, like weight
 matching's (the latents train in float32; the residual map is re-polarised in float64)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from fedlmc.symmetry import canonicalize
-from fedlmc.data.base import ArrayData, TokenData
-from fedlmc.matching import learned_matching, weight_matching
-from fedlmc.options import Learning, Refinement
-from fedlmc.universe import universe_merge
-from fedlmc.symmetry import apply_transform
-from fedlmc.widths import into_universe
-
 from conftest import inputs_for
 from test_matching import make
 from test_widths import _gpt, _vit
+
+from fedlmc.data.base import ArrayData, TokenData
+from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.options import Learning, Refinement
+from fedlmc.symmetry import apply_transform, canonicalize
+from fedlmc.universe import universe_merge
+from fedlmc.widths import into_universe
 
 
 def _data(model, n=96):
@@ -43,8 +42,9 @@ def _orthogonality(O: torch.Tensor) -> float:
 def test_learned_matching_returns_an_exact_symmetry(arch, keep_layernorm, record):
     A, B = make(arch, 0), make(arch, 1)  # float64, LayerNorm models with every parameter moved
     init = weight_matching(A, B, keep_layernorm=keep_layernorm)
-    T = learned_matching(A, B, _data(A), init, Learning(steps=8, lr=0.05), keep_layernorm=keep_layernorm,
-                         progress=False)
+    T = learned_matching(
+        A, B, _data(A), init, Learning(steps=8, lr=0.05), keep_layernorm=keep_layernorm, progress=False
+    )
     O = T["residual"]
     assert O.dtype == torch.float64 and float((O - init["residual"]).abs().max()) > 1e-4  # O really moved
     record(f"learned {arch}{' +LN' if keep_layernorm else ''}: |OᵀO − I|", _orthogonality(O), 1e-12)
@@ -52,18 +52,25 @@ def test_learned_matching_returns_an_exact_symmetry(arch, keep_layernorm, record
         ones = torch.ones(len(O), dtype=O.dtype)
         record(f"learned {arch} +LN: |O·1 − 1|", float((O @ ones - ones).abs().max()), 1e-12)
     x = inputs_for(A)
-    record(f"learned {arch}{' +LN' if keep_layernorm else ''}: aligned B vs B (float64)",
-           _gap(B, apply_transform(B, T), x), 1e-10)
+    record(
+        f"learned {arch}{' +LN' if keep_layernorm else ''}: aligned B vs B (float64)",
+        _gap(B, apply_transform(B, T), x),
+        1e-10,
+    )
 
 
 @pytest.mark.parametrize("make_model", [_vit, _gpt])
 @pytest.mark.parametrize("relax", ["ste", "sinkhorn"])
 def test_refined_universe_transforms_are_exact_also_for_mixed_widths(make_model, relax, record):
     """Three models, one narrower: every refined transform maps its model into the universe exactly."""
-    models = [canonicalize(make_model(0)), canonicalize(make_model(1)),
-              canonicalize(make_model(2, d_model=16, n_head=2, d_ff=40, d_head=8))]
-    _, Ts = universe_merge(models, refine=Refinement(data=_data(models[0]), steps=6, lr=0.05, relax=relax,
-                                                     check_every=0), iterations=1)
+    models = [
+        canonicalize(make_model(0)),
+        canonicalize(make_model(1)),
+        canonicalize(make_model(2, d_model=16, n_head=2, d_ff=40, d_head=8)),
+    ]
+    _, Ts = universe_merge(
+        models, refine=Refinement(data=_data(models[0]), steps=6, lr=0.05, relax=relax, check_every=0), iterations=1
+    )
     assert all(T.info.get("relax", relax) == relax for T in Ts)
     x = inputs_for(models[0])
     arch = models[0].config.arch
@@ -73,8 +80,11 @@ def test_refined_universe_transforms_are_exact_also_for_mixed_widths(make_model,
             record(f"refined {arch} model {i} (d={m.config.d_model}): |OᵀO − I|", _orthogonality(O), 1e-12)
         else:
             assert i == 0
-        record(f"refined {arch} model {i} (d={m.config.d_model}): into universe vs model",
-               _gap(m, into_universe(m, T), x), 1e-10)
+        record(
+            f"refined {arch} model {i} (d={m.config.d_model}): into universe vs model",
+            _gap(m, into_universe(m, T), x),
+            1e-10,
+        )
 
 
 def test_snapshots_are_the_shorter_runs_and_cosine_is_exact(record):
@@ -91,7 +101,11 @@ def test_snapshots_are_the_shorter_runs_and_cosine_is_exact(record):
     assert float((long["residual"] - short["residual"]).abs().max()) > 1e-6  # the later steps moved O
     cos = learned_matching(A, B, _data(A), init, Learning(steps=6, lr=0.05, schedule="cosine"), progress=False)
     assert float((cos["residual"] - long["residual"]).abs().max()) > 1e-6
-    record("learned gpt2, cosine schedule: aligned B vs B (float64)", _gap(B, apply_transform(B, cos), inputs_for(A)), 1e-10)
+    record(
+        "learned gpt2, cosine schedule: aligned B vs B (float64)",
+        _gap(B, apply_transform(B, cos), inputs_for(A)),
+        1e-10,
+    )
     with pytest.raises(ValueError, match="schedule"):
         Learning(steps=1, schedule="linear")
 
@@ -115,11 +129,16 @@ def test_sinkhorn_is_doubly_stochastic_and_keeps_blocks():
 def test_sinkhorn_learned_matching_returns_an_exact_symmetry(arch, record):
     A, B = make(arch, 0), make(arch, 1)
     init = weight_matching(A, B)
-    T = learned_matching(A, B, _data(A), init, Learning(steps=6, lr=0.05, perm_lr=1.0, relax="sinkhorn"), progress=False)
+    T = learned_matching(
+        A, B, _data(A), init, Learning(steps=6, lr=0.05, perm_lr=1.0, relax="sinkhorn"), progress=False
+    )
     moved = [k for k in T.elements if T[k].dtype == torch.long and not torch.equal(T[k], init[k])]
     assert T.info["relax"] == "sinkhorn" and float((T["residual"] - init["residual"]).abs().max()) > 1e-4
-    record(f"learned {arch}, sinkhorn ({len(moved)} permutations moved): aligned B vs B (float64)",
-           _gap(B, apply_transform(B, T), inputs_for(A)), 1e-10)
+    record(
+        f"learned {arch}, sinkhorn ({len(moved)} permutations moved): aligned B vs B (float64)",
+        _gap(B, apply_transform(B, T), inputs_for(A)),
+        1e-10,
+    )
 
 
 def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(record):
@@ -139,10 +158,19 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
 
     def run(snapshots=(), **kw):
         # rates high enough that the merge's loss goes up again within 18 steps (checked below)
-        opts = Options(Learning(steps=18, lr=1.0, perm_lr=10.0, batch_size=16, **kw), progress=False,
-                       snapshots=snapshots)
-        return learn_alignments(states, cfg, [Transform(), init], data, fixed=0, sample_weights=lambda: [0.5, 0.5],
-                                opts=opts, check_weights=[0.5, 0.5])
+        opts = Options(
+            Learning(steps=18, lr=1.0, perm_lr=10.0, batch_size=16, **kw), progress=False, snapshots=snapshots
+        )
+        return learn_alignments(
+            states,
+            cfg,
+            [Transform(), init],
+            data,
+            fixed=0,
+            sample_weights=lambda: [0.5, 0.5],
+            opts=opts,
+            check_weights=[0.5, 0.5],
+        )
 
     full = run(check_every=3, patience=99, check_sigmas=0.0, snapshots=(3, 6, 9, 12, 15, 18))
     assert sorted(full.checks) == [0, 3, 6, 9, 12, 15, 18] and len(full.trace) == 18
@@ -153,6 +181,7 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
     # the start's score is the weight-matched merge's loss on the first batches, computed independently
     from fedlmc.averaging import merge
     from fedlmc.train import loss_and_correct
+
     mid = merge([canonicalize(A).float(), apply_transform(canonicalize(B), init).float()], [0.5, 0.5])
     xs = [b for _, b in zip(range(4), data.batches(16))]
     with torch.no_grad():
@@ -160,7 +189,9 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
     record("objective check at the start vs the weight-matched merge's loss", abs(full.checks[0] - start), 1e-4)
     # patience 1: the descent stops at the first check that does not improve on the best
     short = run(check_every=3, patience=1, check_sigmas=0.0)
-    worse = [n for n in sorted(short.checks) if n and short.checks[n] >= min(v for m, v in short.checks.items() if m < n)]
+    worse = [
+        n for n in sorted(short.checks) if n and short.checks[n] >= min(v for m, v in short.checks.items() if m < n)
+    ]
     assert worse and len(short.trace) == worse[0] < 18
     T = Transform(short.elements[1])
     record("stopped on the objective: aligned B vs B (float64)", _gap(B, apply_transform(B, T), inputs_for(A)), 1e-10)

@@ -1,20 +1,19 @@
 """The fast paths of weight matching give the exact path's answers: the sparse candidate assignment,
 the one-pass objective / residual cross-covariance, one descent for the paper and identity starts."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import perturbed
 from scipy.optimize import linear_sum_assignment
 
-from fedlmc.options import Matching
-from fedlmc.symmetry import canonicalize
 from fedlmc.matching import weight_matching
 from fedlmc.matching.solvers import sparse_assignment
 from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.models import from_preset
-from fedlmc.symmetry import apply_transform, canonical_config, random_transform
-
-from conftest import perturbed
+from fedlmc.options import Matching
+from fedlmc.symmetry import apply_transform, canonical_config, canonicalize, random_transform
 
 
 def _dense(score: torch.Tensor) -> torch.Tensor:
@@ -51,8 +50,11 @@ def test_sparse_assignment_never_scores_below_the_current_assignment():
 def _wide_pair(seed: int = 0):
     """A gpt2 of FF width 256 (so 16 candidates is the sparse path) and a planted, noisy copy."""
     torch.manual_seed(seed)
-    A = canonicalize(perturbed(from_preset("gpt2-tiny", n_layer=2, d_model=32, n_head=4, d_ff=256,
-                                           vocab_size=20, block_size=16), seed, 0.2))
+    A = canonicalize(
+        perturbed(
+            from_preset("gpt2-tiny", n_layer=2, d_model=32, n_head=4, d_ff=256, vocab_size=20, block_size=16), seed, 0.2
+        )
+    )
     B = apply_transform(A, random_transform(A, seed=seed + 1, groups=["residual", "heads", "ff"]))
     g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
@@ -66,7 +68,9 @@ def test_the_candidate_path_finds_the_exact_paths_permutations_on_a_planted_mode
     fast = weight_matching(A, B, Matching(ff_candidates=16))
     exact = weight_matching(A, B, Matching(ff_candidates=None))
     ff = [k for k in exact.elements if k.startswith("ff.")]
-    assert ff and all(torch.equal(fast[k], exact[k]) for k in exact.elements if not k.startswith(("residual", "qk", "ov")))
+    assert ff and all(
+        torch.equal(fast[k], exact[k]) for k in exact.elements if not k.startswith(("residual", "qk", "ov"))
+    )
     assert torch.allclose(fast["residual"], exact["residual"], atol=1e-10)
     assert fast.info["objective"] == pytest.approx(exact.info["objective"], rel=1e-12)
 
@@ -76,12 +80,17 @@ def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     the objective of the returned elements computed from scratch."""
     A, B = _wide_pair(1)
     T = weight_matching(A, B, Matching(keep_identity=False, iterations=3))
-    P = Problem(canonical_state(A, torch.device("cpu"), torch.float64),
-                canonical_state(B, torch.device("cpu"), torch.float64), canonical_config(B.config))
+    P = Problem(
+        canonical_state(A, torch.device("cpu"), torch.float64),
+        canonical_state(B, torch.device("cpu"), torch.float64),
+        canonical_config(B.config),
+    )
     direct = P.objective(dict(T.elements))
     assert T.info["objective"]["paper"] == pytest.approx(direct, rel=1e-12)
     trace = T.info["trace"]["paper"]
-    assert len(trace) >= 2 and all(b <= a for a, b in zip(trace[:-2], trace[1:-1]))  # descends (bar a rolled-back last step)
+    assert len(trace) >= 2 and all(
+        b <= a for a, b in zip(trace[:-2], trace[1:-1])
+    )  # descends (bar a rolled-back last step)
     assert min(trace) == pytest.approx(direct, rel=1e-6)
 
 
@@ -136,14 +145,17 @@ def test_refinements_hard_permutations_from_the_pool_are_each_latents_own_optimu
     drifted = torch.randn(64, 64, generator=g)  # many rows share an argmax: a real solve
     obvious = torch.eye(16)[torch.randperm(16, generator=g)] + 0.01 * torch.randn(16, 16, generator=g)
     within = torch.randn(12, 12, generator=g)
-    lat = [None, SimpleNamespace(p={"ff.0": drifted, "heads.0": obvious}, blocks={}),
-           SimpleNamespace(p={"kv.0": within, "ff.0": drifted.T.contiguous()}, blocks={"kv.0": 4})]
+    lat = [
+        None,
+        SimpleNamespace(p={"ff.0": drifted, "heads.0": obvious}, blocks={}),
+        SimpleNamespace(p={"kv.0": within, "ff.0": drifted.T.contiguous()}, blocks={"kv.0": 4}),
+    ]
     with ThreadPoolExecutor(2) as pool:
         got = hard_all(lat, pool)
     assert got[0] is None
     assert torch.equal(got[1]["ff.0"], _dense(drifted)) and torch.equal(got[1]["heads.0"], _dense(obvious))
     assert torch.equal(got[2]["ff.0"], _dense(drifted.T))
-    blocks = torch.cat([_dense(within[i:i + 4, i:i + 4]) + i for i in range(0, 12, 4)])
+    blocks = torch.cat([_dense(within[i : i + 4, i : i + 4]) + i for i in range(0, 12, 4)])
     assert torch.equal(got[2]["kv.0"], blocks) and bool((blocks // 4 == torch.arange(12) // 4).all())
 
 
@@ -160,7 +172,7 @@ def test_a_universe_iteration_builds_the_fixed_models_side_once_and_changes_noth
     got = [weight_matching(A, X, reuse=reuse) for X in (B, C)]
     fresh = [weight_matching(A, X) for X in (B, C)]
     assert len(reuse) == 1
-    (model, F), = reuse.values()
+    ((model, F),) = reuse.values()
     assert model is A and weight_matching(A, B, reuse=reuse) and reuse[next(iter(reuse))][1] is F
     for T, U in zip(got, fresh):
         assert T.info["objective"] == U.info["objective"]

@@ -3,32 +3,50 @@ mixing valid ones with every kind of broken one nobody listed by hand. Propertie
 raises; exactly the broken replies are excluded (failed messages recorded as failures), each with one
 log line naming its node; the global model is finite and loads with ``strict=True``; with too few
 valid replies the previous model is kept. Bounded (examples × replies ≥ 1,000 per strategy)."""
+
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
-
-from fedlmc.options import Refinement  # noqa: E402
 from fedlmc.data import load  # noqa: E402
 from fedlmc.models import from_config, from_preset  # noqa: E402
-from fedlmc.strategies import (AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg, ReportingFedAvg,  # noqa: E402
-                               SlicingFedAvg)
+from fedlmc.options import Refinement  # noqa: E402
+from fedlmc.strategies import (
+    AlignedFedAvg,
+    HeteroWidthFedAvg,
+    RefinedFedAvg,
+    ReportingFedAvg,  # noqa: E402
+    SlicingFedAvg,
+)
 from fedlmc.strategies.records import config_record  # noqa: E402
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 100  # × 8–14 replies each: over 1,000 replies per strategy
-BROKEN = ["drop key", "rename key", "int dtype", "nan", "inf", "shape off by one", "huge", "config not json",
-          "other arch", "no num-examples", "negative num-examples", "fractional num-examples",
-          "empty arrays", "error reply", "no arrays"]
+BROKEN = [
+    "drop key",
+    "rename key",
+    "int dtype",
+    "nan",
+    "inf",
+    "shape off by one",
+    "huge",
+    "config not json",
+    "other arch",
+    "no num-examples",
+    "negative num-examples",
+    "fractional num-examples",
+    "empty arrays",
+    "error reply",
+    "no arrays",
+]
 FINE = ["valid", "valid denormal", "valid float16"]  # odd but harmless: must be aggregated
 
 
@@ -46,8 +64,17 @@ DIGITS = load("digits")
 
 
 def _message(content=None, node: int = 1, error: bool = False) -> Message:
-    md = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="i",
-                  group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
+    md = Metadata(
+        run_id=1,
+        message_id=f"m{node}",
+        src_node_id=node,
+        dst_node_id=0,
+        reply_to_message_id="i",
+        group_id="1",
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type=MessageType.TRAIN,
+    )
     if error:
         return Message(error=Error(code=5, reason="Node Unavailable"), metadata=md)
     return Message(content=content, metadata=md)
@@ -101,8 +128,9 @@ STRATEGIES = {
     "slicing": lambda: SlicingFedAvg(model=CONFIG),
 }
 
-replies_st = st.lists(st.tuples(st.sampled_from(BROKEN + FINE), st.integers(0, 10_000), st.floats(0, 1)),
-                      min_size=8, max_size=14)
+replies_st = st.lists(
+    st.tuples(st.sampled_from(BROKEN + FINE), st.integers(0, 10_000), st.floats(0, 1)), min_size=8, max_size=14
+)
 
 
 @pytest.mark.timeout(900)
@@ -110,9 +138,13 @@ replies_st = st.lists(st.tuples(st.sampled_from(BROKEN + FINE), st.integers(0, 1
 def test_aggregate_train_survives_anything(name, caplog):
     counted = {"replies": 0}
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                     HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    )
     @given(replies_st, st.integers(1, 3))
     def run(spec, min_replies):
         strategy = STRATEGIES[name]()

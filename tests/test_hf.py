@@ -1,5 +1,6 @@
 """Hugging Face models: fedlmc ↔ transformers conversions reproduce logits, and the canonical form and
 random group elements are function-preserving through the Hugging Face model's *own* forward."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,21 +13,48 @@ from fedlmc.symmetry import apply_transform, canonicalize, random_transform, to_
 
 
 def hf_gpt2(tied=True):
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0,
-        tie_word_embeddings=tied))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            vocab_size=40,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=tied,
+        )
+    )
 
 
 def hf_vit():
-    return transformers.ViTForImageClassification(transformers.ViTConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=8,
-        patch_size=2, num_channels=1, num_labels=10))
+    return transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            image_size=8,
+            patch_size=2,
+            num_channels=1,
+            num_labels=10,
+        )
+    )
 
 
 def hf_llama(tied=False):
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        vocab_size=40, max_position_embeddings=16, tie_word_embeddings=tied))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=40,
+            max_position_embeddings=16,
+            tie_word_embeddings=tied,
+        )
+    )
 
 
 MAKERS = {"gpt2": hf_gpt2, "vit": hf_vit, "llama": hf_llama}
@@ -85,10 +113,18 @@ def test_symmetries_through_the_hf_forward(name, record):
     for seed in range(2):
         T = random_transform(ours, seed=seed, fix_ones=layernorm)
         moved = apply_transform(canonicalize(ours), T)
-        record(f"{name}: random element {seed}, fedlmc forward (float64)", (logits(moved, x) - logits(ours, x)).abs().max(), 1e-10)
+        record(
+            f"{name}: random element {seed}, fedlmc forward (float64)",
+            (logits(moved, x) - logits(ours, x)).abs().max(),
+            1e-10,
+        )
         back = to_hf(to_layernorm(moved) if layernorm else moved, tied=False)
         assert back.fedlmc_fit_error < 1e-10
-        record(f"{name}: random element {seed}, Hugging Face forward (float64)", (logits(back, x) - logits(hf, x)).abs().max(), bound)
+        record(
+            f"{name}: random element {seed}, Hugging Face forward (float64)",
+            (logits(back, x) - logits(hf, x)).abs().max(),
+            bound,
+        )
 
 
 def test_tied_gpt2_keeps_one_tensor(record):
@@ -97,7 +133,6 @@ def test_tied_gpt2_keeps_one_tensor(record):
     result into the client's tied model computes exactly what the fitted weights say."""
     torch.manual_seed(0)
     hf = shaken(hf_gpt2(tied=True), seed=3).double()
-    x = inputs("gpt2")
     adapter = HFAdapter(hf)
     assert adapter.tied and recognise(hf.state_dict()) == "GPT2LMHeadModel"
     ours = from_hf(hf)
@@ -116,7 +151,9 @@ def test_tied_gpt2_keeps_one_tensor(record):
 def test_unknown_keys_are_named():
     assert recognise(["fc1.weight", "fc2.weight"]) is None
     with pytest.raises(ValueError, match="model_type"):
-        HFAdapter(transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
+        HFAdapter(
+            transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+        )
 
 
 @pytest.mark.parametrize("name", list(MAKERS))

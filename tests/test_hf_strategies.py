@@ -1,5 +1,6 @@
 """The strategies on Hugging Face replies: client keys in, the same keys out (loadable with
 ``strict=True``), tied keys one tensor, the architecture from ``model=``, and clear errors otherwise."""
+
 from __future__ import annotations
 
 import time
@@ -10,19 +11,27 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict  # noqa: E402
+from test_hf import hf_gpt2, hf_llama, hf_vit, inputs, logits, shaken  # noqa: E402
 
-from fedlmc.options import Refinement  # noqa: E402
 from fedlmc.hf import from_hf  # noqa: E402
+from fedlmc.options import Refinement  # noqa: E402
 from fedlmc.strategies import AlignedFedAvg  # noqa: E402
 from fedlmc.symmetry import apply_transform, random_transform, to_layernorm  # noqa: E402
-
-from test_hf import hf_gpt2, hf_llama, hf_vit, inputs, logits, shaken  # noqa: E402
 
 
 def reply(state: dict, n: int, node: int) -> Message:
     content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": n})})
-    md = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="",
-                  group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
+    md = Metadata(
+        run_id=1,
+        message_id=f"m{node}",
+        src_node_id=node,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id="1",
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type=MessageType.TRAIN,
+    )
     return Message(content=content, metadata=md)
 
 
@@ -37,10 +46,15 @@ def planted_copies(hf, count: int) -> list[dict]:
     ours = from_hf(hf)
     out = []
     for s in range(count):
-        m = apply_transform(ours, random_transform(ours, seed=s + 1, fix_ones=hf.config.model_type != "llama",
-                                                   groups=("residual", "heads", "ff")))
+        m = apply_transform(
+            ours,
+            random_transform(
+                ours, seed=s + 1, fix_ones=hf.config.model_type != "llama", groups=("residual", "heads", "ff")
+            ),
+        )
         m = to_layernorm(m) if hf.config.model_type != "llama" else m
         from fedlmc.hf import to_hf
+
         out.append({k: v.float() for k, v in to_hf(m, tied=False).state_dict().items()})
     return out
 
@@ -60,9 +74,15 @@ def test_aligned_fedavg_on_hf_replies(make, name, record):
     out.load_state_dict(arrays.to_torch_state_dict(), strict=True)
     x = inputs(name)
     # three copies of one function, aligned, average to that function (plain FedAvg would not)
-    record(f"{name}: AlignedFedAvg of 3 planted HF replies vs the model", (logits(out, x) - logits(hf, x)).abs().max(), 1e-3)
+    record(
+        f"{name}: AlignedFedAvg of 3 planted HF replies vs the model",
+        (logits(out, x) - logits(hf, x)).abs().max(),
+        1e-3,
+    )
     plain = type(hf)(hf.config).eval()
-    plain.load_state_dict({k: sum(r.content["arrays"].to_torch_state_dict()[k] for r in replies) / 3 for k in arrays.keys()})
+    plain.load_state_dict(
+        {k: sum(r.content["arrays"].to_torch_state_dict()[k] for r in replies) / 3 for k in arrays.keys()}
+    )
     assert (logits(plain, x) - logits(hf, x)).abs().max() > 1e-2
 
 
@@ -85,8 +105,9 @@ def test_hf_weights_without_model_name_what_is_missing():
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*head count.*pass model="):
         AlignedFedAvg().start(grid=NoGrid(), initial_arrays=ArrayRecord(hf.state_dict()), num_rounds=1)
     with pytest.raises(ValueError, match="unexpected keys fc1.weight"):
-        AlignedFedAvg(model=hf.config).start(grid=NoGrid(), initial_arrays=ArrayRecord(
-            {"fc1.weight": torch.zeros(2, 2)}), num_rounds=1)
+        AlignedFedAvg(model=hf.config).start(
+            grid=NoGrid(), initial_arrays=ArrayRecord({"fc1.weight": torch.zeros(2, 2)}), num_rounds=1
+        )
 
 
 def test_guard_fn_decides_on_the_clients_form():
@@ -125,8 +146,11 @@ def test_refined_fedavg_on_hf_replies_with_a_batch_source_and_loss_fn():
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     tokens = torch.randint(0, 40, (32, 17))
-    strategy = RefinedFedAvg(model=hf, iterations=1,
-                             refine=Refinement(data=ArrayData(tokens[:, :-1], tokens[:, 1:]), steps=3, loss_fn=loss_fn))
+    strategy = RefinedFedAvg(
+        model=hf,
+        iterations=1,
+        refine=Refinement(data=ArrayData(tokens[:, :-1], tokens[:, 1:]), steps=3, loss_fn=loss_fn),
+    )
     initial = ArrayRecord(hf.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial
@@ -142,9 +166,18 @@ def test_refined_fedavg_on_hf_replies_with_a_batch_source_and_loss_fn():
 
 
 def _vit_of_width(d: int, heads: int):
-    return transformers.ViTForImageClassification(transformers.ViTConfig(
-        hidden_size=d, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=2 * d, image_size=8,
-        patch_size=2, num_channels=1, num_labels=10))
+    return transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            hidden_size=d,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            intermediate_size=2 * d,
+            image_size=8,
+            patch_size=2,
+            num_channels=1,
+            num_labels=10,
+        )
+    )
 
 
 def test_hetero_width_fedavg_on_hf_clients_of_two_widths(record, monkeypatch):
@@ -155,32 +188,40 @@ def test_hetero_width_fedavg_on_hf_clients_of_two_widths(record, monkeypatch):
     from flwr.app import ConfigRecord
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedlmc.symmetry import canonicalize
     from fedlmc.hf import to_hf
     from fedlmc.strategies import HeteroWidthFedAvg
-    from fedlmc.symmetry import Transform
+    from fedlmc.symmetry import Transform, canonicalize
     from fedlmc.widths import ones_lift, pad
 
     torch.manual_seed(0)
     narrow = shaken(_vit_of_width(16, 2), seed=21)
     wide = pad(canonicalize(from_hf(narrow)), {"d_model": 32, "d_ff": 64, "n_head": 4})
     wide = apply_transform(wide, Transform({"residual": ones_lift(16, 32, torch.float32)}))
-    wide = to_layernorm(apply_transform(wide, random_transform(wide, seed=5, fix_ones=True, dtype=torch.float32,
-                                                               groups=("residual", "heads", "ff"))))
+    wide = to_layernorm(
+        apply_transform(
+            wide, random_transform(wide, seed=5, fix_ones=True, dtype=torch.float32, groups=("residual", "heads", "ff"))
+        )
+    )
     wide_hf = to_hf(wide)
     strategy = HeteroWidthFedAvg(model=[narrow.config, wide_hf.config], iterations=2)
     initial = ArrayRecord(wide_hf.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial
-    replies = [reply({k: v.float() for k, v in wide_hf.state_dict().items()}, 10, 1),
-               reply({k: v.float() for k, v in narrow.state_dict().items()}, 10, 2)]
+    replies = [
+        reply({k: v.float() for k, v in wide_hf.state_dict().items()}, 10, 1),
+        reply({k: v.float() for k, v in narrow.state_dict().items()}, 10, 2),
+    ]
     arrays, _ = strategy.aggregate_train(1, replies)
     assert strategy.history[-1]["excluded"] == [] and strategy.history[-1]["widths"] == [32, 16]
     x = inputs("vit")
     universe = _vit_of_width(32, 4).eval()
     universe.load_state_dict(arrays.to_torch_state_dict(), strict=True)
     ref = logits(narrow, x)
-    record("HF hetero: universe (HF ViT, width 32) vs the narrow client", float((logits(universe, x) - ref).abs().max()), 1e-4)
+    record(
+        "HF hetero: universe (HF ViT, width 32) vs the narrow client",
+        float((logits(universe, x) - ref).abs().max()),
+        1e-4,
+    )
     for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
 
@@ -191,7 +232,11 @@ def test_hetero_width_fedavg_on_hf_clients_of_two_widths(record, monkeypatch):
     sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord({}), Grid())}
     own = _vit_of_width(16, 2).eval()
     own.load_state_dict(sent[2].content.array_records["arrays"].to_torch_state_dict(), strict=True)
-    record("HF hetero: model sent to the narrow node (HF ViT, width 16) vs narrow", float((logits(own, x) - ref).abs().max()), 1e-4)
+    record(
+        "HF hetero: model sent to the narrow node (HF ViT, width 16) vs narrow",
+        float((logits(own, x) - ref).abs().max()),
+        1e-4,
+    )
     big = _vit_of_width(32, 4).eval()
     big.load_state_dict(sent[1].content.array_records["arrays"].to_torch_state_dict(), strict=True)
     # a reply of a width nobody listed is excluded with the reason
@@ -210,16 +255,23 @@ def test_hetero_width_fedavg_on_tied_hf_gpt2_clients(monkeypatch):
 
     def gpt2(d, heads, seed):
         torch.manual_seed(seed)
-        return shaken(transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=d, n_head=heads, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0)), seed)
+        return shaken(
+            transformers.GPT2LMHeadModel(
+                transformers.GPT2Config(
+                    n_layer=2, n_embd=d, n_head=heads, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0
+                )
+            ),
+            seed,
+        )
 
     wide, narrow = gpt2(32, 4, 1), gpt2(16, 2, 2)
     strategy = HeteroWidthFedAvg(model=[wide, narrow], iterations=1)
     initial = ArrayRecord(wide.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial
-    arrays, _ = strategy.aggregate_train(1, [reply({k: v.float() for k, v in m.state_dict().items()}, 10, i + 1)
-                                             for i, m in enumerate((wide, narrow))])
+    arrays, _ = strategy.aggregate_train(
+        1, [reply({k: v.float() for k, v in m.state_dict().items()}, 10, i + 1) for i, m in enumerate((wide, narrow))]
+    )
     assert strategy.history[-1]["excluded"] == []
     for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
@@ -228,8 +280,10 @@ def test_hetero_width_fedavg_on_tied_hf_gpt2_clients(monkeypatch):
         def get_node_ids(self):
             return [1, 2]
 
-    sent = {m.metadata.dst_node_id: m.content.array_records["arrays"].to_torch_state_dict()
-            for m in strategy.configure_train(2, arrays, ConfigRecord({}), Grid())}
+    sent = {
+        m.metadata.dst_node_id: m.content.array_records["arrays"].to_torch_state_dict()
+        for m in strategy.configure_train(2, arrays, ConfigRecord({}), Grid())
+    }
     for node, width in ((1, 32), (2, 16)):
         sd = sent[node]
         assert sd["transformer.wte.weight"].shape == (40, width)

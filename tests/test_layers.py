@@ -1,5 +1,6 @@
 """The house's layers: no import cycle inside ``fedlmc/`` (function-local imports count too, so a cycle
 cannot hide behind one), and each module stays small."""
+
 from __future__ import annotations
 
 import ast
@@ -51,7 +52,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state and (found := visit(n)):
                 return found
         stack.pop()

@@ -1,18 +1,18 @@
 """The Llama-style family: exact canonical form and symmetries (full orthogonal residual group, GQA
 head permutations, RoPE-commuting QK gauge, SwiGLU FF permutations), planted recovery, universes."""
+
 from __future__ import annotations
 
 import torch
+from conftest import inputs_for, perturbed
 
-from fedlmc.options import Learning, Matching
-from fedlmc.matching import weight_matching
 from fedlmc.averaging import interpolate
-from fedlmc.universe import universe_merge
+from fedlmc.matching import weight_matching
 from fedlmc.models import from_preset
+from fedlmc.options import Learning, Matching
 from fedlmc.symmetry import Transform, apply_transform, canonicalize, random_transform, spec_for
 from fedlmc.symmetry.random import invert_transform, random_invertible
-
-from conftest import inputs_for, perturbed
+from fedlmc.universe import universe_merge
 
 KW = dict(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, vocab_size=20, block_size=16)
 
@@ -76,7 +76,9 @@ def test_planted_symmetry_is_recovered(record):
     aligned = apply_transform(B, T)
     err = max(float((aligned.state_dict()[k] - v).abs().max() / v.abs().max()) for k, v in A.state_dict().items())
     record("llama: planted recovery, relative parameter error", err, 1e-2)
-    record("llama: planted, max |Δlogits| of the λ=0.5 merge", gap(A, interpolate(A, aligned, 0.5), inputs_for(A)), 1e-2)
+    record(
+        "llama: planted, max |Δlogits| of the λ=0.5 merge", gap(A, interpolate(A, aligned, 0.5), inputs_for(A)), 1e-2
+    )
 
 
 def test_universe_of_planted_copies_returns_the_model(record):
@@ -95,7 +97,11 @@ def test_query_heads_permute_only_within_their_kv_head(record):
     assert g.structure == "within" and g.size == 4 and g.count == 2 and spec.within_of("heads.0") is g
     assert "qheads.0" not in spec_for(make(5, n_kv_head=4)).groups  # one query head per KV head: nothing to permute
     within = torch.tensor([1, 0, 3, 2])
-    record("llama: query heads swapped within their KV heads", gap(m, apply_transform(m, Transform({"qheads.0": within})), x), 1e-10)
+    record(
+        "llama: query heads swapped within their KV heads",
+        gap(m, apply_transform(m, Transform({"qheads.0": within})), x),
+        1e-10,
+    )
     try:
         apply_transform(m, Transform({"qheads.0": torch.tensor([2, 1, 0, 3])}))
         raise AssertionError("a permutation across KV heads was accepted")
@@ -128,13 +134,13 @@ def test_learned_matching_keeps_within_group_structure():
     """Learned matching trains the within-group latents too and returns block-keeping elements."""
     from fedlmc.data.base import TokenData
     from fedlmc.matching import learned_matching
+
     A = canonicalize(make(7))
     planted = random_transform(A, seed=8, groups=("residual", "heads", "ff"))
     planted.elements["qheads.0"] = torch.tensor([1, 0, 3, 2])
     B = apply_transform(A, planted)
     data = TokenData(torch.randint(0, 20, (2000,)), 16)
     T = learned_matching(A, B, data, learning=Learning(steps=3, batch_size=8), progress=False)
-    spec = spec_for(A)
     for l in range(2):
         el = T.elements[f"qheads.{l}"]
         assert bool((el // 2 == torch.arange(4) // 2).all())

@@ -1,21 +1,20 @@
 """Pairwise alignment: planted symmetries are recovered, alignment preserves function, merged forms
 are exact at the endpoints, learned matching improves on its init, shared inits come to no harm."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import inputs_for, perturbed
 
-from fedlmc.options import Learning, Matching
-from fedlmc.symmetry import canonicalize
+from fedlmc.averaging import interpolate
 from fedlmc.data import load, partition
 from fedlmc.matching import activation_matching, learned_matching, weight_matching
 from fedlmc.matching.weight import midpoint_loss
-from fedlmc.averaging import interpolate
 from fedlmc.models import from_preset
-from fedlmc.symmetry import apply_transform, random_transform
+from fedlmc.options import Learning, Matching
+from fedlmc.symmetry import apply_transform, canonicalize, random_transform
 from fedlmc.train import TrainConfig, evaluate, model_for_data, train
-
-from conftest import inputs_for, perturbed
 
 SHAPES = {
     "gpt2": ("gpt2-tiny", dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=20, block_size=16)),
@@ -70,7 +69,11 @@ def test_planted_orthogonal_gauge_mode_with_circuit_merge(arch, record):
     B = noisy(apply_transform(A, random_transform(A, seed=5)), 1e-4)
     T = weight_matching(A, B)
     x = inputs_for(A)
-    record(f"{arch}: planted, circuit merge at λ=0.5", output_gap(A, interpolate(A, apply_transform(B, T), 0.5, form="circuit"), x), 1e-2)
+    record(
+        f"{arch}: planted, circuit merge at λ=0.5",
+        output_gap(A, interpolate(A, apply_transform(B, T), 0.5, form="circuit"), x),
+        1e-2,
+    )
 
 
 @pytest.mark.parametrize("arch", list(SHAPES))
@@ -79,7 +82,11 @@ def test_aligned_model_computes_the_same_function(arch, record):
     x = inputs_for(A)
     for residual, keep in (("orthogonal", False), ("permutation", False), ("orthogonal", True)):
         T = weight_matching(A, B, Matching(residual=residual), keep_layernorm=keep)
-        record(f"{arch}: aligned B vs B ({residual}, keep_layernorm={keep})", output_gap(B, apply_transform(B, T), x), 1e-10)
+        record(
+            f"{arch}: aligned B vs B ({residual}, keep_layernorm={keep})",
+            output_gap(B, apply_transform(B, T), x),
+            1e-10,
+        )
 
 
 @pytest.mark.parametrize("arch", list(SHAPES))
@@ -90,7 +97,10 @@ def test_merged_forms_reproduce_the_endpoints(arch, record):
     Bal = apply_transform(B, T)
     for form in ("factored", "circuit"):
         for keep in (False, True):
-            one, zero = interpolate(A, Bal, 1.0, form=form, keep_layernorm=keep), interpolate(A, Bal, 0.0, form=form, keep_layernorm=keep)
+            one, zero = (
+                interpolate(A, Bal, 1.0, form=form, keep_layernorm=keep),
+                interpolate(A, Bal, 0.0, form=form, keep_layernorm=keep),
+            )
             if keep:
                 assert one.config.norm == "layernorm" and isinstance(one.blocks[0].ln1, torch.nn.LayerNorm)
             if form == "circuit":
@@ -98,7 +108,11 @@ def test_merged_forms_reproduce_the_endpoints(arch, record):
             record(f"{arch}: {form}{' +LN' if keep else ''} at λ=1 vs A", output_gap(A, one, x), 1e-10)
             record(f"{arch}: {form}{' +LN' if keep else ''} at λ=0 vs B", output_gap(B, zero, x), 1e-10)
     mid = interpolate(A, Bal, 0.4)
-    record(f"{arch}: keep_layernorm merge at λ=0.4 as LayerNorm", output_gap(mid, interpolate(A, Bal, 0.4, keep_layernorm=True), x), 1e-10)
+    record(
+        f"{arch}: keep_layernorm merge at λ=0.4 as LayerNorm",
+        output_gap(mid, interpolate(A, Bal, 0.4, keep_layernorm=True), x),
+        1e-10,
+    )
     O = T["residual"]
     ones = torch.ones(len(O), dtype=O.dtype)
     assert float((O @ ones - ones).abs().max()) < 1e-10
@@ -112,6 +126,7 @@ def test_activation_matching_recovers_a_planted_permutation_symmetry():
     class Data:  # image batches of the right size for this 12x12 model
         def batches(self, batch_size, shuffle=False, generator=None):
             yield x, torch.zeros(len(x), dtype=torch.long)
+
     T = activation_matching(A, B, Data(), n_batches=1)
     assert param_error(A, apply_transform(B, T)) < 1e-6
 
@@ -167,8 +182,10 @@ def test_shared_init_comes_to_no_harm(digits):
     plain = evaluate(interpolate(A, B, 0.5), digits.test)["loss"]
     T = weight_matching(A, B, keep_layernorm=True, guard_data=digits.val)
     aligned = evaluate(interpolate(A, apply_transform(B, T), 0.5, keep_layernorm=True), digits.test)["loss"]
-    print(f"shared init: plain {plain:.3f}, aligned {aligned:.3f}, chosen {T.info['chosen']}, "
-          f"guard losses {T.info['midpoint_loss']}")
+    print(
+        f"shared init: plain {plain:.3f}, aligned {aligned:.3f}, chosen {T.info['chosen']}, "
+        f"guard losses {T.info['midpoint_loss']}"
+    )
     assert set(T.info["midpoint_loss"]) == {"paper", "identity"}
     assert aligned <= plain + 0.02
 
@@ -188,6 +205,9 @@ def test_a_nearby_model_comes_back_near_identity(digits, trained_a):
     O = T.get("residual")
     drift = 0.0 if O is None else float((O - torch.eye(len(O), dtype=O.dtype)).norm() / len(O) ** 0.5)
     moved = sum(int((v != torch.arange(len(v))).sum()) for k, v in T.elements.items() if k.startswith(("heads", "ff")))
-    print(f"nearby: plain {plain:.3f}, aligned {aligned:.3f}, chosen {T.info['chosen']}, O drift {drift:.3f}, units moved {moved}")
+    print(
+        f"nearby: plain {plain:.3f}, aligned {aligned:.3f}, chosen {T.info['chosen']}, O drift {drift:.3f}, "
+        f"units moved {moved}"
+    )
     assert drift < 0.1 and moved == 0
     assert aligned <= plain + 0.02

@@ -1,5 +1,6 @@
 """Text partitions deal out a play's speeches: IID at random, Dirichlet by speaking character, or each
 character on one client; the contiguous shards stay available."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -25,7 +26,7 @@ def test_speeches_tile_the_text_and_carry_their_speaker():
     u = speeches(text)
     assert u.labels == ["FIRST CITIZEN", "ALL", ""]
     assert u.starts[0] == 0 and list(u.starts[1:]) == list(u.ends[:-1]) and u.ends[-1] == len(text)
-    assert text[u.starts[1]:u.ends[1]] == "All:\nSpeak.\n\n"
+    assert text[u.starts[1] : u.ends[1]] == "All:\nSpeak.\n\n"
 
 
 def _speakers(parts):
@@ -45,8 +46,10 @@ def test_every_scheme_keeps_every_speech_once(train):
 def test_speaker_scheme_puts_each_character_on_one_client(train):
     sets = [set(c) for c in _speakers(partition(train, 4, "speaker", seed=0))]
     assert all(len(s) > 10 for s in sets)
-    assert all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1:])
-    assert partition(train, 4, "speaker", seed=1)[0].tokens.shape != partition(train, 4, "speaker", seed=0)[0].tokens.shape
+    assert all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1 :])
+    assert (
+        partition(train, 4, "speaker", seed=1)[0].tokens.shape != partition(train, 4, "speaker", seed=0)[0].tokens.shape
+    )
 
 
 def test_speaker_groups_are_not_sorted_by_how_much_a_speaker_says(train):
@@ -88,6 +91,7 @@ def test_contiguous_shards_and_clear_errors(train):
 
 def load_text_from(text: str):
     import tempfile
+
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "t.txt"
         p.write_text(text)

@@ -1,16 +1,16 @@
 """Dirichlet learned refinement of a universe."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_universe import _base, _noisy
 
-from fedlmc.options import Refinement
 from fedlmc.data.base import ArrayData
-from fedlmc.universe import universe_merge
+from fedlmc.options import Refinement
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.train import evaluate
-
-from test_universe import _base, _noisy
+from fedlmc.universe import universe_merge
 
 
 def _data(model, n=256):
@@ -26,8 +26,10 @@ def _data(model, n=256):
 def test_refine_keeps_a_planted_universe(record):
     base = _base()
     data = _data(base)
-    copies = [_noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
-              for s in range(3)]
+    copies = [
+        _noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
+        for s in range(3)
+    ]
     wm, _ = universe_merge(copies, iterations=2)
     refined, Ts = universe_merge(copies, refine=Refinement(data=data, steps=15, alpha=0.1, check_every=0), iterations=2)
     assert len(Ts) == 3 and len(Ts[1].info["loss"]) == 15

@@ -2,6 +2,7 @@
 parameter and module names (registered with ``register_architecture`` + ``register_spec``) go through
 canonicalisation, weight matching, learned matching, a mixed-width universe merge and one
 ``AlignedFedAvg`` round, with the same results as under fedlmc's own names."""
+
 from __future__ import annotations
 
 import json
@@ -10,25 +11,39 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn as nn
-from flwr.app import ArrayRecord
-
-from fedlmc.options import Learning
-from fedlmc.symmetry import canonicalize
-from fedlmc.matching import learned_matching, weight_matching
-from fedlmc.universe import universe_merge
-from fedlmc.models import GPT2, ViT, GPT2Config, ViTConfig, register_architecture
-from fedlmc.symmetry import apply_transform, register_spec, spec_for
-from fedlmc.strategies import AlignedFedAvg
-from fedlmc.strategies.records import model_from_arrays
-
 from conftest import inputs_for, perturbed
+from flwr.app import ArrayRecord
 from test_exact_learned import _data
 from test_strategies import _reply
 
+from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.models import GPT2, GPT2Config, ViT, ViTConfig, register_architecture
+from fedlmc.options import Learning
+from fedlmc.strategies import AlignedFedAvg
+from fedlmc.strategies.records import model_from_arrays
+from fedlmc.symmetry import apply_transform, canonicalize, register_spec, spec_for
+from fedlmc.universe import universe_merge
+
 # every module / parameter name component of ours → the other architecture's
-NAMES = {"blocks": "layers", "attn": "mixer", "q": "wq", "k": "wk", "v": "wv", "o": "wo", "mlp": "ffn",
-         "fc1": "up", "fc2": "down", "ln1": "pre_mixer_norm", "ln2": "pre_ffn_norm", "ln_f": "final_norm",
-         "head": "readout", "tok_emb": "embed", "pos_emb": "positions", "patch_emb": "patchify", "cls_token": "cls"}
+NAMES = {
+    "blocks": "layers",
+    "attn": "mixer",
+    "q": "wq",
+    "k": "wk",
+    "v": "wv",
+    "o": "wo",
+    "mlp": "ffn",
+    "fc1": "up",
+    "fc2": "down",
+    "ln1": "pre_mixer_norm",
+    "ln2": "pre_ffn_norm",
+    "ln_f": "final_norm",
+    "head": "readout",
+    "tok_emb": "embed",
+    "pos_emb": "positions",
+    "patch_emb": "patchify",
+    "cls_token": "cls",
+}
 
 
 def rename(name: str) -> str:
@@ -45,8 +60,10 @@ def _rename_tree(model: nn.Module) -> None:
         for old, new in moved.items():
             store = module._modules if old in module._modules else module._parameters
             store[new] = store.pop(old)
-        props = {old: property(lambda self, new=new: self._modules[new] if new in self._modules else self._parameters[new])
-                 for old, new in moved.items()}
+        props = {
+            old: property(lambda self, new=new: self._modules[new] if new in self._modules else self._parameters[new])
+            for old, new in moved.items()
+        }
         module.__class__ = type(f"Renamed{type(module).__name__}", (type(module),), props)
 
 

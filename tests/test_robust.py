@@ -1,24 +1,23 @@
 """Robust aggregation modulo symmetries: the coordinate-wise median / trimmed mean taken among the
 *aligned* replies; on raw replies the same reduce is Flower's FedMedian / FedTrimmedAvg."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from conftest import inputs_for, perturbed
 from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
+from test_strategies import _reply
 
 from fedlmc.averaging import robust_state
-from fedlmc.symmetry import canonicalize, to_layernorm
-from fedlmc.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.strategies import AlignedFedAvg, ReportingFedAvg
 from fedlmc.strategies.records import model_from_arrays
-from fedlmc.symmetry import apply_transform, random_transform
-
-from conftest import inputs_for, perturbed
+from fedlmc.symmetry import apply_transform, canonicalize, random_transform, to_layernorm
+from fedlmc.universe import universe_merge
 from simulations.experiment import flip_update, shuffled_labels
-from test_strategies import _reply
 
 KW = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
 
@@ -30,7 +29,7 @@ def test_robust_state_is_the_coordinatewise_median_and_trimmed_mean():
         stack = np.stack([s["w"].numpy() for s in states])
         assert np.allclose(robust_state(states, "median")["w"].numpy(), np.median(stack, axis=0), atol=1e-6)
         k = int(0.25 * M)
-        trimmed = np.sort(stack, axis=0)[k:M - k].mean(0)
+        trimmed = np.sort(stack, axis=0)[k : M - k].mean(0)
         assert np.allclose(robust_state(states, "trimmed", 0.25)["w"].numpy(), trimmed, atol=1e-6)
     with pytest.raises(ValueError):
         robust_state(states, "mode")
@@ -42,8 +41,12 @@ def _copies_and_a_poisoned_one(n: int = 4):
     torch.manual_seed(0)
     base = perturbed(from_preset("vit-tiny", **KW), 0, 0.2).double()
     canon = canonicalize(base)
-    copies = [to_layernorm(apply_transform(canon, random_transform(canon, seed=s, fix_ones=True, groups=["residual", "heads", "ff"])))
-              for s in range(n)]
+    copies = [
+        to_layernorm(
+            apply_transform(canon, random_transform(canon, seed=s, fix_ones=True, groups=["residual", "heads", "ff"]))
+        )
+        for s in range(n)
+    ]
     bad = perturbed(from_preset("vit-tiny", **KW), 9, 0.2).double()
     with torch.no_grad():
         for p in bad.parameters():
@@ -70,6 +73,7 @@ def test_aligned_median_ignores_a_poisoned_reply_that_moves_the_aligned_mean(rec
 
 def test_reporting_fedavg_reduce_is_flowers_fedmedian_and_fedtrimmedavg():
     base, copies, bad = _copies_and_a_poisoned_one(3)
+
     def replies():  # fresh each time: Flower's strategies consume the replies' records
         return [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(copies + [bad])]
 

@@ -1,6 +1,7 @@
 """A user's own Transformer, described by ``Roles`` (its module names → the spec's roles): a small
 causal LM whose names match none of fedlmc's and whose forward is its own goes through the exact
 canonical form and symmetries, planted weight matching and an ``AlignedFedAvg`` round."""
+
 from __future__ import annotations
 
 import math
@@ -9,17 +10,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import perturbed
 from flwr.app import ArrayRecord
+from test_strategies import _reply
 
-from fedlmc.options import Matching
 from fedlmc.matching import weight_matching
 from fedlmc.models import register_architecture
 from fedlmc.models.layers import TransformerConfig, make_norm
+from fedlmc.options import Matching
 from fedlmc.strategies import AlignedFedAvg
 from fedlmc.symmetry import Roles, apply_transform, canonicalize, random_transform, register_spec, spec_from_roles
-
-from conftest import perturbed
-from test_strategies import _reply
 
 
 @dataclass
@@ -73,10 +73,20 @@ class TinyLM(nn.Module):
         return self.readout(self.norm(x))
 
 
-ROLES = Roles(layer="stack.{l}", q="stack.{l}.attention.query", k="stack.{l}.attention.key",
-              v="stack.{l}.attention.value", o="stack.{l}.attention.out", ff_in="stack.{l}.w_in",
-              ff_out="stack.{l}.w_out", norm1="stack.{l}.norm_a", norm2="stack.{l}.norm_b", final_norm="norm",
-              head="readout", writers=[("embedding.weight", 1), ("positions", 1)])
+ROLES = Roles(
+    layer="stack.{l}",
+    q="stack.{l}.attention.query",
+    k="stack.{l}.attention.key",
+    v="stack.{l}.attention.value",
+    o="stack.{l}.attention.out",
+    ff_in="stack.{l}.w_in",
+    ff_out="stack.{l}.w_out",
+    norm1="stack.{l}.norm_a",
+    norm2="stack.{l}.norm_b",
+    final_norm="norm",
+    head="readout",
+    writers=[("embedding.weight", 1), ("positions", 1)],
+)
 register_architecture("tiny-lm", TinyLMConfig, TinyLM)
 register_spec("tiny-lm", lambda cfg: spec_from_roles(cfg, ROLES))
 
@@ -98,7 +108,11 @@ def test_own_transformer_is_exact_under_its_symmetries(record):
     assert isinstance(c, TinyLM) and "norm.weight" not in c.state_dict()
     record("own Transformer: canonical form", gap(m, c, x), 1e-10)
     for seed in range(2):
-        record(f"own Transformer: random group element {seed}", gap(m, apply_transform(m, random_transform(m, seed=seed)), x), 1e-10)
+        record(
+            f"own Transformer: random group element {seed}",
+            gap(m, apply_transform(m, random_transform(m, seed=seed)), x),
+            1e-10,
+        )
 
 
 def test_own_transformer_planted_matching_and_a_round(record):

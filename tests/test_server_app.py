@@ -1,5 +1,6 @@
 """The ServerApp's round loop on a scripted Grid (no SuperLink, no Ray): what it writes when rounds
 aggregate nothing, and what it leaves behind when it crashes."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Error, Message, Metadata, MessageType
+from flwr.app import Error, Message, MessageType, Metadata
 
 from fedlmc import io
 from fedlmc.federated import Settings, global_model
@@ -45,14 +46,32 @@ class ScriptedGrid:
 
 def node_unavailable(msg: Message) -> Message:
     """The reply the SuperLink makes for a node that stopped sending heartbeats."""
-    md = Metadata(run_id=1, message_id="", src_node_id=msg.metadata.dst_node_id, dst_node_id=0,
-                  reply_to_message_id="x", group_id="1", created_at=time.time(), ttl=60.0,
-                  message_type=MessageType.TRAIN)
+    md = Metadata(
+        run_id=1,
+        message_id="",
+        src_node_id=msg.metadata.dst_node_id,
+        dst_node_id=0,
+        reply_to_message_id="x",
+        group_id="1",
+        created_at=time.time(),
+        ttl=60.0,
+        message_type=MessageType.TRAIN,
+    )
     return Message(error=Error(code=5, reason="Node Unavailable"), metadata=md)
 
 
 def _settings(out: Path, **kw) -> Settings:
-    return Settings.from_run_config({"num-server-rounds": 2, "out-dir": str(out), "eval-batches": 2, **kw})
+    return Settings.from_run_config(
+        {
+            "strategy": "aligned",
+            "preset": "vit-digits",
+            "local-epochs": 30.0,
+            "num-server-rounds": 2,
+            "out-dir": str(out),
+            "eval-batches": 2,
+            **kw,
+        }
+    )
 
 
 def test_rounds_that_aggregate_nothing_end_normally_with_the_initial_model():
@@ -77,11 +96,26 @@ def test_rounds_that_aggregate_nothing_end_normally_with_the_initial_model():
 def test_the_summary_table_says_what_each_round_did():
     from server.summary import summary_table
 
-    doc = {"settings": {"strategy": "aligned", "preset": "vit-digits"}, "rounds": [
-        {"round": 0, "test_loss": 2.3, "test_acc": 0.1},
-        {"round": 1, "test_loss": 0.5, "test_acc": 0.91, "strategy": {
-            "align_seconds": 1.25, "kept": "aligned", "guard_aligned": 0.4, "guard_average": 0.9,
-            "nodes": [1, 2, 3], "excluded": [{"node": 4, "reason": "NaN"}], "failures": []}}]}
+    doc = {
+        "settings": {"strategy": "aligned", "preset": "vit-digits"},
+        "rounds": [
+            {"round": 0, "test_loss": 2.3, "test_acc": 0.1},
+            {
+                "round": 1,
+                "test_loss": 0.5,
+                "test_acc": 0.91,
+                "strategy": {
+                    "align_seconds": 1.25,
+                    "kept": "aligned",
+                    "guard_aligned": 0.4,
+                    "guard_average": 0.9,
+                    "nodes": [1, 2, 3],
+                    "excluded": [{"node": 4, "reason": "NaN"}],
+                    "failures": [],
+                },
+            },
+        ],
+    }
     text = summary_table(doc)
     row = next(line for line in text.splitlines() if "0.9100" in line or "0.910" in line)
     assert "0.5000" in row and "1.25" in row and "aligned (Δ -0.500)" in row
@@ -111,8 +145,9 @@ def test_missing_data_in_a_federation_names_the_run_config_key(monkeypatch, tmp_
     import fedlmc.data as data_mod
 
     # as inside a Flower run: the user's data-dir, $FEDLMC_DATA, and the app's unpacked copy's neighbours
-    monkeypatch.setattr(data_mod, "search_dirs", lambda d=None: [Path(d), tmp_path / "nowhere",
-                                                                 home / "apps" / "x" / "shared" / "data"])
+    monkeypatch.setattr(
+        data_mod, "search_dirs", lambda d=None: [Path(d), tmp_path / "nowhere", home / "apps" / "x" / "shared" / "data"]
+    )
     out = tmp_path / "out"
     grid = ScriptedGrid(reply=node_unavailable)
     with pytest.raises(DataNotFound) as e:

@@ -1,12 +1,13 @@
 """One source of configuration: the run_config defaults Flower reads (``pyproject.toml``,
 ``[tool.flwr.app.config]``) and ``fedlmc.federated.Settings``' defaults are the same keys and values."""
+
 from __future__ import annotations
 
-import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from fedlmc.federated import Settings
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pyproject_run_config_and_settings_agree():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     defaults = Settings().to_run_config()
-    assert set(config) == set(defaults), (set(config) ^ set(defaults))
+    assert set(config) == set(defaults), set(config) ^ set(defaults)
     for key, value in config.items():
         assert defaults[key] == pytest.approx(value) if isinstance(value, float) else defaults[key] == value, key
     assert Settings.from_run_config(config) == Settings()
@@ -73,8 +74,9 @@ def test_client_cache_keeps_a_tied_hf_client(tmp_path):
     from fedlmc.federated import client_config, client_data, fresh_client_model
     from simulations.experiment import ExperimentSettings, cached_first_round
 
-    s = ExperimentSettings.from_run_config({"preset": "gpt2-tiny", "local-steps": 2, "batch-size": 4, "hf": True,
-                                            "client-cache": str(tmp_path)})
+    s = ExperimentSettings.from_run_config(
+        {"preset": "gpt2-tiny", "local-steps": 2, "batch-size": 4, "hf": True, "client-cache": str(tmp_path)}
+    )
     data, _ = client_data(s, 0, 2)
     cfg = client_config(s, 0).replace(n_layer=1)
     first = fresh_client_model(s, 0, cfg)
@@ -122,8 +124,14 @@ def test_permuted_is_the_permutation_only_baseline():
     model = from_preset("vit-digits")
     strategy = build_strategy(s, model.config.to_dict(), load("digits"))
     assert isinstance(strategy, AlignedFedAvg) and strategy.matching.residual == "permutation"
-    assert build_strategy(Settings.from_run_config({"strategy": "aligned", "preset": "vit-digits"}),
-                          model.config.to_dict(), load("digits")).matching.residual == "orthogonal"
+    assert (
+        build_strategy(
+            Settings.from_run_config({"strategy": "aligned", "preset": "vit-digits"}),
+            model.config.to_dict(),
+            load("digits"),
+        ).matching.residual
+        == "orthogonal"
+    )
 
 
 def test_run_config_sets_how_the_refinement_stops():
@@ -137,11 +145,31 @@ def test_run_config_sets_how_the_refinement_stops():
 
     model = from_preset("vit-digits")
     for strategy, cls in (("refined", RefinedFedAvg), ("hetero-refined", HeteroWidthFedAvg)):
-        s = ExperimentSettings.from_run_config({"strategy": strategy, "preset": "vit-digits", "refine-check-every": 5,
-                                                "refine-patience": 3, "refine-check-sigmas": 0.5, "refine-steps": 7})
+        s = ExperimentSettings.from_run_config(
+            {
+                "strategy": strategy,
+                "preset": "vit-digits",
+                "refine-check-every": 5,
+                "refine-patience": 3,
+                "refine-check-sigmas": 0.5,
+                "refine-steps": 7,
+            }
+        )
         got = build_strategy(s, model.config.to_dict(), load("digits"))
         assert isinstance(got, cls)
-        assert (got.refine.check_every, got.refine.patience, got.refine.check_sigmas, got.refine.steps) == (5, 3, 0.5, 7)
-        default = build_strategy(Settings.from_run_config({"strategy": strategy, "preset": "vit-digits"}),
-                                 model.config.to_dict(), load("digits")).refine
-        assert (default.check_every, default.patience, default.check_sigmas) == (10, 2, 2.0) and default.data is not None
+        assert (got.refine.check_every, got.refine.patience, got.refine.check_sigmas, got.refine.steps) == (
+            5,
+            3,
+            0.5,
+            7,
+        )
+        default = build_strategy(
+            Settings.from_run_config({"strategy": strategy, "preset": "vit-digits"}),
+            model.config.to_dict(),
+            load("digits"),
+        ).refine
+        assert (default.check_every, default.patience, default.check_sigmas) == (
+            10,
+            2,
+            2.0,
+        ) and default.data is not None

@@ -1,4 +1,5 @@
 """Strategy unit tests: aggregate_train on crafted replies (no Flower runtime needed)."""
+
 from __future__ import annotations
 
 import json
@@ -8,39 +9,59 @@ from typing import Optional
 
 import pytest
 import torch
+from conftest import perturbed
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fedlmc.options import Refinement
-from fedlmc.symmetry import canonicalize, to_layernorm
 from fedlmc.models import from_preset
-from fedlmc.symmetry import apply_transform, random_transform
+from fedlmc.options import Refinement
 from fedlmc.strategies import AlignedFedAvg
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
-
-from conftest import perturbed
+from fedlmc.symmetry import apply_transform, canonicalize, random_transform, to_layernorm
 
 
 def _reply(model, n: int, node: int = 1, partition: Optional[int] = None) -> Message:
     """A train reply as a SuperNode would send it (weights, num-examples, the model's config, and with
     ``partition`` who the client is)."""
-    content = RecordDict({"arrays": ArrayRecord(torch_state_dict={k: v.float() for k, v in model.state_dict().items()}),
-                          "metrics": MetricRecord({"num-examples": n}), "model": config_record(model)})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(torch_state_dict={k: v.float() for k, v in model.state_dict().items()}),
+            "metrics": MetricRecord({"num-examples": n}),
+            "model": config_record(model),
+        }
+    )
     if partition is not None:
         content["client"] = ConfigRecord({"partition-id": partition})
-    md = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="i",
-                  group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
+    md = Metadata(
+        run_id=1,
+        message_id=f"m{node}",
+        src_node_id=node,
+        dst_node_id=0,
+        reply_to_message_id="i",
+        group_id="1",
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type=MessageType.TRAIN,
+    )
     return Message(content=content, metadata=md)
 
 
 def test_planted_replies_aggregate_to_the_model(record):
     torch.manual_seed(0)
-    base = perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4), 0, 0.2).float()
+    base = perturbed(
+        from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4), 0, 0.2
+    ).float()
     canon = canonicalize(base)
     # each client holds the same function in its own coordinates (a LayerNorm model, as clients train)
-    clients = [to_layernorm(apply_transform(canon, random_transform(canon, seed=s, fix_ones=True, dtype=torch.float32,
-                                                                    groups=["residual", "heads", "ff"])))
-               for s in range(3)]
+    clients = [
+        to_layernorm(
+            apply_transform(
+                canon,
+                random_transform(canon, seed=s, fix_ones=True, dtype=torch.float32, groups=["residual", "heads", "ff"]),
+            )
+        )
+        for s in range(3)
+    ]
     replies = [_reply(c, 100 + 10 * i, node=i + 1) for i, c in enumerate(clients)]
     x = torch.randn(8, 1, 12, 12)
     strategy = AlignedFedAvg(model=base.config.to_dict())
@@ -50,7 +71,9 @@ def test_planted_replies_aggregate_to_the_model(record):
     with torch.no_grad():
         gap = float((merged(x) - base(x)).abs().max() / base(x).abs().max())
         plain_arrays, _ = FedAvg().aggregate_train(1, replies)
-        fedavg_gap = float((model_from_arrays(plain_arrays, base.config.to_dict())(x) - base(x)).abs().max() / base(x).abs().max())
+        fedavg_gap = float(
+            (model_from_arrays(plain_arrays, base.config.to_dict())(x) - base(x)).abs().max() / base(x).abs().max()
+        )
     record("AlignedFedAvg on 3 planted replies: relative |Δlogits|", gap, 1e-3)
     assert fedavg_gap > 0.1, fedavg_gap  # plain FedAvg of the same replies is a different function
     assert merged.config.norm == "layernorm" and isinstance(metrics, MetricRecord)
@@ -79,11 +102,19 @@ def test_aggregate_threads_0_combines_on_every_core_and_the_apps_threads_come_ba
 
 def _planted_clients(n=3):
     torch.manual_seed(0)
-    base = perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4), 0, 0.2).float()
+    base = perturbed(
+        from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4), 0, 0.2
+    ).float()
     canon = canonicalize(base)
-    clients = [to_layernorm(apply_transform(canon, random_transform(canon, seed=s, fix_ones=True, dtype=torch.float32,
-                                                                    groups=["residual", "heads", "ff"])))
-               for s in range(n)]
+    clients = [
+        to_layernorm(
+            apply_transform(
+                canon,
+                random_transform(canon, seed=s, fix_ones=True, dtype=torch.float32, groups=["residual", "heads", "ff"]),
+            )
+        )
+        for s in range(n)
+    ]
     return base, clients
 
 
@@ -103,8 +134,9 @@ def test_refined_strategy_on_planted_replies(record):
     base, clients = _planted_clients()
     data = _labelled(base)
     replies = [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)]
-    strategy = RefinedFedAvg(model=base.config.to_dict(), refine=Refinement(data=data, steps=10), guard_data=data,
-                             report_data=data)
+    strategy = RefinedFedAvg(
+        model=base.config.to_dict(), refine=Refinement(data=data, steps=10), guard_data=data, report_data=data
+    )
     strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     merged = model_from_arrays(arrays, strategy.global_config)
@@ -112,8 +144,11 @@ def test_refined_strategy_on_planted_replies(record):
     with torch.no_grad():
         # the labels are the base model's argmax, so refinement may sharpen the merge a little (α = 1
         # mixes the copies at every step: 1.4e-2 here); a lost alignment would be off by O(1)
-        record("RefinedFedAvg on 3 planted replies: relative |Δlogits|",
-               float((merged(x) - base(x)).abs().max() / base(x).abs().max()), 3e-2)
+        record(
+            "RefinedFedAvg on 3 planted replies: relative |Δlogits|",
+            float((merged(x) - base(x)).abs().max() / base(x).abs().max()),
+            3e-2,
+        )
     rec = strategy.history[0]
     # the guard compared both and the report measured client / plain / kept losses
     assert rec["kept"] == "aligned" and rec["guard_aligned"] < rec["guard_average"]
@@ -137,7 +172,9 @@ def test_refinement_checks_score_data_the_descent_does_not_train_on():
     every = Refinement(data=arrays, check_every=0)
     assert refine_split(every) is every  # no checks: the descent has all of it
     short = TokenData(torch.arange(12), block_size=8)  # one block: a quarter of it holds none
-    assert refine_split(Refinement(data=short)).data is short and refine_split(Refinement(data=short)).check_data is None
+    assert (
+        refine_split(Refinement(data=short)).data is short and refine_split(Refinement(data=short)).check_data is None
+    )
 
     class Batches:  # a user's own batch source: nothing to split, the checks score what is trained on
         def batches(self, batch_size, shuffle=False, generator=None):
@@ -216,7 +253,8 @@ def test_guard_keeps_plain_average_when_alignment_is_worse():
     kept = arrays.to_torch_state_dict()
     assert max(float((kept[k] - plain[k]).abs().max()) for k in plain) < 1e-6  # exactly the plain average
     assert evaluate(model_from_arrays(arrays, strategy.global_config), data)["loss"] == pytest.approx(
-        rec["guard_average"], abs=1e-5)
+        rec["guard_average"], abs=1e-5
+    )
 
 
 def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
@@ -237,11 +275,13 @@ def _narrow_and_moved_wide(residual: str = "orthogonal"):
     from fedlmc.widths import pad
 
     torch.manual_seed(1)
-    narrow = perturbed(from_preset("vit-tiny", n_layer=2, d_model=16, n_head=4, d_ff=32, d_head=8, image_size=12,
-                                   patch_size=4), 1, 0.2).float()
+    narrow = perturbed(
+        from_preset("vit-tiny", n_layer=2, d_model=16, n_head=4, d_ff=32, d_head=8, image_size=12, patch_size=4), 1, 0.2
+    ).float()
     wide = pad(canonicalize(narrow), {"d_model": 32, "d_ff": 64})
-    wide = apply_transform(wide, random_transform(wide, seed=4, groups=["residual", "heads", "ff"], residual=residual,
-                                                  dtype=torch.float32))
+    wide = apply_transform(
+        wide, random_transform(wide, seed=4, groups=["residual", "heads", "ff"], residual=residual, dtype=torch.float32)
+    )
     return narrow, wide, narrow.config.replace(d_model=32, d_ff=64)
 
 
@@ -262,8 +302,9 @@ def test_hetero_permuted_aligns_widths_with_permutations_only(record):
         s = Settings.from_run_config({"strategy": "hetero-permuted", "width-factors": "1,2", "guard": False})
         strategy = build_strategy(s, wide_cfg.to_dict(), splits=SimpleNamespace(val=_labelled(narrow), test=None))
         assert isinstance(strategy, HeteroWidthFedAvg) and strategy.matching.residual == "permutation"
-        arrays, _ = strategy.aggregate_train(1, [_reply(wide, 100, node=1, partition=0),
-                                                 _reply(narrow, 100, node=2, partition=1)])
+        arrays, _ = strategy.aggregate_train(
+            1, [_reply(wide, 100, node=1, partition=0), _reply(narrow, 100, node=2, partition=1)]
+        )
         universe = model_from_arrays(arrays, strategy.global_config)
         with torch.no_grad():
             gaps[kind] = float((universe(x) - narrow(x)).abs().max() / narrow(x).abs().max())
@@ -284,11 +325,19 @@ def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):
     x = torch.randn(8, 1, 12, 12)
     with torch.no_grad():
         ref = narrow(x)
-        record("HeteroWidthFedAvg universe vs the narrow function", float((universe(x) - ref).abs().max() / ref.abs().max()), 1e-3)
+        record(
+            "HeteroWidthFedAvg universe vs the narrow function",
+            float((universe(x) - ref).abs().max() / ref.abs().max()),
+            1e-3,
+        )
     sent = strategy.model_for(2)  # what configure_train puts in node 2's message (with its config)
     assert sent.config.d_model == 16 and sent.config.d_ff == 32 and strategy.model_for(3) is None
     with torch.no_grad():
-        record("HeteroWidthFedAvg: model sent to the narrow node vs narrow", float((sent(x) - ref).abs().max() / ref.abs().max()), 1e-3)
+        record(
+            "HeteroWidthFedAvg: model sent to the narrow node vs narrow",
+            float((sent(x) - ref).abs().max() / ref.abs().max()),
+            1e-3,
+        )
     # the per-client transforms (typed width maps included) survive a checkpoint, keyed by partition id:
     # a resumed server, whose nodes have new ids, asks them their partition and sends the narrow one
     # the same model from its first round on
@@ -301,8 +350,10 @@ def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):
     save_state(path, 1, arrays, strategy, {"rounds": []})
     state = load_state(path)
     resumed = HeteroWidthFedAvg(model=wide_cfg.to_dict())
-    resumed.load_state({"global_config": state.global_config, "history": state.history,
-                        "transforms": state.transforms}, round_offset=state.round)
+    resumed.load_state(
+        {"global_config": state.global_config, "history": state.history, "transforms": state.transforms},
+        round_offset=state.round,
+    )
     assert resumed.transforms[1].width_map == strategy.transforms[1].width_map
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -313,8 +364,10 @@ def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):
     msgs = {m.metadata.dst_node_id: m for m in resumed.configure_train(1, state.arrays, ConfigRecord({}), grid)}
     assert grid.queried == [21, 22] and resumed.partition_of == {21: 1, 22: 0}
     got = msgs[21].content.array_records["arrays"].to_torch_state_dict()
-    again = model_from_arrays(msgs[21].content.array_records["arrays"],
-                              json.loads(msgs[21].content.config_records["config"][MODEL_CONFIG_KEY]))
+    again = model_from_arrays(
+        msgs[21].content.array_records["arrays"],
+        json.loads(msgs[21].content.config_records["config"][MODEL_CONFIG_KEY]),
+    )
     assert got["pos_emb"].shape[-1] == 16 and again.config.d_model == 16
     with torch.no_grad():
         assert float((again(x) - sent(x)).abs().max()) < 1e-6
@@ -337,15 +390,24 @@ class _RenumberedGrid:
             node = m.metadata.dst_node_id
             self.queried.append(node)
             content = RecordDict({"client": ConfigRecord({"partition-id": self.partitions[node]})})
-            md = Metadata(run_id=1, message_id=f"q{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="q",
-                          group_id="1", created_at=time.time(), ttl=60.0, message_type=MessageType.QUERY)
+            md = Metadata(
+                run_id=1,
+                message_id=f"q{node}",
+                src_node_id=node,
+                dst_node_id=0,
+                reply_to_message_id="q",
+                group_id="1",
+                created_at=time.time(),
+                ttl=60.0,
+                message_type=MessageType.QUERY,
+            )
             out.append(Message(content=content, metadata=md))
         return out
 
 
 def test_slicing_baseline_averages_each_entry_over_its_holders():
-    from fedlmc.widths import slice_prefix, width_config
     from fedlmc.strategies import SlicingFedAvg
+    from fedlmc.widths import slice_prefix, width_config
 
     torch.manual_seed(2)
     glob = from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4).eval()
@@ -367,8 +429,12 @@ def test_slicing_baseline_averages_each_entry_over_its_holders():
 def test_the_aggregate_does_not_depend_on_the_order_replies_arrive_in():
     """Independently started clients: the same replies in another arrival order give the same bits
     (a resumed run must aggregate exactly as an uninterrupted one)."""
-    models = [perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12,
-                                    patch_size=4), s, 0.3).float() for s in range(3)]
+    models = [
+        perturbed(
+            from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4), s, 0.3
+        ).float()
+        for s in range(3)
+    ]
     replies = [_reply(m, 50 + i, node=10 - i) for i, m in enumerate(models)]
     out = []
     for order in (replies, replies[::-1], [replies[1], replies[2], replies[0]]):
@@ -389,10 +455,20 @@ def test_client_app_answers_which_partition_it_holds(monkeypatch):
 
     for attr, value in (("_run_id", 1), ("_node_id", 7), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
-    md = Metadata(run_id=1, message_id="q", src_node_id=0, dst_node_id=7, reply_to_message_id="",
-                  group_id="1", created_at=time.time(), ttl=60.0, message_type=MessageType.QUERY)
-    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 3, "num-partitions": 4}, state=RecordDict(),
-                  run_config={})
+    md = Metadata(
+        run_id=1,
+        message_id="q",
+        src_node_id=0,
+        dst_node_id=7,
+        reply_to_message_id="",
+        group_id="1",
+        created_at=time.time(),
+        ttl=60.0,
+        message_type=MessageType.QUERY,
+    )
+    ctx = Context(
+        run_id=1, node_id=7, node_config={"partition-id": 3, "num-partitions": 4}, state=RecordDict(), run_config={}
+    )
     reply = query(Message(content=RecordDict({}), metadata=md), ctx)
     assert declared_partition(reply) == 3
 
@@ -404,8 +480,14 @@ def _sent(strategy, nodes, monkeypatch) -> list:
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    msgs = [Message(content=RecordDict({"arrays": strategy._previous, "config": ConfigRecord({})}),
-                    message_type=MessageType.TRAIN, dst_node_id=n) for n in nodes]
+    msgs = [
+        Message(
+            content=RecordDict({"arrays": strategy._previous, "config": ConfigRecord({})}),
+            message_type=MessageType.TRAIN,
+            dst_node_id=n,
+        )
+        for n in nodes
+    ]
     return list(strategy.messages_for(msgs, ConfigRecord({}), MessageType.TRAIN))
 
 
@@ -417,13 +499,20 @@ def test_hetero_guard_keeps_slicing_when_it_is_better_and_then_everyone_slices(m
     from fedlmc.widths import slice_prefix, width_config
 
     torch.manual_seed(2)
-    glob = perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4),
-                     2, 0.2).float().eval()
+    glob = (
+        perturbed(
+            from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4), 2, 0.2
+        )
+        .float()
+        .eval()
+    )
     small = slice_prefix(glob, width_config(glob.config, 2))
     strategy = HeteroWidthFedAvg(model=glob.config.to_dict(), guard_data=_labelled(glob))
     strategy._previous = ArrayRecord(torch_state_dict=glob.state_dict())
     assert len(_sent(strategy, [1, 2], monkeypatch)) == 2 and strategy._sliced == {1, 2}
-    arrays, _ = strategy.aggregate_train(1, [_reply(glob, 100, node=1, partition=0), _reply(small, 100, node=2, partition=1)])
+    arrays, _ = strategy.aggregate_train(
+        1, [_reply(glob, 100, node=1, partition=0), _reply(small, 100, node=2, partition=1)]
+    )
     rec = strategy.history[0]
     assert rec["kept"] == "slicing" and rec["guard_slicing"] < rec["guard_aligned"] - 0.05
     got, want = arrays.to_torch_state_dict(), glob.state_dict()
@@ -439,8 +528,15 @@ def test_hetero_guard_keeps_the_universe_when_it_is_better_and_only_compares_sli
 
     narrow, wide, wide_cfg = _narrow_and_moved_wide()
     strategy = HeteroWidthFedAvg(model=wide_cfg.to_dict(), guard_data=_labelled(narrow))
-    prev = canonicalize(from_preset("vit-tiny", **{k: getattr(wide_cfg, k) for k in (
-        "n_layer", "d_model", "n_head", "d_ff", "d_head", "image_size", "patch_size")})).float()
+    prev = canonicalize(
+        from_preset(
+            "vit-tiny",
+            **{
+                k: getattr(wide_cfg, k)
+                for k in ("n_layer", "d_model", "n_head", "d_ff", "d_head", "image_size", "patch_size")
+            },
+        )
+    ).float()
     strategy._previous, strategy.global_config = ArrayRecord(torch_state_dict=prev.state_dict()), prev.config.to_dict()
     _sent(strategy, [1, 2], monkeypatch)  # both slice (canonical models, like the replies)
     replies = [_reply(wide, 100, node=1, partition=0), _reply(canonicalize(narrow), 100, node=2, partition=1)]
@@ -461,11 +557,16 @@ def test_hetero_refined_learns_every_clients_alignment_into_the_universe(record)
 
     narrow, wide, wide_cfg = _narrow_and_moved_wide()
     strategy = HeteroWidthFedAvg(model=wide_cfg.to_dict(), refine=Refinement(data=_labelled(narrow), steps=3))
-    arrays, _ = strategy.aggregate_train(1, [_reply(wide, 100, node=1, partition=0), _reply(narrow, 100, node=2, partition=1)])
+    arrays, _ = strategy.aggregate_train(
+        1, [_reply(wide, 100, node=1, partition=0), _reply(narrow, 100, node=2, partition=1)]
+    )
     assert {T.info.get("method") for T in strategy.transforms.values()} >= {"refined"}
     universe = model_from_arrays(arrays, strategy.global_config)
     x = torch.randn(8, 1, 12, 12)
     with torch.no_grad():
         ref = narrow(x)
-        record("HeteroWidthFedAvg refined universe vs the narrow function",
-               float((universe(x) - ref).abs().max() / ref.abs().max()), 5e-2)
+        record(
+            "HeteroWidthFedAvg refined universe vs the narrow function",
+            float((universe(x) - ref).abs().max() / ref.abs().max()),
+            5e-2,
+        )

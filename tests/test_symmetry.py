@@ -1,14 +1,23 @@
 """Exactness of the canonical form and every symmetry action (float64, random inputs and elements)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from fedlmc.symmetry import canonicalize, residual_offcentre, to_layernorm
-from fedlmc.models import from_preset
-from fedlmc.symmetry import Transform, apply_to_state, apply_transform, perm_matrix, random_transform, spec_for
-
 from conftest import inputs_for, perturbed
+
+from fedlmc.models import from_preset
+from fedlmc.symmetry import (
+    Transform,
+    apply_to_state,
+    apply_transform,
+    canonicalize,
+    perm_matrix,
+    random_transform,
+    residual_offcentre,
+    spec_for,
+    to_layernorm,
+)
 
 BOUND = 1e-10
 # Small but non-degenerate shapes; d_model is unique among dims so the spec completeness check can see it.
@@ -81,8 +90,15 @@ def test_width_lift_is_exact(arch, norm_bias, record):
     m = make(arch, seed=5)
     c = canonicalize(m)
     if norm_bias:  # a biased RMSNorm model: the bias must move (and scale) with the lift
-        c = perturbed(from_preset(ARCHS[arch]["preset"], **{k: v for k, v in ARCHS[arch].items() if k != "preset"},
-                                  norm="rmsnorm", norm_bias=True), seed=6)
+        c = perturbed(
+            from_preset(
+                ARCHS[arch]["preset"],
+                **{k: v for k, v in ARCHS[arch].items() if k != "preset"},
+                norm="rmsnorm",
+                norm_bias=True,
+            ),
+            seed=6,
+        )
     x = inputs_for(m, seed=5)
     d = c.config.d_model
     for width in (d + 1, 2 * d, 5 * d):
@@ -177,12 +193,14 @@ def test_elements_have_one_representation_per_kind(arch):
         apply_transform(c, Transform({"ff.0": torch.eye(c.config.d_ff, dtype=torch.float64)}))  # relaxed, not asked for
 
 
-@pytest.mark.parametrize("shape,axis,block", [((12, 5), 0, 1), ((5, 12), 1, 1), ((12, 5), 0, 3), ((4, 12, 2), 1, 2), ((12,), 0, 4)])
+@pytest.mark.parametrize(
+    "shape,axis,block", [((12, 5), 0, 1), ((5, 12), 1, 1), ((12, 5), 0, 3), ((4, 12, 2), 1, 2), ((12,), 0, 4)]
+)
 def test_a_straight_through_permutation_gathers_with_the_dense_products_values_and_gradients(shape, axis, block):
     """A relaxed permutation whose value is a permutation matrix (the straight-through estimator) is
     applied by gathering; values and the gradients of the tensor and of the matrix equal the dense
     product's (the Kronecker path every other relaxed element takes)."""
-    from fedlmc.symmetry.transform import _GatherStraightThrough, _apply_along, _as_permutation
+    from fedlmc.symmetry.transform import _apply_along, _as_permutation, _GatherStraightThrough
 
     g = torch.Generator().manual_seed(0)
     n = shape[axis] // block

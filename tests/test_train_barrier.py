@@ -1,4 +1,5 @@
 """Checkpoints, seeded training, evaluation, barriers and the CLI, on tiny budgets."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 import fedlmc
-from fedlmc.barrier import Curve, barrier, interpolation_curve, plot_curves
 from fedlmc.averaging import interpolate
+from fedlmc.barrier import Curve, barrier, interpolation_curve, plot_curves
 from fedlmc.cli import build_parser, main
 from fedlmc.data import load
 from fedlmc.models import PRESETS, from_preset, preset_config
@@ -26,7 +27,11 @@ def test_presets_build_and_run():
         if cfg.d_model > 256:
             continue  # the gpt2-small shape is exercised by the benchmarks
         m = from_preset(name).eval()
-        x = torch.randint(0, cfg.vocab_size, (2, 8)) if hasattr(cfg, "vocab_size") else torch.randn(2, cfg.channels, cfg.image_size, cfg.image_size)
+        x = (
+            torch.randint(0, cfg.vocab_size, (2, 8))
+            if hasattr(cfg, "vocab_size")
+            else torch.randn(2, cfg.channels, cfg.image_size, cfg.image_size)
+        )
         out = m(x)
         assert out.shape == ((2, 8, cfg.vocab_size) if hasattr(cfg, "vocab_size") else (2, cfg.num_classes))
     assert preset_config("gpt2-small").d_ff == 3072 and preset_config("vit-cifar").patch_size == 4
@@ -55,6 +60,7 @@ def test_training_is_seeded_and_learns(digits):
         before = evaluate(m, digits.val)["loss"]
         train(m, digits.train, TrainConfig(epochs=epochs, lr=3e-3, batch_size=32, seed=seed), progress=False)
         return m, before, evaluate(m, digits.val)
+
     _, before, after = run(0, 10)
     assert after["loss"] < before - 0.5 and after["acc"] > 0.5
     # the same seed gives the same weights, another seed other weights (one epoch shows it)
@@ -96,11 +102,38 @@ def test_every_subcommand_has_help(capsys):
 
 def test_cli_train_then_barrier(tmp_path, capsys):
     for seed in (0, 1):
-        assert main(["train", "--preset", "vit-digits", "--seed", str(seed), "--epochs", "1", "--quiet",
-                     "--out", str(tmp_path / f"m{seed}")]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--preset",
+                    "vit-digits",
+                    "--seed",
+                    str(seed),
+                    "--epochs",
+                    "1",
+                    "--quiet",
+                    "--out",
+                    str(tmp_path / f"m{seed}"),
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
-    assert main(["barrier", str(tmp_path / "m0"), str(tmp_path / "m1"), "--out", str(tmp_path / "b.json"),
-                 "--plot", str(tmp_path / "b.png")]) == 0
+    assert (
+        main(
+            [
+                "barrier",
+                str(tmp_path / "m0"),
+                str(tmp_path / "m1"),
+                "--out",
+                str(tmp_path / "b.json"),
+                "--plot",
+                str(tmp_path / "b.png"),
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "b.json").read_text())
     assert len(res["curve"]["loss"]) == 11 and res["barrier"] == pytest.approx(barrier(Curve(**res["curve"])))
     assert (tmp_path / "b.png").is_file()
@@ -120,12 +153,46 @@ def test_cli_merge_universe_refine_and_mixed_widths(tmp_path, capsys):
     from fedlmc.models import from_preset
 
     for seed in (0, 1, 2):
-        assert main(["train", "--preset", "vit-digits", "--seed", str(seed), "--epochs", "1", "--quiet",
-                     "--out", str(tmp_path / f"m{seed}")]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--preset",
+                    "vit-digits",
+                    "--seed",
+                    str(seed),
+                    "--epochs",
+                    "1",
+                    "--quiet",
+                    "--out",
+                    str(tmp_path / f"m{seed}"),
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
-    assert main(["merge", *(str(tmp_path / f"m{s}") for s in range(3)), "--method", "refined", "--steps", "5",
-                 "--iterations", "2", "--quiet", "--out", str(tmp_path / "merged"), "--plot", str(tmp_path / "s.png"),
-                 "--simplex-n", "2"]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                *(str(tmp_path / f"m{s}") for s in range(3)),
+                "--method",
+                "refined",
+                "--steps",
+                "5",
+                "--iterations",
+                "2",
+                "--quiet",
+                "--out",
+                str(tmp_path / "merged"),
+                "--plot",
+                str(tmp_path / "s.png"),
+                "--simplex-n",
+                "2",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["method"] == "refined" and len(res["endpoint_loss"]) == 3 and (tmp_path / "s.png").is_file()
     merged = io.load(tmp_path / "merged")
@@ -134,12 +201,28 @@ def test_cli_merge_universe_refine_and_mixed_widths(tmp_path, capsys):
     torch.manual_seed(0)
     narrow = from_preset("vit-digits", d_model=16, d_ff=32, d_head=8)
     io.save(narrow, tmp_path / "narrow", {"dataset": "digits"})
-    assert main(["merge", str(tmp_path / "m0"), str(tmp_path / "narrow"), "--quiet", "--out", str(tmp_path / "mixed")]) == 0
+    assert (
+        main(["merge", str(tmp_path / "m0"), str(tmp_path / "narrow"), "--quiet", "--out", str(tmp_path / "mixed")])
+        == 0
+    )
     mixed = io.load(tmp_path / "mixed")
     assert mixed.config.d_model == 32 and mixed.config.d_ff == 64
     # three models are needed for the simplex plot: a clear error otherwise
-    assert main(["merge", str(tmp_path / "m0"), str(tmp_path / "m1"), "--quiet", "--out", str(tmp_path / "x"),
-                 "--plot", str(tmp_path / "x.png")]) == 2
+    assert (
+        main(
+            [
+                "merge",
+                str(tmp_path / "m0"),
+                str(tmp_path / "m1"),
+                "--quiet",
+                "--out",
+                str(tmp_path / "x"),
+                "--plot",
+                str(tmp_path / "x.png"),
+            ]
+        )
+        == 2
+    )
 
 
 def test_evaluation_batches_of_a_large_vocabulary_are_capped(monkeypatch):

@@ -1,19 +1,19 @@
 """A model an aligning strategy cannot align is an error before the first round (naming the fix), or,
 only when asked for, plain averaging with a warning every round — never a federation in which every
 reply is silently excluded."""
+
 from __future__ import annotations
 
 import logging
 import time
 
 import pytest
-
-from fedlmc.options import Refinement
 import torch
 import torch.nn as nn
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedlmc.models import from_preset
+from fedlmc.options import Refinement
 from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg
 
 
@@ -29,8 +29,17 @@ class Net(nn.Module):
 def _reply(model: nn.Module, n: int, node: int) -> Message:
     """A reply as Flower's PyTorch quickstart ClientApp sends it: arrays and num-examples, nothing else."""
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": n})})
-    md = Metadata(run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=0, reply_to_message_id="i",
-                  group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
+    md = Metadata(
+        run_id=1,
+        message_id=f"m{node}",
+        src_node_id=node,
+        dst_node_id=0,
+        reply_to_message_id="i",
+        group_id="1",
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type=MessageType.TRAIN,
+    )
     return Message(content=content, metadata=md)
 
 
@@ -41,8 +50,9 @@ class NoGrid:
         raise AssertionError(f"the strategy touched the grid ({name}) before refusing the model")
 
 
-@pytest.mark.parametrize("make", [lambda: AlignedFedAvg(), lambda: RefinedFedAvg(refine=Refinement(data=[])),
-                                  lambda: HeteroWidthFedAvg()])
+@pytest.mark.parametrize(
+    "make", [lambda: AlignedFedAvg(), lambda: RefinedFedAvg(refine=Refinement(data=[])), lambda: HeteroWidthFedAvg()]
+)
 def test_no_architecture_is_an_error_before_round_one(make):
     with pytest.raises(ValueError, match=r"pass model=.*fallback='average'"):
         make().start(grid=NoGrid(), initial_arrays=ArrayRecord(Net(0).state_dict()), num_rounds=2)

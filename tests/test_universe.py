@@ -1,21 +1,23 @@
 """Universe (M-way) merging: planted symmetries, one-hot weights."""
+
 from __future__ import annotations
 
 import torch
-
-from fedlmc.options import Matching
-from fedlmc.symmetry import canonicalize
-from fedlmc.universe import universe_merge
-from fedlmc.models import from_preset
-from fedlmc.symmetry import apply_transform, random_transform
-
 from conftest import inputs_for, perturbed
+
+from fedlmc.models import from_preset
+from fedlmc.options import Matching
+from fedlmc.symmetry import apply_transform, canonicalize, random_transform
+from fedlmc.universe import universe_merge
 
 
 def _base():
     torch.manual_seed(0)
-    return canonicalize(perturbed(from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12,
-                                              patch_size=4), 0, 0.2))
+    return canonicalize(
+        perturbed(
+            from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4), 0, 0.2
+        )
+    )
 
 
 def _noisy(model, scale, seed):
@@ -29,8 +31,10 @@ def _noisy(model, scale, seed):
 def test_planted_universe_recovers_the_model(record):
     base = _base()
     x = inputs_for(base)
-    copies = [_noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
-              for s in range(4)]
+    copies = [
+        _noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
+        for s in range(4)
+    ]
     merged, Ts = universe_merge(copies, iterations=3)
     assert len(Ts) == 4
     # the merged model is the original up to one shared symmetry: compare functions
@@ -80,17 +84,29 @@ def test_central_anchor_is_the_least_noisy_copy_and_residual_data_still_recovers
 
     base = _base()
     x = inputs_for(base)
-    copies = [_noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])),
-                     0.001 if s == 2 else 0.01, s) for s in range(4)]
+    copies = [
+        _noisy(
+            apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])),
+            0.001 if s == 2 else 0.01,
+            s,
+        )
+        for s in range(4)
+    ]
     mem = members(copies, None, None, False)
     assert anchor_index(mem, "central", {}) == 2 and anchor_index(mem, "heaviest", {}) == 0
     g = torch.Generator().manual_seed(0)
     c = base.config
-    data = ArrayData(torch.randn(64, c.channels, c.image_size, c.image_size, generator=g, dtype=torch.float64), torch.randint(0, 10, (64,), generator=g))
+    data = ArrayData(
+        torch.randn(64, c.channels, c.image_size, c.image_size, generator=g, dtype=torch.float64),
+        torch.randint(0, 10, (64,), generator=g),
+    )
     merged, _ = universe_merge(copies, matching=Matching(residual_data=data), iterations=2, anchor="central")
     with torch.no_grad():
-        record("universe (central anchor, residual data) of 4 planted copies: relative |Δlogits|",
-               float((merged(x) - base(x)).abs().max() / base(x).abs().max()), 5e-2)
+        record(
+            "universe (central anchor, residual data) of 4 planted copies: relative |Δlogits|",
+            float((merged(x) - base(x)).abs().max() / base(x).abs().max()),
+            5e-2,
+        )
     with pytest.raises(ValueError, match="anchor"):
         universe_merge(copies, anchor="median")
 
@@ -108,5 +124,8 @@ def test_the_streamed_average_is_the_average_of_the_aligned_models(record):
     got = mem.merge(Ts).state_dict()
     want = merge([apply_transform(p, T) for p, T in zip(mem.padded, Ts)], mem.weights).state_dict()
     assert got.keys() == want.keys()
-    record("streamed average vs average of the aligned models (float64)",
-           max(float((got[k] - want[k]).abs().max()) for k in want), 1e-12)
+    record(
+        "streamed average vs average of the aligned models (float64)",
+        max(float((got[k] - want[k]).abs().max()) for k in want),
+        1e-12,
+    )

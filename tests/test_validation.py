@@ -1,4 +1,5 @@
 """Every kind of bad reply is excluded with one clear log line; too few good ones keep the previous model."""
+
 from __future__ import annotations
 
 import json
@@ -7,12 +8,11 @@ import logging
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from test_strategies import _reply
 
 from fedlmc.models import from_preset
 from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, ReportingFedAvg
 from fedlmc.strategies.records import config_record
-
-from test_strategies import _reply
 
 
 def _model(seed=0, **kw):
@@ -53,8 +53,18 @@ def _bad(kind: str):
     return msg
 
 
-KINDS = ["nan", "inf", "missing key", "extra key", "wrong shape", "width mismatch", "declared other width",
-         "absurd norm", "no num-examples", "bad config"]
+KINDS = [
+    "nan",
+    "inf",
+    "missing key",
+    "extra key",
+    "wrong shape",
+    "width mismatch",
+    "declared other width",
+    "absurd norm",
+    "no num-examples",
+    "bad config",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -88,7 +98,9 @@ def test_hetero_accepts_declared_narrower_widths_but_not_lies():
     wide = _model(1)
     strategy = HeteroWidthFedAvg(model=wide.config.to_dict(), iterations=1)
     strategy._previous = ArrayRecord(torch_state_dict=wide.state_dict())
-    arrays, _ = strategy.aggregate_train(1, [_reply(wide, 10, node=1), _bad("declared other width"), _bad("width mismatch")])
+    arrays, _ = strategy.aggregate_train(
+        1, [_reply(wide, 10, node=1), _bad("declared other width"), _bad("width mismatch")]
+    )
     assert arrays is not None
     assert [e["node"] for e in strategy.history[-1]["excluded"]] == [99]  # only the one whose arrays lie
     assert sorted(strategy.history[-1]["widths"]) == [16, 32]

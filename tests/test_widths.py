@@ -1,16 +1,15 @@
 """Mixed widths: exact padding, masked universe merges and projection back to each client's shape."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from fedlmc.symmetry import canonicalize
-from fedlmc.universe import project, universe_merge
-from fedlmc.models import from_preset
-from fedlmc.symmetry import apply_transform, random_transform
-from fedlmc.widths import common_shape, pad, shape_of, unit_masks, unpad
-
 from conftest import inputs_for, perturbed
+
+from fedlmc.models import from_preset
+from fedlmc.symmetry import apply_transform, canonicalize, random_transform
+from fedlmc.universe import project, universe_merge
+from fedlmc.widths import common_shape, pad, shape_of, unit_masks, unpad
 
 
 def _vit(seed=0, **kw):
@@ -33,7 +32,9 @@ def test_pad_and_unpad_are_exact(make, record):
     big = pad(small, shape)
     assert shape_of(big.config) == shape
     with torch.no_grad():
-        record(f"{small.config.arch}: pad 16/2h/24ff/8dh -> 40/5h/70ff/12dh", float((big(x) - small(x)).abs().max()), 1e-10)
+        record(
+            f"{small.config.arch}: pad 16/2h/24ff/8dh -> 40/5h/70ff/12dh", float((big(x) - small(x)).abs().max()), 1e-10
+        )
         back = unpad(big, small.config)
         assert shape_of(back.config) == shape_of(small.config)
         assert back.config.attn_scale == pytest.approx(small.config.attn_scale)
@@ -68,14 +69,23 @@ def test_mixed_width_universe_recovers_and_projects(record):
     assert shape_of(merged.config) == shape_of(wide.config)
     with torch.no_grad():
         ref = small(x).abs().max()
-        record("mixed widths: universe vs the narrow model (rel.)", float((merged(x) - small(x)).abs().max() / ref), 1e-2)
+        record(
+            "mixed widths: universe vs the narrow model (rel.)", float((merged(x) - small(x)).abs().max() / ref), 1e-2
+        )
         back = project(merged, Ts[1])
         assert shape_of(back.config) == shape_of(small.config)
-        record("mixed widths: project(universe, T_narrow) vs narrow (rel.)", float((back(x) - small(x)).abs().max() / ref), 1e-2)
+        record(
+            "mixed widths: project(universe, T_narrow) vs narrow (rel.)",
+            float((back(x) - small(x)).abs().max() / ref),
+            1e-2,
+        )
         # the narrow model's transform maps it into the universe exactly (its own shape in, universe out)
         from fedlmc.widths import into_universe
+
         inside = into_universe(small, Ts[1])
-        record("mixed widths: into_universe(narrow) keeps its function", float((inside(x) - small(x)).abs().max()), 1e-10)
+        record(
+            "mixed widths: into_universe(narrow) keeps its function", float((inside(x) - small(x)).abs().max()), 1e-10
+        )
     # FF neurons present in only the wide model are averaged over it alone (mask), not halved by zeros
     masks = unit_masks(small.config, shape_of(wide.config))
     assert int(masks["ff.0"].sum()) == 40 and int(masks["heads.0"].sum()) == 2
@@ -123,7 +133,8 @@ def test_layernorm_universe_of_mixed_widths(make, record):
     x = inputs_for(narrow)
     U = ones_lift(16, 32)
     assert torch.allclose(U @ U.T, torch.eye(32, dtype=U.dtype)) and torch.allclose(
-        U @ torch.cat([torch.ones(16), torch.zeros(16)]).double() / 4, torch.ones(32, dtype=U.dtype) / 32 ** 0.5)
+        U @ torch.cat([torch.ones(16), torch.zeros(16)]).double() / 4, torch.ones(32, dtype=U.dtype) / 32**0.5
+    )
     with torch.no_grad():
         merged, Ts = universe_merge([wide, narrow], keep_layernorm=True, iterations=2)
         assert merged.config.norm == "layernorm" and merged.config.d_model == 32
@@ -131,5 +142,8 @@ def test_layernorm_universe_of_mixed_widths(make, record):
             back = project(merged, T)
             assert shape_of(back.config) == shape_of(m.config)
             ln = to_layernorm(back)
-            record(f"{make.__name__}: LayerNorm universe, projection to d={m.config.d_model} → LayerNorm",
-                   float((ln(x) - back(x)).abs().max()), 1e-10)
+            record(
+                f"{make.__name__}: LayerNorm universe, projection to d={m.config.d_model} → LayerNorm",
+                float((ln(x) - back(x)).abs().max()),
+                1e-10,
+            )

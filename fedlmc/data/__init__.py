@@ -6,6 +6,7 @@ ships with the package (``fedlmc/data/``: Tiny Shakespeare, public domain; sciki
 with scikit-learn). MNIST and CIFAR-10 do not ship: they are looked for, with one clear error naming
 every place.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,13 @@ def search_dirs(data_dir: Union[str, Path, None] = None) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
-def load(name: str, data_dir: Union[str, Path, None] = None, block_size: int = 64, seed: int = 0,
-         text_file: Union[str, Path, None] = None) -> Splits:
+def load(
+    name: str,
+    data_dir: Union[str, Path, None] = None,
+    block_size: int = 64,
+    seed: int = 0,
+    text_file: Union[str, Path, None] = None,
+) -> Splits:
     """Load dataset ``name`` (one of ``DATASETS``) as train/val/test ``Splits``.
 
     ``text`` reads ``text_file`` (any UTF-8 file). Raises ``DataNotFound`` with every place looked.
@@ -57,5 +63,18 @@ def load(name: str, data_dir: Union[str, Path, None] = None, block_size: int = 6
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
 
-__all__ = ["ArrayData", "TokenData", "Splits", "Data", "DataNotFound", "DATASETS", "load", "search_dirs",
-           "partition", "partition_indices", "CharTokenizer", "read_idx", "split"]
+__all__ = [
+    "ArrayData",
+    "TokenData",
+    "Splits",
+    "Data",
+    "DataNotFound",
+    "DATASETS",
+    "load",
+    "search_dirs",
+    "partition",
+    "partition_indices",
+    "CharTokenizer",
+    "read_idx",
+    "split",
+]

@@ -1,4 +1,5 @@
 """Dataset containers shared by images and text: both expose ``len`` and ``batches(...)``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,9 +14,11 @@ class DataNotFound(FileNotFoundError):
     """A dataset is not where we looked; the message names every place looked and how to provide it."""
 
     CLI = "then pass --data-dir DIR or set FEDLMC_DATA=DIR."
-    FEDERATION = ("then set the run_config key data-dir to that directory, as an absolute path (the "
-                  "SuperLink resolves relative ones from its own working directory): "
-                  "flwr run . -c \"data-dir='/abs/path'\"")
+    FEDERATION = (
+        "then set the run_config key data-dir to that directory, as an absolute path (the "
+        "SuperLink resolves relative ones from its own working directory): "
+        "flwr run . -c \"data-dir='/abs/path'\""
+    )
 
     def __init__(self, what: str, looked: list, how: str, provide: str = CLI) -> None:
         places = "\n".join(f"  - {p}" for p in dict.fromkeys(str(p) for p in looked))
@@ -50,11 +53,12 @@ class ArrayData:
         idx = torch.as_tensor(idx, dtype=torch.long)
         return ArrayData(self.x[idx], self.y[idx])
 
-    def batches(self, batch_size: int, shuffle: bool = False,
-                generator: Optional[torch.Generator] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, batch_size: int, shuffle: bool = False, generator: Optional[torch.Generator] = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = torch.randperm(len(self), generator=generator) if shuffle else torch.arange(len(self))
         for i in range(0, len(self), batch_size):
-            j = order[i:i + batch_size]
+            j = order[i : i + batch_size]
             yield self.x[j], self.y[j]
 
 
@@ -92,8 +96,9 @@ class TokenData:
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.block_size)
 
-    def batches(self, batch_size: int, shuffle: bool = False,
-                generator: Optional[torch.Generator] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, batch_size: int, shuffle: bool = False, generator: Optional[torch.Generator] = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         T, n = self.block_size, len(self)
         if n == 0:
             return
@@ -107,7 +112,7 @@ class TokenData:
         else:
             starts = torch.arange(n) * T
             for i in range(0, n, batch_size):
-                w = self.tokens[starts[i:i + batch_size, None] + ar]
+                w = self.tokens[starts[i : i + batch_size, None] + ar]
                 yield w[:, :-1], w[:, 1:]
 
 

@@ -2,6 +2,7 @@
 
 Images are standardised with the training split's per-channel mean/std.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -24,7 +25,7 @@ def read_idx(path: Path) -> np.ndarray:
     if magic >> 8 != 0x08:  # 0x08 = unsigned byte data
         raise ValueError(f"{path} is not an idx ubyte file (magic {magic:#x})")
     ndim = magic & 0xFF
-    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
         raise ValueError(f"{path}: header says {dims} but holds {data.size} bytes")
@@ -45,7 +46,11 @@ def _split(x: np.ndarray, y: np.ndarray, n_test: int, val_fraction: float, seed:
     x, y = x[order], y[order]
     n_rest = len(y) - n_test
     n_val = int(round(n_rest * val_fraction))
-    return (x[:n_rest - n_val], y[:n_rest - n_val]), (x[n_rest - n_val:n_rest], y[n_rest - n_val:n_rest]), (x[n_rest:], y[n_rest:])
+    return (
+        (x[: n_rest - n_val], y[: n_rest - n_val]),
+        (x[n_rest - n_val : n_rest], y[n_rest - n_val : n_rest]),
+        (x[n_rest:], y[n_rest:]),
+    )
 
 
 def _to_splits(name: str, train, val, test, meta: dict) -> Splits:
@@ -53,7 +58,9 @@ def _to_splits(name: str, train, val, test, meta: dict) -> Splits:
     xs = [torch.as_tensor(np.array(a[0]), dtype=torch.float32) for a in (train, val, test)]  # a writable copy
     mean = xs[0].mean(dim=(0, 2, 3), keepdim=True)
     std = xs[0].std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
-    parts = [ArrayData((x - mean) / std, torch.as_tensor(a[1], dtype=torch.long)) for x, a in zip(xs, (train, val, test))]
+    parts = [
+        ArrayData((x - mean) / std, torch.as_tensor(a[1], dtype=torch.long)) for x, a in zip(xs, (train, val, test))
+    ]
     C, H = xs[0].shape[1], xs[0].shape[2]
     return Splits(name, *parts, meta={"channels": C, "image_size": H, "num_classes": 10, **meta})
 
@@ -65,8 +72,12 @@ def load_mnist(dirs: list[Path], val_fraction: float = 0.1, seed: int = 0) -> Sp
     ti, tl = _find(cands, "t10k-images-idx3-ubyte"), _find(cands, "t10k-labels-idx1-ubyte")
     ri, rl = _find(cands, "train-images-idx3-ubyte"), _find(cands, "train-labels-idx1-ubyte")
     if ti is None or tl is None:
-        raise DataNotFound("MNIST", cands, "put t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz "
-                           "(and optionally the train-* files) in <data-dir>/mnist/")
+        raise DataNotFound(
+            "MNIST",
+            cands,
+            "put t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz "
+            "(and optionally the train-* files) in <data-dir>/mnist/",
+        )
     tx, ty = read_idx(ti)[:, None], read_idx(tl)
     if ri is not None and rl is not None:
         (x, y), val, _ = _split(read_idx(ri)[:, None], read_idx(rl), 0, val_fraction, seed)
@@ -103,7 +114,9 @@ def load_cifar10(dirs: list[Path], val_fraction: float = 0.1, seed: int = 0) -> 
     cands = [p for d in dirs for p in (d / "cifar-10-batches-bin", d / "cifar-10-batches-py", d / "cifar10", d)]
     for c in cands:
         if (c / "data_batch_1.bin").is_file() and (c / "test_batch.bin").is_file():
-            tr = [_cifar_binary(c / f"data_batch_{i}.bin") for i in range(1, 6) if (c / f"data_batch_{i}.bin").is_file()]
+            tr = [
+                _cifar_binary(c / f"data_batch_{i}.bin") for i in range(1, 6) if (c / f"data_batch_{i}.bin").is_file()
+            ]
             te = _cifar_binary(c / "test_batch.bin")
             break
         if (c / "data_batch_1").is_file() and (c / "test_batch").is_file():
@@ -112,5 +125,7 @@ def load_cifar10(dirs: list[Path], val_fraction: float = 0.1, seed: int = 0) -> 
             break
     else:
         raise DataNotFound("CIFAR-10", cands, "unpack cifar-10-binary.tar.gz or cifar-10-python.tar.gz into <data-dir>")
-    (x, y), val, _ = _split(np.concatenate([a for a, _ in tr]), np.concatenate([b for _, b in tr]), 0, val_fraction, seed)
+    (x, y), val, _ = _split(
+        np.concatenate([a for a, _ in tr]), np.concatenate([b for _, b in tr]), 0, val_fraction, seed
+    )
     return _to_splits("cifar10", (x, y), val, te, {"source": str(c)})

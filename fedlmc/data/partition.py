@@ -1,5 +1,6 @@
 """Federated partitions: flwr-datasets partitioners over an in-memory ``datasets.Dataset``, of images
 by label, of text by speech (the speaking character is the label). Deterministic in the seed."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +15,14 @@ SCHEMES = ("iid", "dirichlet", "speaker", "contiguous")
 PARTITIONS_VERSION = {"iid": 2, "dirichlet": 2, "contiguous": 2, "speaker": 3}
 
 
-def partition_indices(labels: np.ndarray, num_partitions: int, scheme: str = "iid", alpha: float = 0.5,
-                      seed: int = 0, min_partition_size: int = 2) -> list[np.ndarray]:
+def partition_indices(
+    labels: np.ndarray,
+    num_partitions: int,
+    scheme: str = "iid",
+    alpha: float = 0.5,
+    seed: int = 0,
+    min_partition_size: int = 2,
+) -> list[np.ndarray]:
     """Example indices of each partition: ``iid`` (shuffled equal shards), ``dirichlet`` (each label's
     examples split by Dirichlet(α) proportions) or ``speaker`` (every label on one partition, labels
     grouped at random: LEAF's natural split by role, grouped into ``num_partitions`` organisations)."""
@@ -29,8 +36,14 @@ def partition_indices(labels: np.ndarray, num_partitions: int, scheme: str = "ii
         part = IidPartitioner(num_partitions)
         ds = ds.shuffle(seed=seed)  # IidPartitioner shards contiguously
     elif scheme == "dirichlet":
-        part = DirichletPartitioner(num_partitions, partition_by="label", alpha=alpha, seed=seed,
-                                    min_partition_size=min_partition_size, self_balancing=False)
+        part = DirichletPartitioner(
+            num_partitions,
+            partition_by="label",
+            alpha=alpha,
+            seed=seed,
+            min_partition_size=min_partition_size,
+            self_balancing=False,
+        )
     elif scheme == "speaker":
         n_ids = len(set(np.asarray(labels).tolist()))
         if n_ids < num_partitions:
@@ -47,8 +60,9 @@ def partition_indices(labels: np.ndarray, num_partitions: int, scheme: str = "ii
     return [np.sort(np.asarray(part.load_partition(i)["index"])) for i in range(num_partitions)]
 
 
-def partition_text(data: TokenData, num_partitions: int, scheme: str = "iid", alpha: float = 0.5,
-                   seed: int = 0) -> list[TokenData]:
+def partition_text(
+    data: TokenData, num_partitions: int, scheme: str = "iid", alpha: float = 0.5, seed: int = 0
+) -> list[TokenData]:
     """Split a token stream: ``contiguous`` shards, or its speeches dealt out by ``partition_indices``
     (each client's stream is its speeches in the text's order)."""
     if scheme == "contiguous":
@@ -56,14 +70,18 @@ def partition_text(data: TokenData, num_partitions: int, scheme: str = "iid", al
         return [TokenData(data.tokens[a:b], data.block_size) for a, b in zip(bounds[:-1], bounds[1:])]
     u = data.units
     if u is None or len(u) < num_partitions:
-        raise ValueError(f"partition scheme {scheme!r} deals out the text's speeches or paragraphs, and this "
-                         "token stream has too few; use partitioner 'contiguous'")
+        raise ValueError(
+            f"partition scheme {scheme!r} deals out the text's speeches or paragraphs, and this "
+            "token stream has too few; use partitioner 'contiguous'"
+        )
     if scheme in ("dirichlet", "speaker") and not any(u.labels):
-        raise ValueError(f"partition scheme {scheme!r} needs speaker labels (a play's 'NAME:' headings); "
-                         "this text has none: use 'iid' or 'contiguous'")
+        raise ValueError(
+            f"partition scheme {scheme!r} needs speaker labels (a play's 'NAME:' headings); "
+            "this text has none: use 'iid' or 'contiguous'"
+        )
     out = []
     for idx in partition_indices(np.asarray(u.labels), num_partitions, scheme, alpha, seed):
-        pieces = [data.tokens[u.starts[i]:u.ends[i]] for i in idx]
+        pieces = [data.tokens[u.starts[i] : u.ends[i]] for i in idx]
         lens = np.cumsum([0] + [len(p) for p in pieces])
         sub = Units(lens[:-1], lens[1:], [u.labels[i] for i in idx])
         out.append(TokenData(torch.cat(pieces) if pieces else data.tokens[:0], data.block_size, sub))

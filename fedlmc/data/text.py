@@ -1,4 +1,5 @@
 """Character-level text: Tiny Shakespeare or any plain-text file, split contiguously 90/5/5."""
+
 from __future__ import annotations
 
 import re
@@ -41,7 +42,7 @@ def speeches(text: str) -> Units:
     ends = starts[1:] + [len(text)]
     labels = []
     for a in starts:
-        first = text[a:text.find("\n", a) if "\n" in text[a:] else len(text)].strip()
+        first = text[a : text.find("\n", a) if "\n" in text[a:] else len(text)].strip()
         m = SPEAKER.match(first)
         labels.append(m.group(1).upper() if m else "")
     return Units(np.asarray(starts), np.asarray(ends), labels)
@@ -59,8 +60,11 @@ def load_text(path: Path, block_size: int = 64, name: str | None = None) -> Spli
     a, b = int(0.9 * n), int(0.95 * n)
     units = speeches(text)
     parts = [TokenData(ids[lo:hi], block_size, units.within(lo, hi)) for lo, hi in ((0, a), (a, b), (b, n))]
-    return Splits(name or Path(path).stem, *parts, meta={"vocab_size": tok.vocab_size, "chars": "".join(tok.chars),
-                                                        "block_size": block_size, "source": str(path)})
+    return Splits(
+        name or Path(path).stem,
+        *parts,
+        meta={"vocab_size": tok.vocab_size, "chars": "".join(tok.chars), "block_size": block_size, "source": str(path)},
+    )
 
 
 def find_shakespeare(dirs: list[Path]) -> Path:
@@ -68,5 +72,8 @@ def find_shakespeare(dirs: list[Path]) -> Path:
     for c in cands:
         if c.is_file():
             return c
-    raise DataNotFound("Tiny Shakespeare", [c.parent for c in cands],
-                       "put tinyshakespeare.txt (the char-rnn corpus) in <data-dir>, or pass --text FILE")
+    raise DataNotFound(
+        "Tiny Shakespeare",
+        [c.parent for c in cands],
+        "put tinyshakespeare.txt (the char-rnn corpus) in <data-dir>, or pass --text FILE",
+    )

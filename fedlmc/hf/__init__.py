@@ -8,8 +8,20 @@ head bias (GPT-2's ``lm_head`` has none) or two different embedding matrices for
 fitted by least squares (``head.fit_head``); the fit's relative error is returned, and it is zero for
 any model that came from Hugging Face and was acted on by symmetries only.
 """
+
 from .adapter import HFAdapter, recognise
 from .convert import Logits, config_of, family_of, from_hf, hf_model_for, hf_state, is_tied, load_hf, to_hf
 
-__all__ = ["from_hf", "to_hf", "hf_state", "hf_model_for", "load_hf", "config_of", "family_of", "is_tied", "Logits",
-           "HFAdapter", "recognise"]
+__all__ = [
+    "from_hf",
+    "to_hf",
+    "hf_state",
+    "hf_model_for",
+    "load_hf",
+    "config_of",
+    "family_of",
+    "is_tied",
+    "Logits",
+    "HFAdapter",
+    "recognise",
+]

@@ -1,5 +1,6 @@
 """``HFAdapter``: a federation's replies under a ``transformers`` model's own keys ↔ fedlmc models, so
 the strategies can align them and send back arrays that ``load_state_dict(strict=True)`` takes."""
+
 from __future__ import annotations
 
 import logging
@@ -18,12 +19,15 @@ FIT_WARN = 1e-6  # relative head-fit error above which the adapter warns (see fe
 
 def key_mismatch(have: set[str], want: set[str]) -> str:
     """The unexpected and missing keys of a state dict, a few of each ('' when they agree)."""
+
     def few(ks: set[str]) -> str:
         ks = sorted(ks)
         return ", ".join(ks[:4]) + (f" and {len(ks) - 4} more" if len(ks) > 4 else "")
 
-    return "; ".join(([f"unexpected keys {few(have - want)}"] if have - want else []) +
-                     ([f"missing keys {few(want - have)}"] if want - have else []))
+    return "; ".join(
+        ([f"unexpected keys {few(have - want)}"] if have - want else [])
+        + ([f"missing keys {few(want - have)}"] if want - have else [])
+    )
 
 
 def recognise(keys: Iterable[str]) -> Optional[str]:
@@ -72,8 +76,11 @@ class HFAdapter:
             model = to_layernorm(model)
         sd, self.fit_error = hf_state(model, self.tied)
         if self.fit_error > FIT_WARN:
-            log.warning("%s: the aggregate's head was fitted to the client's form with relative error %.2e",
-                        self.describe(), self.fit_error)
+            log.warning(
+                "%s: the aggregate's head was fitted to the client's form with relative error %.2e",
+                self.describe(),
+                self.fit_error,
+            )
         keys = set(keys) if keys is not None else set(self.template)
         if self.tied:
             sd[self.family.embeddings[1]] = sd[self.family.embeddings[0]]  # one tensor for both tied keys

@@ -1,4 +1,5 @@
 """Exact conversions between Hugging Face models and fedlmc models (see ``fedlmc.hf``)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,9 +26,11 @@ def family_of(hf_config: Any):
     """The fedlmc family of a ``transformers`` config (clear error for others)."""
     kind = getattr(hf_config, "model_type", None)
     if kind not in HF_TYPES:
-        raise ValueError(f"Hugging Face model_type {kind!r} is not supported; fedlmc converts "
-                         f"{', '.join(f.model_class for f in FAMILIES.values())} (or describe your own model: "
-                         "fedlmc.symmetry.register_spec)")
+        raise ValueError(
+            f"Hugging Face model_type {kind!r} is not supported; fedlmc converts "
+            f"{', '.join(f.model_class for f in FAMILIES.values())} (or describe your own model: "
+            "fedlmc.symmetry.register_spec)"
+        )
     return FAMILIES[HF_TYPES[kind]]
 
 
@@ -73,10 +76,16 @@ def hf_state(model: nn.Module, tied: bool = False) -> tuple[StateDict, float]:
     ``head.fit_head``; 0 when the head needed no fitting). LayerNorm families need the LayerNorm form."""
     cfg = model.config
     if cfg.arch in ("gpt2", "vit") and cfg.norm != "layernorm":
-        raise ValueError("Hugging Face GPT-2 and ViT hold LayerNorm models: convert with fedlmc.symmetry.to_layernorm first")
+        raise ValueError(
+            "Hugging Face GPT-2 and ViT hold LayerNorm models: convert with fedlmc.symmetry.to_layernorm first"
+        )
     fam = FAMILIES[cfg.arch]
-    sd, error = fit_head({k: v.detach() for k, v in model.state_dict().items()}, cfg, tied,
-                         embedding="tok_emb.weight" if fam.embeddings else None)
+    sd, error = fit_head(
+        {k: v.detach() for k, v in model.state_dict().items()},
+        cfg,
+        tied,
+        embedding="tok_emb.weight" if fam.embeddings else None,
+    )
     return fam.state_to_hf(sd, cfg), error
 
 
@@ -91,8 +100,11 @@ def to_hf(model: nn.Module, tied: Optional[bool] = None):
     fam = FAMILIES[cfg.arch]
     sd = model.state_dict()
     if tied is None:
-        tied = bool(fam.embeddings) and torch.equal(sd["head.weight"], sd["tok_emb.weight"]) and \
-            ("head.bias" not in sd or not sd["head.bias"].any())
+        tied = (
+            bool(fam.embeddings)
+            and torch.equal(sd["head.weight"], sd["tok_emb.weight"])
+            and ("head.bias" not in sd or not sd["head.bias"].any())
+        )
     hf_sd, error = hf_state(model, tied)
     tf = _transformers()
     ref = next(model.parameters())
@@ -135,4 +147,3 @@ def config_of(model: Any) -> TransformerConfig:
     if isinstance(cfg, TransformerConfig):
         return cfg
     return family_of(cfg).config_from_hf(cfg)
-

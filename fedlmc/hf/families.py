@@ -6,6 +6,7 @@ projection is a Conv2d, which on non-overlapping patches is fedlmc's linear map 
 The output head's affine (tied embeddings, GPT-2's bias-free ``lm_head``) is fitted by the caller
 (``fedlmc.hf.head``), so ``state_to_hf`` here receives a fedlmc state whose head needs no bias.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,7 +28,7 @@ def _act(name: str) -> str:
 
 def _scale_q(sd: StateDict, cfg: TransformerConfig, keys: list[str]) -> None:
     """Hugging Face scores with 1/√d_head: fold a fedlmc model's other attention scale into q."""
-    ratio = cfg.attn_scale * cfg.d_head ** 0.5
+    ratio = cfg.attn_scale * cfg.d_head**0.5
     if abs(ratio - 1.0) > 1e-12:
         for k in keys:
             sd[k] = sd[k] * ratio
@@ -40,38 +41,67 @@ class GPT2Family:
     @staticmethod
     def config_from_hf(c: Any) -> GPT2Config:
         if getattr(c, "scale_attn_by_inverse_layer_idx", False) or not getattr(c, "scale_attn_weights", True):
-            raise ValueError("GPT-2 configs with scale_attn_by_inverse_layer_idx or without scale_attn_weights are not supported")
-        return GPT2Config(n_layer=c.n_layer, d_model=c.n_embd, n_head=c.n_head, d_ff=c.n_inner or 4 * c.n_embd,
-                          vocab_size=c.vocab_size, block_size=c.n_positions, norm_eps=c.layer_norm_epsilon,
-                          activation=_act(c.activation_function))
+            raise ValueError(
+                "GPT-2 configs with scale_attn_by_inverse_layer_idx or without scale_attn_weights are not supported"
+            )
+        return GPT2Config(
+            n_layer=c.n_layer,
+            d_model=c.n_embd,
+            n_head=c.n_head,
+            d_ff=c.n_inner or 4 * c.n_embd,
+            vocab_size=c.vocab_size,
+            block_size=c.n_positions,
+            norm_eps=c.layer_norm_epsilon,
+            activation=_act(c.activation_function),
+        )
 
     @staticmethod
     def config_to_hf(cfg: GPT2Config, tied: bool):
         from transformers import GPT2Config as HF
+
         if cfg.n_head * cfg.d_head != cfg.d_model:
             raise ValueError("Hugging Face GPT-2 needs n_head × d_head = d_model (merge in the factored form)")
         act = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.activation]
         tok = min(50256, cfg.vocab_size - 1)
-        return HF(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.d_model, n_layer=cfg.n_layer,
-                  n_head=cfg.n_head, n_inner=cfg.d_ff, activation_function=act, layer_norm_epsilon=cfg.norm_eps,
-                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
-                  bos_token_id=tok, eos_token_id=tok)
+        return HF(
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.block_size,
+            n_embd=cfg.d_model,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_inner=cfg.d_ff,
+            activation_function=act,
+            layer_norm_epsilon=cfg.norm_eps,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=tied,
+            bos_token_id=tok,
+            eos_token_id=tok,
+        )
 
     @staticmethod
     def state_from_hf(hf: StateDict, cfg: GPT2Config) -> StateDict:
         d = cfg.d_model
-        sd = {"tok_emb.weight": hf["transformer.wte.weight"], "pos_emb": hf["transformer.wpe.weight"],
-              "ln_f.weight": hf["transformer.ln_f.weight"], "ln_f.bias": hf["transformer.ln_f.bias"],
-              "head.weight": hf.get("lm_head.weight", hf["transformer.wte.weight"]),
-              "head.bias": torch.zeros(cfg.vocab_size, dtype=hf["transformer.wte.weight"].dtype)}
+        sd = {
+            "tok_emb.weight": hf["transformer.wte.weight"],
+            "pos_emb": hf["transformer.wpe.weight"],
+            "ln_f.weight": hf["transformer.ln_f.weight"],
+            "ln_f.bias": hf["transformer.ln_f.bias"],
+            "head.weight": hf.get("lm_head.weight", hf["transformer.wte.weight"]),
+            "head.bias": torch.zeros(cfg.vocab_size, dtype=hf["transformer.wte.weight"].dtype),
+        }
         for l in range(cfg.n_layer):
             h, b = f"transformer.h.{l}", f"blocks.{l}"
             W, bias = hf[f"{h}.attn.c_attn.weight"], hf[f"{h}.attn.c_attn.bias"]
             for i, p in enumerate("qkv"):
-                sd[f"{b}.attn.{p}.weight"] = W[:, i * d:(i + 1) * d].T
-                sd[f"{b}.attn.{p}.bias"] = bias[i * d:(i + 1) * d]
+                sd[f"{b}.attn.{p}.weight"] = W[:, i * d : (i + 1) * d].T
+                sd[f"{b}.attn.{p}.bias"] = bias[i * d : (i + 1) * d]
             for mine, theirs in (("attn.o", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
-                sd[f"{b}.{mine}.weight"], sd[f"{b}.{mine}.bias"] = hf[f"{h}.{theirs}.weight"].T, hf[f"{h}.{theirs}.bias"]
+                sd[f"{b}.{mine}.weight"], sd[f"{b}.{mine}.bias"] = (
+                    hf[f"{h}.{theirs}.weight"].T,
+                    hf[f"{h}.{theirs}.bias"],
+                )
             for mine, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
                 sd[f"{b}.{mine}.weight"], sd[f"{b}.{mine}.bias"] = hf[f"{h}.{theirs}.weight"], hf[f"{h}.{theirs}.bias"]
         return {k: v.clone() for k, v in sd.items()}
@@ -79,56 +109,98 @@ class GPT2Family:
     @staticmethod
     def state_to_hf(sd: StateDict, cfg: GPT2Config) -> StateDict:
         sd = dict(sd)
-        out = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb"],
-               "transformer.ln_f.weight": sd["ln_f.weight"], "transformer.ln_f.bias": sd["ln_f.bias"],
-               "lm_head.weight": sd["head.weight"]}
+        out = {
+            "transformer.wte.weight": sd["tok_emb.weight"],
+            "transformer.wpe.weight": sd["pos_emb"],
+            "transformer.ln_f.weight": sd["ln_f.weight"],
+            "transformer.ln_f.bias": sd["ln_f.bias"],
+            "lm_head.weight": sd["head.weight"],
+        }
         for l in range(cfg.n_layer):
             h, b = f"transformer.h.{l}", f"blocks.{l}"
             _scale_q(sd, cfg, [f"{b}.attn.q.weight", f"{b}.attn.q.bias"])
             out[f"{h}.attn.c_attn.weight"] = torch.cat([sd[f"{b}.attn.{p}.weight"].T for p in "qkv"], dim=1)
             out[f"{h}.attn.c_attn.bias"] = torch.cat([sd[f"{b}.attn.{p}.bias"] for p in "qkv"])
             for mine, theirs in (("attn.o", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
-                out[f"{h}.{theirs}.weight"], out[f"{h}.{theirs}.bias"] = sd[f"{b}.{mine}.weight"].T, sd[f"{b}.{mine}.bias"]
+                out[f"{h}.{theirs}.weight"], out[f"{h}.{theirs}.bias"] = (
+                    sd[f"{b}.{mine}.weight"].T,
+                    sd[f"{b}.{mine}.bias"],
+                )
             for mine, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-                out[f"{h}.{theirs}.weight"], out[f"{h}.{theirs}.bias"] = sd[f"{b}.{mine}.weight"], sd[f"{b}.{mine}.bias"]
+                out[f"{h}.{theirs}.weight"], out[f"{h}.{theirs}.bias"] = (
+                    sd[f"{b}.{mine}.weight"],
+                    sd[f"{b}.{mine}.bias"],
+                )
         return {k: v.contiguous() for k, v in out.items()}
 
 
 class ViTFamily:
     name, model_class, prefix = "vit", "ViTForImageClassification", "vit.embeddings.patch_embeddings.projection.weight"
     embeddings = ()
-    LAYER = {"attn.q": "attention.q_proj", "attn.k": "attention.k_proj", "attn.v": "attention.v_proj",
-             "attn.o": "attention.o_proj", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2",
-             "ln1": "layernorm_before", "ln2": "layernorm_after"}
+    LAYER = {
+        "attn.q": "attention.q_proj",
+        "attn.k": "attention.k_proj",
+        "attn.v": "attention.v_proj",
+        "attn.o": "attention.o_proj",
+        "mlp.fc1": "mlp.fc1",
+        "mlp.fc2": "mlp.fc2",
+        "ln1": "layernorm_before",
+        "ln2": "layernorm_after",
+    }
 
     @staticmethod
     def config_from_hf(c: Any) -> ViTConfig:
         if not getattr(c, "qkv_bias", True):
             raise ValueError("ViT configs without qkv_bias are not supported")
-        return ViTConfig(n_layer=c.num_hidden_layers, d_model=c.hidden_size, n_head=c.num_attention_heads,
-                         d_ff=c.intermediate_size, image_size=c.image_size, patch_size=c.patch_size,
-                         channels=c.num_channels, num_classes=c.num_labels, norm_eps=c.layer_norm_eps,
-                         activation=_act(c.hidden_act))
+        return ViTConfig(
+            n_layer=c.num_hidden_layers,
+            d_model=c.hidden_size,
+            n_head=c.num_attention_heads,
+            d_ff=c.intermediate_size,
+            image_size=c.image_size,
+            patch_size=c.patch_size,
+            channels=c.num_channels,
+            num_classes=c.num_labels,
+            norm_eps=c.layer_norm_eps,
+            activation=_act(c.hidden_act),
+        )
 
     @staticmethod
     def config_to_hf(cfg: ViTConfig, tied: bool):
         from transformers import ViTConfig as HF
+
         if cfg.n_head * cfg.d_head != cfg.d_model:
             raise ValueError("Hugging Face ViT needs n_head × d_head = d_model (merge in the factored form)")
         act = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.activation]
-        return HF(hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-                  intermediate_size=cfg.d_ff, hidden_act=act, layer_norm_eps=cfg.norm_eps, image_size=cfg.image_size,
-                  patch_size=cfg.patch_size, num_channels=cfg.channels, num_labels=cfg.num_classes, qkv_bias=True,
-                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return HF(
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            intermediate_size=cfg.d_ff,
+            hidden_act=act,
+            layer_norm_eps=cfg.norm_eps,
+            image_size=cfg.image_size,
+            patch_size=cfg.patch_size,
+            num_channels=cfg.channels,
+            num_labels=cfg.num_classes,
+            qkv_bias=True,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
 
     @classmethod
     def state_from_hf(cls, hf: StateDict, cfg: ViTConfig) -> StateDict:
         proj = hf["vit.embeddings.patch_embeddings.projection.weight"]
-        sd = {"patch_emb.weight": proj.reshape(proj.shape[0], -1),
-              "patch_emb.bias": hf["vit.embeddings.patch_embeddings.projection.bias"],
-              "cls_token": hf["vit.embeddings.cls_token"], "pos_emb": hf["vit.embeddings.position_embeddings"][0],
-              "ln_f.weight": hf["vit.layernorm.weight"], "ln_f.bias": hf["vit.layernorm.bias"],
-              "head.weight": hf["classifier.weight"], "head.bias": hf["classifier.bias"]}
+        sd = {
+            "patch_emb.weight": proj.reshape(proj.shape[0], -1),
+            "patch_emb.bias": hf["vit.embeddings.patch_embeddings.projection.bias"],
+            "cls_token": hf["vit.embeddings.cls_token"],
+            "pos_emb": hf["vit.embeddings.position_embeddings"][0],
+            "ln_f.weight": hf["vit.layernorm.weight"],
+            "ln_f.bias": hf["vit.layernorm.bias"],
+            "head.weight": hf["classifier.weight"],
+            "head.bias": hf["classifier.bias"],
+        }
         for l in range(cfg.n_layer):
             for mine, theirs in cls.LAYER.items():
                 for t in ("weight", "bias"):
@@ -139,11 +211,18 @@ class ViTFamily:
     def state_to_hf(cls, sd: StateDict, cfg: ViTConfig) -> StateDict:
         sd = dict(sd)
         p = cfg.patch_size
-        out = {"vit.embeddings.patch_embeddings.projection.weight": sd["patch_emb.weight"].reshape(cfg.d_model, cfg.channels, p, p),
-               "vit.embeddings.patch_embeddings.projection.bias": sd["patch_emb.bias"],
-               "vit.embeddings.cls_token": sd["cls_token"], "vit.embeddings.position_embeddings": sd["pos_emb"][None],
-               "vit.layernorm.weight": sd["ln_f.weight"], "vit.layernorm.bias": sd["ln_f.bias"],
-               "classifier.weight": sd["head.weight"], "classifier.bias": sd["head.bias"]}
+        out = {
+            "vit.embeddings.patch_embeddings.projection.weight": sd["patch_emb.weight"].reshape(
+                cfg.d_model, cfg.channels, p, p
+            ),
+            "vit.embeddings.patch_embeddings.projection.bias": sd["patch_emb.bias"],
+            "vit.embeddings.cls_token": sd["cls_token"],
+            "vit.embeddings.position_embeddings": sd["pos_emb"][None],
+            "vit.layernorm.weight": sd["ln_f.weight"],
+            "vit.layernorm.bias": sd["ln_f.bias"],
+            "classifier.weight": sd["head.weight"],
+            "classifier.bias": sd["head.bias"],
+        }
         for l in range(cfg.n_layer):
             _scale_q(sd, cfg, [f"blocks.{l}.attn.q.weight", f"blocks.{l}.attn.q.bias"])
             for mine, theirs in cls.LAYER.items():
@@ -155,36 +234,73 @@ class ViTFamily:
 class LlamaFamily:
     name, model_class, prefix = "llama", "LlamaForCausalLM", "model.layers.0.mlp.gate_proj.weight"
     embeddings = ("model.embed_tokens.weight", "lm_head.weight")
-    LAYER = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
-             "attn.o": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-             "mlp.down": "mlp.down_proj", "ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+    LAYER = {
+        "attn.q": "self_attn.q_proj",
+        "attn.k": "self_attn.k_proj",
+        "attn.v": "self_attn.v_proj",
+        "attn.o": "self_attn.o_proj",
+        "mlp.gate": "mlp.gate_proj",
+        "mlp.up": "mlp.up_proj",
+        "mlp.down": "mlp.down_proj",
+        "ln1": "input_layernorm",
+        "ln2": "post_attention_layernorm",
+    }
 
     @staticmethod
     def config_from_hf(c: Any) -> LlamaConfig:
-        rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 1e4)}
+        rope = getattr(c, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": getattr(c, "rope_theta", 1e4),
+        }
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (only the default rotary embedding)")
+            raise ValueError(
+                f"rope_type {rope.get('rope_type')!r} is not supported (only the default rotary embedding)"
+            )
         if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
             raise ValueError("Llama configs with attention_bias or mlp_bias are not supported")
         d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return LlamaConfig(n_layer=c.num_hidden_layers, d_model=c.hidden_size, n_head=c.num_attention_heads,
-                           n_kv_head=c.num_key_value_heads or c.num_attention_heads, d_head=d_head,
-                           d_ff=c.intermediate_size, vocab_size=c.vocab_size, block_size=c.max_position_embeddings,
-                           rope_theta=float(rope["rope_theta"]), norm_eps=c.rms_norm_eps, activation=_act(c.hidden_act))
+        return LlamaConfig(
+            n_layer=c.num_hidden_layers,
+            d_model=c.hidden_size,
+            n_head=c.num_attention_heads,
+            n_kv_head=c.num_key_value_heads or c.num_attention_heads,
+            d_head=d_head,
+            d_ff=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            block_size=c.max_position_embeddings,
+            rope_theta=float(rope["rope_theta"]),
+            norm_eps=c.rms_norm_eps,
+            activation=_act(c.hidden_act),
+        )
 
     @staticmethod
     def config_to_hf(cfg: LlamaConfig, tied: bool):
         from transformers import LlamaConfig as HF
-        return HF(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-                  num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-                  head_dim=cfg.d_head, max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
-                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, hidden_act=cfg.activation,
-                  tie_word_embeddings=tied, attention_bias=False, mlp_bias=False)
+
+        return HF(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.d_model,
+            intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            num_key_value_heads=cfg.n_kv_head,
+            head_dim=cfg.d_head,
+            max_position_embeddings=cfg.block_size,
+            rms_norm_eps=cfg.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            hidden_act=cfg.activation,
+            tie_word_embeddings=tied,
+            attention_bias=False,
+            mlp_bias=False,
+        )
 
     @classmethod
     def state_from_hf(cls, hf: StateDict, cfg: LlamaConfig) -> StateDict:
-        sd = {"tok_emb.weight": hf["model.embed_tokens.weight"], "ln_f.weight": hf["model.norm.weight"],
-              "head.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"])}
+        sd = {
+            "tok_emb.weight": hf["model.embed_tokens.weight"],
+            "ln_f.weight": hf["model.norm.weight"],
+            "head.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"]),
+        }
         for l in range(cfg.n_layer):
             for mine, theirs in cls.LAYER.items():
                 sd[f"blocks.{l}.{mine}.weight"] = hf[f"model.layers.{l}.{theirs}.weight"]
@@ -195,8 +311,11 @@ class LlamaFamily:
         sd = dict(sd)
         ref = sd["tok_emb.weight"]
         ones = torch.ones(cfg.d_model, dtype=ref.dtype, device=ref.device)  # the canonical form has no gains
-        out = {"model.embed_tokens.weight": ref, "model.norm.weight": sd.get("ln_f.weight", ones),
-               "lm_head.weight": sd["head.weight"]}
+        out = {
+            "model.embed_tokens.weight": ref,
+            "model.norm.weight": sd.get("ln_f.weight", ones),
+            "lm_head.weight": sd["head.weight"],
+        }
         for l in range(cfg.n_layer):
             _scale_q(sd, cfg, [f"blocks.{l}.attn.q.weight"])
             for mine, theirs in cls.LAYER.items():

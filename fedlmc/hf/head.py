@@ -13,6 +13,7 @@ has one matrix for embedding and head. Given the fedlmc model's head, this write
 
 The relative error ``max(‖Δ head‖/‖head‖, ‖Δ bias‖/‖bias‖)`` is returned so callers can report it.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -79,7 +80,10 @@ def fit_head(sd: StateDict, cfg: TransformerConfig, tied: bool, embedding: Optio
 
 def _ones_free(head: torch.Tensor, gain: torch.Tensor, tol: float) -> bool:
     """A head that ignores the all-ones direction (a canonical head, centred) behind a unit gain."""
-    return bool((gain - 1).abs().max() < 1e-12) and float(head.sum(1).norm()) <= tol * float(head.norm()) * head.shape[1] ** 0.5
+    return (
+        bool((gain - 1).abs().max() < 1e-12)
+        and float(head.sum(1).norm()) <= tol * float(head.norm()) * head.shape[1] ** 0.5
+    )
 
 
 def _through_ones(head: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
 """Pairwise alignment: each method returns a ``Transform`` T with ``apply_transform(B, T)`` aligned to A."""
+
 from .activation import activation_matching, residual_activation_cross
 from .learned import learned_matching
 from .weight import weight_matching

@@ -4,6 +4,7 @@ Units are matched by the correlation of what they compute on a data batch: the r
 residual-stream states (after the embeddings and after every block), heads from their contributions
 to the residual stream, FF neurons from their post-GELU activations. Probe points come from the spec.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -12,8 +13,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
-from ..symmetry import canonical, canonical_config
-from ..symmetry import Transform, spec_for
+from ..symmetry import Transform, canonical, canonical_config, spec_for
 from .solvers import assignment, grouped_assignment
 from .steps import apply_elements, gauge_step, residual_element
 from .weight import canonical_state, identity_elements
@@ -79,8 +79,14 @@ def residual_states(model: nn.Module, data, n_batches: int = 4, batch_size: int 
     return {k: v for k, v in acts.items() if k == "input" or k in spec_for(model).residual_probes}
 
 
-def residual_activation_cross(model_a: nn.Module, model_b: nn.Module, data, n_batches: int = 4,
-                              batch_size: int = 64, states_a: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+def residual_activation_cross(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    data,
+    n_batches: int = 4,
+    batch_size: int = 64,
+    states_a: Optional[dict[str, torch.Tensor]] = None,
+) -> torch.Tensor:
     """``Σ_probes X_Aᵀ X_B / N`` over residual states: the data term of the residual Procrustes.
     ``states_a``: A's ``residual_states`` on the same batches, when already known (a universe
     compares every model with one A)."""
@@ -89,9 +95,16 @@ def residual_activation_cross(model_a: nn.Module, model_b: nn.Module, data, n_ba
     return _residual_cross(a, b, spec_for(model_b).residual_probes)
 
 
-def activation_matching(model_a: nn.Module, model_b: nn.Module, data, n_batches: int = 4, batch_size: int = 64,
-                        residual: str = "orthogonal", keep_layernorm: bool = False,
-                        gauge: Optional[str] = "orthogonal") -> Transform:
+def activation_matching(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    data,
+    n_batches: int = 4,
+    batch_size: int = 64,
+    residual: str = "orthogonal",
+    keep_layernorm: bool = False,
+    gauge: Optional[str] = "orthogonal",
+) -> Transform:
     """Align B to A from activation correlations on a few batches of ``data``; gauges (for the factored
     merge) then come from the weights, as in weight matching."""
     batches = _batches(data, n_batches, batch_size)

@@ -2,6 +2,7 @@
 models, A fixed, and merge weights (u, 1 − u), u ~ U(0.4, 0.6): the latents of B's residual map and of
 every layer's head and FF permutations train so that the midpoint region of A and aligned B has low
 loss on training batches."""
+
 from __future__ import annotations
 
 import random
@@ -17,10 +18,21 @@ from .optimise import Options, learn_alignments
 from .weight import canonical_state, weight_matching
 
 
-def learned_matching(model_a: nn.Module, model_b: nn.Module, data, warm_start: Optional[Transform] = None,
-                     learning: Optional[Learning] = None, *, perms_only: bool = False, form: str = "factored",
-                     keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal", snapshots: Sequence[int] = (),
-                     progress: bool = True, device: Optional[str] = None) -> Transform:
+def learned_matching(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    data,
+    warm_start: Optional[Transform] = None,
+    learning: Optional[Learning] = None,
+    *,
+    perms_only: bool = False,
+    form: str = "factored",
+    keep_layernorm: bool = False,
+    gauge: Optional[str] = "orthogonal",
+    snapshots: Sequence[int] = (),
+    progress: bool = True,
+    device: Optional[str] = None,
+) -> Transform:
     """Learn T (residual O, head and FF permutations) minimising the merged model's loss on ``data``.
 
     Parameters
@@ -62,11 +74,35 @@ def learned_matching(model_a: nn.Module, model_b: nn.Module, data, warm_start: O
         lam = rng.uniform(0.4, 0.6)
         return [lam, 1.0 - lam]
 
-    opts = Options(learning, form=form, keep_layernorm=keep_layernorm, gauge=gauge, learn_residual=not perms_only,
-                   progress=progress, snapshots=tuple(snapshots))
-    got = learn_alignments(states, cfg, [Transform(), warm_start], data, fixed=0, sample_weights=midpoint_region,
-                           opts=opts, label="learned matching")
-    info = {"method": "learned", "perms_only": perms_only, "steps": learning.steps, "lr": learning.lr,
-            "schedule": learning.schedule, "relax": learning.relax, "loss": got.trace, "seconds": got.seconds,
-            "init": warm_start.info, "snapshots": {n: Transform(els[1]) for n, els in got.snapshots.items()}}
+    opts = Options(
+        learning,
+        form=form,
+        keep_layernorm=keep_layernorm,
+        gauge=gauge,
+        learn_residual=not perms_only,
+        progress=progress,
+        snapshots=tuple(snapshots),
+    )
+    got = learn_alignments(
+        states,
+        cfg,
+        [Transform(), warm_start],
+        data,
+        fixed=0,
+        sample_weights=midpoint_region,
+        opts=opts,
+        label="learned matching",
+    )
+    info = {
+        "method": "learned",
+        "perms_only": perms_only,
+        "steps": learning.steps,
+        "lr": learning.lr,
+        "schedule": learning.schedule,
+        "relax": learning.relax,
+        "loss": got.trace,
+        "seconds": got.seconds,
+        "init": warm_start.info,
+        "snapshots": {n: Transform(els[1]) for n, els in got.snapshots.items()},
+    }
     return Transform(got.elements[1], info)

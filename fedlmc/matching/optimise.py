@@ -10,6 +10,7 @@ a straight-through gradient; intra-head gauges (factored merge) are re-aligned t
 Procrustes from the current hard alignment at every step (constants for the gradient). What comes out
 is an exact group element in float64 (``solvers.exact_elements``).
 """
+
 from __future__ import annotations
 
 import math
@@ -91,8 +92,16 @@ class Learned:
 class Latents:
     """One moving model's latents: a square residual latent and one matrix per head / FF group."""
 
-    def __init__(self, start: Transform, spec, d: int, Q: Optional[torch.Tensor], learn_residual: bool,
-                 dtype: torch.dtype, dev: torch.device) -> None:
+    def __init__(
+        self,
+        start: Transform,
+        spec,
+        d: int,
+        Q: Optional[torch.Tensor],
+        learn_residual: bool,
+        dtype: torch.dtype,
+        dev: torch.device,
+    ) -> None:
         O0 = start.get("residual")
         O0 = torch.eye(d, dtype=dtype, device=dev) if O0 is None else O0
         self.Q = Q
@@ -128,14 +137,22 @@ def hard_all(lat: Sequence[Optional[Latents]], pool: Executor) -> list[Optional[
     """Every moving model's hard permutations (None for the fixed one): each group's latent projected to
     its nearest permutation (block by block for "within" groups), all solves at once so that they spread
     over the pool's threads (latents that drifted far from 0/1 make slow assignments)."""
-    jobs = [(i, k, lo, v[lo:lo + b, lo:lo + b] if b else v) for i, la in enumerate(lat) if la is not None
-            for k, v in la.p.items() for b in [la.blocks.get(k)] for lo in (range(0, v.shape[0], b) if b else [0])]
+    jobs = [
+        (i, k, lo, v[lo : lo + b, lo : lo + b] if b else v)
+        for i, la in enumerate(lat)
+        if la is not None
+        for k, v in la.p.items()
+        for b in [la.blocks.get(k)]
+        for lo in (range(0, v.shape[0], b) if b else [0])
+    ]
     solved = assignments([score for *_, score in jobs], pool)
     out: list[Optional[dict[str, list]]] = [None if la is None else {k: [] for k in la.p} for la in lat]
     for (i, k, lo, _), perm in zip(jobs, solved):
         out[i][k].append(perm + lo)
-    return [None if d is None else {k: torch.cat(parts).to(lat[i].p[k].device) for k, parts in d.items()}
-            for i, d in enumerate(out)]
+    return [
+        None if d is None else {k: torch.cat(parts).to(lat[i].p[k].device) for k, parts in d.items()}
+        for i, d in enumerate(out)
+    ]
 
 
 def sinkhorn(logits: torch.Tensor, block: Optional[int] = None, iters: int = 20) -> torch.Tensor:
@@ -155,17 +172,27 @@ class Alignments:
     (``aligned``, differentiable), every hard permutation at once (``hard``) and the exact group
     elements (``exact``). ``fixed`` has no latents: a symmetry applied to all models changes nothing."""
 
-    def __init__(self, states: Sequence[StateDict], cfg, warm_starts: Sequence[Transform], fixed: int, opts: Options,
-                 masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]], reference: Optional[StateDict],
-                 pool: Executor) -> None:
+    def __init__(
+        self,
+        states: Sequence[StateDict],
+        cfg,
+        warm_starts: Sequence[Transform],
+        fixed: int,
+        opts: Options,
+        masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]],
+        reference: Optional[StateDict],
+        pool: Executor,
+    ) -> None:
         ref_t = states[fixed][next(iter(states[fixed]))]
         dtype, dev, M = ref_t.dtype, ref_t.device, len(states)
         self.states, self.cfg, self.fixed, self.opts, self.pool = states, cfg, fixed, opts, pool
         self.spec = spec_for(cfg)
         Q = ones_basis(cfg.d_model, dtype).to(dev) if opts.keep_layernorm else None
         starts = [T.to(dtype=dtype, device=dev) for T in warm_starts]
-        self.lat = [None if i == fixed else Latents(starts[i], self.spec, cfg.d_model, Q, opts.learn_residual, dtype, dev)
-                    for i in range(M)]
+        self.lat = [
+            None if i == fixed else Latents(starts[i], self.spec, cfg.d_model, Q, opts.learn_residual, dtype, dev)
+            for i in range(M)
+        ]
         self.masks = list(masks) if masks is not None else [None] * M
         self.fixed_state = apply_to_state(states[fixed], cfg, starts[fixed])[0]
         self.fixed_mask = permute_masks(self.masks[fixed], starts[fixed]) if self.masks[fixed] is not None else None
@@ -184,8 +211,12 @@ class Alignments:
         if self.opts.form != "factored" or not self.opts.gauge:
             return {}
         with torch.no_grad():
-            B = apply_elements({k: v for k, v in self.states[i].items() if k in self.read}, self.cfg,
-                               {"residual": O.detach(), **perms}, kinds=("residual", "heads", "qheads"))
+            B = apply_elements(
+                {k: v for k, v in self.states[i].items() if k in self.read},
+                self.cfg,
+                {"residual": O.detach(), **perms},
+                kinds=("residual", "heads", "qheads"),
+            )
             return gauge_step(self.ref, B, self.spec, self.opts.gauge)
 
     def aligned(self, i: int, perms: Optional[dict[str, torch.Tensor]]) -> tuple[StateDict, Optional[dict]]:
@@ -214,16 +245,26 @@ class Alignments:
                     out.append(None)
                     continue
                 O = self.lat[i].residual()
-                out.append(exact_elements({"residual": O, **p, **self.gauges(i, O, p)}, self.spec,
-                                          self.opts.keep_layernorm))
+                out.append(
+                    exact_elements({"residual": O, **p, **self.gauges(i, O, p)}, self.spec, self.opts.keep_layernorm)
+                )
             return out
 
 
-def learn_alignments(states: Sequence[StateDict], cfg, warm_starts: Sequence[Transform], data, fixed: int,
-                     sample_weights: Callable[[], list[float]], opts: Options,
-                     masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
-                     reference: Optional[StateDict] = None, label: str = "learning alignments",
-                     check_weights: Optional[Sequence[float]] = None, check_data=None) -> Learned:
+def learn_alignments(
+    states: Sequence[StateDict],
+    cfg,
+    warm_starts: Sequence[Transform],
+    data,
+    fixed: int,
+    sample_weights: Callable[[], list[float]],
+    opts: Options,
+    masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
+    reference: Optional[StateDict] = None,
+    label: str = "learning alignments",
+    check_weights: Optional[Sequence[float]] = None,
+    check_data=None,
+) -> Learned:
     """Learn the alignment of every model but ``fixed`` (canonical ``states`` of config ``cfg``, same
     shape), starting from ``warm_starts``; ``sample_weights()`` draws each step's merge weights; ``masks``
     mark padded units; the gauges align to ``reference`` (default: the fixed model aligned);
@@ -240,8 +281,14 @@ def learn_alignments(states: Sequence[StateDict], cfg, warm_starts: Sequence[Tra
         al = Alignments(states, cfg, warm_starts, fixed, opts, masks, reference, pool)
         check = None
         if learn.check_every:
-            check = _Checks(opts, check_data if check_data is not None else data, cfg,
-                            check_weights or [1.0 / len(states)] * len(states), merged_template(states, cfg, opts.form), al)
+            check = _Checks(
+                opts,
+                check_data if check_data is not None else data,
+                cfg,
+                check_weights or [1.0 / len(states)] * len(states),
+                merged_template(states, cfg, opts.form),
+                al,
+            )
 
         def on_step(n: int) -> bool:
             if n in wanted:
@@ -267,8 +314,9 @@ class _Checks:
     (``check_sigmas``): the best of many checks on the same few batches would otherwise be
     partly chosen by those batches' noise, and steps that buy noise cost as much as the others."""
 
-    def __init__(self, opts: Options, data, cfg, weights: Sequence[float], template: torch.nn.Module,
-                 alignments: Alignments) -> None:
+    def __init__(
+        self, opts: Options, data, cfg, weights: Sequence[float], template: torch.nn.Module, alignments: Alignments
+    ) -> None:
         self.opts, self.cfg, self.weights, self.template = opts, cfg, list(weights), template
         self.al = alignments
         batches = data.batches(opts.learn.batch_size, shuffle=False)
@@ -284,8 +332,16 @@ class _Checks:
             perms = self.al.hard()
             sd = merged_pairs(self.al.align_all(perms), self.weights, self.cfg, self.opts.form)
             dev = next(iter(sd.values())).device
-            losses = torch.cat([example_losses(self.opts.learn, functional_call(self.template, sd, (x.to(dev),)), y.to(dev))
-                                for x, y in self.batches]).double().cpu()
+            losses = (
+                torch.cat(
+                    [
+                        example_losses(self.opts.learn, functional_call(self.template, sd, (x.to(dev),)), y.to(dev))
+                        for x, y in self.batches
+                    ]
+                )
+                .double()
+                .cpu()
+            )
         loss = self.scores[step] = float(losses.mean())
         if step == 0 or significantly_lower(losses, self.best_losses, self.opts.learn.check_sigmas):
             self.best, self.best_losses, self.best_step, self.stale = self.al.exact(perms), losses, step, 0
@@ -348,8 +404,17 @@ def merged_template(states: Sequence[StateDict], cfg, form: str) -> torch.nn.Mod
     return from_config(merged_cfg).to(next(iter(states[0].values())).device).eval()
 
 
-def _descend(states, cfg, data, opts: Options, opt, align_all: Callable[[], list[tuple[StateDict, Optional[dict]]]],
-             sample_weights, label: str, on_step: Callable[[int], bool] = lambda n: False) -> list[float]:
+def _descend(
+    states,
+    cfg,
+    data,
+    opts: Options,
+    opt,
+    align_all: Callable[[], list[tuple[StateDict, Optional[dict]]]],
+    sample_weights,
+    label: str,
+    on_step: Callable[[int], bool] = lambda n: False,
+) -> list[float]:
     """The training loop: each step aligns every model (``align_all``: each model's aligned state and
     mask), merges at fresh weights, steps on the loss; ``on_step(n)`` runs after the n-th step and
     stops the loop by returning True."""

@@ -4,6 +4,7 @@ Outside ``profiling()`` a section costs one global lookup, so the steps stay ins
 production. On CUDA a section synchronises before reading the clock (kernels are asynchronous), which
 is why it is off by default.
 """
+
 from __future__ import annotations
 
 import threading

@@ -6,6 +6,7 @@ weights λ ~ Dirichlet(α·1_M) at every step. The paper's objective also subtra
 which does not depend on the alignment (every π_m preserves its model's function), so it only enters
 the reported excess.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -21,11 +22,20 @@ from .optimise import Options, learn_alignments
 from .weight import canonical_state
 
 
-def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform], refine: Refinement, *,
-                     masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
-                     weights: Optional[Sequence[float]] = None, form: str = "factored", keep_layernorm: bool = False,
-                     gauge: Optional[str] = "orthogonal", reference: Optional[nn.Module] = None, progress: bool = True,
-                     device: Optional[str] = None) -> list[Transform]:
+def dirichlet_refine(
+    models: Sequence[nn.Module],
+    transforms: Sequence[Transform],
+    refine: Refinement,
+    *,
+    masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
+    weights: Optional[Sequence[float]] = None,
+    form: str = "factored",
+    keep_layernorm: bool = False,
+    gauge: Optional[str] = "orthogonal",
+    reference: Optional[nn.Module] = None,
+    progress: bool = True,
+    device: Optional[str] = None,
+) -> list[Transform]:
     """Refine the transforms of ``models`` (same shape, e.g. padded) into their universe.
 
     Parameters
@@ -70,10 +80,28 @@ def dirichlet_refine(models: Sequence[nn.Module], transforms: Sequence[Transform
     opts = Options(refine, form=form, keep_layernorm=keep_layernorm, gauge=gauge, progress=progress)
     ref = canonical_state(reference, dev, torch.float32) if reference is not None else None
     got = learn_alignments(
-        states, cfg, transforms, refine.data, fixed=fixed,
-        sample_weights=lambda: [float(v) for v in rng.dirichlet([refine.alpha] * M)], opts=opts, masks=masks,
-        reference=ref, label=f"Dirichlet refinement ({M} models, α={refine.alpha:g})",
-        check_weights=[w / sum(weights) for w in weights] if weights is not None else None, check_data=refine.check_data)
-    info = {"method": "refined", "alpha": refine.alpha, "steps": refine.steps, "relax": refine.relax, "loss": got.trace,
-            "seconds": got.seconds, "steps_run": len(got.trace), "checks": got.checks, "best_step": got.best_step}
+        states,
+        cfg,
+        transforms,
+        refine.data,
+        fixed=fixed,
+        sample_weights=lambda: [float(v) for v in rng.dirichlet([refine.alpha] * M)],
+        opts=opts,
+        masks=masks,
+        reference=ref,
+        label=f"Dirichlet refinement ({M} models, α={refine.alpha:g})",
+        check_weights=[w / sum(weights) for w in weights] if weights is not None else None,
+        check_data=refine.check_data,
+    )
+    info = {
+        "method": "refined",
+        "alpha": refine.alpha,
+        "steps": refine.steps,
+        "relax": refine.relax,
+        "loss": got.trace,
+        "seconds": got.seconds,
+        "steps_run": len(got.trace),
+        "checks": got.checks,
+        "best_step": got.best_step,
+    }
     return [T if el is None else Transform(el, {**info, "init": T.info}) for T, el in zip(transforms, got.elements)]

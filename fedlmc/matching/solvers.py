@@ -2,6 +2,7 @@
 many at once in a thread pool, blocks of units), orthogonal Procrustes, the Sylvester equation of
 invertible gauges, exact group elements from learned latents, and the precision of the large products
 (native bfloat16 on CPUs that have it). Nothing here reads a symmetry spec's parameters."""
+
 from __future__ import annotations
 
 import functools
@@ -93,8 +94,11 @@ def assignments(scores: Sequence[torch.Tensor], pool: Executor) -> list[torch.Te
     check, the conversion) stay on the caller's thread, because torch ops in extra threads start
     OpenMP teams whose spinning slows the caller's own work."""
     out: list[Optional[torch.Tensor]] = [_obvious(s) for s in scores]
-    futures = {i: pool.submit(dense_solve, s.detach().to("cpu", torch.float64).numpy())
-               for i, s in enumerate(scores) if out[i] is None}
+    futures = {
+        i: pool.submit(dense_solve, s.detach().to("cpu", torch.float64).numpy())
+        for i, s in enumerate(scores)
+        if out[i] is None
+    }
     with section("assignment solves"):
         for i, f in futures.items():
             out[i] = f.result()
@@ -122,7 +126,9 @@ def candidate_graph(score: torch.Tensor, candidates: int, current: Optional[torc
         return best
     n = score.shape[0]
     with section("assignment solves"):
-        mask = (score >= rank_threshold(score, candidates, 1)[:, None]) | (score >= rank_threshold(score, candidates, 0)[None, :])
+        mask = (score >= rank_threshold(score, candidates, 1)[:, None]) | (
+            score >= rank_threshold(score, candidates, 0)[None, :]
+        )
         if current is not None:
             mask[torch.arange(n, device=score.device), current.to(score.device)] = True
         rows, cols = mask.nonzero(as_tuple=True)
@@ -160,7 +166,7 @@ def grouped_assignment(score: torch.Tensor, block: int) -> tuple[torch.Tensor, t
     rows = torch.arange(block)
     for a in range(nb):
         for b in range(nb):
-            sub = score[a * block:(a + 1) * block, b * block:(b + 1) * block]
+            sub = score[a * block : (a + 1) * block, b * block : (b + 1) * block]
             inner[a, b] = assignment(sub)
             pair[a, b] = float(sub[rows, inner[a, b].to(sub.device)].sum())
     sigma = assignment(pair)
@@ -189,8 +195,8 @@ def _native_bf16() -> bool:
 
 def score_dtype(dtype: torch.dtype, device: torch.device, size: int) -> torch.dtype:
     """The dtype of weight matching's large products (see ``weight.Problem``): bfloat16 for float32
-    problems of ``size`` ≥ 1024 on a CPU with native bfloat16 dot products, else ``dtype``. Float64 problems (small models, hence every reproduction
-    table) and GPUs compute exactly."""
+    problems of ``size`` ≥ 1024 on a CPU with native bfloat16 dot products, else ``dtype``. Float64
+    problems (small models, hence every reproduction table) and GPUs compute exactly."""
     if dtype == torch.float32 and device.type == "cpu" and size >= 1024 and _native_bf16():
         return torch.bfloat16
     return dtype

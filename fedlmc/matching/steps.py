@@ -1,6 +1,7 @@
 """The per-group steps of weight matching, written against the symmetry spec: a step reads which
 tensors (and axes) a group acts on from the spec, never a parameter name. The residual map, head
 permutations (by gauge-invariant circuit distances), intra-head gauges and FF permutations."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,8 +13,19 @@ from scipy.sparse import csr_matrix
 from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, perm_matrix
 from ..symmetry.rope import rope_fit
 from .profile import section
-from .solvers import (Elements, _obvious, _sylvester, assignment, candidate_graph, dense_solve, grouped_assignment,
-                      procrustes, procrustes_fix_ones, solve_graph)
+from .solvers import (
+    Elements,
+    _obvious,
+    _sylvester,
+    assignment,
+    candidate_graph,
+    dense_solve,
+    grouped_assignment,
+    procrustes,
+    procrustes_fix_ones,
+    solve_graph,
+)
+
 
 def residual_element(M: torch.Tensor, residual: str, keep_layernorm: bool) -> torch.Tensor:
     """The residual group element maximising ``tr(Oᵀ M)`` in the requested subgroup."""
@@ -46,8 +58,11 @@ def head_side(sd: StateDict, group: Group, fns: tuple[str, ...]) -> torch.Tensor
     grouped-query attention, whose query heads' factors are concatenated): its members with ``fn`` in
     ``fns``, bias-augmented."""
     n = group.count
-    parts = [sd[m.param].movedim(m.axis, 0).reshape(n, m.repeat, m.block, -1).transpose(1, 2).reshape(n, m.block, -1)
-             for m in group.members if m.fn in fns]
+    parts = [
+        sd[m.param].movedim(m.axis, 0).reshape(n, m.repeat, m.block, -1).transpose(1, 2).reshape(n, m.block, -1)
+        for m in group.members
+        if m.fn in fns
+    ]
     return torch.cat(parts, dim=-1)
 
 
@@ -91,8 +106,14 @@ def circuit_norms(sd: StateDict, spec: SymmetrySpec, heads: str) -> dict[str, to
     return out
 
 
-def head_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str,
-                   norms: Optional[tuple[dict, dict]] = None, a_sides: Optional[dict] = None) -> torch.Tensor:
+def head_distances(
+    A: StateDict,
+    B: StateDict,
+    spec: SymmetrySpec,
+    heads: str,
+    norms: Optional[tuple[dict, dict]] = None,
+    a_sides: Optional[dict] = None,
+) -> torch.Tensor:
     """Squared distances between A's and B's heads of heads group ``heads``: bias-augmented QK and OV
     circuits, each normalised by A's mean circuit norm so that neither dominates. Gauge-invariant.
     ``norms``: A's and B's ``circuit_norms`` when already known; ``a_sides``: a cache of A's factors."""
@@ -133,8 +154,13 @@ def query_distances(A: StateDict, B: StateDict, spec: SymmetrySpec, heads: str, 
     return D
 
 
-def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec,
-               norms: Optional[dict[str, tuple[dict, dict]]] = None, a_sides: Optional[dict] = None) -> Elements:
+def heads_step(
+    A: StateDict,
+    B_res: StateDict,
+    spec: SymmetrySpec,
+    norms: Optional[dict[str, tuple[dict, dict]]] = None,
+    a_sides: Optional[dict] = None,
+) -> Elements:
     """Head permutations of every layer from circuit distances (B already carries the residual map);
     ``norms``: each heads group's (A, B) ``circuit_norms``, when known; ``a_sides``: a cache of A's head
     factors (A is fixed through a matching). Under grouped-query attention
@@ -152,8 +178,9 @@ def heads_step(A: StateDict, B_res: StateDict, spec: SymmetrySpec,
     return out
 
 
-def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, mode: str = "orthogonal",
-               a_sides: Optional[dict] = None) -> Elements:
+def gauge_step(
+    A: StateDict, B_heads: StateDict, spec: SymmetrySpec, mode: str = "orthogonal", a_sides: Optional[dict] = None
+) -> Elements:
     """Per-head intra-head gauges aligning B's Q/K (and V/O) factors to A's.
 
     Members split into a direct side (fn M or Mᵀ: vectors map by G) and an inverse side (M⁻¹, M⁻ᵀ:
@@ -174,8 +201,9 @@ def gauge_step(A: StateDict, B_heads: StateDict, spec: SymmetrySpec, mode: str =
             elif mode == "orthogonal":
                 G = procrustes(XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2))
             elif mode == "invertible":
-                G = _sylvester(YA @ YA.transpose(1, 2), XB @ XB.transpose(1, 2),
-                               XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2))
+                G = _sylvester(
+                    YA @ YA.transpose(1, 2), XB @ XB.transpose(1, 2), XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2)
+                )
             else:
                 raise ValueError(f"gauge must be 'orthogonal', 'invertible' or None, got {mode!r}")
             out[g.name] = G.transpose(1, 2) if direct == ("MT",) else G
@@ -193,8 +221,13 @@ def similarity(FA: torch.Tensor, FB: torch.Tensor) -> torch.Tensor:
     return FA @ FB.to(FA.dtype).T
 
 
-def ff_step(A_features: dict[str, torch.Tensor], B_res: StateDict, spec: SymmetrySpec,
-            current: Optional[Elements] = None, candidates: Optional[int] = None) -> Elements:
+def ff_step(
+    A_features: dict[str, torch.Tensor],
+    B_res: StateDict,
+    spec: SymmetrySpec,
+    current: Optional[Elements] = None,
+    candidates: Optional[int] = None,
+) -> Elements:
     """FF permutations of every layer by linear assignment on fc1 rows, fc1 bias and fc2 columns.
     ``A_features``: each FF group's ``unit_features`` of A (fixed during a matching, so computed once).
     ``candidates``: solve on each neuron's best candidates only (``sparse_assignment``, starting from

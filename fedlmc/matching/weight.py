@@ -6,6 +6,7 @@ others: the residual map by Procrustes (SVD of the cross-covariance of all resid
 each scaled by 1/√rows), heads by assignment on gauge-invariant circuit distances, gauges by per-head
 Procrustes, FF neurons by assignment.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,17 @@ from ..symmetry import StateDict, Transform, apply_transform, canonical, canonic
 from ..train import evaluate, pick_device
 from .profile import section
 from .solvers import Elements, score_dtype
-from .steps import (anchors, apply_elements, as_rows, circuit_norms, ff_step, gauge_step, heads_step, residual_element,
-                    unit_features)
+from .steps import (
+    anchors,
+    apply_elements,
+    as_rows,
+    circuit_norms,
+    ff_step,
+    gauge_step,
+    heads_step,
+    residual_element,
+    unit_features,
+)
 
 
 def canonical_state(model: nn.Module, device: torch.device, dtype: torch.dtype) -> StateDict:
@@ -67,22 +77,28 @@ class Fixed:
         self.spec = spec_for(cfg)
         # in spec order (not a set's): sums over tensors, and so the residual map's arbitrary sign on a
         # direction every tensor leaves null (the all-ones one of a LayerNorm model), do not depend on names
-        self.moved = list(dict.fromkeys(m.param for g in self.spec.groups.values() if g.name != "residual"
-                                        for m in g.members))
+        self.moved = list(
+            dict.fromkeys(m.param for g in self.spec.groups.values() if g.name != "residual" for m in g.members)
+        )
         self.A_mov = {k: A[k] for k in self.moved}
         self.anchor_members = anchors(self.spec)
         self.moving_members = [m for m in self.spec.residual.members if m.param in self.A_mov]
         ff = self.spec.layer_groups("ff")
         ref = next(iter(A.values()))
         self.dtype = ref.dtype
-        self.fast = {"auto": score_dtype(ref.dtype, ref.device, max((g.size for g in ff), default=0)),
-                     "exact": ref.dtype, "bfloat16": torch.bfloat16}[precision]
+        self.fast = {
+            "auto": score_dtype(ref.dtype, ref.device, max((g.size for g in ff), default=0)),
+            "exact": ref.dtype,
+            "bfloat16": torch.bfloat16,
+        }[precision]
         rows = [as_rows(A[m.param], m.axis) for m in self.anchor_members]
         self.anchor_rows = [(a.to(self.fast), a.pow(2).sum()) for a in rows]
         self.a_norms = {k: a.pow(2).sum().clamp_min(1e-30) for k, a in self.A_mov.items()}
         self.head_norms = {g.name: circuit_norms(A, self.spec, g.name) for g in self.spec.layer_groups("heads")}
         self.ff_params = {m.param for g in ff for m in g.members}
-        self.gauge_params = {g.name: {m.param for m in g.members} for g in self.spec.groups.values() if g.kind == "gauge"}
+        self.gauge_params = {
+            g.name: {m.param for m in g.members} for g in self.spec.groups.values() if g.kind == "gauge"
+        }
         self.axis = {m.param: m.axis for m in self.moving_members}
         self.A_fast = {k: v.to(self.fast) for k, v in self.A_mov.items() if k in self.axis}
         self.A_features = {g.name: unit_features(A, g).to(self.fast) for g in ff}
@@ -136,7 +152,9 @@ class Problem:
         """Per-tensor pieces of the objective for tensors outside the moving set, and (from the same
         products) the anchors' fixed part of every residual step."""
         self._anchor_terms = []
-        self.M_anchor = torch.zeros(self.cfg.d_model, self.cfg.d_model, dtype=self.dtype, device=A[next(iter(A))].device)
+        self.M_anchor = torch.zeros(
+            self.cfg.d_model, self.cfg.d_model, dtype=self.dtype, device=A[next(iter(A))].device
+        )
         for m, (a, sq) in zip(self.anchor_members, F.anchor_rows):
             b, na = as_rows(B[m.param], m.axis), sq.clamp_min(1e-30)
             cross = (a.T @ b.to(self.fast)).to(self.dtype)  # embeddings, output heads: 50k rows
@@ -149,7 +167,9 @@ class Problem:
         """The anchors' and untouched tensors' part of the objective under residual map ``O``."""
         if O is None:
             O = torch.eye(self.cfg.d_model, dtype=self.M_anchor.dtype, device=self.M_anchor.device)
-        return self._constant + sum(const - 2 * float((cross * O).sum() / na) for cross, const, na in self._anchor_terms)
+        return self._constant + sum(
+            const - 2 * float((cross * O).sum() / na) for cross, const, na in self._anchor_terms
+        )
 
     def objective(self, elements: Elements) -> float:
         """``Σ_tensors ‖A − T(B)‖² / ‖A‖²`` (the criterion that compares candidate transforms)."""
@@ -178,8 +198,9 @@ class Problem:
         keys = [k for k in self.A_mov if (k in F.ff_params) == (part == "ff")]
         UB = apply_elements({k: self.B_fast[k] for k in keys if k in axis}, self.cfg, units)
         small = apply_elements({k: self.B_mov[k] for k in keys if k not in axis}, self.cfg, units)
-        stretched = {k for g, el in units.items() if g in F.gauge_params and not _orthogonal(el)
-                     for k in F.gauge_params[g]}  # invertible gauges change B's norms
+        stretched = {
+            k for g, el in units.items() if g in F.gauge_params and not _orthogonal(el) for k in F.gauge_params[g]
+        }  # invertible gauges change B's norms
         constant, G, M = 0.0, torch.zeros_like(self.M_anchor), torch.zeros_like(self.M_anchor)
         for k in keys:
             a, na = self.A_mov[k], F.a_norms[k]
@@ -231,10 +252,19 @@ class Descent:
     objective: Optional[float]
 
 
-def coordinate_descent(P: Problem, elements: Elements, *, residual: str = "orthogonal",
-                       keep_layernorm: bool = False, gauge: Optional[str] = "orthogonal", iterations: int = 15,
-                       M_extra: Optional[torch.Tensor] = None, extra_weight: float = 0.0,
-                       tol: float = 2e-3, candidates: Optional[int] = None) -> "Descent":
+def coordinate_descent(
+    P: Problem,
+    elements: Elements,
+    *,
+    residual: str = "orthogonal",
+    keep_layernorm: bool = False,
+    gauge: Optional[str] = "orthogonal",
+    iterations: int = 15,
+    M_extra: Optional[torch.Tensor] = None,
+    extra_weight: float = 0.0,
+    tol: float = 2e-3,
+    candidates: Optional[int] = None,
+) -> "Descent":
     """Alternate the four steps from ``elements`` until nothing changes, the objective improves by less
     than ``tol`` (relative) plus 1e-5 per tensor in an iteration, or ``iterations`` iterations are done.
     When the last unit steps moved no permutation, an iteration first scores its residual step alone
@@ -298,8 +328,9 @@ def _crosses(P: Problem, elements: Elements) -> tuple[Cross, Cross]:
     return X_ff, X_ff + P.cross(elements, "rest")
 
 
-def _finish(P: Problem, elements: Elements, old: Elements, X_ff: Cross, trace: list[float], it: int,
-            gauge: Optional[str]) -> Descent:
+def _finish(
+    P: Problem, elements: Elements, old: Elements, X_ff: Cross, trace: list[float], it: int, gauge: Optional[str]
+) -> Descent:
     """The last, continuous step of a descent whose permutations have settled: gauges refitted to the
     new residual map (the permutations would not move, so the FF part of the objective is ``X_ff``'s),
     and the objective of the result."""
@@ -308,7 +339,9 @@ def _finish(P: Problem, elements: Elements, old: Elements, X_ff: Cross, trace: l
             B_heads = apply_elements(P.rotated(elements["residual"], ff=False), P.cfg, elements, ("heads", "qheads"))
             elements.update(gauge_step(P.A_mov, B_heads, P.spec, gauge, P.A_sides))
     with section("residual cross-covariances"):
-        value = (X_ff + P.cross(elements, "rest")).value(elements["residual"]) + P.anchor_objective(elements["residual"])
+        value = (X_ff + P.cross(elements, "rest")).value(elements["residual"]) + P.anchor_objective(
+            elements["residual"]
+        )
     if value > trace[-1]:
         return Descent(old, it, trace + [value], trace[-1])
     return Descent(elements, it, trace + [value], value)
@@ -327,10 +360,20 @@ def identity_elements(cfg, device, dtype) -> Elements:
     return out
 
 
-def weight_matching(model_a: nn.Module, model_b: nn.Module, matching: Optional[Matching] = None, *,
-                    warm_start: Optional[Transform] = None, keep_layernorm: bool = False, form: str = "factored",
-                    guard_data=None, guard_batches: int = 4, residual_acts: Optional[torch.Tensor] = None,
-                    device: Union[str, torch.device, None] = None, reuse: Optional[dict] = None) -> Transform:
+def weight_matching(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    matching: Optional[Matching] = None,
+    *,
+    warm_start: Optional[Transform] = None,
+    keep_layernorm: bool = False,
+    form: str = "factored",
+    guard_data=None,
+    guard_batches: int = 4,
+    residual_acts: Optional[torch.Tensor] = None,
+    device: Union[str, torch.device, None] = None,
+    reuse: Optional[dict] = None,
+) -> Transform:
     """Align ``model_b`` to ``model_a`` without data; returns T so that ``apply_transform(B, T)`` ≈ A.
 
     Parameters
@@ -368,7 +411,9 @@ def weight_matching(model_a: nn.Module, model_b: nn.Module, matching: Optional[M
     """
     m = matching if matching is not None else Matching()
     t0 = time.time()
-    canon = dict(norm="rmsnorm", norm_bias=False, norm_gain=False, norm_eps=model_a.config.norm_eps)  # a lift rescales eps only
+    canon = dict(
+        norm="rmsnorm", norm_bias=False, norm_gain=False, norm_eps=model_a.config.norm_eps
+    )  # a lift rescales eps only
     if model_a.config.replace(**canon) != model_b.config.replace(**canon):
         raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
     dev = pick_device(device) if device is None or isinstance(device, str) else device
@@ -381,20 +426,32 @@ def weight_matching(model_a: nn.Module, model_b: nn.Module, matching: Optional[M
     with section("anchor cross-covariances"):
         P = Problem(F.A, B, cfg, m.precision, F)
     Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
-    opts = dict(residual=m.residual, keep_layernorm=keep_layernorm, gauge=m.gauge, iterations=m.iterations,
-                M_extra=Mx, extra_weight=1.0 if Mx is not None else 0.0, candidates=m.ff_candidates, tol=m.tol)
+    opts = dict(
+        residual=m.residual,
+        keep_layernorm=keep_layernorm,
+        gauge=m.gauge,
+        iterations=m.iterations,
+        M_extra=Mx,
+        extra_weight=1.0 if Mx is not None else 0.0,
+        candidates=m.ff_candidates,
+        tol=m.tol,
+    )
     found, info = _descents(P, warm_start, m.keep_identity, opts)
     best = min(info["objective"], key=info["objective"].get)
     if guard_data is not None and len(found) > 1:
-        losses = {k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches) for k, el in found.items()}
+        losses = {
+            k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches)
+            for k, el in found.items()
+        }
         info["midpoint_loss"] = losses
         best = min(losses, key=losses.get)
     info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
     return Transform({k: v.cpu() for k, v in found[best].items()}, info)
 
 
-def fixed_side(model_a: nn.Module, cfg, dev: torch.device, dtype: torch.dtype, precision: str,
-               reuse: Optional[dict] = None) -> Fixed:
+def fixed_side(
+    model_a: nn.Module, cfg, dev: torch.device, dtype: torch.dtype, precision: str, reuse: Optional[dict] = None
+) -> Fixed:
     """``Fixed`` for ``model_a`` (its canonical state on ``dev`` in ``dtype``), taken from ``reuse`` when
     it holds one for this very model, device, dtype and precision (else built, and kept there)."""
     key = (str(dev), dtype, precision)
@@ -408,8 +465,9 @@ def fixed_side(model_a: nn.Module, cfg, dev: torch.device, dtype: torch.dtype, p
     return F
 
 
-def _descents(P: Problem, warm_start: Optional[Transform], keep_identity: bool,
-              opts: dict) -> tuple[dict[str, Elements], dict]:
+def _descents(
+    P: Problem, warm_start: Optional[Transform], keep_identity: bool, opts: dict
+) -> tuple[dict[str, Elements], dict]:
     """Run the descent; returns the candidates and ``info`` (iterations, objective traces, each
     candidate's objective).
 
@@ -432,8 +490,9 @@ def _descents(P: Problem, warm_start: Optional[Transform], keep_identity: bool,
     return found, info
 
 
-def midpoint_loss(model_a: nn.Module, model_b: nn.Module, T: Transform, data, form: str = "factored",
-                  max_batches: int = 4) -> float:
+def midpoint_loss(
+    model_a: nn.Module, model_b: nn.Module, T: Transform, data, form: str = "factored", max_batches: int = 4
+) -> float:
     """Loss of the λ = 0.5 merge of A and T(B) on the first ``max_batches`` batches of ``data``."""
 
     b = apply_transform(model_b, T.to(dtype=next(model_b.parameters()).dtype)) if T.elements else model_b

@@ -1,4 +1,5 @@
 """Models and presets. ``from_preset(name, **overrides)`` builds a model carrying its ``.config``."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,14 +15,30 @@ from .vit import ViT, ViTConfig
 PRESETS: dict[str, tuple[type, dict[str, Any], str]] = {
     "gpt2-tiny": (GPT2Config, dict(n_layer=4, d_model=128, n_head=4, d_ff=512, block_size=64), "shakespeare"),
     "gpt2-shakespeare": (GPT2Config, dict(n_layer=6, d_model=256, n_head=4, d_ff=1024, block_size=128), "shakespeare"),
-    "llama-tiny": (LlamaConfig, dict(n_layer=4, d_model=128, n_head=4, n_kv_head=2, d_ff=344, block_size=64), "shakespeare"),
-    "gpt2-small": (GPT2Config, dict(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=50257, block_size=1024), "shakespeare"),
+    "llama-tiny": (
+        LlamaConfig,
+        dict(n_layer=4, d_model=128, n_head=4, n_kv_head=2, d_ff=344, block_size=64),
+        "shakespeare",
+    ),
+    "gpt2-small": (
+        GPT2Config,
+        dict(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=50257, block_size=1024),
+        "shakespeare",
+    ),
     "vit-tiny": (ViTConfig, dict(n_layer=4, d_model=64, n_head=4, d_ff=128, image_size=28, patch_size=7), "mnist"),
-    "vit-cifar": (ViTConfig, dict(n_layer=6, d_model=256, n_head=8, d_ff=512, image_size=32, patch_size=4, channels=3), "cifar10"),
+    "vit-cifar": (
+        ViTConfig,
+        dict(n_layer=6, d_model=256, n_head=8, d_ff=512, image_size=32, patch_size=4, channels=3),
+        "cifar10",
+    ),
     "vit-digits": (ViTConfig, dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=8, patch_size=2), "digits"),
 }
 
-ARCHS: dict[str, tuple[type, type]] = {"gpt2": (GPT2Config, GPT2), "vit": (ViTConfig, ViT), "llama": (LlamaConfig, Llama)}
+ARCHS: dict[str, tuple[type, type]] = {
+    "gpt2": (GPT2Config, GPT2),
+    "vit": (ViTConfig, ViT),
+    "llama": (LlamaConfig, Llama),
+}
 
 
 def register_architecture(arch: str, config_cls: type, model_cls: type) -> None:
@@ -60,5 +77,19 @@ def from_preset(name: str, **overrides: Any) -> nn.Module:
     return from_config(preset_config(name, **overrides))
 
 
-__all__ = ["GPT2", "GPT2Config", "Llama", "LlamaConfig", "ViT", "ViTConfig", "RMSNorm", "TransformerConfig", "PRESETS",
-           "from_preset", "from_config", "preset_config", "preset_dataset", "register_architecture"]
+__all__ = [
+    "GPT2",
+    "GPT2Config",
+    "Llama",
+    "LlamaConfig",
+    "ViT",
+    "ViTConfig",
+    "RMSNorm",
+    "TransformerConfig",
+    "PRESETS",
+    "from_preset",
+    "from_config",
+    "preset_config",
+    "preset_dataset",
+    "register_architecture",
+]

@@ -1,4 +1,5 @@
 """GPT-2 in the spirit of nanoGPT: learned positions, pre-LN blocks, final norm, untied head with bias."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

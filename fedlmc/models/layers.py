@@ -3,6 +3,7 @@
 Attention keeps Q, K, V and O as four separate linear maps so the symmetry spec can name each of
 them; heads are contiguous blocks of ``d_head`` rows of Q/K/V (and columns of O).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,9 @@ class TransformerConfig:
 
     ``norm`` is ``"layernorm"`` (trained models) or ``"rmsnorm"`` (the canonical form: parameter-free,
     optionally with a bias; ``norm_gain`` adds Llama's learned gain, which the canonical form folds away).
-    ``activation`` is the FF nonlinearity: ``"gelu"`` (exact) or ``"gelu_tanh"`` (GPT-2's ``gelu_new``). ``attn_scale`` defaults to ``1/sqrt(d_head)``; it is stored so that a model
-    whose head width changed (e.g. a circuit merge) keeps computing the same scores.
+    ``activation`` is the FF nonlinearity: ``"gelu"`` (exact) or ``"gelu_tanh"`` (GPT-2's ``gelu_new``).
+    ``attn_scale`` defaults to ``1/sqrt(d_head)``; it is stored so that a model whose head width changed
+    (e.g. a circuit merge) keeps computing the same scores.
     """
 
     n_layer: int = 4
@@ -108,7 +110,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = (p(x).view(B, T, self.n_head, self.d_head).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, scale=self.scale,
+            q,
+            k,
+            v,
+            is_causal=self.causal,
+            scale=self.scale,
             dropout_p=self.drop.p if self.training else 0.0,
         )
         return self.drop(self.o(y.transpose(1, 2).reshape(B, T, -1)))

@@ -1,6 +1,7 @@
 """A Llama-style decoder in the spirit of nanoGPT: RMSNorm with a learned gain, rotary positions (RoPE,
 ``rotate_half`` pairing as in Hugging Face), grouped-query attention and a SwiGLU FF, no biases, an
 untied output head (a tied Hugging Face model converts to an untied copy: ``fedlmc.hf``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ class LlamaConfig(TransformerConfig):
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.n_head % self.n_kv_head or self.d_head % 2:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} "
-                             f"and d_head={self.d_head} even (rotary pairs)")
+            raise ValueError(
+                f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} "
+                f"and d_head={self.d_head} even (rotary pairs)"
+            )
 
 
 def rotary(cfg: LlamaConfig, T: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +69,9 @@ class LlamaAttention(nn.Module):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         rep = c.n_head // c.n_kv_head  # KV head g serves query heads g·rep ... g·rep + rep − 1
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.attn_scale,
-                                           dropout_p=c.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=c.attn_scale, dropout_p=c.dropout if self.training else 0.0
+        )
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 

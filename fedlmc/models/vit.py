@@ -1,4 +1,5 @@
 """Vision Transformer: linear patch embedding, CLS token, learned positions, pre-LN blocks, untied head."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,6 +2,7 @@
 
 All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used.
 """
+
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
 from .fedavg import ReportingFedAvg

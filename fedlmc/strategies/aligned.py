@@ -10,6 +10,7 @@ Do no harm: with a server-side ``guard_data`` set, the strategy also builds the 
 whichever has the lower loss there (and logs which won, by how much); without one, weight matching's
 data-free identity guard applies (the identity transform — plain averaging — is one of its candidates).
 """
+
 from __future__ import annotations
 
 import time
@@ -24,9 +25,9 @@ from flwr.supercore import log
 
 from fedlmc.averaging import FORMS, REDUCES, merge, robust_merge
 from fedlmc.data import split
+from fedlmc.options import Matching, Refinement, one_of
 from fedlmc.symmetry import spec_for
 from fedlmc.universe import universe_merge
-from fedlmc.options import Matching, Refinement, one_of
 
 from .base import FedlmcStrategy
 
@@ -66,10 +67,21 @@ class AlignedFedAvg(FedlmcStrategy):
 
     needs_architecture = True
 
-    def __init__(self, *, matching: Optional[Matching] = None, iterations: int = 3, form: str = "factored",
-                 keep_layernorm: bool = True, guard_data=None, guard_batches: Optional[int] = 8,
-                 guard_fn: Optional[Callable[[ArrayRecord], float]] = None, device: Optional[str] = None,
-                 reduce: str = "mean", trim: float = 0.2, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        matching: Optional[Matching] = None,
+        iterations: int = 3,
+        form: str = "factored",
+        keep_layernorm: bool = True,
+        guard_data=None,
+        guard_batches: Optional[int] = 8,
+        guard_fn: Optional[Callable[[ArrayRecord], float]] = None,
+        device: Optional[str] = None,
+        reduce: str = "mean",
+        trim: float = 0.2,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
         if guard_fn is not None and guard_data is not None:
@@ -82,9 +94,18 @@ class AlignedFedAvg(FedlmcStrategy):
 
     def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
-        return universe_merge(models, weights, start, matching=self.matching, iterations=self.iterations,
-                              form=self.form, keep_layernorm=self.keep_layernorm, device=self.device,
-                              reduce=self.reduce, trim=self.trim)
+        return universe_merge(
+            models,
+            weights,
+            start,
+            matching=self.matching,
+            iterations=self.iterations,
+            form=self.form,
+            keep_layernorm=self.keep_layernorm,
+            device=self.device,
+            reduce=self.reduce,
+            trim=self.trim,
+        )
 
     def plain(self, models: list[nn.Module], weights: list[float]) -> nn.Module:
         """The unaligned counterpart: FedAvg's weighted mean, or Flower's FedMedian / FedTrimmedAvg."""
@@ -97,9 +118,12 @@ class AlignedFedAvg(FedlmcStrategy):
         t0 = time.time()
         start = self.start_for(models)
         merged, transforms = self.align(models, weights, start)
-        fields: dict[str, Any] = {"align_seconds": time.time() - t0, "kept": "aligned",
-                                  "start": "previous" if start is not None else "reply",
-                                  "moved": [transform_distance(T, spec_for(merged)) for T in transforms]}
+        fields: dict[str, Any] = {
+            "align_seconds": time.time() - t0,
+            "kept": "aligned",
+            "start": "previous" if start is not None else "reply",
+            "moved": [transform_distance(T, spec_for(merged)) for T in transforms],
+        }
         refined = next((T.info for T in transforms if T.info.get("method") == "refined"), None)
         if refined is not None:  # how long the refinement ran, and which of its steps it kept
             fields.update(refine_steps_run=refined["steps_run"], refine_best_step=refined["best_step"])
@@ -111,10 +135,25 @@ class AlignedFedAvg(FedlmcStrategy):
             fields.update(guard_aligned=l_aligned, guard_average=l_plain)
             if l_plain < l_aligned:
                 result, fields["kept"] = plain, "average"
-            log(INFO, "%s round %d: kept %s (server loss aligned %.4f vs average %.4f, Δ %+.4f)", type(self).__name__,
-                server_round, fields["kept"], l_aligned, l_plain, l_aligned - l_plain)
-        log(INFO, "%s round %d: aligned %d replies in %.2fs, mean distance from identity %.4f", type(self).__name__,
-            server_round, len(models), fields["align_seconds"], sum(fields["moved"]) / len(models))
+            log(
+                INFO,
+                "%s round %d: kept %s (server loss aligned %.4f vs average %.4f, Δ %+.4f)",
+                type(self).__name__,
+                server_round,
+                fields["kept"],
+                l_aligned,
+                l_plain,
+                l_aligned - l_plain,
+            )
+        log(
+            INFO,
+            "%s round %d: aligned %d replies in %.2fs, mean distance from identity %.4f",
+            type(self).__name__,
+            server_round,
+            len(models),
+            fields["align_seconds"],
+            sum(fields["moved"]) / len(models),
+        )
         return result, fields, plain
 
     def guard_loss(self, model: nn.Module) -> float:
@@ -146,15 +185,25 @@ class RefinedFedAvg(AlignedFedAvg):
     def __init__(self, *, refine: Refinement, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self.reduce != "mean":
-            raise ValueError("RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'")
+            raise ValueError(
+                "RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'"
+            )
         if refine is None or refine.data is None:
             raise ValueError("RefinedFedAvg needs refine=Refinement(data=...) (a small server-side data set)")
         self.refine = refine
 
     def align(self, models, weights, start):
-        return universe_merge(models, weights, start, matching=self.matching, refine=refine_split(self.refine),
-                              iterations=self.iterations, form=self.form, keep_layernorm=self.keep_layernorm,
-                              device=self.device)
+        return universe_merge(
+            models,
+            weights,
+            start,
+            matching=self.matching,
+            refine=refine_split(self.refine),
+            iterations=self.iterations,
+            form=self.form,
+            keep_layernorm=self.keep_layernorm,
+            device=self.device,
+        )
 
 
 def refine_split(refine: Refinement) -> Refinement:

@@ -4,6 +4,7 @@ global model's config attached to every message, reply validation (baselines inc
 ``load_state()`` for checkpoints. A strategy only says how it combines the accepted replies
 (``combine``) and, if it must, what each node is sent (``messages_for``).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,6 @@ from fedlmc.train import evaluate
 
 from .records import MODEL_CONFIG_KEY, model_from_arrays, state_arrays
 from .validation import InvalidReply, check_reply
-
 
 # A reply trained from the global model keeps a clear correlation with it (gpt2-tiny: weight cosine 0.82
 # after 100 local steps, 0.43 after 1500); an independently started one has none (|cos| ≤ 0.01), and
@@ -87,9 +87,18 @@ class FedlmcStrategy(FedAvg):
     same_shape = True  # replies must have the global model's shape (mixed-width strategies say False)
     needs_architecture = False  # strategies that align or slice must know the model before round 1
 
-    def __init__(self, *, model: Any = None, report_data=None, report_batches: Optional[int] = None,
-                 min_replies: int = 1, max_norm_ratio: float = 100.0, fallback: str = "error",
-                 aggregate_threads: Optional[int] = None, **fedavg: Any) -> None:
+    def __init__(
+        self,
+        *,
+        model: Any = None,
+        report_data=None,
+        report_batches: Optional[int] = None,
+        min_replies: int = 1,
+        max_norm_ratio: float = 100.0,
+        fallback: str = "error",
+        aggregate_threads: Optional[int] = None,
+        **fedavg: Any,
+    ) -> None:
         super().__init__(**fedavg)
         self.aggregate_threads = aggregate_threads
         one_of(fallback, ("error", "average"), "fallback")
@@ -116,17 +125,20 @@ class FedlmcStrategy(FedAvg):
         if hasattr(cfg, "model_type"):  # a transformers model or config (clear error for an unsupported family)
             self.adapter = HFAdapter(cfg)
             return self.adapter.config.to_dict()
-        reason = (f"{type(self).__name__}(model=...) got a {type(model).__name__}, which is neither a fedlmc nor a "
-                  "Hugging Face GPT-2 / ViT / Llama model: describe your own Transformer's parameters with "
-                  "fedlmc.symmetry.Roles (docs: models), or pass fallback='average' to average it plainly")
+        reason = (
+            f"{type(self).__name__}(model=...) got a {type(model).__name__}, which is neither a fedlmc nor a "
+            "Hugging Face GPT-2 / ViT / Llama model: describe your own Transformer's parameters with "
+            "fedlmc.symmetry.Roles (docs: models), or pass fallback='average' to average it plainly"
+        )
         if fallback == "error":
             raise ValueError(reason)
         self.unknown_model = reason
         return None
 
     # ---- what subclasses provide ------------------------------------------------------------------
-    def combine(self, server_round: int, replies: list[Message], models: list[nn.Module],
-                weights: list[float]) -> tuple[nn.Module, dict[str, Any], Optional[nn.Module]]:
+    def combine(
+        self, server_round: int, replies: list[Message], models: list[nn.Module], weights: list[float]
+    ) -> tuple[nn.Module, dict[str, Any], Optional[nn.Module]]:
         """The aggregate of the accepted ``replies`` (also given as ``models`` and their ``weights``),
         the fields it adds to the round's record, and the plain average when it was built (for the
         report). Must be overridden."""
@@ -146,12 +158,23 @@ class FedlmcStrategy(FedAvg):
             config[MODEL_CONFIG_KEY] = json.dumps(self.global_config)
         return config
 
+    def aggregate_replies(
+        self, server_round: int, replies: list[Message], global_arrays: ArrayRecord
+    ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        """``aggregate_train`` outside Flower's loop, for replies trained from ``global_arrays``: several
+        strategies aggregating the very same replies (a side-by-side comparison)."""
+        self.check_architecture(global_arrays)
+        self._previous = global_arrays
+        return self.aggregate_train(server_round, replies)
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._previous = arrays  # this round's aggregate starts from (and is checked against) the global model
         msgs = super().configure_train(self.real_round(server_round), arrays, self._with_config(config), grid)
         return self.messages_for(msgs, config, MessageType.TRAIN)
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid
+    ) -> Iterable[Message]:
         msgs = super().configure_evaluate(self.real_round(server_round), arrays, self._with_config(config), grid)
         return self.messages_for(msgs, config, MessageType.EVALUATE)
 
@@ -171,14 +194,18 @@ class FedlmcStrategy(FedAvg):
         name = type(self).__name__
         hf_class = recognise(arrays.keys()) if self.global_config is None else None
         if hf_class is not None:
-            reason = (f"{name}: these are a Hugging Face {hf_class}'s weights, whose head count is not in the "
-                      f"weights: pass model=<your {hf_class} or its config>")
+            reason = (
+                f"{name}: these are a Hugging Face {hf_class}'s weights, whose head count is not in the "
+                f"weights: pass model=<your {hf_class} or its config>"
+            )
         elif self.unknown_model is not None:
             reason = self.unknown_model
         elif self.global_config is None:
-            reason = (f"{name} needs the model's architecture to align replies and was given none: pass "
-                      "model=<your model or its config> (a fedlmc, Hugging Face GPT-2 / ViT / Llama model), or "
-                      "describe your own Transformer (fedlmc.models.register_architecture + fedlmc.symmetry.register_spec)")
+            reason = (
+                f"{name} needs the model's architecture to align replies and was given none: pass "
+                "model=<your model or its config> (a fedlmc, Hugging Face GPT-2 / ViT / Llama model), or "
+                "describe your own Transformer (fedlmc.models.register_architecture + fedlmc.symmetry.register_spec)"
+            )
         elif self.adapter is not None:
             mismatch = self.adapter.mismatch(arrays.keys())
             if not mismatch:
@@ -189,15 +216,23 @@ class FedlmcStrategy(FedAvg):
                 model_from_arrays(arrays, self.global_config)
                 return
             except Exception as e:  # noqa: BLE001 -- any mismatch is reported with its cause
-                reason = f"{name}: the initial arrays are not a model of the given model ({_key_mismatch(arrays, self.global_config) or e})"
+                why = _key_mismatch(arrays, self.global_config) or e
+                reason = f"{name}: the initial arrays are not a model of the given model ({why})"
         if self.fallback == "error":
             raise ValueError(reason + "; or pass fallback='average' to average such a model plainly")
         self.plain_reason = reason
         log(WARNING, "%s; averaging plainly (fallback='average')", reason)
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         if self.plain_reason is not None:
-            log(WARNING, "round %d: averaging plainly, not aligning: %s", self.real_round(server_round), self.plain_reason)
+            log(
+                WARNING,
+                "round %d: averaging plainly, not aligning: %s",
+                self.real_round(server_round),
+                self.plain_reason,
+            )
             return FedAvg.aggregate_train(self, server_round, replies)
         server_round = self.real_round(server_round)
         accepted = self.accept(server_round, replies)
@@ -209,7 +244,9 @@ class FedlmcStrategy(FedAvg):
         t0 = time.time()
         with torch_threads(self.aggregate_threads) as threads:
             result, fields, plain = self.combine(server_round, valid, models, weights)
-        record = self.round_record(server_round, nodes=[m.metadata.src_node_id for m in valid], threads=threads, **fields)
+        record = self.round_record(
+            server_round, nodes=[m.metadata.src_node_id for m in valid], threads=threads, **fields
+        )
         record.setdefault("align_seconds", time.time() - t0)
         self.report(record, models, result, plain)
         record["seconds"] = time.time() - t0
@@ -245,21 +282,40 @@ class FedlmcStrategy(FedAvg):
         ok, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
         ok.sort(key=reply_order)
         self._failures = [{"node": m.metadata.src_node_id, "reason": str(m.error.reason)} for m in failed]
-        log(INFO, "%s round %d: replies from nodes %s; failures from nodes %s", type(self).__name__, server_round,
-            sorted(m.metadata.src_node_id for m in ok) or "none", [f["node"] for f in self._failures] or "none")
+        log(
+            INFO,
+            "%s round %d: replies from nodes %s; failures from nodes %s",
+            type(self).__name__,
+            server_round,
+            sorted(m.metadata.src_node_id for m in ok) or "none",
+            [f["node"] for f in self._failures] or "none",
+        )
         ref_norm = None
         if self._previous is not None:
             ref_norm = sum(float(t.double().pow(2).sum()) for t in self._previous.to_torch_state_dict().values()) ** 0.5
         kept, models, weights, self._excluded = [], [], [], []
         for msg in ok:
             try:
-                cfg, sd, w = check_reply(msg.content, arrays_key=self.arrayrecord_key, weight_key=self.weighted_by_key,
-                                         reference_config=self.global_config, reference_norm=ref_norm,
-                                         same_shape=self.same_shape, max_norm_ratio=self.max_norm_ratio,
-                                         adapter=self.adapter_for(msg))
+                cfg, sd, w = check_reply(
+                    msg.content,
+                    arrays_key=self.arrayrecord_key,
+                    weight_key=self.weighted_by_key,
+                    reference_config=self.global_config,
+                    reference_norm=ref_norm,
+                    same_shape=self.same_shape,
+                    max_norm_ratio=self.max_norm_ratio,
+                    adapter=self.adapter_for(msg),
+                )
             except InvalidReply as e:
                 node = msg.metadata.src_node_id
-                log(WARNING, "%s round %d: excluded the reply of node %s: %s", type(self).__name__, server_round, node, e)
+                log(
+                    WARNING,
+                    "%s round %d: excluded the reply of node %s: %s",
+                    type(self).__name__,
+                    server_round,
+                    node,
+                    e,
+                )
                 self._excluded.append({"node": node, "reason": str(e)})
                 continue
             model = from_config(cfg)
@@ -268,8 +324,14 @@ class FedlmcStrategy(FedAvg):
             models.append(model.eval())
             weights.append(w)
         if len(kept) < self.min_replies:
-            log(WARNING, "%s round %d: only %d valid replies (minimum %d): keeping the previous global model",
-                type(self).__name__, server_round, len(kept), self.min_replies)
+            log(
+                WARNING,
+                "%s round %d: only %d valid replies (minimum %d): keeping the previous global model",
+                type(self).__name__,
+                server_round,
+                len(kept),
+                self.min_replies,
+            )
             self.history.append(self.round_record(server_round, kept="previous", align_seconds=0.0))
             return None
         return kept, models, weights
@@ -277,8 +339,13 @@ class FedlmcStrategy(FedAvg):
     def round_record(self, server_round: int, **fields: Any) -> dict[str, Any]:
         """The history record of a round: what every strategy logs (replies excluded by validation,
         failed messages) plus ``fields``."""
-        return {"round": server_round, "strategy": type(self).__name__, **fields,
-                "excluded": self._excluded, "failures": self._failures}
+        return {
+            "round": server_round,
+            "strategy": type(self).__name__,
+            **fields,
+            "excluded": self._excluded,
+            "failures": self._failures,
+        }
 
     def previous_model(self) -> Optional[nn.Module]:
         """The current global model (the one this round's replies started from), if known."""
@@ -300,8 +367,9 @@ class FedlmcStrategy(FedAvg):
     def loss(self, model: nn.Module, data, batches: Optional[int]) -> float:
         return float(evaluate(model, data, max_batches=batches)["loss"])
 
-    def report(self, record: dict[str, Any], models: list[nn.Module], result: nn.Module,
-               plain: Optional[nn.Module]) -> None:
+    def report(
+        self, record: dict[str, Any], models: list[nn.Module], result: nn.Module, plain: Optional[nn.Module]
+    ) -> None:
         """With ``report_data``: each client's loss, the aggregate's, its excess over the mean client,
         the plain average's (when built) and the clients' output ensemble's loss and accuracy."""
         if self.report_data is None:

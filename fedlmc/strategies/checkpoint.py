@@ -6,6 +6,7 @@ Saved: the round number, the global arrays and their config, the strategy's per-
 per-client alignment state (``HeteroWidthFedAvg``'s transform of every node into the universe), the
 metrics document, and the server's RNG states (torch, Python).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,15 @@ def save_state(path: Path, server_round: int, arrays: ArrayRecord, strategy, met
         save_file(tensors, str(tmp / TRANSFORMS))
     save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     extra = {k: v for k, v in kept.items() if k not in ("global_config", "history", "transforms")}
-    doc = {"round": server_round, "global_config": kept["global_config"], "history": kept["history"],
-           "transform_info": infos, "metrics": metrics, "python_random": _py_state(), "strategy": extra}
+    doc = {
+        "round": server_round,
+        "global_config": kept["global_config"],
+        "history": kept["history"],
+        "transform_info": infos,
+        "metrics": metrics,
+        "python_random": _py_state(),
+        "strategy": extra,
+    }
     (tmp / STATE).write_text(json.dumps(doc, default=float))
     for f in tmp.iterdir():  # make the files durable before the swap
         with open(f, "rb") as fh:
@@ -94,5 +102,12 @@ def load_state(path: Path) -> Optional[ServerState]:
     if doc.get("python_random"):
         v, internal, gauss = doc["python_random"]
         random.setstate((v, tuple(internal), gauss))
-    return ServerState(doc["round"], arrays, doc.get("global_config"), doc.get("history", []), doc.get("metrics", {}),
-                       transforms, doc.get("strategy") or {})
+    return ServerState(
+        doc["round"],
+        arrays,
+        doc.get("global_config"),
+        doc.get("history", []),
+        doc.get("metrics", {}),
+        transforms,
+        doc.get("strategy") or {},
+    )

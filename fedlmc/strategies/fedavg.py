@@ -1,5 +1,6 @@
 """The baseline: Flower's FedAvg aggregation, unchanged, with what a fair comparison needs around it; or,
 with ``reduce``, Flower's robust coordinate-wise aggregates (FedMedian, FedTrimmedAvg)."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -7,6 +7,7 @@
 * ``SlicingFedAvg`` — the HeteroFL baseline: clients train index prefixes of one global model; each
   global entry is averaged over the clients whose sub-model contains it.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,9 +64,18 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
     same_shape = False  # replies differ in shape: each is checked against its own declared config
 
-    def __init__(self, *, model: Any = None, matching: Optional[Matching] = None, iterations: int = 3,
-                 device: Optional[str] = None, guard_data=None, guard_batches: Optional[int] = 8,
-                 refine: Optional[Refinement] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        model: Any = None,
+        matching: Optional[Matching] = None,
+        iterations: int = 3,
+        device: Optional[str] = None,
+        guard_data=None,
+        guard_batches: Optional[int] = 8,
+        refine: Optional[Refinement] = None,
+        **kwargs: Any,
+    ) -> None:
         models = list(model) if isinstance(model, (list, tuple)) else None
         super().__init__(model=None if models is not None else model, **kwargs)
         self.adapters: list[HFAdapter] = []
@@ -78,10 +88,14 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         elif self.adapter is not None:
             self.adapters = [self.adapter]
         if any(a.config.arch not in ("gpt2", "vit") for a in self.adapters):
-            raise ValueError("HeteroWidthFedAvg aligns Hugging Face GPT-2 and ViT clients of several widths; "
-                             "Llama-style models (RoPE, grouped-query attention) are not supported yet")
+            raise ValueError(
+                "HeteroWidthFedAvg aligns Hugging Face GPT-2 and ViT clients of several widths; "
+                "Llama-style models (RoPE, grouped-query attention) are not supported yet"
+            )
         if guard_data is not None and self.adapters:
-            raise ValueError("HeteroWidthFedAvg's slicing guard is for fedlmc models; Hugging Face clients are not sliced")
+            raise ValueError(
+                "HeteroWidthFedAvg's slicing guard is for fedlmc models; Hugging Face clients are not sliced"
+            )
         if refine is not None and refine.data is None:
             raise ValueError("HeteroWidthFedAvg(refine=...) needs Refinement(data=...) (a small server-side data set)")
         self.matching = matching if matching is not None else Matching()
@@ -128,8 +142,12 @@ class HeteroWidthFedAvg(FedlmcStrategy):
             pid = declared_partition(reply)
             if pid is not None:
                 self.partition_of[int(reply.metadata.src_node_id)] = pid
-        log(INFO, "HeteroWidthFedAvg: %d of %d new nodes told their partition", sum(n in self.partition_of for n in unknown),
-            len(unknown))
+        log(
+            INFO,
+            "HeteroWidthFedAvg: %d of %d new nodes told their partition",
+            sum(n in self.partition_of for n in unknown),
+            len(unknown),
+        )
 
     def adapter_for(self, msg: Message) -> Optional[HFAdapter]:
         """The adapter whose client shapes the reply has (the widest when none fits: its error names why)."""
@@ -174,24 +192,49 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     def combine(self, server_round, replies, models, weights):
         start = self.start_for(models)
         refine = refine_split(self.refine) if self.refine is not None else None
-        universe, transforms = universe_merge(models, weights, start, matching=self.matching, refine=refine,
-                                              iterations=self.iterations, device=self.device,
-                                              keep_layernorm=bool(self.adapters))  # HF: LayerNorm models
+        universe, transforms = universe_merge(
+            models,
+            weights,
+            start,
+            matching=self.matching,
+            refine=refine,
+            iterations=self.iterations,
+            device=self.device,
+            keep_layernorm=bool(self.adapters),
+        )  # HF: LayerNorm models
         widths = [int(m.config.d_model) for m in models]
-        fields = {"moved": [transform_distance(T, spec_for(universe)) for T in transforms], "widths": widths,
-                  "kept": "aligned", "start": "previous" if start is not None else "reply"}
-        log(INFO, "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d", server_round,
-            len(models), sorted(set(widths)), universe.config.d_model)
+        fields = {
+            "moved": [transform_distance(T, spec_for(universe)) for T in transforms],
+            "widths": widths,
+            "kept": "aligned",
+            "start": "previous" if start is not None else "reply",
+        }
+        log(
+            INFO,
+            "HeteroWidthFedAvg round %d: %d replies of widths %s aligned into width %d",
+            server_round,
+            len(models),
+            sorted(set(widths)),
+            universe.config.d_model,
+        )
         nodes = [int(m.metadata.src_node_id) for m in replies]
         previous = self._previous.to_torch_state_dict() if self._previous is not None else {}
-        if (self.guard_data is not None and all(n in self._sliced for n in nodes)  # replies are prefixes of it
-                and all(m.state_dict().keys() == previous.keys() for m in models)):
+        if (
+            self.guard_data is not None
+            and all(n in self._sliced for n in nodes)  # replies are prefixes of it
+            and all(m.state_dict().keys() == previous.keys() for m in models)
+        ):
             sliced = slicing_aggregate(models, weights, previous, self.global_config)
             l_aligned = self.loss(universe, self.guard_data, self.guard_batches)
             l_sliced = self.loss(sliced, self.guard_data, self.guard_batches)
             fields.update(guard_aligned=l_aligned, guard_slicing=l_sliced)
-            log(INFO, "HeteroWidthFedAvg round %d: server loss aligned %.4f vs slicing %.4f", server_round,
-                l_aligned, l_sliced)
+            log(
+                INFO,
+                "HeteroWidthFedAvg round %d: server loss aligned %.4f vs slicing %.4f",
+                server_round,
+                l_aligned,
+                l_sliced,
+            )
             if l_sliced < l_aligned:  # every client slices the new global next round (no projections)
                 self._universe, self.transforms, fields["kept"] = None, {}, "slicing"
                 return sliced, fields, None

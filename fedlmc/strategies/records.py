@@ -1,4 +1,5 @@
 """Between Flower records and fedlmc models: a reply's weights + its model config → a model."""
+
 from __future__ import annotations
 
 import json

@@ -7,6 +7,7 @@ declared config needs, carry extra ones, or have other shapes; any value is NaN 
 weights are absurdly large (overall norm more than ``max_norm_ratio`` times the current global
 model's, or any entry above ``max_abs``).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,9 +40,18 @@ def declared_config(content, default: Optional[dict[str, Any]]) -> dict[str, Any
     return default
 
 
-def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: Optional[dict[str, Any]],
-                reference_norm: Optional[float] = None, same_shape: bool = True, max_norm_ratio: float = 100.0,
-                max_abs: float = 1e6, adapter=None) -> tuple[dict[str, Any], dict[str, torch.Tensor], float]:
+def check_reply(
+    content,
+    *,
+    arrays_key: str,
+    weight_key: str,
+    reference_config: Optional[dict[str, Any]],
+    reference_norm: Optional[float] = None,
+    same_shape: bool = True,
+    max_norm_ratio: float = 100.0,
+    max_abs: float = 1e6,
+    adapter=None,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], float]:
     """Return (config, state dict, weight) of a valid reply, else raise ``InvalidReply``. With an
     ``adapter`` (``fedlmc.hf.HFAdapter``) the reply is under the client model's own keys: it is checked
     against that model's keys and shapes, and its state dict is returned in fedlmc's keys."""
@@ -49,21 +59,39 @@ def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: 
     if not metrics or weight_key not in metrics[0]:
         raise InvalidReply(f"its metrics have no '{weight_key}'")
     weight = metrics[0][weight_key]
-    if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(float(weight))
-            or float(weight) <= 0 or float(weight) != int(weight)):
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, (int, float))
+        or not math.isfinite(float(weight))
+        or float(weight) <= 0
+        or float(weight) != int(weight)
+    ):
         raise InvalidReply(f"'{weight_key}' is {weight!r}, not a positive whole number of examples")
     if arrays_key not in content.array_records:
         raise InvalidReply(f"it carries no ArrayRecord '{arrays_key}'")
     cfg = adapter.config.to_dict() if adapter is not None else declared_config(content, reference_config)
     if reference_config is not None and adapter is None:
-        for key in ("arch", "n_layer", "vocab_size", "block_size", "image_size", "patch_size", "channels", "num_classes"):
+        for key in (
+            "arch",
+            "n_layer",
+            "vocab_size",
+            "block_size",
+            "image_size",
+            "patch_size",
+            "channels",
+            "num_classes",
+        ):
             if key in reference_config and cfg.get(key) != reference_config[key]:
-                raise InvalidReply(f"its model config has {key}={cfg.get(key)!r}, the federation's is {reference_config[key]!r}")
+                raise InvalidReply(
+                    f"its model config has {key}={cfg.get(key)!r}, the federation's is {reference_config[key]!r}"
+                )
         if same_shape:
             for key in ("d_model", "n_head", "d_ff", "d_head"):
                 if cfg.get(key) != reference_config.get(key):
-                    raise InvalidReply(f"its width {key}={cfg.get(key)!r} does not match the global model's "
-                                       f"{reference_config.get(key)!r} (use HeteroWidthFedAvg for mixed widths)")
+                    raise InvalidReply(
+                        f"its width {key}={cfg.get(key)!r} does not match the global model's "
+                        f"{reference_config.get(key)!r} (use HeteroWidthFedAvg for mixed widths)"
+                    )
     try:
         template = adapter.template if adapter is not None else from_config(cfg).state_dict()
     except (ValueError, TypeError, KeyError) as e:
@@ -93,10 +121,11 @@ def check_reply(content, *, arrays_key: str, weight_key: str, reference_config: 
         if peak > max_abs:
             raise InvalidReply(f"{k} has an entry of magnitude {peak:.3g} (> {max_abs:.0g})")
         total += float(v.double().pow(2).sum())
-    norm = total ** 0.5
+    norm = total**0.5
     if reference_norm is not None and reference_norm > 0 and norm > max_norm_ratio * reference_norm:
-        raise InvalidReply(f"its weight norm {norm:.3g} is {norm / reference_norm:.0f}× the global model's "
-                           f"(limit {max_norm_ratio:g}×)")
+        raise InvalidReply(
+            f"its weight norm {norm:.3g} is {norm / reference_norm:.0f}× the global model's (limit {max_norm_ratio:g}×)"
+        )
     if adapter is not None:
         sd = adapter.to_fedlmc(sd).state_dict()
     return cfg, sd, float(weight)

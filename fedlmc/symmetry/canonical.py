@@ -10,6 +10,7 @@ symmetry spec's writer/reader roles, so any architecture with a spec gets it.
 ``apply_transform`` lives here because it needs the canonical form: the residual group acts on it,
 so a LayerNorm model is canonicalised (exactly) before a residual map is applied.
 """
+
 from __future__ import annotations
 
 import torch
@@ -111,8 +112,10 @@ def to_layernorm(model: nn.Module, tol: float = 1e-6) -> nn.Module:
         model = canonicalize(model)
     off = residual_offcentre(model)
     if off > tol:
-        raise ValueError(f"residual stream is not centred (off-centre {off:.2e} > {tol:.0e}); "
-                         "only transforms with O·1 = 1 keep a model convertible to LayerNorm")
+        raise ValueError(
+            f"residual stream is not centred (off-centre {off:.2e} > {tol:.0e}); "
+            "only transforms with O·1 = 1 keep a model convertible to LayerNorm"
+        )
     sd = dict(model.state_dict())
     ref = next(model.parameters())
     for norm in spec_for(cfg).norms:

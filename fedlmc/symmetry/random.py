@@ -1,4 +1,5 @@
 """Random group elements (Haar orthogonal maps, permutations, invertible gauges) and inverses."""
+
 from __future__ import annotations
 
 from typing import Iterable, Optional, Union
@@ -12,7 +13,9 @@ from .spec import SymmetrySpec, spec_for
 from .transform import Transform, perm_matrix
 
 
-def random_orthogonal(d_new: int, d: int, generator: torch.Generator, dtype=torch.float64, fix_ones: bool = False) -> torch.Tensor:
+def random_orthogonal(
+    d_new: int, d: int, generator: torch.Generator, dtype=torch.float64, fix_ones: bool = False
+) -> torch.Tensor:
     """A Haar-random ``d_new x d`` matrix with orthonormal columns. ``fix_ones`` requires d_new == d and O·1 = 1."""
     if fix_ones:
         if d_new != d:
@@ -33,7 +36,9 @@ def ones_basis(d: int, dtype=torch.float64) -> torch.Tensor:
     return Q * torch.sign(Q[0, 0])
 
 
-def random_invertible(count: int, k: int, generator: torch.Generator, dtype=torch.float64, spread: float = 0.5) -> torch.Tensor:
+def random_invertible(
+    count: int, k: int, generator: torch.Generator, dtype=torch.float64, spread: float = 0.5
+) -> torch.Tensor:
     """``count`` well-conditioned random ``k x k`` matrices (singular values in ``exp([-spread, spread])``)."""
     U = torch.linalg.qr(torch.randn(count, k, k, generator=generator, dtype=dtype))[0]
     V = torch.linalg.qr(torch.randn(count, k, k, generator=generator, dtype=dtype))[0]

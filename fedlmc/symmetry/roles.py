@@ -15,6 +15,7 @@ elementwise FF nonlinearity; norms are built with ``fedlmc.models.layers.make_no
 canonical form can swap LayerNorm for RMSNorm; the config subclasses ``TransformerConfig``.
 ``tests/test_roles.py`` runs a module whose names match none of fedlmc's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,9 +45,17 @@ class Roles:
 
     def modules(self, n_layer: int) -> dict[str, str]:
         """fedlmc's module name → yours, for every layer."""
-        ours = {"blocks.{l}": self.layer, "blocks.{l}.attn.q": self.q, "blocks.{l}.attn.k": self.k,
-                "blocks.{l}.attn.v": self.v, "blocks.{l}.attn.o": self.o, "blocks.{l}.mlp.fc1": self.ff_in,
-                "blocks.{l}.mlp.fc2": self.ff_out, "blocks.{l}.ln1": self.norm1, "blocks.{l}.ln2": self.norm2}
+        ours = {
+            "blocks.{l}": self.layer,
+            "blocks.{l}.attn.q": self.q,
+            "blocks.{l}.attn.k": self.k,
+            "blocks.{l}.attn.v": self.v,
+            "blocks.{l}.attn.o": self.o,
+            "blocks.{l}.mlp.fc1": self.ff_in,
+            "blocks.{l}.mlp.fc2": self.ff_out,
+            "blocks.{l}.ln1": self.norm1,
+            "blocks.{l}.ln2": self.norm2,
+        }
         out = {k.format(l=l): v.format(l=l) for l in range(n_layer) for k, v in ours.items()}
         out.update({"ln_f": self.final_norm, "head": self.head})
         return out

@@ -8,6 +8,7 @@ that is the commutant of the 2×2 rotations: ``A`` acts on each frequency pair a
 ``[[a, -b], [b, a]]`` (a nonzero complex number) and mixes no pairs. A general invertible map does not
 commute (tested), and the OV gauge is untouched by RoPE (values are not rotated).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,16 +33,18 @@ def rope_gauge(angle: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return G
 
 
-def random_rope_gauge(count: int, size: int, generator: torch.Generator, dtype=torch.float64,
-                      spread: float = 0.5) -> torch.Tensor:
+def random_rope_gauge(
+    count: int, size: int, generator: torch.Generator, dtype=torch.float64, spread: float = 0.5
+) -> torch.Tensor:
     """Random scaled rotations per frequency pair (scales in ``exp([-spread, spread])``)."""
     angle = torch.rand(count, size // 2, generator=generator, dtype=dtype) * 2 * math.pi
     scale = torch.exp((torch.rand(count, size // 2, generator=generator, dtype=dtype) * 2 - 1) * spread)
     return rope_gauge(angle, scale)
 
 
-def rope_fit(XA: torch.Tensor, XB: torch.Tensor, YA: torch.Tensor, YB: torch.Tensor,
-             scaled: bool = False) -> torch.Tensor:
+def rope_fit(
+    XA: torch.Tensor, XB: torch.Tensor, YA: torch.Tensor, YB: torch.Tensor, scaled: bool = False
+) -> torch.Tensor:
     """The RoPE gauge ``G`` (batched over heads) minimising ``‖G X_B − X_A‖² + ‖Gᵀ Y_A − Y_B‖²`` (the
     direct side maps by G, the inverse side by G⁻ᵀ; factors are ``(count, d_head, ·)``). The problem
     separates over frequency pairs and, in each, is linear in ``(a, b)`` of ``[[a, -b], [b, a]]`` with

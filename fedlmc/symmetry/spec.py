@@ -16,6 +16,7 @@ Every member says which matrix acts on the vectors that lie along its axis: ``M`
 or ``M^{-T}`` of the group element M. Permutations are stored as index tensors with the convention
 ``new[i] = old[perm[i]]`` (the permutation matrix P has ``P[i, perm[i]] = 1``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -98,12 +99,17 @@ class SymmetrySpec:
     def renamed(self, rename: Callable[[str], str], arch: Optional[str] = None) -> "SymmetrySpec":
         """The same spec for a model whose parameters and modules are named ``rename(name)``: how an
         architecture with the same mathematics under other names describes itself."""
+
         def member(m: Member) -> Member:
             return replace(m, param=rename(m.param), norm=m.norm and rename(m.norm), bias=m.bias and rename(m.bias))
-        groups = {n: replace(g, members=[member(m) for m in g.members], probe=g.probe and rename(g.probe))
-                  for n, g in self.groups.items()}
-        return SymmetrySpec(arch or self.arch, groups, [rename(n) for n in self.norms],
-                            [rename(p) for p in self.residual_probes])
+
+        groups = {
+            n: replace(g, members=[member(m) for m in g.members], probe=g.probe and rename(g.probe))
+            for n, g in self.groups.items()
+        }
+        return SymmetrySpec(
+            arch or self.arch, groups, [rename(n) for n in self.norms], [rename(p) for p in self.residual_probes]
+        )
 
     def gauges_of(self, heads: str) -> dict[str, Group]:
         """The gauge groups that follow heads group ``heads``, by kind ("qk", "ov")."""
@@ -153,23 +159,50 @@ def transformer_spec(cfg: TransformerConfig, embed_writers: list[Member], head: 
         ln1, ln2 = f"{b}.ln1", f"{b}.ln2"
         norms += [ln1, ln2]
         residual += _norm_members(cfg, ln1) + _norm_members(cfg, ln2)
-        residual += [Member(f"{b}.attn.{p}.weight", 1, role="reader", norm=ln1, bias=f"{b}.attn.{p}.bias") for p in "qkv"]
+        residual += [
+            Member(f"{b}.attn.{p}.weight", 1, role="reader", norm=ln1, bias=f"{b}.attn.{p}.bias") for p in "qkv"
+        ]
         residual += [Member(f"{b}.attn.o.weight", 0, role="writer"), Member(f"{b}.attn.o.bias", 0, role="writer")]
         residual += [Member(f"{b}.mlp.fc1.weight", 1, role="reader", norm=ln2, bias=f"{b}.mlp.fc1.bias")]
         residual += [Member(f"{b}.mlp.fc2.weight", 0, role="writer"), Member(f"{b}.mlp.fc2.bias", 0, role="writer")]
         qkv = [Member(f"{b}.attn.{p}.{t}", 0, block=dh) for p in "qkv" for t in ("weight", "bias")]
         out = Member(f"{b}.attn.o.weight", 1, block=dh, role="out")
         groups[f"heads.{l}"] = Group(f"heads.{l}", "permutation", H, qkv + [out], l, probe=f"{b}.attn.o")
-        groups[f"qk.{l}"] = Group(f"qk.{l}", "gauge", dh, [
-            Member(f"{b}.attn.q.weight", 0, "MT", dh), Member(f"{b}.attn.q.bias", 0, "MT", dh),
-            Member(f"{b}.attn.k.weight", 0, "Minv", dh), Member(f"{b}.attn.k.bias", 0, "Minv", dh)], l, count=H,
-            heads=f"heads.{l}")
-        groups[f"ov.{l}"] = Group(f"ov.{l}", "gauge", dh, [
-            Member(f"{b}.attn.v.weight", 0, "M", dh), Member(f"{b}.attn.v.bias", 0, "M", dh),
-            Member(f"{b}.attn.o.weight", 1, "MinvT", dh)], l, count=H, heads=f"heads.{l}")
-        groups[f"ff.{l}"] = Group(f"ff.{l}", "permutation", cfg.d_ff, [
-            Member(f"{b}.mlp.fc1.weight", 0), Member(f"{b}.mlp.fc1.bias", 0), Member(f"{b}.mlp.fc2.weight", 1)], l,
-            probe=f"{b}.mlp.fc2")
+        groups[f"qk.{l}"] = Group(
+            f"qk.{l}",
+            "gauge",
+            dh,
+            [
+                Member(f"{b}.attn.q.weight", 0, "MT", dh),
+                Member(f"{b}.attn.q.bias", 0, "MT", dh),
+                Member(f"{b}.attn.k.weight", 0, "Minv", dh),
+                Member(f"{b}.attn.k.bias", 0, "Minv", dh),
+            ],
+            l,
+            count=H,
+            heads=f"heads.{l}",
+        )
+        groups[f"ov.{l}"] = Group(
+            f"ov.{l}",
+            "gauge",
+            dh,
+            [
+                Member(f"{b}.attn.v.weight", 0, "M", dh),
+                Member(f"{b}.attn.v.bias", 0, "M", dh),
+                Member(f"{b}.attn.o.weight", 1, "MinvT", dh),
+            ],
+            l,
+            count=H,
+            heads=f"heads.{l}",
+        )
+        groups[f"ff.{l}"] = Group(
+            f"ff.{l}",
+            "permutation",
+            cfg.d_ff,
+            [Member(f"{b}.mlp.fc1.weight", 0), Member(f"{b}.mlp.fc1.bias", 0), Member(f"{b}.mlp.fc2.weight", 1)],
+            l,
+            probe=f"{b}.mlp.fc2",
+        )
     norms.append("ln_f")
     residual += _norm_members(cfg, "ln_f")
     residual.append(Member(f"{head}.weight", 1, role="reader", norm="ln_f", bias=f"{head}.bias"))
@@ -178,11 +211,24 @@ def transformer_spec(cfg: TransformerConfig, embed_writers: list[Member], head: 
     return SymmetrySpec(cfg.arch, all_groups, norms, [f"blocks.{l}" for l in range(cfg.n_layer)])
 
 
-register_spec("gpt2", lambda cfg: transformer_spec(
-    cfg, [Member("tok_emb.weight", 1, role="writer"), Member("pos_emb", 1, role="writer")]))
-register_spec("vit", lambda cfg: transformer_spec(cfg, [
-    Member("patch_emb.weight", 0, role="writer"), Member("patch_emb.bias", 0, role="writer"),
-    Member("cls_token", 2, role="writer"), Member("pos_emb", 1, role="writer")]))
+register_spec(
+    "gpt2",
+    lambda cfg: transformer_spec(
+        cfg, [Member("tok_emb.weight", 1, role="writer"), Member("pos_emb", 1, role="writer")]
+    ),
+)
+register_spec(
+    "vit",
+    lambda cfg: transformer_spec(
+        cfg,
+        [
+            Member("patch_emb.weight", 0, role="writer"),
+            Member("patch_emb.bias", 0, role="writer"),
+            Member("cls_token", 2, role="writer"),
+            Member("pos_emb", 1, role="writer"),
+        ],
+    ),
+)
 
 
 def llama_spec(cfg) -> SymmetrySpec:
@@ -204,20 +250,57 @@ def llama_spec(cfg) -> SymmetrySpec:
         residual += [Member(f"{b}.attn.o.weight", 0, role="writer"), Member(f"{b}.mlp.down.weight", 0, role="writer")]
         q, k, v = (f"{b}.attn.{p}.weight" for p in "qkv")
         o = f"{b}.attn.o.weight"
-        groups[f"heads.{l}"] = Group(f"heads.{l}", "permutation", Hkv, [
-            Member(q, 0, block=dh, repeat=rep), Member(k, 0, block=dh), Member(v, 0, block=dh),
-            Member(o, 1, block=dh, role="out", repeat=rep)], l, probe=f"{b}.attn.o")
-        groups[f"qk.{l}"] = Group(f"qk.{l}", "gauge", dh, [Member(q, 0, "MT", dh, repeat=rep), Member(k, 0, "Minv", dh)],
-                                  l, count=Hkv, heads=f"heads.{l}", structure="rope")
-        groups[f"ov.{l}"] = Group(f"ov.{l}", "gauge", dh, [Member(v, 0, "M", dh), Member(o, 1, "MinvT", dh, repeat=rep)],
-                                  l, count=Hkv, heads=f"heads.{l}")
+        groups[f"heads.{l}"] = Group(
+            f"heads.{l}",
+            "permutation",
+            Hkv,
+            [
+                Member(q, 0, block=dh, repeat=rep),
+                Member(k, 0, block=dh),
+                Member(v, 0, block=dh),
+                Member(o, 1, block=dh, role="out", repeat=rep),
+            ],
+            l,
+            probe=f"{b}.attn.o",
+        )
+        groups[f"qk.{l}"] = Group(
+            f"qk.{l}",
+            "gauge",
+            dh,
+            [Member(q, 0, "MT", dh, repeat=rep), Member(k, 0, "Minv", dh)],
+            l,
+            count=Hkv,
+            heads=f"heads.{l}",
+            structure="rope",
+        )
+        groups[f"ov.{l}"] = Group(
+            f"ov.{l}",
+            "gauge",
+            dh,
+            [Member(v, 0, "M", dh), Member(o, 1, "MinvT", dh, repeat=rep)],
+            l,
+            count=Hkv,
+            heads=f"heads.{l}",
+        )
         if rep > 1:
-            groups[f"qheads.{l}"] = Group(f"qheads.{l}", "permutation", cfg.n_head, [
-                Member(q, 0, block=dh), Member(o, 1, block=dh, role="out")], l, count=Hkv, heads=f"heads.{l}",
-                structure="within")
-        groups[f"ff.{l}"] = Group(f"ff.{l}", "permutation", cfg.d_ff, [
-            Member(f"{b}.mlp.gate.weight", 0), Member(f"{b}.mlp.up.weight", 0), Member(f"{b}.mlp.down.weight", 1)],
-            l, probe=f"{b}.mlp.down")
+            groups[f"qheads.{l}"] = Group(
+                f"qheads.{l}",
+                "permutation",
+                cfg.n_head,
+                [Member(q, 0, block=dh), Member(o, 1, block=dh, role="out")],
+                l,
+                count=Hkv,
+                heads=f"heads.{l}",
+                structure="within",
+            )
+        groups[f"ff.{l}"] = Group(
+            f"ff.{l}",
+            "permutation",
+            cfg.d_ff,
+            [Member(f"{b}.mlp.gate.weight", 0), Member(f"{b}.mlp.up.weight", 0), Member(f"{b}.mlp.down.weight", 1)],
+            l,
+            probe=f"{b}.mlp.down",
+        )
     norms.append("ln_f")
     residual.append(Member("head.weight", 1, role="reader", norm="ln_f"))
     all_groups = {"residual": Group("residual", "orthogonal", cfg.d_model, residual)}
@@ -234,5 +317,3 @@ def spec_for(model: Union[nn.Module, TransformerConfig]) -> SymmetrySpec:
     if cfg is None or getattr(cfg, "arch", None) not in _BUILDERS:
         raise ValueError(f"no symmetry spec for {type(model).__name__}; known architectures: {sorted(_BUILDERS)}")
     return _BUILDERS[cfg.arch](cfg)
-
-

@@ -9,6 +9,7 @@ One representation per group kind, read from the spec (never from a tensor's dty
 - ``gauge``: a float tensor of per-head invertible matrices ``(count, size, size)``.
 The learned optimiser differentiates through a *relaxed* action (``relaxed=True``) in which a
 permutation group's element is a (straight-through) float matrix instead."""
+
 from __future__ import annotations
 
 import math
@@ -62,13 +63,16 @@ class Transform:
 
     def to(self, dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> "Transform":
         """Float elements to ``dtype``/``device``; permutations stay integer."""
-        out = {k: v.to(device=device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
-               for k, v in self.elements.items()}
+        out = {
+            k: v.to(device=device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
+            for k, v in self.elements.items()
+        }
         return Transform(out, width_map=self.width_map)
 
 
 # --------------------------------------------------------------------------------------------------
 # The action.
+
 
 def _matrix(M: torch.Tensor, fn: str) -> torch.Tensor:
     if fn == "M":
@@ -166,8 +170,10 @@ def check_element(group: Group, element: torch.Tensor, relaxed: bool = False) ->
     else:
         raise ValueError(f"unknown group kind {group.kind!r}")
     if not ok:
-        raise ValueError(f"group {group.name!r} ({group.kind}, size {group.size}) got an element of shape "
-                         f"{tuple(element.shape)} and dtype {element.dtype}")
+        raise ValueError(
+            f"group {group.name!r} ({group.kind}, size {group.size}) got an element of shape "
+            f"{tuple(element.shape)} and dtype {element.dtype}"
+        )
 
 
 def act(sd: StateDict, group: Group, element: torch.Tensor, relaxed: bool = False) -> StateDict:
@@ -187,7 +193,11 @@ def act(sd: StateDict, group: Group, element: torch.Tensor, relaxed: bool = Fals
             out[m.param] = _GatherStraightThrough.apply(t, element, gather, m.axis, m.block * m.repeat)
         elif group.kind == "permutation" and relaxed:
             size = m.block * m.repeat
-            P = torch.kron(element, torch.eye(size, dtype=element.dtype, device=element.device)) if size > 1 else element
+            P = (
+                torch.kron(element, torch.eye(size, dtype=element.dtype, device=element.device))
+                if size > 1
+                else element
+            )
             out[m.param] = _apply_along(t, m.axis, P)
         elif group.kind == "permutation":
             out[m.param] = _permute_along(t, m.axis, element, m.block * m.repeat)
@@ -214,8 +224,9 @@ def _act_orthogonal(sd: StateDict, group: Group, element: torch.Tensor) -> State
     return out
 
 
-def apply_to_state(sd: StateDict, cfg: TransformerConfig, transform: Transform,
-                   relaxed: bool = False) -> tuple[StateDict, TransformerConfig]:
+def apply_to_state(
+    sd: StateDict, cfg: TransformerConfig, transform: Transform, relaxed: bool = False
+) -> tuple[StateDict, TransformerConfig]:
     """Apply ``transform`` to a state dict of config ``cfg``; returns the new state dict and config
     (``relaxed``: see ``act``)."""
     spec = spec_for(cfg)
@@ -239,7 +250,9 @@ def rebuild(model: nn.Module, sd: StateDict, cfg: Optional[TransformerConfig] = 
     with torch.device("meta"):  # no random init of weights that are overwritten right away
         new = from_config(cfg or model.config)
     # copy=True: the new model must never share storage with the one it came from
-    new.load_state_dict({k: v.detach().to(device=ref.device, dtype=ref.dtype, copy=True) for k, v in sd.items()}, assign=True)
+    new.load_state_dict(
+        {k: v.detach().to(device=ref.device, dtype=ref.dtype, copy=True) for k, v in sd.items()}, assign=True
+    )
     new.train(model.training)
     if hasattr(model, "meta"):
         new.meta = dict(model.meta)

@@ -5,11 +5,16 @@ log and in the run's status on the SuperLink (``finished:failed``). This wrapper
 with ``--stream``, passes its output through, then asks the SuperLink (``flwr ls --run-id``) how the
 run ended and exits non-zero unless it completed::
 
-    python -m simulations.launch . [SUPERLINK] [flwr run options...]
+    fedlmc run APP_DIR [SUPERLINK] [flwr run options...]      # any Flower app
+    python -m fedlmc.launch APP_DIR [SUPERLINK] [flwr run options...]
 
 A local SuperLink that ``flwr run`` started for this run (``flwr run .`` without a SuperLink of
-one's own) is stopped when the run ends. It is what ``make run`` and the deployment tests use.
+one's own) is stopped when the run ends. It sets what a run on a shared machine needs unless the
+environment says otherwise: no runtime dependency install by the SuperLink (it would fetch a CUDA
+torch), short Ray socket paths, telemetry off, Ray workers at normal priority. It is what ``make run``
+and the deployment tests use.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +35,7 @@ def run_status(run_id: int, superlink: Optional[str], timeout: float = 60) -> st
     cmd = ["flwr", "ls", *([superlink] if superlink else []), "--run-id", str(run_id), "--format", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).stdout
     try:
-        runs = json.loads(out[out.index("{"):]).get("runs", [])
+        runs = json.loads(out[out.index("{") :]).get("runs", [])
     except ValueError:
         return "unknown"
     return str(runs[0].get("status", "unknown")) if runs else "unknown"
@@ -94,8 +99,13 @@ def launch(args: list[str], timeout: Optional[float] = None) -> int:
     home = Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")).expanduser().resolve()
     before = local_superlinks(home)
     # a local SuperLink started by ``flwr run`` runs the simulation with this environment: ClientApp
-    # actors at normal priority, not Ray's nice 15 (see ``simulate.ray_env``)
+    # actors at normal priority, not Ray's nice 15; no dependency install; Ray's socket paths short
     os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    if not os.environ.get("RAY_TMPDIR"):
+        os.environ["RAY_TMPDIR"] = f"/tmp/ray-{os.getuid()}"
+        Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     try:
         return _run_and_check(args, timeout)
     finally:
@@ -105,8 +115,9 @@ def launch(args: list[str], timeout: Optional[float] = None) -> int:
 
 def _submit(args: list[str], timeout: Optional[float]) -> tuple[int, Optional[int]]:
     """``flwr run ARGS --stream`` with its output passed through: (exit code, run id if one was made)."""
-    proc = subprocess.Popen(["flwr", "run", *args, "--stream"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1)
+    proc = subprocess.Popen(
+        ["flwr", "run", *args, "--stream"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
     run_id = None
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -124,8 +135,10 @@ def _run_and_check(args: list[str], timeout: Optional[float], attempts: int = 3)
         # SuperLink can time out and it gives up), so trying again cannot run anything twice.
         if code == 0 or run_id is not None or attempt == attempts - 1:
             break
-        print(f"fedlmc: flwr run exited {code} before submitting a run; trying again ({attempt + 2}/{attempts})",
-              file=sys.stderr)
+        print(
+            f"fedlmc: flwr run exited {code} before submitting a run; trying again ({attempt + 2}/{attempts})",
+            file=sys.stderr,
+        )
         time.sleep(5)
     if code != 0:
         return code
@@ -139,8 +152,11 @@ def _run_and_check(args: list[str], timeout: Optional[float], attempts: int = 3)
         time.sleep(1)
         status = run_status(run_id, _superlink(args))
     if not status.endswith("completed"):
-        print(f"fedlmc: run {run_id} ended as {status!r}: the ServerApp failed (see the log above and "
-              f"`flwr log {run_id}`)", file=sys.stderr)
+        print(
+            f"fedlmc: run {run_id} ended as {status!r}: the ServerApp failed (see the log above and "
+            f"`flwr log {run_id}`)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -1,0 +1,1 @@
+"""quickstart: a Flower app whose server swaps FedAvg for fedlmc's AlignedFedAvg."""
