@@ -52,3 +52,22 @@ def inputs_for(model: torch.nn.Module, seed: int = 0, batch: int = 3) -> torch.T
     if hasattr(cfg, "vocab_size"):  # a language model (gpt2, llama)
         return torch.randint(0, cfg.vocab_size, (batch, min(cfg.block_size, 16)), generator=g)
     return torch.randn(batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g, dtype=torch.float64)
+
+
+def metadata(src: int, dst: int = 0, message_type: str = "train", message_id: str = "", ttl: float = 3600.0):
+    """Flower message metadata for a crafted reply (from node ``src``) or query (to node ``dst``)."""
+    import time
+
+    from flwr.app import Metadata
+
+    return Metadata(
+        run_id=1,
+        message_id=message_id or f"m{src}",
+        src_node_id=src,
+        dst_node_id=dst,
+        reply_to_message_id="i",
+        group_id="1",
+        created_at=time.time(),
+        ttl=ttl,
+        message_type=message_type,
+    )

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+from conftest import metadata
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -64,17 +64,7 @@ DIGITS = load("digits")
 
 
 def _message(content=None, node: int = 1, error: bool = False) -> Message:
-    md = Metadata(
-        run_id=1,
-        message_id=f"m{node}",
-        src_node_id=node,
-        dst_node_id=0,
-        reply_to_message_id="i",
-        group_id="1",
-        created_at=time.time(),
-        ttl=3600.0,
-        message_type=MessageType.TRAIN,
-    )
+    md = metadata(node)
     if error:
         return Message(error=Error(code=5, reason="Node Unavailable"), metadata=md)
     return Message(content=content, metadata=md)

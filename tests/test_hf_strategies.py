@@ -3,35 +3,22 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+import transformers
+from conftest import metadata
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from test_hf import hf_gpt2, hf_llama, hf_vit, inputs, logits, shaken
 
-transformers = pytest.importorskip("transformers")
-
-from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict  # noqa: E402
-from test_hf import hf_gpt2, hf_llama, hf_vit, inputs, logits, shaken  # noqa: E402
-
-from fedlmc.hf import from_hf  # noqa: E402
-from fedlmc.options import Refinement  # noqa: E402
-from fedlmc.strategies import AlignedFedAvg  # noqa: E402
-from fedlmc.symmetry import apply_transform, random_transform, to_layernorm  # noqa: E402
+from fedlmc.hf import from_hf
+from fedlmc.options import Refinement
+from fedlmc.strategies import AlignedFedAvg
+from fedlmc.symmetry import apply_transform, random_transform, to_layernorm
 
 
 def reply(state: dict, n: int, node: int) -> Message:
     content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": n})})
-    md = Metadata(
-        run_id=1,
-        message_id=f"m{node}",
-        src_node_id=node,
-        dst_node_id=0,
-        reply_to_message_id="",
-        group_id="1",
-        created_at=time.time(),
-        ttl=3600.0,
-        message_type=MessageType.TRAIN,
-    )
+    md = metadata(node)
     return Message(content=content, metadata=md)
 
 

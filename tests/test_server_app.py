@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Error, Message, MessageType, Metadata
+from conftest import metadata
+from flwr.app import Error, Message
 
 from fedlmc import io
 from fedlmc.federated import Settings, global_model
@@ -46,17 +46,7 @@ class ScriptedGrid:
 
 def node_unavailable(msg: Message) -> Message:
     """The reply the SuperLink makes for a node that stopped sending heartbeats."""
-    md = Metadata(
-        run_id=1,
-        message_id="",
-        src_node_id=msg.metadata.dst_node_id,
-        dst_node_id=0,
-        reply_to_message_id="x",
-        group_id="1",
-        created_at=time.time(),
-        ttl=60.0,
-        message_type=MessageType.TRAIN,
-    )
+    md = metadata(msg.metadata.dst_node_id, message_id="", ttl=60.0)
     return Message(error=Error(code=5, reason="Node Unavailable"), metadata=md)
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Optional
 
 import pytest
 import torch
-from conftest import perturbed
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from conftest import metadata, perturbed
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedlmc.models import from_preset
@@ -32,17 +31,7 @@ def _reply(model, n: int, node: int = 1, partition: Optional[int] = None) -> Mes
     )
     if partition is not None:
         content["client"] = ConfigRecord({"partition-id": partition})
-    md = Metadata(
-        run_id=1,
-        message_id=f"m{node}",
-        src_node_id=node,
-        dst_node_id=0,
-        reply_to_message_id="i",
-        group_id="1",
-        created_at=time.time(),
-        ttl=3600.0,
-        message_type=MessageType.TRAIN,
-    )
+    md = metadata(node)
     return Message(content=content, metadata=md)
 
 
@@ -390,17 +379,7 @@ class _RenumberedGrid:
             node = m.metadata.dst_node_id
             self.queried.append(node)
             content = RecordDict({"client": ConfigRecord({"partition-id": self.partitions[node]})})
-            md = Metadata(
-                run_id=1,
-                message_id=f"q{node}",
-                src_node_id=node,
-                dst_node_id=0,
-                reply_to_message_id="q",
-                group_id="1",
-                created_at=time.time(),
-                ttl=60.0,
-                message_type=MessageType.QUERY,
-            )
+            md = metadata(node, message_type=MessageType.QUERY, message_id=f"q{node}", ttl=60.0)
             out.append(Message(content=content, metadata=md))
         return out
 
@@ -455,17 +434,7 @@ def test_client_app_answers_which_partition_it_holds(monkeypatch):
 
     for attr, value in (("_run_id", 1), ("_node_id", 7), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
-    md = Metadata(
-        run_id=1,
-        message_id="q",
-        src_node_id=0,
-        dst_node_id=7,
-        reply_to_message_id="",
-        group_id="1",
-        created_at=time.time(),
-        ttl=60.0,
-        message_type=MessageType.QUERY,
-    )
+    md = metadata(0, dst=7, message_type=MessageType.QUERY, message_id="q", ttl=60.0)
     ctx = Context(
         run_id=1, node_id=7, node_config={"partition-id": 3, "num-partitions": 4}, state=RecordDict(), run_config={}
     )

@@ -5,12 +5,12 @@ reply is silently excluded."""
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import torch
 import torch.nn as nn
-from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from conftest import metadata
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedlmc.models import from_preset
 from fedlmc.options import Refinement
@@ -29,17 +29,7 @@ class Net(nn.Module):
 def _reply(model: nn.Module, n: int, node: int) -> Message:
     """A reply as Flower's PyTorch quickstart ClientApp sends it: arrays and num-examples, nothing else."""
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": n})})
-    md = Metadata(
-        run_id=1,
-        message_id=f"m{node}",
-        src_node_id=node,
-        dst_node_id=0,
-        reply_to_message_id="i",
-        group_id="1",
-        created_at=time.time(),
-        ttl=3600.0,
-        message_type=MessageType.TRAIN,
-    )
+    md = metadata(node)
     return Message(content=content, metadata=md)
 
 
@@ -76,3 +66,20 @@ def test_fallback_average_averages_plainly_and_warns_every_round(caplog):
         for k, v in a.state_dict().items():
             assert torch.allclose(out[k], 0.25 * v + 0.75 * b.state_dict()[k], atol=1e-6)
         assert any(f"round {rnd}: averaging plainly" in r.getMessage() for r in caplog.records)
+
+
+def test_a_users_own_module_as_model_names_roles_and_the_fallback_rescues_it(caplog):
+    """``model=`` a plain ``nn.Module`` (neither fedlmc nor Hugging Face): the constructor says how to
+    describe it (``Roles``) or to average it plainly; with ``fallback="average"`` the federation runs."""
+    with pytest.raises(
+        ValueError, match=r"Net, which is neither a fedlmc nor a Hugging Face.*Roles.*fallback='average'"
+    ):
+        AlignedFedAvg(model=Net(0))
+    strategy = AlignedFedAvg(model=Net(0), fallback="average")
+    caplog.set_level(logging.WARNING)
+    strategy.check_architecture(ArrayRecord(Net(0).state_dict()))
+    a, b = Net(1), Net(2)
+    arrays, _ = strategy.aggregate_train(1, [_reply(a, 10, 1), _reply(b, 10, 2)])
+    out = arrays.to_torch_state_dict()
+    assert all(torch.allclose(out[k], 0.5 * (v + b.state_dict()[k]), atol=1e-6) for k, v in a.state_dict().items())
+    assert any("Roles" in r.getMessage() and "averaging plainly" in r.getMessage() for r in caplog.records)
