@@ -15,8 +15,18 @@ from .base import FedlmcStrategy
 
 class ReportingFedAvg(FedlmcStrategy):
     """Flower's FedAvg aggregation of the replies that pass fedlmc's validation, plus the model config in
-    every message and a per-round history. ``reduce="median"`` / ``"trimmed"`` (``trim`` cut at each end)
-    takes the coordinate-wise median / trimmed mean instead, as Flower's FedMedian / FedTrimmedAvg do."""
+    every message and a per-round history: the baseline the other strategies are compared with.
+
+    Parameters
+    ----------
+    reduce : {"mean", "median", "trimmed"}, default "mean"
+        "median" / "trimmed" take the coordinate-wise median / trimmed mean instead, as Flower's
+        FedMedian / FedTrimmedAvg do.
+    trim : float, default 0.2
+        "trimmed": the fraction cut at each end of every coordinate.
+    **kwargs
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
+    """
 
     def __init__(self, *, reduce: str = "mean", trim: float = 0.2, **kwargs: Any) -> None:
         super().__init__(**kwargs)

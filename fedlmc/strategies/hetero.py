@@ -253,7 +253,14 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
 class SlicingFedAvg(FedlmcStrategy):
     """HeteroFL-style baseline for mixed widths: clients train index prefixes of the global model
-    (they slice what they receive); aggregation averages each entry over the clients that hold it."""
+    (they slice what they receive); aggregation averages each entry over the clients that hold it.
+
+    Parameters
+    ----------
+    **kwargs
+        ``FedlmcStrategy``'s parameters (``model``: the global, widest model or config, required) and
+        Flower's ``FedAvg``'s.
+    """
 
     needs_architecture = True
 
