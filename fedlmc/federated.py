@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -57,26 +57,25 @@ class Settings:
     width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
     iterations: int = 3  # universe iterations
     residual: str = "orthogonal"  # Matching.residual
-    form: str = "factored"
-    keep_layernorm: bool = True
     guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
-    guard_batches: int = 8
     refine_steps: int = _DEFAULT_REFINE.steps  # Refinement.steps, at most: the refinement stops on its objective
     eval_batches: int = 0  # 0: the whole test split
     out_dir: str = "runs/flwr"
     round_timeout: float = 3600.0
     device: str = ""
     resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
-    hf: bool = False  # clients train the preset's Hugging Face twin (GPT2LMHeadModel, ...) under its own keys
-    threads: int = (
-        1  # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy 2-core host
-    )
-    aggregate_threads: int = (
-        -1
-    )  # torch threads while the server combines a round (0: every core, the clients wait; -1: `threads`)
+    # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy small host
+    threads: int = 1
     reduce: str = "mean"  # mean | median | trimmed: how average / permuted / aligned combine (robust aggregation)
     trim: float = 0.2  # trimmed: the fraction of values cut at each end of every coordinate
     vocab_size: int = 0  # 0: the data's; larger pads the vocabulary (50257: GPT-2-small's 124M parameters)
+
+    # Fixed in the production app; the experiment layer makes each a run_config key (ExperimentSettings).
+    form: ClassVar[str] = "factored"  # the merge's form: factored (the clients' shape) or circuit
+    keep_layernorm: ClassVar[bool] = True  # the global model stays an ordinary LayerNorm model
+    guard_batches: ClassVar[int] = 8  # batches the do-no-harm guard scores
+    aggregate_threads: ClassVar[int] = -1  # torch threads while the server combines a round (-1: `threads`)
+    hf: ClassVar[bool] = False  # clients train the preset's Hugging Face twin under its own keys
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "Settings":

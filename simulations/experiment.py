@@ -50,6 +50,12 @@ class ExperimentSettings(Settings):
     refine_check_every: int = _DEFAULT_REFINE.check_every  # Refinement.check_every (0: run every step)
     refine_patience: int = _DEFAULT_REFINE.patience  # Refinement.patience
     refine_check_sigmas: float = _DEFAULT_REFINE.check_sigmas  # Refinement.check_sigmas (0: any improvement)
+    # fixed in the production app (Settings' class attributes), keys here
+    form: str = Settings.form  # factored | circuit
+    keep_layernorm: bool = Settings.keep_layernorm
+    guard_batches: int = Settings.guard_batches
+    aggregate_threads: int = Settings.aggregate_threads  # 0: every core while the clients wait
+    hf: bool = Settings.hf
 
     def validate(self) -> None:
         super().validate()
