@@ -88,3 +88,18 @@ def test_universe_merge_takes_the_option_objects():
 def test_the_wheel_installs_only_the_library():
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     assert find["include"] == ["fedlmc*"]
+
+
+def test_the_fab_carries_the_apps_and_not_the_library(tmp_path):
+    """``flwr run .`` ships a FAB: it must hold the apps only, so that ``fedlmc`` is imported from where it
+    is installed, with its data (a FAB drops the shipped Tiny Shakespeare text: .txt is not a FAB type)."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
+    subprocess.run([flwr, "build", "--app", str(ROOT)], cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    names = zipfile.ZipFile(next(tmp_path.glob("*.fab"))).namelist()
+    assert {"clients/app.py", "server/app.py", "server/comparison.py", "strategies/factory.py"} <= set(names)
+    assert not [n for n in names if n.startswith(("fedlmc/", "simulations/", "tests/"))], names
