@@ -28,8 +28,9 @@ setup: $(STAMP)
 # aggregation side by side on the same replies; a table, runs/flwr/summary.json and comparison.png.
 run: $(STAMP)
 	mkdir -p /tmp/ray-$$(id -u)
-	# fedlmc run = `flwr run . --stream`, but exits non-zero when the ServerApp failed
-	$(FLWR_ENV) $(BIN)/fedlmc run .
+	# fedlmc run = `flwr run . --stream`, but exits non-zero when the ServerApp failed; one CPU per
+	# virtual client (Flower's default of 2 would train the two clients one after the other on 2 cores)
+	$(FLWR_ENV) $(BIN)/fedlmc run . --federation-config "client-resources-num-cpus=1"
 
 # Two seeds of the tiny presets and their vanilla barrier (results/demo).
 demo: $(STAMP)

@@ -2,7 +2,8 @@
 
     python bench/main_job.py [--seeds 0 1 2] [--runs runs/main_job]
 
-Each seed is ``fedlmc run . -c "seed=S out-dir=RUNS/sS"`` (a seed whose ``summary.json`` is already
+Each seed is ``make run``'s command, ``fedlmc run . --federation-config "client-resources-num-cpus=1"
+-c "seed=S out-dir=RUNS/sS"`` (a seed whose ``summary.json`` is already
 there is reused). Writes ``results/main_job.json`` (per seed and strategy: test loss, accuracy,
 aggregation seconds; the clients' own mean; the run's wall seconds) and ``results/main_job.png``
 (each strategy's excess over the clients' own mean, per seed and on average).
@@ -30,7 +31,16 @@ def run_seed(seed: int, out: Path, timeout: float) -> float:
     t0 = time.time()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     subprocess.run(
-        [sys.executable, "-m", "fedlmc.launch", ".", "-c", f"seed={seed} out-dir='{out.resolve()}'"],
+        [
+            sys.executable,
+            "-m",
+            "fedlmc.launch",
+            ".",
+            "--federation-config",
+            "client-resources-num-cpus=1",
+            "-c",
+            f"seed={seed} out-dir='{out.resolve()}'",
+        ],
         cwd=ROOT,
         env=env,
         check=True,
