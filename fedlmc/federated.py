@@ -26,7 +26,6 @@ from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
 
 STRATEGIES = ("average", "permuted", "aligned", "refined", "hetero", "hetero-permuted", "hetero-refined", "slicing")
-_DEFAULT_REFINE = Refinement()
 
 
 @dataclass
@@ -58,7 +57,7 @@ class Settings:
     iterations: int = 3  # universe iterations
     residual: str = "orthogonal"  # Matching.residual
     guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
-    refine_steps: int = _DEFAULT_REFINE.steps  # Refinement.steps, at most: the refinement stops on its objective
+    refine_steps: int = Refinement.steps  # Refinement.steps, at most: the refinement stops on its objective
     eval_batches: int = 0  # 0: the whole test split
     out_dir: str = "runs/flwr"
     round_timeout: float = 3600.0

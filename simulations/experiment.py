@@ -34,8 +34,6 @@ from fedlmc.federated import Settings, local_train
 from fedlmc.options import Refinement, one_of
 from server.app import make_app as make_server_app
 
-_DEFAULT_REFINE = Refinement()
-
 
 @dataclass
 class ExperimentSettings(Settings):
@@ -46,10 +44,10 @@ class ExperimentSettings(Settings):
     poison_partition: int = -1  # robustness experiments: this partition's client is poisoned (-1: none)
     poison: str = "labels"  # labels (trains on shuffled labels / tokens) | sign-flip (sends start - scale * update)
     poison_scale: float = 1.0
-    refine_alpha: float = _DEFAULT_REFINE.alpha  # Refinement.alpha
-    refine_check_every: int = _DEFAULT_REFINE.check_every  # Refinement.check_every (0: run every step)
-    refine_patience: int = _DEFAULT_REFINE.patience  # Refinement.patience
-    refine_check_sigmas: float = _DEFAULT_REFINE.check_sigmas  # Refinement.check_sigmas (0: any improvement)
+    refine_alpha: float = Refinement.alpha  # Refinement.alpha
+    refine_check_every: int = Refinement.check_every  # Refinement.check_every (0: run every step)
+    refine_patience: int = Refinement.patience  # Refinement.patience
+    refine_check_sigmas: float = Refinement.check_sigmas  # Refinement.check_sigmas (0: any improvement)
     # fixed in the production app (Settings' class attributes), keys here
     form: str = Settings.form  # factored | circuit
     keep_layernorm: bool = Settings.keep_layernorm
