@@ -7,5 +7,14 @@ from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
 from .fedavg import ReportingFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
+from .lora import LoraFedAvg
 
-__all__ = ["AlignedFedAvg", "RefinedFedAvg", "HeteroWidthFedAvg", "SlicingFedAvg", "ReportingFedAvg", "FedlmcStrategy"]
+__all__ = [
+    "AlignedFedAvg",
+    "RefinedFedAvg",
+    "HeteroWidthFedAvg",
+    "SlicingFedAvg",
+    "ReportingFedAvg",
+    "FedlmcStrategy",
+    "LoraFedAvg",
+]

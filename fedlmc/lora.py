@@ -1,0 +1,515 @@
+"""LoRA adapters aggregated modulo their gauge.
+
+A LoRA module's update is ``ΔW = s·B·A`` (``A``: r × in, ``B``: out × r, ``s = α/r``, or ``α/√r`` for
+rsLoRA), and it is unchanged by every invertible r × r map ``G`` (``A → G A``, ``B → B G⁻¹``): the
+invertible level of the symmetry hierarchy, as inside an attention head's QK and OV circuits. Averaging
+the factors, as FedAvg on ``get_peft_model_state_dict`` does, averages gauge-dependent coordinates
+(``mean(B)·mean(A) ≠ mean(B·A)``). This module averages the products instead, in factored form, and
+returns rank-r factors in a canonical gauge (balanced SVD: ``B = U√S``, ``A = √S Vᵀ``, ordered by
+singular value, so the first ``k`` components are the best rank-k approximation: Eckart–Young).
+
+* ``LoraLayout``: which modules are adapted, their keys, shapes and scaling, read from a PEFT model or
+  a ``LoraConfig`` plus a keyed adapter state; it reads replies (keyed as ``get_peft_model_state_dict``
+  writes them, with or without the adapter name, or FlowerTune's ordered list of arrays) and says what
+  is wrong with bad ones (``LoraInputError``).
+* ``product_svd``: the thin SVD of ``Σ cᵢ Bᵢ Aᵢ`` from the stacked factors (QRs and the SVD of a small
+  core), dense only where that is cheaper.
+* ``LoraAggregator``: a federation's aggregation state across rounds, with what truncation drops kept
+  for the next round, folded into the base (as FedEx-LoRA does) or dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from fedlmc.options import one_of
+
+LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+RESIDUALS = ("keep", "fold", "drop")
+
+
+class LoraInputError(ValueError):
+    """Adapter arrays that cannot be aggregated as declared: the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted module: its name (the key prefix before ``.lora_A``), both keys, the declared rank,
+    the shapes of ``ΔW`` (out × in), α, rsLoRA, and ``fan_in_fan_out`` (GPT-2's Conv1D stores its base
+    weight as in × out, so ``ΔW`` is folded into it transposed)."""
+
+    name: str
+    a_key: str
+    b_key: str
+    rank: int
+    in_features: int
+    out_features: int
+    alpha: float
+    rslora: bool = False
+    fan_in_fan_out: bool = False
+
+    def scaling(self, rank: Optional[int] = None) -> float:
+        """``s`` for an adapter of ``rank`` (default: the declared one), as PEFT computes it."""
+        r = self.rank if rank is None else int(rank)
+        return self.alpha / (math.sqrt(r) if self.rslora else r)
+
+    @property
+    def base_key(self) -> str:
+        """Where ``ΔW`` lands in the PEFT model's own ``state_dict`` (the wrapped base layer)."""
+        return f"{self.name}.base_layer.weight"
+
+
+def _pattern(patterns: Mapping[str, Any], name: str, default):
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: the first pattern that matches the end of the
+    module's name (PEFT matches a regex against the module path)."""
+    for pat, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?{pat}$", name):
+            return value
+    return default
+
+
+def _strip(name: str) -> str:
+    """A module's name as ``LoraConfig`` patterns see it (without PEFT's ``base_model.model.`` prefix)."""
+    return name.removeprefix("base_model.model.")
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """The adapter's modules and the order of its keys (as ``get_peft_model_state_dict`` writes them).
+
+    Build it with ``LoraLayout.of(peft_model)`` or ``LoraLayout.of(config=lora_config, arrays=state)``.
+    """
+
+    modules: tuple[LoraModule, ...]
+    keys: tuple[str, ...]
+
+    # ---- construction -----------------------------------------------------------------------------
+    @classmethod
+    def of(
+        cls,
+        model: Any = None,
+        *,
+        config: Any = None,
+        arrays: Optional[Mapping[str, Any]] = None,
+        adapter_name: str = "default",
+    ) -> "LoraLayout":
+        """The layout of a PEFT model's adapter ``adapter_name``, or of a keyed adapter state ``arrays``
+        under ``config`` (a ``peft.LoraConfig`` or its ``to_dict()``)."""
+        if model is not None and hasattr(model, "peft_config"):
+            from peft import get_peft_model_state_dict
+
+            config = model.peft_config[adapter_name]
+            arrays = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+        if config is None:
+            raise LoraInputError(
+                "a LoRA layout needs the adapter's LoraConfig (its α, r and rsLoRA set the scaling): pass "
+                "model=<your PeftModel> or lora_config=<its LoraConfig>"
+            )
+        if arrays is None:
+            raise LoraInputError("a LoraConfig alone does not say which modules are adapted: pass the adapter's arrays")
+        cfg = config if isinstance(config, Mapping) else config.to_dict()
+        peft_type = str(cfg.get("peft_type", "LORA")).rsplit(".", 1)[-1].upper()
+        if peft_type != "LORA":
+            raise LoraInputError(f"the adapter is {peft_type}, not LoRA: only LoRA adapters are aggregated here")
+        if cfg.get("use_dora"):
+            raise LoraInputError("DoRA adapters carry a magnitude vector that is not a LoRA factor: not supported")
+        keys = list(arrays.keys())
+        if keys and all(k.isdigit() for k in keys):
+            raise LoraInputError(
+                "these arrays carry no keys (FlowerTune's ordered list): the key order comes from the PEFT "
+                "model: pass model=<your PeftModel>"
+            )
+        shapes = {k: tuple(_shape(v)) for k, v in arrays.items()}
+        return cls.from_shapes(shapes, cfg)
+
+    @classmethod
+    def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]], cfg: Mapping[str, Any]) -> "LoraLayout":
+        keys = list(shapes)
+        _no_foreign_keys(keys)
+        found: dict[str, dict[str, str]] = {}
+        for k in keys:
+            m = LORA_KEY.match(k)
+            found.setdefault(m["module"], {})[m["factor"]] = k
+        modules = []
+        for name, pair in found.items():
+            if set(pair) != {"A", "B"}:
+                missing = ({"A", "B"} - set(pair)).pop()
+                raise LoraInputError(f"module {name} has no lora_{missing} factor")
+            a, b = shapes[pair["A"]], shapes[pair["B"]]
+            if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+                raise LoraInputError(f"module {name}: lora_A {a} and lora_B {b} are not r × in and out × r factors")
+            plain = _strip(name)
+            rank = int(_pattern(cfg.get("rank_pattern"), plain, cfg.get("r", a[0])))
+            alpha = float(_pattern(cfg.get("alpha_pattern"), plain, cfg.get("lora_alpha", rank)))
+            modules.append(
+                LoraModule(
+                    name,
+                    pair["A"],
+                    pair["B"],
+                    rank,
+                    a[1],
+                    b[0],
+                    alpha,
+                    bool(cfg.get("use_rslora", False)),
+                    bool(cfg.get("fan_in_fan_out", False)),
+                )
+            )
+        if not modules:
+            raise LoraInputError("no LoRA factors found (keys like '<module>.lora_A.weight')")
+        return cls(tuple(modules), tuple(keys))
+
+    # ---- reading and writing ----------------------------------------------------------------------
+    def read(
+        self, arrays: Mapping[str, Any], *, mixed_ranks: bool = False
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{module: (B, A)}`` from an adapter state: keyed as this layout's keys, the same keys
+        without or with another adapter name, or keyless (``"0"``, ``"1"``... in this layout's order).
+        Raises ``LoraInputError`` naming what is wrong; a rank other than the declared one is accepted
+        only with ``mixed_ranks``."""
+        keyed = self._keyed(arrays)
+        out = {}
+        for mod in self.modules:
+            a, b = keyed[mod.a_key].double(), keyed[mod.b_key].double()
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+                raise LoraInputError(
+                    f"module {mod.name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not share a rank"
+                )
+            if a.shape[1] != mod.in_features or b.shape[0] != mod.out_features:
+                raise LoraInputError(
+                    f"module {mod.name}: ΔW would be {b.shape[0]} × {a.shape[1]}, the adapter's is "
+                    f"{mod.out_features} × {mod.in_features}"
+                )
+            if a.shape[0] != mod.rank and not mixed_ranks:
+                raise LoraInputError(
+                    f"module {mod.name} has rank {a.shape[0]} (lora_A is {tuple(a.shape)}) but the declared "
+                    f"LoraConfig says r={mod.rank}: for clients of different ranks pass mixed_ranks=True"
+                )
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise LoraInputError(f"module {mod.name}: the factors hold NaN or infinite values")
+            out[mod.name] = (b, a)
+        return out
+
+    def _keyed(self, arrays: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        keys = list(arrays.keys())
+        if keys and all(k.isdigit() for k in keys):  # FlowerTune: the adapter's arrays in key order
+            if len(keys) != len(self.keys):
+                raise LoraInputError(
+                    f"got {len(keys)} keyless arrays; the PEFT model's adapter has {len(self.keys)} "
+                    f"({len(self.modules)} modules × lora_A, lora_B)"
+                )
+            return {k: _tensor(arrays[str(i)]) for i, k in enumerate(self.keys)}
+        _no_foreign_keys(keys)
+        canon = {self.canonical_key(k): k for k in keys}
+        want, got = set(self.keys), set(canon)
+        if want != got:
+            mods = lambda ks: sorted({LORA_KEY.match(k)["module"] for k in ks})  # noqa: E731
+            missing, extra = mods(want - got), mods(got - want)
+            raise LoraInputError(
+                "the adapter's target modules differ from the declared ones: "
+                + "; ".join(
+                    s
+                    for s in (
+                        f"missing {missing[:4]}{' …' if len(missing) > 4 else ''}" if missing else "",
+                        f"not declared {extra[:4]}{' …' if len(extra) > 4 else ''}" if extra else "",
+                    )
+                    if s
+                )
+            )
+        return {k: _tensor(arrays[canon[k]]) for k in self.keys}
+
+    def canonical_key(self, key: str) -> str:
+        """``key`` under this layout's naming (with or without the adapter name)."""
+        m = LORA_KEY.match(key)
+        named = self.keys and LORA_KEY.match(self.keys[0])["adapter"]
+        adapter = f".{named}" if named else ""
+        return f"{m['module']}.lora_{m['factor']}{adapter}.weight"
+
+    def write(
+        self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], keyless: bool = False, dtype=torch.float32
+    ):
+        """An adapter state ``{key: tensor}`` in this layout's key order (``"0"``, ``"1"``... when
+        ``keyless``) from ``{module: (B, A)}``."""
+        out = {}
+        for mod in self.modules:
+            b, a = factors[mod.name]
+            out[mod.a_key], out[mod.b_key] = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+        ordered = {k: out[k] for k in self.keys}
+        return {str(i): v for i, v in enumerate(ordered.values())} if keyless else ordered
+
+    def with_ranks(self, rank: int) -> "LoraLayout":
+        """The same modules declared at ``rank``."""
+        return replace(self, modules=tuple(replace(m, rank=int(rank)) for m in self.modules))
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules)
+
+
+def _shape(v) -> tuple[int, ...]:
+    return tuple(v.shape)
+
+
+def _tensor(v) -> torch.Tensor:
+    """A torch tensor from a tensor, a NumPy array or a Flower ``Array``."""
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, np.ndarray):
+        return torch.from_numpy(v)
+    return torch.from_numpy(np.asarray(v.numpy()))  # flwr.app.Array
+
+
+def _no_foreign_keys(keys: Sequence[str]) -> None:
+    bad = [k for k in keys if not LORA_KEY.match(k)]
+    if bad:
+        raise LoraInputError(
+            f"{len(bad)} array(s) are not LoRA factors, e.g. {bad[:3]}: a PEFT LoRA reply holds only "
+            "'<module>.lora_A.weight' and '<module>.lora_B.weight' (send get_peft_model_state_dict(model); "
+            "modules_to_save, biases and embeddings would be averaged silently, so they are refused)"
+        )
+
+
+# ---- the factored product ---------------------------------------------------------------------------
+
+
+def dense_is_cheaper(out_features: int, in_features: int, stacked_rank: int) -> bool:
+    """Whether forming the dense ``out × in`` sum is cheaper than the factored path: when the stacked
+    rank ``Σrᵢ`` reaches ``min(out, in)``, the QRs no longer shrink anything."""
+    return stacked_rank >= min(out_features, in_features)
+
+
+def product_svd(
+    factors: Sequence[tuple[torch.Tensor, torch.Tensor]], coefficients: Sequence[float], dense: Optional[bool] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thin SVD ``U, S, Vh`` of ``Σ cᵢ Bᵢ Aᵢ`` (``Bᵢ``: out × rᵢ, ``Aᵢ``: rᵢ × in, any real ``cᵢ``).
+
+    Factored: stack ``[√|cᵢ| Bᵢ]`` and ``[sign(cᵢ)√|cᵢ| Aᵢ]``, take both QRs and the SVD of the small
+    core ``R_B R_Aᵀ`` (Σrᵢ × Σrᵢ): ``O((out + in)(Σrᵢ)²)``, never an out × in matrix. Dense (the sum
+    formed, then its SVD) where ``dense_is_cheaper`` (``dense=True`` forces it). Singular values below the float64 noise of the
+    largest are cut, so the returned rank is the product's numerical rank."""
+    bs, as_ = [], []
+    for (b, a), c in zip(factors, coefficients):
+        if a.shape[0] == 0 or c == 0:
+            continue
+        root = math.sqrt(abs(c))
+        bs.append(b.double() * root)
+        as_.append(a.double() * (root if c > 0 else -root))
+    out_f, in_f = factors[0][0].shape[0], factors[0][1].shape[1]
+    if not bs:
+        z = torch.zeros(0, dtype=torch.float64)
+        return torch.zeros(out_f, 0, dtype=torch.float64), z, torch.zeros(0, in_f, dtype=torch.float64)
+    B, A = torch.cat(bs, 1), torch.cat(as_, 0)
+    if dense_is_cheaper(out_f, in_f, B.shape[1]) if dense is None else dense:
+        U, S, Vh = torch.linalg.svd(B @ A, full_matrices=False)
+    else:
+        qb, rb = torch.linalg.qr(B)
+        qa, ra = torch.linalg.qr(A.T)
+        u, S, vh = torch.linalg.svd(rb @ ra.T)
+        U, Vh = qb @ u, vh @ qa.T
+    keep = S > S[0] * 1e-13 if len(S) and S[0] > 0 else torch.zeros_like(S, dtype=torch.bool)
+    U, S, Vh = U[:, keep], S[keep], Vh[keep]
+    # one sign per component (the largest entry of each left singular vector positive): with distinct
+    # singular values the factors are then a function of the product alone
+    sign = torch.sign(U.gather(0, U.abs().argmax(0, keepdim=True)))[0]
+    sign[sign == 0] = 1
+    return U * sign, S, Vh * sign[:, None]
+
+
+def balanced(
+    U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-``rank`` factors ``(B, A)`` with ``scaling·B·A`` the best rank-``rank`` approximation of
+    ``U diag(S) Vh``, in the balanced gauge (``B = U√(S/s)``, ``A = √(S/s)Vh``). Where the product's
+    rank is lower, the spare components get ``B = 0`` and rows of ``A`` orthogonal to ``Vh`` at PEFT's
+    initial scale (fixed seed), as a fresh adapter has: the product is unchanged and they still learn
+    (zero rows in both factors would get no gradient)."""
+    k = min(rank, len(S))
+    root = torch.sqrt(S[:k] / scaling)
+    in_f = Vh.shape[1]
+    B = torch.zeros(U.shape[0], rank, dtype=torch.float64)
+    A = torch.zeros(rank, in_f, dtype=torch.float64)
+    B[:, :k], A[:k] = U[:, :k] * root, root[:, None] * Vh[:k]
+    spare = min(rank, in_f) - k
+    if spare > 0:
+        g = torch.Generator().manual_seed(0)
+        basis = torch.cat([Vh[:k].T, torch.randn(in_f, spare, generator=g, dtype=torch.float64)], 1)
+        q = torch.linalg.qr(basis)[0][:, k:]  # orthonormal, orthogonal to Vh's rows
+        A[k : k + spare] = q.T / math.sqrt(3)  # the row norm of PEFT's kaiming-uniform init
+    return B, A
+
+
+def canonical(b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same ``B·A`` in the balanced, ordered gauge (scaling 1), at the same rank."""
+    U, S, Vh = product_svd([(b, a)], [1.0])
+    return balanced(U, S, Vh, a.shape[0], 1.0)
+
+
+def nbytes(tensors) -> int:
+    """float32 bytes of a collection of tensors (what a message carries)."""
+    return sum(4 * t.numel() for t in tensors)
+
+
+@dataclass
+class Product:
+    """``U diag(S) Vh``: a module's adapter product held in factored form."""
+
+    U: torch.Tensor
+    S: torch.Tensor
+    Vh: torch.Tensor
+
+    def factors(self, rank: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return balanced(self.U, self.S, self.Vh, rank, scaling)
+
+    def dense(self) -> torch.Tensor:
+        return (self.U * self.S) @ self.Vh
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes((self.U, self.S, self.Vh))
+
+
+class LoraAggregator:
+    """A LoRA federation's aggregate, round after round, modulo the adapter's gauge.
+
+    Each round the new product is the weighted mean of the clients' ``sᵢ Bᵢ Aᵢ`` (weights normalised).
+    What the rank-r factors sent back cannot carry (the tail of the SVD) is, by ``residual``:
+
+    * ``"keep"``: held at the server, in factored form, and carried into the next round's product
+      (error feedback): over rounds the federation follows FedAvg on the products exactly, and each
+      client's update counts from the truncation it was sent. No extra bytes on the wire; the server
+      holds ``(out + in)·rank`` floats per module (``keep_rank`` caps that rank, cutting the smallest
+      singular values).
+    * ``"fold"``: folded into the base weights, as FedEx-LoRA does: exact every round, and every
+      message carries the accumulated dense ``out × in`` base update (``base_update``) for the clients
+      to add to their frozen base, so stateless clients stay in step.
+    * ``"drop"``: discarded, as FlexLoRA does.
+
+    Parameters
+    ----------
+    layout : LoraLayout
+        The adapter's modules, keys and scaling (``LoraLayout.of``).
+    residual : {"keep", "fold", "drop"}, default "keep"
+        What truncation drops.
+    keep_rank : int, optional
+        ``"keep"``: the most singular components held per module (default: no cap, which is exact;
+        the rank cannot exceed ``min(out, in)``).
+    """
+
+    def __init__(self, layout: LoraLayout, residual: str = "keep", keep_rank: Optional[int] = None) -> None:
+        self.layout = layout
+        self.residual = one_of(residual, RESIDUALS, "residual")
+        self.keep_rank = keep_rank
+        self.products: dict[str, Product] = {}  # the global product per module (what "keep" carries)
+        self.base: dict[str, torch.Tensor] = {}  # "fold": the accumulated dense base update per module
+
+    def start(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Take the initial adapter (``{module: (B, A)}`` at the declared rank) as round 0's product."""
+        for mod in self.layout.modules:
+            b, a = factors[mod.name]
+            self.products[mod.name] = Product(*product_svd([(b, a)], [mod.scaling(a.shape[0])]))
+
+    def factors(
+        self, ranks: Union[int, Mapping[str, int], None] = None
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{module: (B, A)}``: the best factors of the global product at ``ranks`` (one rank, or one
+        per module; default: the declared ranks), scaled for that rank, balanced."""
+        out = {}
+        for mod in self.layout.modules:
+            r = mod.rank if ranks is None else int(ranks if isinstance(ranks, int) else ranks[mod.name])
+            out[mod.name] = self.products[mod.name].factors(r, mod.scaling(r))
+        return out
+
+    def base_update(self) -> dict[str, torch.Tensor]:
+        """``"fold"``: ``{base weight key: dense update}``, transposed for ``fan_in_fan_out`` modules."""
+        out = {}
+        for mod in self.layout.modules:
+            if mod.name in self.base:
+                d = self.base[mod.name]
+                out[mod.base_key] = (d.T if mod.fan_in_fan_out else d).float().contiguous()
+        return out
+
+    def aggregate(
+        self, replies: Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor]]], weights: Sequence[float]
+    ) -> None:
+        """Fold one round's replies (``{module: (B, A)}`` each, any ranks) into the global product."""
+        if not replies:
+            return
+        total = float(sum(weights))
+        w = [float(x) / total for x in weights]
+        for mod in self.layout.modules:
+            stack = [r[mod.name] for r in replies]
+            coeffs = [wi * mod.scaling(a.shape[0]) for wi, (_, a) in zip(w, stack)]
+            if self.residual == "keep" and mod.name in self.products:
+                # P + Σ wᵢ (sᵢBᵢAᵢ − T_{rᵢ}(P)): each client's update counts from the truncation it
+                # started from, and P − Σ wᵢ T_{rᵢ}(P) lives in P's own singular basis
+                p = self.products[mod.name]
+                ranks = torch.tensor([a.shape[0] for _, a in stack])
+                sent = torch.tensor([sum(wi for wi, r in zip(w, ranks) if k < r) for k in range(len(p.S))])
+                carried = p.S * (1.0 - sent.double())
+                stack = stack + [(p.U * carried, p.Vh)]
+                coeffs = coeffs + [1.0]
+            U, S, Vh = product_svd(stack, coeffs)
+            if self.residual == "keep" and self.keep_rank is not None:
+                U, S, Vh = U[:, : self.keep_rank], S[: self.keep_rank], Vh[: self.keep_rank]
+            r = mod.rank
+            if self.residual == "fold" and len(S) > r:
+                self.base[mod.name] = self.base.get(mod.name, 0) + (U[:, r:] * S[r:]) @ Vh[r:]
+            if self.residual != "keep":  # the server holds the adapter it sends, nothing more
+                U, S, Vh = U[:, :r], S[:r], Vh[:r]
+            self.products[mod.name] = Product(U, S, Vh)
+
+    @property
+    def state_bytes(self) -> int:
+        """What the server holds between rounds, in float32 bytes."""
+        return sum(p.nbytes for p in self.products.values()) + nbytes(self.base.values())
+
+
+# ---- the client's side --------------------------------------------------------------------------
+
+
+def fit_rank(b: torch.Tensor, a: torch.Tensor, rank: int, scaling_from: float, scaling_to: float):
+    """Factors sent at another rank, for an adapter of ``rank``: the first ``rank`` components (the
+    best approximation, the factors being ordered) rescaled from ``scaling_from`` to ``scaling_to``,
+    zero-padded (``B``) when ``rank`` is larger."""
+    k = min(rank, a.shape[0])
+    c = math.sqrt(scaling_from / scaling_to)
+    B = torch.zeros(b.shape[0], rank, dtype=b.dtype)
+    A = torch.zeros(rank, a.shape[1], dtype=a.dtype)
+    B[:, :k], A[:k] = b[:, :k] * c, a[:k] * c
+    return B, A
+
+
+def set_adapter(model, arrays: Mapping[str, Any], adapter_name: str = "default") -> None:
+    """Load an aggregate into a client's PEFT ``model``: keyed or keyless arrays, at the model's own
+    rank (an aggregate sent at a larger rank is cut to this one's best approximation, rescaled)."""
+    from peft import set_peft_model_state_dict
+
+    layout = LoraLayout.of(model, adapter_name=adapter_name)
+    keyed = layout._keyed(arrays)
+    state = {}
+    for mod in layout.modules:
+        a, b = keyed[mod.a_key], keyed[mod.b_key]
+        if a.shape[0] != mod.rank:
+            b, a = fit_rank(b.double(), a.double(), mod.rank, mod.scaling(a.shape[0]), mod.scaling())
+        state[mod.a_key], state[mod.b_key] = a.float(), b.float()
+    result = set_peft_model_state_dict(model, state, adapter_name=adapter_name)
+    unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if unexpected:
+        raise LoraInputError(f"PEFT did not take {unexpected[:3]}")
+
+
+def apply_base_update(model, arrays: Mapping[str, Any]) -> None:
+    """``residual="fold"``: add the server's accumulated base update (``{base weight key: tensor}``,
+    the message's ``"base-update"`` ArrayRecord) to a freshly built PEFT ``model``'s frozen base."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key in arrays.keys():
+            if key not in params:
+                raise LoraInputError(f"base update for {key!r}, which this model does not have")
+            params[key].add_(_tensor(arrays[key]).to(params[key].dtype))

@@ -1,0 +1,197 @@
+"""FedAvg for PEFT LoRA replies, aggregated by their product modulo the adapter's gauge
+(``fedlmc.lora``): the drop-in for FlowerTune-style apps, whose FedAvg averages the factors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any, Optional
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore import log
+
+from fedlmc.lora import LoraAggregator, LoraInputError, LoraLayout, nbytes
+
+BASE_UPDATE_KEY = "base-update"  # residual="fold": the accumulated dense update of the base weights
+
+
+class LoraFedAvg(FedAvg):
+    """``FedAvg`` whose aggregate of LoRA adapters is the weighted mean of the clients' updates
+    ``sᵢ·Bᵢ·Aᵢ``, sent back as rank-r factors in the balanced SVD gauge (``fedlmc.lora``).
+
+    Replies are PEFT adapter states: keyed as ``get_peft_model_state_dict`` writes them (with or
+    without the adapter name), or FlowerTune's ordered list of arrays (read in ``model``'s key order).
+    The aggregate goes back in the form the replies came in. A reply that is not such an adapter
+    (foreign keys, other target modules, a rank other than the declared one, NaN) is excluded with a
+    logged reason; bad initial arrays are an error before round 1.
+
+    Parameters
+    ----------
+    model : peft.PeftModel, optional
+        The clients' PEFT model: its adapter gives the modules, the key order and the scaling (α, r,
+        rsLoRA, ``rank_pattern``/``alpha_pattern``, ``fan_in_fan_out``).
+    lora_config : peft.LoraConfig or dict, optional
+        Instead of ``model``: the adapter's config; the modules and keys are read from the keyed
+        ``initial_arrays`` (keyless arrays need ``model``).
+    adapter_name : str, default "default"
+        The PEFT adapter aggregated.
+    residual : {"keep", "fold", "drop"}, default "keep"
+        What the rank-r truncation of the mean drops: kept at the server for the next round, folded
+        into the base weights (FedEx-LoRA: every message then carries a dense ``"base-update"``
+        ArrayRecord for the clients to add to their base, see ``fedlmc.lora.apply_base_update``), or
+        dropped (FlexLoRA).
+    keep_rank : int, optional
+        ``residual="keep"``: the most singular components held per module (default: all, exact).
+    mixed_ranks : bool, default False
+        Accept clients of different ranks; each is sent the best approximation of the aggregate at
+        its own rank (the rank of its last reply; before that, the declared rank, which its client
+        truncates: the factors are ordered by singular value, so the first rᵢ components are the best
+        rank-rᵢ approximation). Declare the largest rank in the config.
+    **fedavg
+        Flower's ``FedAvg`` parameters (``fraction_train``, ``min_available_nodes``...).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any = None,
+        lora_config: Any = None,
+        adapter_name: str = "default",
+        residual: str = "keep",
+        keep_rank: Optional[int] = None,
+        mixed_ranks: bool = False,
+        **fedavg: Any,
+    ) -> None:
+        super().__init__(**fedavg)
+        if model is None and lora_config is None:
+            raise LoraInputError("LoraFedAvg needs model=<your PeftModel> or lora_config=<its LoraConfig>")
+        self.layout: Optional[LoraLayout] = (
+            LoraLayout.of(model, adapter_name=adapter_name) if model is not None else None
+        )
+        self.lora_config, self.adapter_name = lora_config, adapter_name
+        self.residual, self.keep_rank, self.mixed_ranks = residual, keep_rank, mixed_ranks
+        LoraAggregator(self.layout or LoraLayout((), ()), residual, keep_rank)  # validates residual
+        self.aggregator: Optional[LoraAggregator] = None
+        self.keyless = False
+        self.node_ranks: dict[int, dict[str, int]] = {}
+        self.history: list[dict[str, Any]] = []
+        self._sent = 0
+
+    # ---- before round 1 ---------------------------------------------------------------------------
+    def start(self, grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any):
+        """Flower's ``start``, after reading ``initial_arrays`` as the declared adapter."""
+        self.set_initial(initial_arrays)
+        return super().start(grid, initial_arrays, *args, **kwargs)
+
+    def set_initial(self, initial_arrays: ArrayRecord) -> None:
+        """Check ``initial_arrays`` against the declared adapter (``LoraInputError`` naming what is
+        wrong) and take them as round 0's product."""
+        keys = list(initial_arrays.keys())
+        self.keyless = bool(keys) and all(k.isdigit() for k in keys)
+        if self.layout is None:
+            self.layout = LoraLayout.of(config=self.lora_config, arrays=initial_arrays, adapter_name=self.adapter_name)
+        factors = self.layout.read(initial_arrays)
+        self.aggregator = LoraAggregator(self.layout, self.residual, self.keep_rank)
+        self.aggregator.start(factors)
+
+    # ---- each round -------------------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        msgs = list(super().configure_train(server_round, arrays, config, grid))
+        out, self._sent = [], 0
+        base = self.aggregator.base_update() if self.aggregator is not None else {}
+        for msg in msgs:
+            node = msg.metadata.dst_node_id
+            ranks = self.node_ranks.get(int(node))
+            own = arrays
+            if ranks and any(ranks[m.name] != m.rank for m in self.layout.modules):
+                own = ArrayRecord(self.layout.write(self.aggregator.factors(ranks), keyless=self.keyless))
+            if own is arrays and not base:
+                out.append(msg)
+            else:
+                content = RecordDict(
+                    {self.arrayrecord_key: own, self.configrecord_key: msg.content[self.configrecord_key]}
+                )
+                if base:
+                    content[BASE_UPDATE_KEY] = ArrayRecord(base)
+                out.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
+            self._sent += own.count_bytes() + (sum(4 * t.numel() for t in base.values()) if base else 0)
+        return out
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid
+    ) -> Iterable[Message]:
+        msgs = list(super().configure_evaluate(server_round, arrays, config, grid))
+        base = self.aggregator.base_update() if self.aggregator is not None else {}
+        if not base:
+            return msgs
+        out = []
+        for msg in msgs:
+            content = RecordDict({k: v for k, v in msg.content.items()})
+            content[BASE_UPDATE_KEY] = ArrayRecord(base)
+            out.append(
+                Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=msg.metadata.dst_node_id)
+            )
+        return out
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        if self.aggregator is None:
+            raise RuntimeError("LoraFedAvg.aggregate_train before start(): call set_initial(initial_arrays) first")
+        t0 = time.perf_counter()
+        ok, _ = self._check_and_log_replies(list(replies), is_train=True, validate=False)
+        accepted, factors, weights, excluded, received = [], [], [], [], 0
+        for msg in ok:
+            node = int(msg.metadata.src_node_id)
+            try:
+                arrays, weight = self._unpack(msg)
+                received += arrays.count_bytes()
+                f = self.layout.read(arrays, mixed_ranks=self.mixed_ranks)
+            except LoraInputError as err:
+                log(WARNING, "LoraFedAvg: reply from node %d excluded: %s", node, err)
+                excluded.append({"node": node, "reason": str(err)})
+                continue
+            self.node_ranks[node] = {name: a.shape[0] for name, (_, a) in f.items()}
+            accepted.append(msg)
+            factors.append(f)
+            weights.append(weight)
+        record = {
+            "round": server_round,
+            "replies": len(accepted),
+            "excluded": excluded,
+            "bytes_sent": self._sent,
+            "bytes_received": received,
+        }
+        if not accepted:
+            log(WARNING, "LoraFedAvg: no valid LoRA reply in round %d: the adapter is kept", server_round)
+            self.history.append({**record, "seconds": time.perf_counter() - t0})
+            return None, None
+        self.aggregator.aggregate(factors, weights)
+        arrays = ArrayRecord(self.layout.write(self.aggregator.factors(), keyless=self.keyless))
+        metrics = self.train_metrics_aggr_fn([m.content for m in accepted], self.weighted_by_key)
+        seconds = time.perf_counter() - t0
+        self.history.append({**record, "seconds": seconds, "server_state_bytes": self.aggregator.state_bytes})
+        log(INFO, "LoraFedAvg: round %d aggregated %d adapters in %.3f s", server_round, len(accepted), seconds)
+        return arrays, metrics
+
+    def _unpack(self, msg: Message) -> tuple[ArrayRecord, float]:
+        records = list(msg.content.array_records.values())
+        if len(records) != 1:
+            raise LoraInputError(f"a reply must carry one ArrayRecord (the adapter), it carries {len(records)}")
+        metrics = list(msg.content.metric_records.values())
+        weight = next((m[self.weighted_by_key] for m in metrics if self.weighted_by_key in m), None)
+        if weight is None or not float(weight) > 0:
+            raise LoraInputError(f"a reply must report a positive '{self.weighted_by_key}' in its MetricRecord")
+        return records[0], float(weight)
+
+    def base_update(self) -> dict[str, torch.Tensor]:
+        """``residual="fold"``: the base weights' accumulated update ``{base key: tensor}``."""
+        return self.aggregator.base_update() if self.aggregator is not None else {}
+
+    @property
+    def server_state_bytes(self) -> int:
+        return self.aggregator.state_bytes if self.aggregator is not None else 0
+
+
+__all__ = ["LoraFedAvg", "BASE_UPDATE_KEY", "nbytes"]

@@ -1,0 +1,388 @@
+"""LoRA / PEFT aggregation modulo the adapter's gauge (fedlmc.lora, LoraFedAvg): exactness in float64,
+gauge invariance, factored = dense, PEFT's keys, scaling and fan_in_fan_out, mixed ranks, the residual
+options, and bad input refused with a reason."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import metadata
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from fedlmc.lora import (  # noqa: E402
+    LoraAggregator,
+    LoraInputError,
+    LoraLayout,
+    apply_base_update,
+    balanced,
+    product_svd,
+    set_adapter,
+)
+from fedlmc.strategies import LoraFedAvg  # noqa: E402
+
+GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def gpt2_peft(r=4, alpha=8, rslora=False, seed=0, **extra):
+    torch.manual_seed(seed)
+    base = GPT2LMHeadModel(
+        GPT2Config(vocab_size=33, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    )
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=GPT2_TARGETS, fan_in_fan_out=True, use_rslora=rslora, **extra
+    )
+    return get_peft_model(base, cfg)
+
+
+def llama_peft(r=4, alpha=8, seed=0):
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=33,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        )
+    )
+    return get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=LLAMA_TARGETS))
+
+
+def random_adapter(layout, rank, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        m.name: (
+            torch.randn(m.out_features, rank, generator=g, dtype=torch.float64) * scale,
+            torch.randn(rank, m.in_features, generator=g, dtype=torch.float64) * scale,
+        )
+        for m in layout.modules
+    }
+
+
+def weighted_products(layout, clients, weights):
+    total = sum(weights)
+    return {
+        m.name: sum(
+            w / total * m.scaling(c[m.name][1].shape[0]) * c[m.name][0] @ c[m.name][1] for c, w in zip(clients, weights)
+        )
+        for m in layout.modules
+    }
+
+
+def product_of(layout, factors, name, rank=None):
+    mod = next(m for m in layout.modules if m.name == name)
+    b, a = factors[name]
+    return mod.scaling(a.shape[0] if rank is None else rank) * b @ a
+
+
+# ---- the algebra ------------------------------------------------------------------------------------
+
+
+def test_lora_aggregate_is_the_weighted_mean_of_the_products_when_the_rank_allows(record):
+    layout = LoraLayout.of(llama_peft(r=16)).with_ranks(16)
+    clients = [random_adapter(layout, r, seed) for seed, r in enumerate((2, 4, 8))]  # Σr = 14 ≤ 16
+    weights = [3.0, 1.0, 2.0]
+    agg = LoraAggregator(layout, residual="drop")
+    agg.aggregate(clients, weights)
+    want, got = weighted_products(layout, clients, weights), agg.factors()
+    err = max(float((product_of(layout, got, n) - want[n]).abs().max() / want[n].abs().max()) for n in want)
+    record("lora: aggregate ΔW = weighted mean of ΔW (rank allows)", err, 1e-10)
+
+
+def test_lora_aggregate_is_invariant_to_each_clients_gauge(record):
+    layout = LoraLayout.of(gpt2_peft(r=4))
+    clients = [random_adapter(layout, 4, seed) for seed in range(3)]
+    weights = [1.0, 2.0, 3.0]
+    ref = LoraAggregator(layout)
+    ref.aggregate(clients, weights)
+    g = torch.Generator().manual_seed(7)
+    moved = []
+    for c in clients:  # a random invertible G per client and module: A → G A, B → B G⁻¹
+        out = {}
+        for name, (b, a) in c.items():
+            G = torch.randn(4, 4, generator=g, dtype=torch.float64) + 2 * torch.eye(4, dtype=torch.float64)
+            out[name] = (b @ torch.linalg.inv(G), G @ a)
+        moved.append(out)
+    agg = LoraAggregator(layout)
+    agg.aggregate(moved, weights)
+    err = max(
+        float((x - y).abs().max())
+        for n in ref.factors()
+        for x, y in zip(ref.factors()[n], agg.factors()[n])  # the factors themselves, not only the product
+    )
+    record("lora: aggregate factors invariant to client gauges G", err, 1e-10)
+
+
+def test_lora_factored_svd_equals_the_dense_one(record):
+    g = torch.Generator().manual_seed(3)
+    factors = [
+        (torch.randn(48, r, generator=g, dtype=torch.float64), torch.randn(r, 40, generator=g, dtype=torch.float64))
+        for r in (2, 4, 8, 3)
+    ]
+    coeffs = [0.5, -0.25, 1.5, 0.125]
+    Uf, Sf, Vf = product_svd(factors, coeffs, dense=False)
+    Ud, Sd, Vd = product_svd(factors, coeffs, dense=True)
+    dense = sum(c * b @ a for (b, a), c in zip(factors, coeffs))
+    record("lora: factored SVD = dense SVD (singular values)", float((Sf - Sd).abs().max() / Sd[0]), 1e-12)
+    record("lora: factored SVD reproduces Σ cᵢ Bᵢ Aᵢ", float(((Uf * Sf) @ Vf - dense).abs().max()), 1e-10)
+    record("lora: factored = dense factors (sign-fixed)", float(((Uf - Ud).abs().max())), 1e-8)
+
+
+def test_lora_mixed_ranks_get_their_best_approximation_eckart_young(record):
+    layout = LoraLayout.of(gpt2_peft(r=16)).with_ranks(16)
+    clients = [random_adapter(layout, r, seed) for seed, r in enumerate((2, 4, 8, 16))]
+    weights = [1.0, 1.0, 2.0, 4.0]
+    agg = LoraAggregator(layout)
+    agg.aggregate(clients, weights)
+    want = weighted_products(layout, clients, weights)
+    worst = 0.0
+    for r in (2, 4, 8, 16):
+        got = agg.factors(r)
+        for m in layout.modules:
+            S = torch.linalg.svdvals(want[m.name])
+            err = float(torch.linalg.matrix_norm(product_of(layout, got, m.name, r) - want[m.name]))
+            worst = max(worst, abs(err - float(S[r:].pow(2).sum().sqrt())) / float(S[0]))
+    record("lora: rank-r factors attain the Eckart–Young error", worst, 1e-10)
+
+
+def test_lora_keep_residual_follows_fedavg_on_the_products_across_rounds(record):
+    layout = LoraLayout.of(llama_peft(r=4))
+    agg = LoraAggregator(layout, residual="keep")
+    start = random_adapter(layout, 4, 100, scale=0.0)
+    agg.start(start)
+    exact = {m.name: torch.zeros(m.out_features, m.in_features, dtype=torch.float64) for m in layout.modules}
+    for rnd in range(3):
+        sent = agg.factors()
+        clients, weights = [], [1.0, 2.0, 1.0]
+        for c in range(3):  # each client moves its factors from what it was sent
+            g = torch.Generator().manual_seed(10 * rnd + c)
+            clients.append(
+                {
+                    n: (
+                        b + 0.3 * torch.randn(b.shape, generator=g, dtype=b.dtype),
+                        a + 0.3 * torch.randn(a.shape, generator=g, dtype=a.dtype),
+                    )
+                    for n, (b, a) in sent.items()
+                }
+            )
+        for m in layout.modules:
+            exact[m.name] += sum(
+                w / 4 * (product_of(layout, cl, m.name) - product_of(layout, sent, m.name))
+                for cl, w in zip(clients, weights)
+            )
+        agg.aggregate(clients, weights)
+    err = max(float((agg.products[n].dense() - exact[n]).abs().max()) for n in exact)
+    record("lora: residual=keep product = FedAvg on products over 3 rounds", err, 1e-10)
+    assert any(len(p.S) > 4 for p in agg.products.values())  # it did hold more than the sent rank
+
+
+def test_lora_fold_residual_puts_the_tail_into_the_base(record):
+    layout = LoraLayout.of(gpt2_peft(r=4))
+    clients = [random_adapter(layout, 4, seed) for seed in range(3)]
+    agg = LoraAggregator(layout, residual="fold")
+    agg.aggregate(clients, [1.0, 1.0, 1.0])
+    want = weighted_products(layout, clients, [1.0, 1.0, 1.0])
+    base = agg.base_update()
+    err = 0.0
+    for m in layout.modules:
+        folded = base[m.base_key].double().T  # Conv1D: stored in × out
+        err = max(err, float((folded + product_of(layout, agg.factors(), m.name) - want[m.name]).abs().max()))
+    record("lora: residual=fold base + adapter = exact mean", err, 1e-5)  # the base update travels in float32
+
+
+def test_lora_balanced_factors_of_a_rank_deficient_product_still_learn():
+    U, S, Vh = product_svd([(torch.zeros(6, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64))], [1.0])
+    B, A = balanced(U, S, Vh, 4, 2.0)
+    assert B.abs().max() == 0 and len(S) == 0
+    assert torch.linalg.matrix_rank(A) == 4  # fresh directions (B = 0), not dead zero rows
+
+
+# ---- PEFT as users have it ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_peft_scaling_and_fan_in_fan_out_match_peft_merge(family, record):
+    """ΔW = s·B·A with s from the LoraConfig (α/r, or α/√r for rsLoRA), landing transposed on GPT-2's
+    Conv1D: checked against PEFT's own merge in float64."""
+    for rslora in (False, True):
+        model = (gpt2_peft(r=4, alpha=12, rslora=rslora) if family == "gpt2" else llama_peft(r=4, alpha=12)).double()
+        if family == "llama" and rslora:
+            continue
+        layout = LoraLayout.of(model)
+        factors = random_adapter(layout, 4, 5, scale=0.2)
+        set_peft_model_state_dict(model, layout.write(factors, dtype=torch.float64))
+        before = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("base_layer.weight")}
+        merged = model.merge_and_unload().state_dict()
+        err = 0.0
+        for m in layout.modules:
+            key = m.base_key.removeprefix("base_model.model.").replace(".base_layer", "")
+            delta = merged[key] - before[m.base_key]
+            want = product_of(layout, factors, m.name)
+            err = max(err, float((delta - (want.T if m.fan_in_fan_out else want)).abs().max()))
+        record(f"peft: {family} ΔW = s·B·A as PEFT merges it (rslora={rslora})", err, 1e-12)
+
+
+def test_peft_key_order_round_trips_keyed_named_and_keyless():
+    model = gpt2_peft(r=4)
+    layout = LoraLayout.of(model)
+    sd = get_peft_model_state_dict(model)
+    assert list(sd) == list(layout.keys)
+    factors = random_adapter(layout, 4, 1)
+    for keyless in (False, True):
+        arrays = ArrayRecord(layout.write(factors, keyless=keyless))
+        if keyless:  # FlowerTune's ordered list of numpy arrays
+            arrays = ArrayRecord([v.numpy() for v in layout.write(factors).values()])
+        back = layout.read(arrays)
+        assert all(torch.allclose(back[n][0], factors[n][0].float().double()) for n in factors)
+        set_adapter(model, arrays)
+        got = get_peft_model_state_dict(model)
+        assert list(got) == list(layout.keys)
+        for m in layout.modules:
+            assert torch.allclose(got[m.a_key].double(), factors[m.name][1].float().double())
+    named = {k.replace(".weight", ".default.weight"): v for k, v in layout.write(factors).items()}
+    assert all(torch.equal(layout.read(named)[n][1], layout.read(layout.write(factors))[n][1]) for n in factors)
+
+
+def test_peft_set_adapter_cuts_a_larger_aggregate_to_the_clients_rank(record):
+    big = LoraLayout.of(gpt2_peft(r=8))
+    agg = LoraAggregator(big)
+    agg.aggregate([random_adapter(big, 8, s) for s in range(3)], [1, 1, 1])
+    small = gpt2_peft(r=2)
+    set_adapter(small, big.write(agg.factors()))  # sent at 8, the client holds rank 2 (α fixed: scaling differs)
+    got = LoraLayout.of(small).read(get_peft_model_state_dict(small))
+    sl = LoraLayout.of(small)
+    err = max(
+        float((product_of(sl, got, m.name) - product_of(big, agg.factors(2), m.name)).abs().max()) for m in sl.modules
+    )
+    record("peft: client-side cut = best rank-2 factors", err, 1e-5)
+
+
+def test_peft_bad_adapters_are_refused_before_round_one_naming_what_is_wrong():
+    model = gpt2_peft(r=4)
+    good = get_peft_model_state_dict(model)
+    strategy = LoraFedAvg(model=model)
+    with pytest.raises(LoraInputError, match="not LoRA factors"):
+        strategy.set_initial(ArrayRecord({**good, "base_model.model.lm_head.weight": torch.zeros(3, 3)}))
+    with pytest.raises(LoraInputError, match="target modules differ"):
+        strategy.set_initial(ArrayRecord({k: v for k, v in good.items() if "c_fc" not in k}))
+    other = get_peft_model_state_dict(gpt2_peft(r=2))
+    with pytest.raises(LoraInputError, match="rank 2 .* says r=4"):
+        strategy.set_initial(ArrayRecord(other))
+    with pytest.raises(LoraInputError, match="keyless arrays"):
+        strategy.set_initial(ArrayRecord([v.numpy() for v in list(good.values())[:-2]]))
+    with pytest.raises(LoraInputError, match="model=<your PeftModel>"):
+        LoraFedAvg(lora_config=model.peft_config["default"]).set_initial(
+            ArrayRecord([v.numpy() for v in good.values()])
+        )
+    with pytest.raises(LoraInputError, match="needs model="):
+        LoraFedAvg()
+    with pytest.raises(ValueError, match="residual"):
+        LoraFedAvg(model=model, residual="average")
+
+
+def _reply(arrays, node, n=10):
+    content = RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": n})})
+    return Message(content=content, metadata=metadata(node))
+
+
+def test_peft_strategy_excludes_bad_replies_with_a_reason_and_aggregates_the_rest(caplog, record):
+    model = gpt2_peft(r=4)
+    layout = LoraLayout.of(model)
+    strategy = LoraFedAvg(model=model, lora_config=None)
+    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+    clients = [random_adapter(layout, 4, s, scale=0.1) for s in range(3)]
+    nan = {k: v.clone() for k, v in layout.write(clients[0]).items()}
+    nan[layout.keys[0]][0, 0] = float("nan")
+    replies = [_reply(layout.write(c), node=i + 1) for i, c in enumerate(clients)]
+    replies += [
+        _reply(nan, 7),
+        _reply(get_peft_model_state_dict(gpt2_peft(r=2)), 8),
+        _reply({"x.weight": torch.zeros(2)}, 9),
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    excluded = {e["node"]: e["reason"] for e in strategy.history[-1]["excluded"]}
+    assert set(excluded) == {7, 8, 9} and "NaN" in excluded[7] and "rank 2" in excluded[8] and "not LoRA" in excluded[9]
+    assert metrics is not None and strategy.history[-1]["replies"] == 3
+    got = layout.read(arrays)
+    agg = LoraAggregator(layout)
+    agg.start(layout.read(get_peft_model_state_dict(model)))
+    agg.aggregate(clients, [1, 1, 1])
+    err = max(float((got[n][0] - agg.factors()[n][0]).abs().max()) for n in got)
+    record("peft: strategy aggregate = LoraAggregator on the valid replies", err, 1e-6)
+    assert strategy.history[-1]["bytes_received"] > 0
+
+
+def test_peft_strategy_sends_each_mixed_rank_node_its_own_rank(monkeypatch):
+    for attr in ("_run_id", "_node_id", "_task_id"):  # what a ServerApp process has when it builds messages
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    model = gpt2_peft(r=8)
+    layout = LoraLayout.of(model)
+    strategy = LoraFedAvg(model=model, mixed_ranks=True, fraction_evaluate=0.0, min_available_nodes=3)
+    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+    replies = [
+        _reply(LoraLayout.of(gpt2_peft(r=r)).write(random_adapter(layout, r, r)), node)
+        for node, r in ((1, 2), (2, 8), (3, 4))
+    ]
+    arrays, _ = strategy.aggregate_train(1, replies)
+
+    class Grid:
+        def get_node_ids(self):
+            return [1, 2, 3]
+
+    msgs = list(strategy.configure_train(2, arrays, ConfigRecord({}), Grid()))
+    ranks = {int(m.metadata.dst_node_id): m.content["arrays"][layout.keys[0]].shape[0] for m in msgs}
+    assert ranks == {1: 2, 2: 8, 3: 4}
+    assert strategy._sent == sum(m.content["arrays"].count_bytes() for m in msgs)
+
+
+def test_peft_fold_base_update_travels_and_applies_to_a_fresh_model(record, monkeypatch):
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    model = gpt2_peft(r=2)
+    layout = LoraLayout.of(model)
+    strategy = LoraFedAvg(model=model, residual="fold", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
+    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+    clients = [random_adapter(layout, 2, s, scale=0.1) for s in range(3)]
+    arrays, _ = strategy.aggregate_train(1, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])
+
+    class Grid:
+        def get_node_ids(self):
+            return [1]
+
+    (msg,) = strategy.configure_train(2, arrays, ConfigRecord({}), Grid())
+    fresh = gpt2_peft(r=2).double()
+    base0 = {k: v.clone() for k, v in fresh.state_dict().items()}
+    apply_base_update(fresh, msg.content["base-update"])
+    set_adapter(fresh, msg.content["arrays"])
+    got = LoraLayout.of(fresh).read(get_peft_model_state_dict(fresh))
+    want = weighted_products(layout, clients, [1, 1, 1])
+    err = max(
+        float(
+            ((fresh.state_dict()[m.base_key] - base0[m.base_key]).T + product_of(layout, got, m.name) - want[m.name])
+            .abs()
+            .max()
+        )
+        for m in layout.modules
+    )
+    record("peft: fold: base update + adapter on a fresh client = exact mean", err, 1e-5)
+
+
+def test_lora_layout_from_config_and_keyed_arrays_reads_rank_and_alpha_patterns():
+    model = gpt2_peft(r=4, alpha=8, rank_pattern={"c_fc": 2}, alpha_pattern={"c_fc": 6})
+    sd = get_peft_model_state_dict(model)
+    layout = LoraLayout.of(config=model.peft_config["default"], arrays=sd)
+    fc = [m for m in layout.modules if m.name.endswith("c_fc")]
+    assert fc and all(m.rank == 2 and math.isclose(m.scaling(), 3.0) for m in fc)
+    assert all(m.rank == 4 and math.isclose(m.scaling(), 2.0) for m in layout.modules if not m.name.endswith("c_fc"))
+    assert layout.read(sd) and np.isfinite(layout.max_rank)
