@@ -291,8 +291,8 @@ def product_svd(
 
     Factored: stack ``[√|cᵢ| Bᵢ]`` and ``[sign(cᵢ)√|cᵢ| Aᵢ]``, take both QRs and the SVD of the small
     core ``R_B R_Aᵀ`` (Σrᵢ × Σrᵢ): ``O((out + in)(Σrᵢ)²)``, never an out × in matrix. Dense (the sum
-    formed, then its SVD) where ``dense_is_cheaper`` (``dense=True`` forces it). Singular values below the float64 noise of the
-    largest are cut, so the returned rank is the product's numerical rank."""
+    formed, then its SVD) where ``dense_is_cheaper`` (``dense=True`` forces it). Singular values below
+    the float64 noise of the largest are cut, so the returned rank is the product's numerical rank."""
     bs, as_ = [], []
     for (b, a), c in zip(factors, coefficients):
         if a.shape[0] == 0 or c == 0:

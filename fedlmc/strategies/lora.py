@@ -9,7 +9,7 @@ from logging import INFO, WARNING
 from typing import Any, Optional
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
