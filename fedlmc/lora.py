@@ -5,8 +5,9 @@ rsLoRA), and it is unchanged by every invertible r × r map ``G`` (``A → G A``
 invertible level of the symmetry hierarchy, as inside an attention head's QK and OV circuits. Averaging
 the factors, as FedAvg on ``get_peft_model_state_dict`` does, averages gauge-dependent coordinates
 (``mean(B)·mean(A) ≠ mean(B·A)``). This module averages the products instead, in factored form, and
-returns rank-r factors in a canonical gauge (balanced SVD: ``B = U√S``, ``A = √S Vᵀ``, ordered by
-singular value, so the first ``k`` components are the best rank-k approximation: Eckart–Young).
+returns rank-r factors in a canonical gauge (balanced SVD: ``B = U√S``, ``A = √S Vᵀ``, ``A``'s rows
+kept at least as large as a fresh adapter's), ordered by singular value, so the first ``k`` components
+are the best rank-k approximation (Eckart–Young).
 
 * ``LoraLayout``: which modules are adapted, their keys, shapes and scaling, read from a PEFT model or
   a ``LoraConfig`` plus a keyed adapter state; it reads replies (keyed as ``get_peft_model_state_dict``
@@ -33,6 +34,7 @@ from fedlmc.options import one_of
 
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 RESIDUALS = ("keep", "fold", "drop")
+KEEP_FACTOR = 4.0  # residual="keep" holds at most 4 × the rank sent per module (the largest components)
 
 
 class LoraInputError(ValueError):
@@ -176,7 +178,7 @@ class LoraLayout:
         keyed = self._keyed(arrays)
         out = {}
         for mod in self.modules:
-            a, b = keyed[mod.a_key].double(), keyed[mod.b_key].double()
+            a, b = working(keyed[mod.a_key]), working(keyed[mod.b_key])
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
                 raise LoraInputError(
                     f"module {mod.name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not share a rank"
@@ -252,6 +254,12 @@ class LoraLayout:
         return max(m.rank for m in self.modules)
 
 
+def working(t: torch.Tensor) -> torch.Tensor:
+    """The precision a factor is aggregated in: float64 stays float64 (the exactness tests), every
+    other floating type (float32 replies from the wire, half precision) becomes float32."""
+    return t.double() if t.dtype == torch.float64 else t.float()
+
+
 def _shape(v) -> tuple[int, ...]:
     return tuple(v.shape)
 
@@ -292,18 +300,20 @@ def product_svd(
     Factored: stack ``[√|cᵢ| Bᵢ]`` and ``[sign(cᵢ)√|cᵢ| Aᵢ]``, take both QRs and the SVD of the small
     core ``R_B R_Aᵀ`` (Σrᵢ × Σrᵢ): ``O((out + in)(Σrᵢ)²)``, never an out × in matrix. Dense (the sum
     formed, then its SVD) where ``dense_is_cheaper`` (``dense=True`` forces it). Singular values below
-    the float64 noise of the largest are cut, so the returned rank is the product's numerical rank."""
+    the working precision's noise of the largest are cut, so the returned rank is the product's
+    numerical rank. Computed in float64 if any factor is float64, else in float32."""
+    dtype = torch.float64 if any(t.dtype == torch.float64 for f in factors for t in f) else torch.float32
     bs, as_ = [], []
     for (b, a), c in zip(factors, coefficients):
         if a.shape[0] == 0 or c == 0:
             continue
         root = math.sqrt(abs(c))
-        bs.append(b.double() * root)
-        as_.append(a.double() * (root if c > 0 else -root))
+        bs.append(b.to(dtype) * root)
+        as_.append(a.to(dtype) * (root if c > 0 else -root))
     out_f, in_f = factors[0][0].shape[0], factors[0][1].shape[1]
     if not bs:
-        z = torch.zeros(0, dtype=torch.float64)
-        return torch.zeros(out_f, 0, dtype=torch.float64), z, torch.zeros(0, in_f, dtype=torch.float64)
+        z = torch.zeros(0, dtype=dtype)
+        return torch.zeros(out_f, 0, dtype=dtype), z, torch.zeros(0, in_f, dtype=dtype)
     B, A = torch.cat(bs, 1), torch.cat(as_, 0)
     if dense_is_cheaper(out_f, in_f, B.shape[1]) if dense is None else dense:
         U, S, Vh = torch.linalg.svd(B @ A, full_matrices=False)
@@ -312,7 +322,8 @@ def product_svd(
         qa, ra = torch.linalg.qr(A.T)
         u, S, vh = torch.linalg.svd(rb @ ra.T)
         U, Vh = qb @ u, vh @ qa.T
-    keep = S > S[0] * 1e-13 if len(S) and S[0] > 0 else torch.zeros_like(S, dtype=torch.bool)
+    tol = torch.finfo(dtype).eps * 10 * max(out_f, in_f, B.shape[1])
+    keep = S > S[0] * tol if len(S) and S[0] > 0 else torch.zeros_like(S, dtype=torch.bool)
     U, S, Vh = U[:, keep], S[keep], Vh[keep]
     # one sign per component (the largest entry of each left singular vector positive): with distinct
     # singular values the factors are then a function of the product alone
@@ -321,26 +332,33 @@ def product_svd(
     return U * sign, S, Vh * sign[:, None]
 
 
+A_ROW_NORM = 1 / math.sqrt(3)  # the row norm of PEFT's initial A (kaiming-uniform, a = √5)
+
+
 def balanced(
     U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-``rank`` factors ``(B, A)`` with ``scaling·B·A`` the best rank-``rank`` approximation of
-    ``U diag(S) Vh``, in the balanced gauge (``B = U√(S/s)``, ``A = √(S/s)Vh``). Where the product's
-    rank is lower, the spare components get ``B = 0`` and rows of ``A`` orthogonal to ``Vh`` at PEFT's
-    initial scale (fixed seed), as a fresh adapter has: the product is unchanged and they still learn
-    (zero rows in both factors would get no gradient)."""
+    ``U diag(S) Vh``, in the balanced gauge: component k has ``B = U cₖ⁻¹ Sₖ/s`` and ``A = cₖ Vhₖ``
+    with ``cₖ = max(√(Sₖ/s), A_ROW_NORM)``, so ``B = U√(S/s)``, ``A = √(S/s)Vh`` wherever the
+    component is larger than a fresh adapter's, and ``A``'s rows are never smaller than PEFT's initial
+    ones: a small product split evenly would make both factors tiny and stall the clients' training
+    (LoRA learns from ``A = O(1)``, ``B = 0``). A function of the product alone either way. Where the
+    product's rank is lower, the spare components get ``B = 0`` and rows of ``A`` orthogonal to
+    ``Vh`` at that initial norm (fixed seed), as a fresh adapter has: zero rows in both factors would
+    get no gradient."""
     k = min(rank, len(S))
-    root = torch.sqrt(S[:k] / scaling)
+    c = torch.sqrt(S[:k] / scaling).clamp(min=A_ROW_NORM)
     in_f = Vh.shape[1]
-    B = torch.zeros(U.shape[0], rank, dtype=torch.float64)
-    A = torch.zeros(rank, in_f, dtype=torch.float64)
-    B[:, :k], A[:k] = U[:, :k] * root, root[:, None] * Vh[:k]
+    B = torch.zeros(U.shape[0], rank, dtype=U.dtype)
+    A = torch.zeros(rank, in_f, dtype=U.dtype)
+    B[:, :k], A[:k] = U[:, :k] * (S[:k] / scaling / c), c[:, None] * Vh[:k]
     spare = min(rank, in_f) - k
     if spare > 0:
         g = torch.Generator().manual_seed(0)
-        basis = torch.cat([Vh[:k].T, torch.randn(in_f, spare, generator=g, dtype=torch.float64)], 1)
+        basis = torch.cat([Vh[:k].T, torch.randn(in_f, spare, generator=g, dtype=torch.float64).to(U.dtype)], 1)
         q = torch.linalg.qr(basis)[0][:, k:]  # orthonormal, orthogonal to Vh's rows
-        A[k : k + spare] = q.T / math.sqrt(3)  # the row norm of PEFT's kaiming-uniform init
+        A[k : k + spare] = q.T * A_ROW_NORM
     return B, A
 
 
@@ -381,10 +399,11 @@ class LoraAggregator:
     What the rank-r factors sent back cannot carry (the tail of the SVD) is, by ``residual``:
 
     * ``"keep"``: held at the server, in factored form, and carried into the next round's product
-      (error feedback): over rounds the federation follows FedAvg on the products exactly, and each
-      client's update counts from the truncation it was sent. No extra bytes on the wire; the server
-      holds ``(out + in)·rank`` floats per module (``keep_rank`` caps that rank, cutting the smallest
-      singular values).
+      (error feedback), each client's update counting from the truncation it was sent. No extra bytes
+      on the wire; the server holds at most ``keep_factor × r`` singular components per module, the
+      largest (``(out + in)·keep_factor·r`` floats). With ``keep_factor=math.inf`` nothing is cut and
+      the federation follows FedAvg on the products exactly (the rank then grows by up to
+      ``(M − 1)·r`` a round, to ``min(out, in)``: dense-sized).
     * ``"fold"``: folded into the base weights, as FedEx-LoRA does: exact every round, and every
       message carries the accumulated dense ``out × in`` base update (``base_update``) for the clients
       to add to their frozen base, so stateless clients stay in step.
@@ -396,15 +415,17 @@ class LoraAggregator:
         The adapter's modules, keys and scaling (``LoraLayout.of``).
     residual : {"keep", "fold", "drop"}, default "keep"
         What truncation drops.
-    keep_rank : int, optional
-        ``"keep"``: the most singular components held per module (default: no cap, which is exact;
-        the rank cannot exceed ``min(out, in)``).
+    keep_factor : float, default 4.0
+        ``"keep"``: the most singular components held per module, as a multiple of its declared rank
+        (``math.inf``: all, exact).
     """
 
-    def __init__(self, layout: LoraLayout, residual: str = "keep", keep_rank: Optional[int] = None) -> None:
+    def __init__(self, layout: LoraLayout, residual: str = "keep", keep_factor: float = KEEP_FACTOR) -> None:
         self.layout = layout
         self.residual = one_of(residual, RESIDUALS, "residual")
-        self.keep_rank = keep_rank
+        if not keep_factor >= 1:
+            raise ValueError(f"keep_factor must be at least 1 (the rank sent), got {keep_factor}")
+        self.keep_factor = keep_factor
         self.products: dict[str, Product] = {}  # the global product per module (what "keep" carries)
         self.base: dict[str, torch.Tensor] = {}  # "fold": the accumulated dense base update per module
 
@@ -450,13 +471,16 @@ class LoraAggregator:
                 # started from, and P − Σ wᵢ T_{rᵢ}(P) lives in P's own singular basis
                 p = self.products[mod.name]
                 ranks = torch.tensor([a.shape[0] for _, a in stack])
-                sent = torch.tensor([sum(wi for wi, r in zip(w, ranks) if k < r) for k in range(len(p.S))])
-                carried = p.S * (1.0 - sent.double())
+                sent = (torch.arange(len(p.S))[:, None] < ranks[None, :]).to(p.S.dtype) @ torch.tensor(
+                    w, dtype=p.S.dtype
+                )
+                carried = p.S * (1.0 - sent)
                 stack = stack + [(p.U * carried, p.Vh)]
                 coeffs = coeffs + [1.0]
             U, S, Vh = product_svd(stack, coeffs)
-            if self.residual == "keep" and self.keep_rank is not None:
-                U, S, Vh = U[:, : self.keep_rank], S[: self.keep_rank], Vh[: self.keep_rank]
+            if self.residual == "keep" and math.isfinite(self.keep_factor):
+                k = int(self.keep_factor * mod.rank)
+                U, S, Vh = U[:, :k], S[:k], Vh[:k]
             r = mod.rank
             if self.residual == "fold" and len(S) > r:
                 self.base[mod.name] = self.base.get(mod.name, 0) + (U[:, r:] * S[r:]) @ Vh[r:]

@@ -158,7 +158,7 @@ def test_lora_mixed_ranks_get_their_best_approximation_eckart_young(record):
 
 def test_lora_keep_residual_follows_fedavg_on_the_products_across_rounds(record):
     layout = LoraLayout.of(llama_peft(r=4))
-    agg = LoraAggregator(layout, residual="keep")
+    agg = LoraAggregator(layout, residual="keep", keep_factor=math.inf)
     start = random_adapter(layout, 4, 100, scale=0.0)
     agg.start(start)
     exact = {m.name: torch.zeros(m.out_features, m.in_features, dtype=torch.float64) for m in layout.modules}
@@ -184,7 +184,12 @@ def test_lora_keep_residual_follows_fedavg_on_the_products_across_rounds(record)
         agg.aggregate(clients, weights)
     err = max(float((agg.products[n].dense() - exact[n]).abs().max()) for n in exact)
     record("lora: residual=keep product = FedAvg on products over 3 rounds", err, 1e-10)
-    assert any(len(p.S) > 4 for p in agg.products.values())  # it did hold more than the sent rank
+    assert any(len(p.S) > 4 * 2 for p in agg.products.values())  # more than the sent rank (4), uncut
+    capped = LoraAggregator(layout, residual="keep")  # the default holds at most 4 × r components
+    capped.start(start)
+    capped.aggregate(clients, weights)
+    capped.aggregate(clients, weights)
+    assert max(len(p.S) for p in capped.products.values()) <= 16
 
 
 def test_lora_fold_residual_puts_the_tail_into_the_base(record):
@@ -244,7 +249,7 @@ def test_peft_key_order_round_trips_keyed_named_and_keyless():
         if keyless:  # FlowerTune's ordered list of numpy arrays
             arrays = ArrayRecord([v.numpy() for v in layout.write(factors).values()])
         back = layout.read(arrays)
-        assert all(torch.allclose(back[n][0], factors[n][0].float().double()) for n in factors)
+        assert all(torch.equal(back[n][0], factors[n][0].float()) for n in factors)
         set_adapter(model, arrays)
         got = get_peft_model_state_dict(model)
         assert list(got) == list(layout.keys)
@@ -319,7 +324,7 @@ def test_peft_strategy_excludes_bad_replies_with_a_reason_and_aggregates_the_res
     agg.start(layout.read(get_peft_model_state_dict(model)))
     agg.aggregate(clients, [1, 1, 1])
     err = max(float((got[n][0] - agg.factors()[n][0]).abs().max()) for n in got)
-    record("peft: strategy aggregate = LoraAggregator on the valid replies", err, 1e-6)
+    record("peft: strategy aggregate (float32) = LoraAggregator on the valid replies", err, 1e-5)
     assert strategy.history[-1]["bytes_received"] > 0
 
 

@@ -126,7 +126,10 @@ def split(data: Data, fraction: float) -> tuple[Data, Data]:
         raise ValueError(f"fraction must be in (0, 1), got {fraction}")
     if isinstance(data, TokenData):
         cut = int(len(data.tokens) * fraction)
-        return TokenData(data.tokens[:cut], data.block_size), TokenData(data.tokens[cut:], data.block_size)
+        # each part keeps the speeches lying wholly inside it (for partitioning by speaker)
+        head = data.units.within(0, cut) if data.units is not None else None
+        tail = data.units.within(cut, len(data.tokens)) if data.units is not None else None
+        return TokenData(data.tokens[:cut], data.block_size, head), TokenData(data.tokens[cut:], data.block_size, tail)
     if isinstance(data, ArrayData):
         cut = int(len(data) * fraction)
         return data.subset(list(range(cut))), data.subset(list(range(cut, len(data))))

@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fedlmc.lora import LoraAggregator, LoraInputError, LoraLayout, nbytes
+from fedlmc.lora import KEEP_FACTOR, LoraAggregator, LoraInputError, LoraLayout, nbytes
 
 BASE_UPDATE_KEY = "base-update"  # residual="fold": the accumulated dense update of the base weights
 
@@ -43,8 +43,9 @@ class LoraFedAvg(FedAvg):
         into the base weights (FedEx-LoRA: every message then carries a dense ``"base-update"``
         ArrayRecord for the clients to add to their base, see ``fedlmc.lora.apply_base_update``), or
         dropped (FlexLoRA).
-    keep_rank : int, optional
-        ``residual="keep"``: the most singular components held per module (default: all, exact).
+    keep_factor : float, default 4.0
+        ``residual="keep"``: the most singular components held per module, as a multiple of its rank
+        (the largest are kept; ``math.inf``: all, which is FedAvg on the products exactly).
     mixed_ranks : bool, default False
         Accept clients of different ranks; each is sent the best approximation of the aggregate at
         its own rank (the rank of its last reply; before that, the declared rank, which its client
@@ -61,7 +62,7 @@ class LoraFedAvg(FedAvg):
         lora_config: Any = None,
         adapter_name: str = "default",
         residual: str = "keep",
-        keep_rank: Optional[int] = None,
+        keep_factor: float = KEEP_FACTOR,
         mixed_ranks: bool = False,
         **fedavg: Any,
     ) -> None:
@@ -72,8 +73,8 @@ class LoraFedAvg(FedAvg):
             LoraLayout.of(model, adapter_name=adapter_name) if model is not None else None
         )
         self.lora_config, self.adapter_name = lora_config, adapter_name
-        self.residual, self.keep_rank, self.mixed_ranks = residual, keep_rank, mixed_ranks
-        LoraAggregator(self.layout or LoraLayout((), ()), residual, keep_rank)  # validates residual
+        self.residual, self.keep_factor, self.mixed_ranks = residual, keep_factor, mixed_ranks
+        LoraAggregator(self.layout or LoraLayout((), ()), residual, keep_factor)  # validates both
         self.aggregator: Optional[LoraAggregator] = None
         self.keyless = False
         self.node_ranks: dict[int, dict[str, int]] = {}
@@ -94,7 +95,7 @@ class LoraFedAvg(FedAvg):
         if self.layout is None:
             self.layout = LoraLayout.of(config=self.lora_config, arrays=initial_arrays, adapter_name=self.adapter_name)
         factors = self.layout.read(initial_arrays)
-        self.aggregator = LoraAggregator(self.layout, self.residual, self.keep_rank)
+        self.aggregator = LoraAggregator(self.layout, self.residual, self.keep_factor)
         self.aggregator.start(factors)
 
     # ---- each round -------------------------------------------------------------------------------

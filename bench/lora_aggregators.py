@@ -1,0 +1,415 @@
+"""Benchmark: every published LoRA aggregator and fedlmc's, on the same clients, seeds and base.
+
+    python bench/lora_aggregators.py [--settings NAME,...] [--seeds 0,1,2] [--workers 2]
+
+A Llama-style tiny causal LM (d 64, 2 layers) is pretrained locally on the first half of Tiny
+Shakespeare's training text (``fedlmc.hf.pretrained``); 4 clients fine-tune PEFT LoRA adapters on
+every attention and FF projection (q, k, v, o, gate, up, down; α = 16) on the second half, dealt out
+IID or by speaking character. Every method starts from the same adapters and trains its clients on
+the same batches (round 1, identical for all but FFA-LoRA, is computed once). Per setting, method
+and round: the global model's test loss (mean of 3 seeds), the bytes each way (float32), the server's
+aggregation seconds and what the server holds (the server's time against Flower's FedAvg is
+``bench/lora_server_time.py``'s). Writes ``results/lora_<setting>.{json,png}`` and
+``results/lora_summary.md``. Settings are run as Ray tasks, one per (setting, seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+
+FAMILY, BASE_STEPS, ALPHA, LR, BATCH, CLIENTS, TEST_BATCHES = "llama", 1500, 16, 3e-3, 16, 4, 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+HOMOGENEOUS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedlmc", "fedlmc-fold")
+SETTINGS = {
+    "speaker-r8-steps10": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=10, rounds=8, methods=HOMOGENEOUS),
+    "speaker-r8-steps100": dict(
+        scheme="speaker",
+        ranks=[8] * CLIENTS,
+        steps=100,
+        rounds=4,
+        methods=HOMOGENEOUS + ("fedlmc-drop",),
+    ),
+    "speaker-r8-steps500": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=500, rounds=2, methods=HOMOGENEOUS),
+    "iid-r8-steps100": dict(scheme="iid", ranks=[8] * CLIENTS, steps=100, rounds=3, methods=HOMOGENEOUS),
+    # FedIT with mixed ranks is HetLoRA's zero-padding; FFA-LoRA, FedSA-LoRA and FedEx-LoRA define none
+    "speaker-mixed-steps100": dict(
+        scheme="speaker", ranks=[2, 4, 8, 16], steps=100, rounds=3, methods=("hetlora", "flora", "flexlora", "fedlmc")
+    ),
+}
+
+
+class Clients:
+    """The pretrained base, a PEFT model per rank, and LoRA training / evaluation on them."""
+
+    def __init__(self) -> None:
+        from fedlmc.hf.pretrained import pretrained_base
+
+        self.base = pretrained_base(FAMILY, BASE_STEPS, progress=False)
+        self.models, self.layouts, self.pristine = {}, {}, {}
+
+    def model(self, rank: int):
+        from peft import LoraConfig, get_peft_model
+
+        from fedlmc.lora import LoraLayout
+
+        if rank not in self.models:
+            cfg = LoraConfig(r=rank, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+            m = get_peft_model(copy.deepcopy(self.base), cfg)
+            self.models[rank], self.layouts[rank] = m, LoraLayout.of(m)
+            self.pristine[rank] = {
+                mod.base_key: m.state_dict()[mod.base_key].clone() for mod in self.layouts[rank].modules
+            }
+        return self.models[rank]
+
+    def init(self, rank: int, seed: int):
+        """PEFT's own initial adapter (A kaiming-uniform, B = 0) for ``seed``."""
+        m = self.model(rank)
+        torch.manual_seed(seed)
+        for mod in m.modules():
+            if hasattr(mod, "reset_lora_parameters") and "default" in getattr(mod, "lora_A", {}):
+                mod.reset_lora_parameters("default", True)
+        from peft import get_peft_model_state_dict
+
+        return self.layouts[rank].read(get_peft_model_state_dict(m), mixed_ranks=True)
+
+    def load(self, rank, factors, base_delta=None):
+        from peft import set_peft_model_state_dict
+
+        m, layout = self.model(rank), self.layouts[rank]
+        params = dict(m.named_parameters())
+        with torch.no_grad():
+            for mod in layout.modules:
+                w = self.pristine[rank][mod.base_key]
+                d = (base_delta or {}).get(mod.name)
+                params[mod.base_key].copy_(w if d is None else w + d.to(w.dtype))
+        set_peft_model_state_dict(m, layout.write(factors))
+        return m
+
+    def train(self, rank, factors, base_delta, data, steps, seed, freeze_a=False):
+        from peft import get_peft_model_state_dict
+
+        from fedlmc.hf.pretrained import lm_loss
+
+        m = self.load(rank, factors, base_delta)
+        params = [p for n, p in m.named_parameters() if "lora_" in n and not (freeze_a and "lora_A" in n)]
+        trained = {id(p) for p in params}
+        for p in m.parameters():
+            p.requires_grad_(id(p) in trained)
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        gen, done = torch.Generator().manual_seed(seed), 0
+        m.train()
+        while done < steps:
+            for x, y in data.batches(BATCH, shuffle=True, generator=gen):
+                loss = lm_loss(m, x, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                done += 1
+                if done == steps:
+                    break
+        return self.layouts[rank].read(get_peft_model_state_dict(m), mixed_ranks=True)
+
+    def loss(self, rank, factors, base_delta, test) -> float:
+        from fedlmc.hf.pretrained import test_loss
+
+        return test_loss(self.load(rank, factors, base_delta), test, TEST_BATCHES)
+
+
+def fbytes(factors, part="both") -> int:
+    """float32 bytes of ``{module: (B, A)}`` (``part``: "A", "B" or both)."""
+    return sum(4 * (b.numel() * (part != "A") + a.numel() * (part != "B")) for b, a in factors.values())
+
+
+def dense_bytes(layout) -> int:
+    return sum(4 * m.out_features * m.in_features for m in layout.modules)
+
+
+def run(setting: str, seed: int) -> dict:
+    """Every method of ``setting`` on one seed's clients."""
+    torch.set_num_threads(1)
+    from fedlmc import lora_baselines as lb
+    from fedlmc.hf.pretrained import finetune_partitions, pretrain_and_finetune_text
+    from fedlmc.lora import LoraAggregator
+
+    cfg = SETTINGS[setting]
+    world = Clients()
+    parts = finetune_partitions(CLIENTS, cfg["scheme"], seed=seed)
+    test = pretrain_and_finetune_text()[2]
+    weights = [float(len(p)) for p in parts]
+    ranks, rounds, steps = cfg["ranks"], cfg["rounds"], cfg["steps"]
+    rmax = max(ranks)
+    world.model(rmax)
+    layout = world.layouts[rmax]
+    init = {r: world.init(r, 1000 + seed) for r in set(ranks) | {rmax}}
+    zero = {n: (torch.zeros_like(b), a) for n, (b, a) in init[rmax].items()}
+    first_round: dict = {}
+    out = {"setting": setting, "seed": seed, "rows": {}}
+    base_loss = world.loss(rmax, zero, None, test)
+
+    def local(i, start, delta, rnd, freeze=False):
+        key = (i, freeze)
+        fresh = delta is None and all(
+            torch.equal(start[n][1], init[ranks[i]][n][1]) and not start[n][0].any() for n in start
+        )
+        if rnd == 1 and fresh and key in first_round:
+            return first_round[key]
+        f = world.train(ranks[i], start, delta, parts[i], steps, seed=10_000 * seed + 100 * rnd + i, freeze_a=freeze)
+        if rnd == 1 and fresh:
+            first_round[key] = f
+        return f
+
+    for method in cfg["methods"]:
+        t_start = time.perf_counter()
+        losses, up, down, server_s, held, product_losses = [], [], [], [], [], []
+        g = init[rmax]  # the global factors (FedIT's means, FlexLoRA's cut...)
+        delta = None  # a base update (FLoRA's stacks, FedEx-LoRA's residuals, fedlmc-fold)
+        local_b = [init[r] for r in ranks]  # FedSA-LoRA's personal B
+        agg, replies = None, []  # replies: the last round's (FlexLoRA cuts them for each client)
+        if method.startswith("fedlmc"):
+            agg = LoraAggregator(layout, {"fedlmc": "keep", "fedlmc-fold": "fold", "fedlmc-drop": "drop"}[method])
+            agg.start(init[rmax])
+        for rnd in range(1, rounds + 1):
+            starts, deltas, freeze = [], [], method == "ffa-lora"
+            for i, r in enumerate(ranks):
+                if rnd == 1 and method not in ("ffa-lora", "fedsa-lora"):  # every method's first start
+                    s = init[r]
+                elif method in ("fedit", "hetlora", "fedex-lora"):
+                    s = {n: lb.pad(b, a, r) for n, (b, a) in g.items()}
+                elif method == "ffa-lora":
+                    s = {n: (g[n][0], init[r][n][1]) for n in g}
+                elif method == "fedsa-lora":
+                    s = {n: (local_b[i][n][0], g[n][1]) for n in g}
+                elif method == "flora":
+                    s = init[r]
+                elif method == "flexlora":
+                    s = lb.flexlora(layout, replies, weights, r)
+                else:
+                    s = agg.factors(r)
+                starts.append(s)
+                deltas.append(delta)
+            replies = [local(i, starts[i], deltas[i], rnd, freeze) for i in range(len(ranks))]
+            t0 = time.perf_counter()
+            if method in ("fedit", "hetlora", "ffa-lora", "fedsa-lora"):
+                g = lb.factor_mean(layout, replies, weights, rmax)
+                if method == "fedsa-lora":
+                    local_b = replies
+            elif method == "flora":
+                stack = lb.flora(layout, replies, weights)
+                delta = {n: (delta or {}).get(n, 0) + p for n, p in lb.stacked_product(stack).items()}
+            elif method == "flexlora":
+                g = lb.flexlora(layout, replies, weights, rmax)
+            elif method == "fedex-lora":
+                g, residual = lb.fedex_lora(layout, replies, weights, rmax)
+                delta = {n: (delta or {}).get(n, 0) + p for n, p in residual.items()}
+            else:
+                agg.aggregate(replies, weights)
+                g = agg.factors()
+                if method == "fedlmc-fold":
+                    delta = {m.name: agg.base[m.name] for m in layout.modules if m.name in agg.base}
+            server_s.append(time.perf_counter() - t0)
+            # the global model and its test loss
+            if method == "ffa-lora":
+                losses.append(world.loss(rmax, {n: (g[n][0], init[rmax][n][1]) for n in g}, None, test))
+            elif method == "fedsa-lora":  # personalised: each client's own B with the shared A
+                losses.append(
+                    statistics.mean(
+                        world.loss(r, {n: (local_b[i][n][0], g[n][1]) for n in g}, None, test)
+                        for i, r in enumerate(ranks)
+                    )
+                )
+            elif method == "flora":
+                losses.append(world.loss(rmax, zero, delta, test))
+            else:
+                losses.append(world.loss(rmax, g, delta, test))
+            if method == "fedlmc":  # the server's exact product merged into the base (what "keep" holds)
+                full = {n: agg.products[n].dense() for n in agg.products}
+                product_losses.append(world.loss(rmax, zero, full, test))
+            # bytes on the wire this round (float32)
+            part = {"ffa-lora": "B", "fedsa-lora": "A"}.get(method, "both")
+            up.append(sum(fbytes(rep, part) for rep in replies))
+            if method == "flora":
+                down.append(len(ranks) * fbytes(stack))
+            elif method in ("fedex-lora", "fedlmc-fold"):
+                down.append(sum(fbytes(s) for s in starts) + len(ranks) * dense_bytes(layout))
+            else:
+                down.append(sum(fbytes(s, part) for s in starts))
+            held.append(
+                agg.state_bytes
+                if agg is not None
+                else fbytes(stack)
+                if method == "flora"
+                else fbytes(g) + (dense_bytes(layout) if method == "fedex-lora" else 0)
+            )
+        out["rows"][method] = {
+            "test_loss": losses,
+            "bytes_up": up,
+            "bytes_down": down,
+            "server_seconds": server_s,
+            "server_held_bytes": held,
+            "server_dense_bytes": dense_bytes(layout) if method in ("flexlora", "fedex-lora") else 0,
+            "test_loss_server_product": product_losses,
+            "wall_seconds": time.perf_counter() - t_start,
+        }
+        print(f"  {setting} seed {seed} {method}: " + " ".join(f"{x:.4f}" for x in losses), flush=True)
+    out["base_loss"] = base_loss
+    return out
+
+
+def summarise(setting: str, runs: list[dict]) -> dict:
+    cfg = SETTINGS[setting]
+    rows = {}
+    for method in cfg["methods"]:
+        per_seed = [r["rows"][method] for r in runs]
+        curves = [p["test_loss"] for p in per_seed]
+        mean = [statistics.mean(c[i] for c in curves) for i in range(len(curves[0]))]
+        rows[method] = {
+            "test_loss": mean,
+            "test_loss_per_seed": curves,
+            "final_loss": mean[-1],
+            "final_loss_range": [min(c[-1] for c in curves), max(c[-1] for c in curves)],
+            "bytes_up_per_round": statistics.mean(x for p in per_seed for x in p["bytes_up"]),
+            "bytes_down_per_round": statistics.mean(x for p in per_seed for x in p["bytes_down"]),
+            "server_seconds_per_round": statistics.median(x for p in per_seed for x in p["server_seconds"]),
+            "server_held_bytes": max(x for p in per_seed for x in p["server_held_bytes"]),
+            "server_dense_bytes": per_seed[0]["server_dense_bytes"],
+        }
+        products = [p["test_loss_server_product"] for p in per_seed if p["test_loss_server_product"]]
+        if products:
+            rows[method]["test_loss_server_product"] = [
+                statistics.mean(c[i] for c in products) for i in range(len(products[0]))
+            ]
+    ref = "hetlora" if "hetlora" in rows else "fedit"
+    target = rows[ref]["final_loss"]
+    for row in rows.values():
+        row["rounds_to_reference_final"] = next((i + 1 for i, x in enumerate(row["test_loss"]) if x <= target), None)
+    return {
+        "setting": setting,
+        "config": {
+            **{k: v for k, v in cfg.items() if k != "methods"},
+            "clients": CLIENTS,
+            "family": FAMILY,
+            "alpha": ALPHA,
+            "lr": LR,
+            "batch_size": BATCH,
+            "base_steps": BASE_STEPS,
+            "targets": TARGETS,
+        },  # fmt: skip
+        "seeds": [r["seed"] for r in runs],
+        "reference": ref,
+        "base_loss": statistics.mean(r["base_loss"] for r in runs),
+        "rows": rows,
+        "environment": environment(),
+    }
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for method, row in res["rows"].items():
+        xs = list(range(1, len(row["test_loss"]) + 1))
+        lo = [min(c[i] for c in row["test_loss_per_seed"]) for i in range(len(xs))]
+        hi = [max(c[i] for c in row["test_loss_per_seed"]) for i in range(len(xs))]
+        style = "-" if method.startswith("fedlmc") else "--"
+        ax.plot(xs, row["test_loss"], style, marker="o", ms=3, label=method, lw=2 if method == "fedlmc" else 1)
+        ax.fill_between(xs, lo, hi, alpha=0.12)
+    ax.axhline(res["base_loss"], color="grey", lw=0.8, ls=":", label="pretrained base")
+    ax.set_xlabel("round")
+    ax.set_ylabel("global test loss")
+    cfg = res["config"]
+    ax.set_title(
+        f"{res['setting']}: {cfg['clients']} clients, ranks {sorted(set(cfg['ranks']))}, {len(res['seeds'])} seeds"
+    )
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(results: list[dict]) -> str:
+    header = "| method | final test loss (range) | rounds to {ref}'s final | KB up / round | KB down / round | "
+    header += "server held KB | server s / round |"
+    lines = []
+    for res in results:
+        cfg, ref = res["config"], res["reference"]
+        seeds = ", ".join(map(str, res["seeds"]))
+        lines += [f"### {res['setting']}", ""]
+        lines += [f"{cfg['clients']} clients, {cfg['steps']} local steps, {cfg['rounds']} rounds, seeds {seeds}; "]
+        lines[-1] += f"pretrained base {res['base_loss']:.4f}."
+        lines += ["", header.format(ref=ref), "|---|---|---|---|---|---|---|"]
+        for method, row in res["rows"].items():
+            lo, hi = row["final_loss_range"]
+            held = row["server_held_bytes"] + row["server_dense_bytes"]
+            cells = [
+                method,
+                f"{row['final_loss']:.4f} ({lo:.4f}–{hi:.4f})",
+                str(row["rounds_to_reference_final"] or "—"),
+                f"{row['bytes_up_per_round'] / 1e3:.0f}",
+                f"{row['bytes_down_per_round'] / 1e3:.0f}",
+                f"{held / 1e3:.0f}",
+                f"{row['server_seconds_per_round']:.3f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        if "test_loss_server_product" in res["rows"].get("fedlmc", {}):
+            final = res["rows"]["fedlmc"]["test_loss_server_product"][-1]
+            lines += ["", f"fedlmc's exact product merged into the base (what residual=keep holds): {final:.4f}."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", default="results")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 2 rounds per setting")
+    args = p.parse_args()
+    if args.quick:
+        for cfg in SETTINGS.values():
+            cfg.update(steps=2, rounds=2)
+    settings, seeds = args.settings.split(","), [int(s) for s in args.seeds.split(",")]
+    for s in settings:
+        if s not in SETTINGS:
+            raise SystemExit(f"unknown setting {s!r}; choose from {', '.join(SETTINGS)}")
+    from fedlmc.hf.pretrained import pretrained_base
+
+    pretrained_base(FAMILY, BASE_STEPS)  # once, cached, before the workers load it
+    import ray
+
+    ray.init(num_cpus=args.workers, include_dashboard=False, _temp_dir="/tmp/ray", log_to_driver=True)
+    task = ray.remote(num_cpus=1)(run)
+    t0 = time.perf_counter()
+    pending = {task.remote(s, seed): (s, seed) for s in settings for seed in seeds}
+    done: dict[str, list] = {s: [] for s in settings}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        s, seed = pending.pop(ready[0])
+        done[s].append(ray.get(ready[0]))
+        print(f"done {s} seed {seed} ({time.perf_counter() - t0:.0f} s; {len(pending)} left)", flush=True)
+    ray.shutdown()
+    out, results = Path(args.out), []
+    for s in settings:
+        res = summarise(s, sorted(done[s], key=lambda r: r["seed"]))
+        res["wall_seconds_all_settings"] = time.perf_counter() - t0
+        write_results(out / f"lora_{s}.json", res)
+        plot(res, out / f"lora_{s}.png")
+        results.append(res)
+    if set(settings) == set(SETTINGS):
+        (out / "lora_summary.md").write_text(markdown(results))
+        print(f"wrote {out / 'lora_summary.md'}")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The published LoRA aggregators, server side, for side-by-side comparisons with ``LoraAggregator``
+(``bench/lora_aggregators.py``). Each takes the round's replies ``{module: (B, A)}`` and weights and
+says what every client starts the next round from.
+
+* FedIT (FlowerTune's FedAvg): ``B`` and ``A`` averaged separately; with mixed ranks, HetLoRA's
+  zero-padding to the largest rank and truncation to each client's.
+* FFA-LoRA: ``A`` frozen at its shared initialisation; ``B`` averaged (exact: ``mean(B)·A``).
+* FedSA-LoRA: only ``A`` averaged; every client keeps its own ``B`` (a personalised method).
+* FLoRA: the products stacked (exact, rank Σrᵢ) and folded into the base; fresh adapters every round.
+* FlexLoRA: the dense weighted sum of the products, its SVD, each client's rank cut (``B = U S``,
+  ``A = Vᵀ``).
+* FedEx-LoRA: FedIT's factors plus the residual ``mean(s B A) − s mean(B) mean(A)``, dense, folded
+  into the base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from fedlmc.lora import LoraLayout
+
+Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
+METHODS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora")
+
+
+def _normalised(weights: Sequence[float]) -> list[float]:
+    total = float(sum(weights))
+    return [float(w) / total for w in weights]
+
+
+def pad(b: torch.Tensor, a: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HetLoRA: factors zero-padded (or cut) to ``rank``."""
+    B = torch.zeros(b.shape[0], rank, dtype=b.dtype)
+    A = torch.zeros(rank, a.shape[1], dtype=a.dtype)
+    k = min(rank, a.shape[0])
+    B[:, :k], A[:k] = b[:, :k], a[:k]
+    return B, A
+
+
+def factor_mean(layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[float], rank: int) -> Factors:
+    """FedIT / HetLoRA: the weighted means of ``B`` and of ``A``, zero-padded to ``rank``."""
+    w = _normalised(weights)
+    out = {}
+    for m in layout.modules:
+        padded = [pad(*r[m.name], rank) for r in replies]
+        out[m.name] = (sum(wi * b for wi, (b, _) in zip(w, padded)), sum(wi * a for wi, (_, a) in zip(w, padded)))
+    return out
+
+
+def product_mean(layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+    """The dense weighted mean of ``s·B·A`` per module (out × in)."""
+    w = _normalised(weights)
+    return {
+        m.name: sum(wi * m.scaling(r[m.name][1].shape[0]) * r[m.name][0] @ r[m.name][1] for wi, r in zip(w, replies))
+        for m in layout.modules
+    }
+
+
+def flexlora(layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[float], rank: int) -> Factors:
+    """FlexLoRA: the SVD of the dense weighted sum, cut to ``rank`` (singular values in ``B``)."""
+    out = {}
+    for name, dense in product_mean(layout, replies, weights).items():
+        m = next(x for x in layout.modules if x.name == name)
+        U, S, Vh = torch.linalg.svd(dense, full_matrices=False)
+        out[name] = (U[:, :rank] * S[:rank] / m.scaling(rank), Vh[:rank].clone())
+    return out
+
+
+def fedex_lora(
+    layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[float], rank: int
+) -> tuple[Factors, dict[str, torch.Tensor]]:
+    """FedEx-LoRA: FedIT's factors and the dense residual to fold into the base (module → out × in)."""
+    mean = factor_mean(layout, replies, weights, rank)
+    exact = product_mean(layout, replies, weights)
+    residual = {m.name: exact[m.name] - m.scaling(rank) * mean[m.name][0] @ mean[m.name][1] for m in layout.modules}
+    return mean, residual
+
+
+def flora(layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[float]) -> Factors:
+    """FLoRA: the stacked factors (rank Σrᵢ) whose product, at scaling 1, is the weighted mean; the
+    clients fold it into their base and start fresh adapters."""
+    w = _normalised(weights)
+    out = {}
+    for m in layout.modules:
+        bs = [wi * m.scaling(r[m.name][1].shape[0]) * r[m.name][0] for wi, r in zip(w, replies)]
+        out[m.name] = (torch.cat(bs, 1), torch.cat([r[m.name][1] for r in replies], 0))
+    return out
+
+
+def stacked_product(factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {n: b @ a for n, (b, a) in factors.items()}
