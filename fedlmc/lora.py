@@ -292,16 +292,11 @@ def dense_is_cheaper(out_features: int, in_features: int, stacked_rank: int) -> 
     return stacked_rank >= min(out_features, in_features)
 
 
-def product_svd(
-    factors: Sequence[tuple[torch.Tensor, torch.Tensor]], coefficients: Sequence[float], dense: Optional[bool] = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The thin SVD ``U, S, Vh`` of ``Σ cᵢ Bᵢ Aᵢ`` (``Bᵢ``: out × rᵢ, ``Aᵢ``: rᵢ × in, any real ``cᵢ``).
-
-    Factored: stack ``[√|cᵢ| Bᵢ]`` and ``[sign(cᵢ)√|cᵢ| Aᵢ]``, take both QRs and the SVD of the small
-    core ``R_B R_Aᵀ`` (Σrᵢ × Σrᵢ): ``O((out + in)(Σrᵢ)²)``, never an out × in matrix. Dense (the sum
-    formed, then its SVD) where ``dense_is_cheaper`` (``dense=True`` forces it). Singular values below
-    the working precision's noise of the largest are cut, so the returned rank is the product's
-    numerical rank. Computed in float64 if any factor is float64, else in float32."""
+def stacked(
+    factors: Sequence[tuple[torch.Tensor, torch.Tensor]], coefficients: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[√|cᵢ| Bᵢ]`` (out × Σrᵢ) and ``[sign(cᵢ)√|cᵢ| Aᵢ]`` (Σrᵢ × in), whose product is ``Σ cᵢ Bᵢ Aᵢ``;
+    in float64 if any factor is float64, else in float32."""
     dtype = torch.float64 if any(t.dtype == torch.float64 for f in factors for t in f) else torch.float32
     bs, as_ = [], []
     for (b, a), c in zip(factors, coefficients):
@@ -312,24 +307,57 @@ def product_svd(
         as_.append(a.to(dtype) * (root if c > 0 else -root))
     out_f, in_f = factors[0][0].shape[0], factors[0][1].shape[1]
     if not bs:
+        return torch.zeros(out_f, 0, dtype=dtype), torch.zeros(0, in_f, dtype=dtype)
+    return torch.cat(bs, 1), torch.cat(as_, 0)
+
+
+def stacks_svd(
+    stacks: Sequence[tuple[torch.Tensor, torch.Tensor]], dense: Optional[bool] = None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``product_svd`` of several stacks ``(B, A)`` of one shape ``out × in``, in one batched call per
+    step (the stacks zero-padded to one rank: zero components add nothing and are cut)."""
+    out_f, in_f = stacks[0][0].shape[0], stacks[0][1].shape[1]
+    dtype = stacks[0][0].dtype
+    rank = max(b.shape[1] for b, _ in stacks)
+    if rank == 0:
         z = torch.zeros(0, dtype=dtype)
-        return torch.zeros(out_f, 0, dtype=dtype), z, torch.zeros(0, in_f, dtype=dtype)
-    B, A = torch.cat(bs, 1), torch.cat(as_, 0)
-    if dense_is_cheaper(out_f, in_f, B.shape[1]) if dense is None else dense:
+        return [(torch.zeros(out_f, 0, dtype=dtype), z, torch.zeros(0, in_f, dtype=dtype)) for _ in stacks]
+    B = torch.zeros(len(stacks), out_f, rank, dtype=dtype)
+    A = torch.zeros(len(stacks), rank, in_f, dtype=dtype)
+    for i, (b, a) in enumerate(stacks):
+        B[i, :, : b.shape[1]], A[i, : a.shape[0]] = b, a
+    if dense_is_cheaper(out_f, in_f, rank) if dense is None else dense:
         U, S, Vh = torch.linalg.svd(B @ A, full_matrices=False)
     else:
         qb, rb = torch.linalg.qr(B)
-        qa, ra = torch.linalg.qr(A.T)
-        u, S, vh = torch.linalg.svd(rb @ ra.T)
-        U, Vh = qb @ u, vh @ qa.T
-    tol = torch.finfo(dtype).eps * 10 * max(out_f, in_f, B.shape[1])
-    keep = S > S[0] * tol if len(S) and S[0] > 0 else torch.zeros_like(S, dtype=torch.bool)
-    U, S, Vh = U[:, keep], S[keep], Vh[keep]
+        qa, ra = torch.linalg.qr(A.mT)
+        u, S, vh = torch.linalg.svd(rb @ ra.mT)
+        U, Vh = qb @ u, vh @ qa.mT
     # one sign per component (the largest entry of each left singular vector positive): with distinct
     # singular values the factors are then a function of the product alone
-    sign = torch.sign(U.gather(0, U.abs().argmax(0, keepdim=True)))[0]
+    sign = torch.sign(U.gather(1, U.abs().argmax(1, keepdim=True)))
     sign[sign == 0] = 1
-    return U * sign, S, Vh * sign[:, None]
+    U, Vh = U * sign, Vh * sign.mT
+    tol = torch.finfo(dtype).eps * 10 * max(out_f, in_f, rank)
+    out = []
+    for i in range(len(stacks)):
+        keep = S[i] > S[i, 0] * tol if S[i, 0] > 0 else torch.zeros_like(S[i], dtype=torch.bool)
+        k = int(keep.sum())  # singular values are sorted: the kept ones come first
+        out.append((U[i, :, :k], S[i, :k], Vh[i, :k]))
+    return out
+
+
+def product_svd(
+    factors: Sequence[tuple[torch.Tensor, torch.Tensor]], coefficients: Sequence[float], dense: Optional[bool] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thin SVD ``U, S, Vh`` of ``Σ cᵢ Bᵢ Aᵢ`` (``Bᵢ``: out × rᵢ, ``Aᵢ``: rᵢ × in, any real ``cᵢ``).
+
+    Factored: stack ``[√|cᵢ| Bᵢ]`` and ``[sign(cᵢ)√|cᵢ| Aᵢ]``, take both QRs and the SVD of the small
+    core ``R_B R_Aᵀ`` (Σrᵢ × Σrᵢ): ``O((out + in)(Σrᵢ)²)``, never an out × in matrix. Dense (the sum
+    formed, then its SVD) where ``dense_is_cheaper`` (``dense=True`` forces it). Singular values below
+    the working precision's noise of the largest are cut, so the returned rank is the product's
+    numerical rank. Computed in float64 if any factor is float64, else in float32."""
+    return stacks_svd([stacked(factors, coefficients)], dense)[0]
 
 
 A_ROW_NORM = 1 / math.sqrt(3)  # the row norm of PEFT's initial A (kaiming-uniform, a = √5)
@@ -463,6 +491,7 @@ class LoraAggregator:
             return
         total = float(sum(weights))
         w = [float(x) / total for x in weights]
+        stacks = {}
         for mod in self.layout.modules:
             stack = [r[mod.name] for r in replies]
             coeffs = [wi * mod.scaling(a.shape[0]) for wi, (_, a) in zip(w, stack)]
@@ -471,22 +500,28 @@ class LoraAggregator:
                 # started from, and P − Σ wᵢ T_{rᵢ}(P) lives in P's own singular basis
                 p = self.products[mod.name]
                 ranks = torch.tensor([a.shape[0] for _, a in stack])
-                sent = (torch.arange(len(p.S))[:, None] < ranks[None, :]).to(p.S.dtype) @ torch.tensor(
-                    w, dtype=p.S.dtype
-                )
-                carried = p.S * (1.0 - sent)
+                within = (torch.arange(len(p.S))[:, None] < ranks[None, :]).to(p.S.dtype)
+                carried = p.S * (1.0 - within @ torch.tensor(w, dtype=p.S.dtype))
                 stack = stack + [(p.U * carried, p.Vh)]
                 coeffs = coeffs + [1.0]
-            U, S, Vh = product_svd(stack, coeffs)
-            if self.residual == "keep" and math.isfinite(self.keep_factor):
-                k = int(self.keep_factor * mod.rank)
-                U, S, Vh = U[:, :k], S[:k], Vh[:k]
-            r = mod.rank
-            if self.residual == "fold" and len(S) > r:
-                self.base[mod.name] = self.base.get(mod.name, 0) + (U[:, r:] * S[r:]) @ Vh[r:]
-            if self.residual != "keep":  # the server holds the adapter it sends, nothing more
-                U, S, Vh = U[:, :r], S[:r], Vh[:r]
-            self.products[mod.name] = Product(U, S, Vh)
+            stacks[mod.name] = stacked(stack, coeffs)
+        shapes: dict[tuple, list[LoraModule]] = {}
+        for mod in self.layout.modules:  # modules of one shape: one batched QR / SVD
+            shapes.setdefault((mod.out_features, mod.in_features, stacks[mod.name][0].dtype), []).append(mod)
+        for group in shapes.values():
+            for mod, (U, S, Vh) in zip(group, stacks_svd([stacks[m.name] for m in group])):
+                self._update(mod, U, S, Vh)
+
+    def _update(self, mod: LoraModule, U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor) -> None:
+        if self.residual == "keep" and math.isfinite(self.keep_factor):
+            k = int(self.keep_factor * mod.rank)
+            U, S, Vh = U[:, :k], S[:k], Vh[:k]
+        r = mod.rank
+        if self.residual == "fold" and len(S) > r:
+            self.base[mod.name] = self.base.get(mod.name, 0) + (U[:, r:] * S[r:]) @ Vh[r:]
+        if self.residual != "keep":  # the server holds the adapter it sends, nothing more
+            U, S, Vh = U[:, :r], S[:r], Vh[:r]
+        self.products[mod.name] = Product(U.contiguous(), S.contiguous(), Vh.contiguous())
 
     @property
     def state_bytes(self) -> int:
