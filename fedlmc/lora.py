@@ -256,8 +256,9 @@ class LoraLayout:
 
 def working(t: torch.Tensor) -> torch.Tensor:
     """The precision a factor is aggregated in: float64 stays float64 (the exactness tests), every
-    other floating type (float32 replies from the wire, half precision) becomes float32."""
-    return t.double() if t.dtype == torch.float64 else t.float()
+    other floating type (float32 replies from the wire, half precision) becomes float32. Always a copy:
+    the caller's tensors (a live model's parameters) are never aliased."""
+    return t.detach().to(torch.float64 if t.dtype == torch.float64 else torch.float32, copy=True)
 
 
 def _shape(v) -> tuple[int, ...]:
