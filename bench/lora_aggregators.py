@@ -337,8 +337,8 @@ def plot(res: dict, path: Path) -> None:
 
 
 def markdown(results: list[dict]) -> str:
-    header = "| method | final test loss (range) | rounds to {ref}'s final | KB up / round | KB down / round | "
-    header += "server held KB | server s / round |"
+    header = "| method | final test loss (range over seeds) | − {ref}'s, per seed | rounds to {ref}'s final | "
+    header += "KB up / round | KB down / round | server held KB | server s / round |"
     lines = []
     for res in results:
         cfg, ref = res["config"], res["reference"]
@@ -346,13 +346,15 @@ def markdown(results: list[dict]) -> str:
         lines += [f"### {res['setting']}", ""]
         lines += [f"{cfg['clients']} clients, {cfg['steps']} local steps, {cfg['rounds']} rounds, seeds {seeds}; "]
         lines[-1] += f"pretrained base {res['base_loss']:.4f}."
-        lines += ["", header.format(ref=ref), "|---|---|---|---|---|---|---|"]
+        lines += ["", header.format(ref=ref), "|---|---|---|---|---|---|---|---|"]
+        base = [c[-1] for c in res["rows"][ref]["test_loss_per_seed"]]
         for method, row in res["rows"].items():
             lo, hi = row["final_loss_range"]
             held = row["server_held_bytes"] + row["server_dense_bytes"]
             cells = [
                 method,
                 f"{row['final_loss']:.4f} ({lo:.4f}–{hi:.4f})",
+                " / ".join(f"{c[-1] - b:+.4f}" for c, b in zip(row["test_loss_per_seed"], base)),
                 str(row["rounds_to_reference_final"] or "—"),
                 f"{row['bytes_up_per_round'] / 1e3:.0f}",
                 f"{row['bytes_down_per_round'] / 1e3:.0f}",
@@ -374,6 +376,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default="results")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 2 rounds per setting")
+    p.add_argument("--tables", action="store_true", help="only rewrite the summary and plots from --out's JSON")
     args = p.parse_args()
     if args.quick:
         for cfg in SETTINGS.values():
@@ -382,6 +385,15 @@ def main() -> None:
     for s in settings:
         if s not in SETTINGS:
             raise SystemExit(f"unknown setting {s!r}; choose from {', '.join(SETTINGS)}")
+    if args.tables:
+        import json
+
+        results = [json.loads((Path(args.out) / f"lora_{s}.json").read_text()) for s in settings]
+        for res in results:
+            plot(res, Path(args.out) / f"lora_{res['setting']}.png")
+        (Path(args.out) / "lora_summary.md").write_text(markdown(results))
+        print(markdown(results))
+        return
     from fedlmc.hf.pretrained import pretrained_base
 
     pretrained_base(FAMILY, BASE_STEPS)  # once, cached, before the workers load it

@@ -503,7 +503,8 @@ class LoraAggregator:
                 ranks = torch.tensor([a.shape[0] for _, a in stack])
                 within = (torch.arange(len(p.S))[:, None] < ranks[None, :]).to(p.S.dtype)
                 carried = p.S * (1.0 - within @ torch.tensor(w, dtype=p.S.dtype))
-                stack = stack + [(p.U * carried, p.Vh)]
+                live = carried != 0  # the components every client was sent are replaced, not carried
+                stack = stack + [(p.U[:, live] * carried[live], p.Vh[live])]
                 coeffs = coeffs + [1.0]
             stacks[mod.name] = stacked(stack, coeffs)
         shapes: dict[tuple, list[LoraModule]] = {}

@@ -422,7 +422,7 @@ def test_lora_example_app_runs_with_flwr_run_and_both_strategies():
     }
     try:
         for strategy, name in (("fedavg", "FedAvg"), ("lora", "LoraFedAvg")):
-            cfg = f"strategy='{strategy}' num-server-rounds=2 local-steps=10"
+            cfg = f"strategy='{strategy}' num-server-rounds=2 local-steps=10 base-steps=200"
             proc = subprocess.run(
                 [os.sys.executable, "-m", "fedlmc.launch", "examples/flowertune-gpt2", "-c", cfg],
                 cwd=root,
