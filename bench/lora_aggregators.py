@@ -324,6 +324,7 @@ def plot(res: dict, path: Path) -> None:
         ax.plot(xs, row["test_loss"], style, marker="o", ms=3, label=method, lw=2 if method == "fedlmc" else 1)
         ax.fill_between(xs, lo, hi, alpha=0.12)
     ax.axhline(res["base_loss"], color="grey", lw=0.8, ls=":", label="pretrained base")
+    ax.set_xticks(range(1, res["config"]["rounds"] + 1))
     ax.set_xlabel("round")
     ax.set_ylabel("global test loss")
     cfg = res["config"]

@@ -456,3 +456,29 @@ def test_lora_layout_read_copies_and_never_aliases_the_callers_tensors():
         for v in live.values():
             v.add_(1.0)  # training the model afterwards must not move what was read
     assert all(torch.equal(got[n][0], before[n][0]) and torch.equal(got[n][1], before[n][1]) for n in got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lora_harness_claims_hold_on_a_small_run():
+    """The LoRA page's claims, on a small run of the same harness (bench/lora_aggregators.py: a weaker
+    base, 30 local steps, 2 rounds, seed 0): LoraFedAvg is not worse than FedIT, and with mixed ranks
+    it beats HetLoRA's zero-padding clearly."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import lora_aggregators as harness
+
+    harness.BASE_STEPS = 200
+    harness.SETTINGS["claim-r8"] = dict(
+        scheme="speaker", ranks=[8] * 4, steps=30, rounds=2, methods=("fedit", "fedlmc")
+    )
+    harness.SETTINGS["claim-mixed"] = dict(
+        scheme="speaker", ranks=[2, 4, 8, 16], steps=30, rounds=2, methods=("hetlora", "fedlmc")
+    )
+    same = harness.run("claim-r8", 0)["rows"]
+    mixed = harness.run("claim-mixed", 0)["rows"]
+    assert same["fedlmc"]["test_loss"][-1] <= same["fedit"]["test_loss"][-1] + 0.002, same
+    assert mixed["fedlmc"]["test_loss"][-1] < mixed["hetlora"]["test_loss"][-1] - 0.01, mixed
+    assert same["fedlmc"]["bytes_down"] == same["fedit"]["bytes_down"]  # no extra bytes on the wire
