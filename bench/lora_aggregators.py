@@ -95,25 +95,14 @@ class Clients:
     def train(self, rank, factors, base_delta, data, steps, seed, freeze_a=False):
         from peft import get_peft_model_state_dict
 
-        from fedlmc.hf.pretrained import lm_loss
+        from fedlmc.hf.pretrained import train_lm
 
         m = self.load(rank, factors, base_delta)
         params = [p for n, p in m.named_parameters() if "lora_" in n and not (freeze_a and "lora_A" in n)]
         trained = {id(p) for p in params}
         for p in m.parameters():
             p.requires_grad_(id(p) in trained)
-        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
-        gen, done = torch.Generator().manual_seed(seed), 0
-        m.train()
-        while done < steps:
-            for x, y in data.batches(BATCH, shuffle=True, generator=gen):
-                loss = lm_loss(m, x, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                done += 1
-                if done == steps:
-                    break
+        train_lm(m, data, steps, lr=LR, batch_size=BATCH, seed=seed, params=params)
         return self.layouts[rank].read(get_peft_model_state_dict(m), mixed_ranks=True)
 
     def loss(self, rank, factors, base_delta, test) -> float:

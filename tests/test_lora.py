@@ -402,37 +402,17 @@ def test_lora_example_app_runs_with_flwr_run_and_both_strategies():
     """examples/flowertune-gpt2 (PEFT LoRA on a locally pretrained HF GPT-2, FlowerTune's client) runs
     2 rounds on 2 SuperNodes of the Ray simulation engine with Flower's FedAvg and with LoraFedAvg:
     every reply of both rounds aggregated, none excluded, and the global adapter learns."""
-    import os
     import shutil
-    import subprocess
-    from pathlib import Path
 
-    from test_simulation import _short_tmp, _stop_local_superlink
+    from test_simulation import _short_tmp, _stop_local_superlink, run_example
 
     from fedlmc.launch import local_superlinks
 
-    root = Path(__file__).resolve().parents[1]
     home = _short_tmp("lora-")
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "RAY_TMPDIR": str(home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}",
-    }
     try:
         for strategy, name in (("fedavg", "FedAvg"), ("lora", "LoraFedAvg")):
             cfg = f"strategy='{strategy}' num-server-rounds=2 local-steps=10 base-steps=200"
-            proc = subprocess.run(
-                [os.sys.executable, "-m", "fedlmc.launch", "examples/flowertune-gpt2", "-c", cfg],
-                cwd=root,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=400,
-            )
-            out = proc.stdout + proc.stderr
-            assert proc.returncode == 0, out[-3000:]
+            out = run_example("flowertune-gpt2", cfg, home)
             line = next(l for l in out.splitlines() if "flowertune-gpt2 result:" in l)
             assert f"strategy={name} " in line, line
             losses = [float(l.split("test_loss=")[1]) for l in out.splitlines() if l.startswith("round ")]

@@ -108,6 +108,29 @@ def test_ray_workers_run_at_normal_priority():
     assert "worker nice 0" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
+def run_example(example: str, run_config: str, home: Path) -> str:
+    """``fedlmc run examples/<example> -c RUN_CONFIG`` on a local simulation whose Flower home is
+    ``home``; its output, the run having succeeded."""
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "RAY_TMPDIR": str(home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}",
+    }
+    proc = subprocess.run(
+        [os.sys.executable, "-m", "fedlmc.launch", f"examples/{example}", "-c", run_config],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("example", ["quickstart", "hf-gpt2", "hf-vit"])
 def test_example_app_runs_with_flwr_run_and_both_strategies(example):
@@ -116,25 +139,9 @@ def test_example_app_runs_with_flwr_run_and_both_strategies(example):
     Flower's FedAvg and with AlignedFedAvg; the aggregate loads strictly into the client's model (the
     ServerApp does so) and every reply of both rounds was aggregated."""
     home = _short_tmp("ex-")
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "RAY_TMPDIR": str(home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}",
-    }
     try:
         for strategy, name in (("fedavg", "FedAvg"), ("aligned", "AlignedFedAvg")):
-            proc = subprocess.run(
-                [os.sys.executable, "-m", "fedlmc.launch", f"examples/{example}", "-c", f"strategy='{strategy}'"],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=400,
-            )
-            out = proc.stdout + proc.stderr
-            assert proc.returncode == 0, out[-3000:]
+            out = run_example(example, f"strategy='{strategy}'", home)
             line = next(l for l in out.splitlines() if f"{example} result:" in l)
             assert f"strategy={name} " in line and float(line.split("test_loss=")[1].split()[0]) < 10.0, line
             assert out.count("Received 2 results and 0 failures") == 2, out[-3000:]

@@ -62,6 +62,43 @@ def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def train_lm(
+    model,
+    data: TokenData,
+    steps: int,
+    *,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    params=None,
+    one_cycle: bool = False,
+    on_step=None,
+) -> float:
+    """``steps`` AdamW steps (no weight decay) of next-character loss on shuffled windows of ``data``,
+    on ``params`` (default: all of the model's), with a one-cycle schedule if asked; ``on_step(step,
+    loss)`` after each. Returns the last batch's loss."""
+    opt = torch.optim.AdamW(model.parameters() if params is None else params, lr=lr, weight_decay=0.0)
+    sched = (
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05) if one_cycle else None
+    )
+    gen, done, last = torch.Generator().manual_seed(seed), 0, float("nan")
+    model.train()
+    while done < steps:
+        for x, y in data.batches(batch_size, shuffle=True, generator=gen):
+            loss = lm_loss(model, x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+            done, last = done + 1, float(loss.detach())
+            if on_step is not None:
+                on_step(done, last)
+            if done == steps:
+                return last
+    return last
+
+
 def pretrain_and_finetune_text(data_dir: Union[str, Path, None] = None) -> tuple[TokenData, TokenData, TokenData]:
     """Tiny Shakespeare's training text cut in two (with its speeches: the fine-tuning part can be
     partitioned by speaker), and the test split."""
@@ -99,23 +136,14 @@ def pretrained_base(
         model.load_state_dict(load_file(str(path)), strict=False)  # a tied head is stored once
         return model.eval()
     text, _, _ = pretrain_and_finetune_text(data_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
-    gen, done, t0 = torch.Generator().manual_seed(seed), 0, time.perf_counter()
-    model.train()
-    while done < steps:
-        for x, y in text.batches(batch_size, shuffle=True, generator=gen):
-            loss = lm_loss(model, x, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            done += 1
-            if progress and (done % 250 == 0 or done == steps):
-                print(f"pretraining the {family} base: step {done}/{steps} loss {float(loss):.3f} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
-            if done == steps:
-                break
+    t0 = time.perf_counter()
+
+    def report(done: int, loss: float) -> None:
+        if progress and (done % 250 == 0 or done == steps):
+            print(f"pretraining the {family} base: step {done}/{steps} loss {loss:.3f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+
+    train_lm(model, text, steps, lr=lr, batch_size=batch_size, seed=seed, one_cycle=True, on_step=report)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
