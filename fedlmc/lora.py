@@ -391,12 +391,6 @@ def balanced(
     return B, A
 
 
-def canonical(b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same ``B·A`` in the balanced, ordered gauge (scaling 1), at the same rank."""
-    U, S, Vh = product_svd([(b, a)], [1.0])
-    return balanced(U, S, Vh, a.shape[0], 1.0)
-
-
 def nbytes(tensors) -> int:
     """float32 bytes of a collection of tensors (what a message carries)."""
     return sum(4 * t.numel() for t in tensors)

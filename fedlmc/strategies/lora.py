@@ -118,7 +118,7 @@ class LoraFedAvg(FedAvg):
                 if base:
                     content[BASE_UPDATE_KEY] = ArrayRecord(base)
                 out.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
-            self._sent += own.count_bytes() + (sum(4 * t.numel() for t in base.values()) if base else 0)
+            self._sent += own.count_bytes() + nbytes(base.values())
         return out
 
     def configure_evaluate(
@@ -195,4 +195,4 @@ class LoraFedAvg(FedAvg):
         return self.aggregator.state_bytes if self.aggregator is not None else 0
 
 
-__all__ = ["LoraFedAvg", "BASE_UPDATE_KEY", "nbytes"]
+__all__ = ["LoraFedAvg", "BASE_UPDATE_KEY"]
