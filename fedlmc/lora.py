@@ -128,7 +128,7 @@ class LoraLayout:
                 "these arrays carry no keys (FlowerTune's ordered list): the key order comes from the PEFT "
                 "model: pass model=<your PeftModel>"
             )
-        shapes = {k: tuple(_shape(v)) for k, v in arrays.items()}
+        shapes = {k: tuple(v.shape) for k, v in arrays.items()}
         return cls.from_shapes(shapes, cfg)
 
     @classmethod
@@ -259,10 +259,6 @@ def working(t: torch.Tensor) -> torch.Tensor:
     other floating type (float32 replies from the wire, half precision) becomes float32. Always a copy:
     the caller's tensors (a live model's parameters) are never aliased."""
     return t.detach().to(torch.float64 if t.dtype == torch.float64 else torch.float32, copy=True)
-
-
-def _shape(v) -> tuple[int, ...]:
-    return tuple(v.shape)
 
 
 def _tensor(v) -> torch.Tensor:
