@@ -6,6 +6,11 @@ the width). Run config: see ``fedlmc.federated.Settings``. A train reply carries
 (``arrays``), metrics (``metrics``: ``num-examples`` and the train loss — only quantities whose
 weighted mean means something), the model's config (``model``: architecture and width) and who the
 client is (``client``: partition id, training seconds).
+
+For the ``*-clients`` strategies (no server data) it also answers refinement queries (``query.refine``:
+the gradient of its loss at a merged model, or per-example held-out losses; ``fedlmc.on_clients.answer``)
+on its validation partition, and scores the guard's candidates (an evaluate with ``purpose = "guard"``)
+on that partition's other half (``fedlmc.federated.refine_parts``).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from fedlmc.federated import (
     evaluate_model,
     fresh_client_model,
     local_train,
+    refine_parts,
 )
 from fedlmc.hf import hf_model_for
+from fedlmc.on_clients import answer
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 from fedlmc.widths import shape_of, slice_prefix
 
@@ -112,13 +119,27 @@ def train(
 def evaluate(
     msg: Message, context: Context, overrides: Optional[dict] = None, settings: type[Settings] = Settings
 ) -> Message:
-    """Evaluate the received model on this node's validation partition."""
+    """Evaluate the received model on this node's validation partition (a guard's candidate: on the
+    partition's guard half)."""
     s, pid, n, cfg = _node(context, overrides or {}, settings)
     _, val = client_data(s, pid, n)
+    if msg.content["config"].get("purpose") == "guard":
+        val = refine_parts(val)[2]
     model = _received(msg, cfg, s)
     ev = evaluate_model(model, val)
     metrics = MetricRecord({"num-examples": len(val), "eval-loss": ev["loss"], "eval-acc": ev["acc"]})
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+def refine(
+    msg: Message, context: Context, overrides: Optional[dict] = None, settings: type[Settings] = Settings
+) -> Message:
+    """A refinement query of a ``*-clients`` strategy: the gradient at the merged model it carries on this
+    node's refinement data, or the held-out losses for a check (``fedlmc.on_clients.answer``)."""
+    s, pid, n, _ = _node(context, overrides or {}, settings)
+    _, val = client_data(s, pid, n)
+    train_part, check_part, _ = refine_parts(val)
+    return answer(msg, train_part, check_part, device=s.device or None)
 
 
 def query(msg: Message, context: Context) -> Message:
@@ -146,6 +167,10 @@ def make_app(overrides: Optional[dict] = None, settings: type[Settings] = Settin
     @client.query()
     def _query(msg: Message, context: Context) -> Message:
         return query(msg, context)
+
+    @client.query("refine")
+    def _refine(msg: Message, context: Context) -> Message:
+        return refine(msg, context, overrides, settings)
 
     return client
 

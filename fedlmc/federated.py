@@ -21,11 +21,24 @@ from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
-from .options import Matching, Refinement, one_of
+from .options import Matching, OnClients, Refinement, one_of
 from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
 
-STRATEGIES = ("average", "permuted", "aligned", "refined", "hetero", "hetero-permuted", "hetero-refined", "slicing")
+STRATEGIES = (
+    "average",
+    "permuted",
+    "aligned",
+    "aligned-clients",
+    "refined",
+    "refined-clients",
+    "hetero",
+    "hetero-permuted",
+    "hetero-refined",
+    "slicing",
+)
+# strategies whose refinement and guard run on the clients (no server data)
+ON_CLIENTS = ("aligned-clients", "refined-clients")
 
 
 @dataclass
@@ -58,6 +71,10 @@ class Settings:
     residual: str = "orthogonal"  # Matching.residual
     guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
     refine_steps: int = Refinement.steps  # Refinement.steps, at most: the refinement stops on its objective
+    clients_per_step: int = OnClients.clients_per_step  # OnClients.clients_per_step (0: every client)
+    batches_per_client: int = OnClients.batches_per_client  # OnClients.batches_per_client
+    samples_per_message: int = OnClients.samples_per_message  # OnClients.samples_per_message (λ draws)
+    check_clients: int = OnClients.check_clients  # OnClients.check_clients (0: every client)
     eval_batches: int = 0  # 0: the whole test split
     out_dir: str = "runs/flwr"
     round_timeout: float = 3600.0
@@ -107,15 +124,22 @@ class Settings:
             raise ValueError(f"strategy {self.strategy!r} names a strategy twice")
         for name in names:
             one_of(name, STRATEGIES, "strategy")
-            if any(f != 1 for f in self.factors()) and name in ("average", "permuted", "aligned", "refined"):
+            if any(f != 1 for f in self.factors()) and name in (
+                "average",
+                "permuted",
+                "aligned",
+                "refined",
+                *ON_CLIENTS,
+            ):
                 raise ValueError(
                     f"width-factors {self.width_factors!r} make a mixed-width federation: use strategy "
                     "'hetero' (aligned), 'hetero-permuted', 'hetero-refined' or 'slicing' (HeteroFL "
                     "baseline), not " + repr(name)
                 )
-            if self.reduce != "mean" and name not in ("average", "permuted", "aligned"):
+            if self.reduce != "mean" and name not in ("average", "permuted", "aligned", "aligned-clients"):
                 raise ValueError(
-                    f"reduce={self.reduce!r} applies to strategies average, permuted and aligned, not {name!r}"
+                    f"reduce={self.reduce!r} applies to strategies average, permuted, aligned and aligned-clients, "
+                    f"not {name!r}"
                 )
         one_of(self.reduce, REDUCES, "reduce")
         one_of(self.partitioner, SCHEMES, "partitioner")
@@ -133,6 +157,16 @@ class Settings:
     def refinement(self, data) -> Refinement:
         """The refinement's options, learning on ``data`` (the server's refinement half)."""
         return Refinement(data=data, steps=self.refine_steps)
+
+    def on_clients(self) -> OnClients:
+        """Where the refinement's gradients and the guard's losses come from for ``*-clients`` strategies."""
+        return OnClients(
+            clients_per_step=self.clients_per_step,
+            batches_per_client=self.batches_per_client,
+            samples_per_message=self.samples_per_message,
+            check_clients=self.check_clients,
+            timeout=min(OnClients.timeout, self.round_timeout),
+        )
 
     def report_data(self, splits: Splits) -> Optional[Data]:
         """A data set on which the strategy records every reply's loss each round (None: no report)."""
@@ -252,3 +286,12 @@ def evaluate_model(model: nn.Module, data: Data, max_batches: int = 0) -> dict[s
 def halves(data: Data) -> tuple[Data, Data]:
     """Two disjoint halves of a data set (the server refines on one and guards on the other)."""
     return split(data, 0.5)
+
+
+def refine_parts(val: Data) -> tuple[Data, Data, Data]:
+    """A client's validation partition cut as the server cuts its own for ``refined``: the refinement's
+    half (its first three quarters for the gradients, the last quarter for the checks) and the guard's
+    half."""
+    refine, guard = halves(val)
+    train, check = split(refine, 0.75)
+    return train, check, guard

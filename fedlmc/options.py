@@ -170,3 +170,51 @@ class Refinement(Learning):
         super().__post_init__()
         if self.alpha <= 0:
             raise ValueError(f"alpha must be positive, got {self.alpha}")
+
+
+@dataclass(frozen=True)
+class OnClients:
+    """Where a refinement's gradients and a guard's losses come from when the server holds no data: a
+    sample of the round's clients, through Flower messages (``fedlmc.on_clients``).
+
+    Each refinement step sends the merged model at ``samples_per_message`` draws of λ to
+    ``clients_per_step`` of the round's clients; each answers with the gradient of its loss on
+    ``batches_per_client`` local batches, its loss and its example count. The checks of the
+    objective and the guard ask ``check_clients`` clients for their held-out losses.
+
+    Parameters
+    ----------
+    clients_per_step : int, default 4
+        Clients asked for gradients at each step (a new sample every step); 0: every client of the round.
+    batches_per_client : int, default 1
+        Local batches (of the refinement's ``batch_size``) each client's gradient averages over.
+    samples_per_message : int, default 1
+        Draws of the merge weights λ per message: the client answers one gradient per draw, and the
+        step descends on their mean (fewer round trips for the same number of draws).
+    check_clients : int, default 0
+        Clients that score the checks of the objective and the guard's candidates (always the same
+        ones in a round, so the checks are paired); 0: every client of the round.
+    min_clients : int, default 1
+        Fewest valid answers a step (or a check) needs; with fewer the refinement stops and keeps the
+        best alignment checked so far.
+    timeout : float, default 300.0
+        Seconds a step's (or a check's) messages may take.
+    loss_key : str, default "eval-loss"
+        The metric that holds the loss in an evaluate reply (the guard reuses the ClientApp's evaluate).
+    """
+
+    clients_per_step: int = 4
+    batches_per_client: int = 1
+    samples_per_message: int = 1
+    check_clients: int = 0
+    min_clients: int = 1
+    timeout: float = 300.0
+    loss_key: str = "eval-loss"
+
+    def __post_init__(self) -> None:
+        if min(self.clients_per_step, self.check_clients) < 0:
+            raise ValueError("clients_per_step and check_clients must be non-negative (0: every client)")
+        if min(self.batches_per_client, self.samples_per_message, self.min_clients) < 1:
+            raise ValueError("batches_per_client, samples_per_message and min_clients must be at least 1")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")

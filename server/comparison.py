@@ -68,7 +68,7 @@ def run_comparison(grid: Grid, s: Settings, write_json) -> dict[str, Any]:
     records: dict[str, Any] = {}
     for name, strategy in strategies.items():
         t = time.time()
-        arrays, _ = strategy.aggregate_replies(1, replies, initial)
+        arrays, _ = strategy.aggregate_replies(1, replies, initial, grid=grid)
         seconds = time.time() - t
         arrays = arrays if arrays is not None and len(arrays) > 0 else initial
         merged = strategy.model_of(arrays)

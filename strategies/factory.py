@@ -9,11 +9,13 @@ from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg, R
 
 
 def build_strategy(s: Settings, model_config, splits, model: Any = None):
-    """``average`` | ``permuted`` | ``aligned`` | ``refined`` | ``hetero`` | ``hetero-permuted`` |
-    ``hetero-refined`` | ``slicing`` for the run's settings.
+    """``average`` | ``permuted`` | ``aligned`` | ``aligned-clients`` | ``refined`` | ``refined-clients`` |
+    ``hetero`` | ``hetero-permuted`` | ``hetero-refined`` | ``slicing`` for the run's settings.
 
     The server's validation split is cut in two: the refinement learns on one half, the do-no-harm
-    guard judges on the other (so the guard never scores a model on data it was refined on).
+    guard judges on the other (so the guard never scores a model on data it was refined on). The
+    ``*-clients`` strategies use no server data: the clients' validation partitions, cut the same way
+    (``fedlmc.federated.refine_parts``), give the refinement's gradients, its checks and the guard.
     ``s.report_data(splits)``, when not None, gives the strategy a data set on which it records
     client / plain / aggregate losses each round. ``model_config``: the global fedlmc model's config;
     ``model``: the clients' model when it is not a fedlmc one (``s.hf``: its Hugging Face twin).
@@ -47,6 +49,12 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
         return AlignedFedAvg(**common, **aligned, **robust)
     if s.strategy == "refined":
         return RefinedFedAvg(**common, **aligned, refine=s.refinement(refine_half))
+    # no server data: the clients compute the refinement's gradients and score the guard's candidates
+    clients = dict(aligned, guard_data=None, on_clients=s.on_clients(), client_guard=s.guard)
+    if s.strategy == "aligned-clients":
+        return AlignedFedAvg(**common, **clients, **robust)
+    if s.strategy == "refined-clients":
+        return RefinedFedAvg(**common, **clients, refine=s.refinement(None))
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = s.refinement(refine_half) if s.strategy == "hetero-refined" else None
         return HeteroWidthFedAvg(

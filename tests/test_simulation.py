@@ -33,7 +33,7 @@ def _short_tmp(prefix: str) -> Path:
         ("refined", "", False),
         ("hetero", "1,2", False),
         ("slicing", "1,2", False),
-        ("refined", "", True),
+        ("refined-clients", "", True),  # no server data: the clients compute the refinement and guard
     ],
 )
 def test_strategy_runs_in_a_ray_simulation(strategy, factors, hf):
@@ -66,6 +66,10 @@ def test_strategy_runs_in_a_ray_simulation(strategy, factors, hf):
             assert "train-loss" in rec["train_metrics"] and set(rec["train_metrics"]) <= {"train-loss", "num-examples"}
             if factors:
                 assert sorted(rec["widths"]) == [16, 32]  # vit-digits d=32 and its half-width client
+            if strategy == "refined-clients":  # the clients computed the refinement and scored the guard
+                cost = rec["refine_clients"]
+                assert cost["steps"] >= 1 and cost["excluded"] == [] and cost["bytes_received"] > 0
+                assert rec["guard_where"] == "clients" and rec["guard_clients"]["clients"] == rec["nodes"]
         final = io.load(out / "final")
         assert final.config.d_model == 32
         assert abs(final.meta["test"]["test_loss"] - rounds[-1]["test_loss"]) < 1e-9

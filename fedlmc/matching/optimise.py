@@ -17,7 +17,7 @@ import math
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,7 @@ class Learned:
     snapshots: dict[int, list[Optional[Elements]]]
     checks: dict[int, float]
     best_step: int
+    stopped: Optional[str] = None  # why a remote descent stopped early (too few answers), if it did
 
 
 class Latents:
@@ -446,3 +447,143 @@ def _descend(
             if on_step(step + 1):
                 break
     return trace
+
+
+class Remote(Protocol):
+    """Where the loss lives when it is not at the server (``fedlmc.on_clients.ClientLosses``): it is sent
+    merged states and answers with gradients and per-example losses."""
+
+    def begin(self, config) -> None:
+        """The config of the model the merged states are states of (sent before the first state)."""
+
+    def gradients(self, states: list[StateDict], step: int) -> Optional[tuple[list[StateDict], float]]:
+        """The example-weighted mean gradient of the loss at each state and the mean loss; None when too
+        few answered (the refinement then stops)."""
+
+    def losses(self, state: StateDict, step: int) -> Optional[dict[Any, torch.Tensor]]:
+        """Per-example held-out losses at ``state``, by who computed them (the same examples every
+        call, so two calls are paired); None when too few answered."""
+
+
+def learn_alignments_remote(
+    states: Sequence[StateDict],
+    cfg,
+    warm_starts: Sequence[Transform],
+    remote: Remote,
+    fixed: int,
+    sample_weights: Callable[[], list[float]],
+    opts: Options,
+    masks: Optional[Sequence[Optional[dict[str, torch.Tensor]]]] = None,
+    reference: Optional[StateDict] = None,
+    label: str = "learning alignments",
+    check_weights: Optional[Sequence[float]] = None,
+    samples: int = 1,
+) -> Learned:
+    """``learn_alignments`` with the loss computed elsewhere: each step merges the aligned models at
+    ``samples`` draws of the weights, sends the merged states to ``remote`` (detached), and
+    back-propagates the gradients it returns through the merges into the latents (the chain rule
+    split at the merged state: the same gradient as a loss computed here on the same examples).
+
+    The checks (``opts.learn.check_every``) score the merge at ``check_weights`` on ``remote``'s
+    held-out examples, paired by who scored them. When ``remote`` answers None (too few clients), the
+    descent stops and the best alignment checked so far is returned (the start when no check ran;
+    without checks, the current alignment)."""
+    t0, learn = time.time(), opts.learn
+    weights = list(check_weights or [1.0 / len(states)] * len(states))
+    trace: list[float] = []
+    stopped: Optional[str] = None
+    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        al = Alignments(states, cfg, warm_starts, fixed, opts, masks, reference, pool)
+        remote.begin(merged_template(states, cfg, opts.form).config)
+        check = _RemoteChecks(remote, al, weights, opts) if learn.check_every else None
+        if check is not None and check.failed:  # not even the start could be scored: keep it
+            return Learned(check.best, [], time.time() - t0, {}, {}, 0, "the first check: too few answers")
+        opt = al.optimiser()
+        base_lrs = [g["lr"] for g in opt.param_groups]
+        with _progress(opts.progress) as bar:
+            task = bar.add_task(label, total=learn.steps, info="")
+            for step in range(learn.steps):
+                with section("learned: aligned models (solves, gauges, actions)"):
+                    pairs = al.align_all()
+                    merged = [merged_pairs(pairs, sample_weights(), cfg, opts.form) for _ in range(samples)]
+                with section("learned: remote gradients"):
+                    got = remote.gradients([{k: v.detach() for k, v in sd.items()} for sd in merged], step)
+                if got is None:
+                    stopped = f"step {step + 1}: too few answers"
+                    break
+                grads, loss = got
+                with section("learned: back-propagation through the merge"):
+                    opt.zero_grad(set_to_none=True)
+                    backpropagate(merged, grads)
+                del merged, pairs
+                if learn.schedule == "cosine":
+                    for group, lr in zip(opt.param_groups, base_lrs):
+                        group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / learn.steps))
+                opt.step()
+                trace.append(float(loss))
+                bar.update(task, completed=step + 1, info=f"loss {loss:.4f}")
+                if check is not None and (step + 1) % learn.check_every == 0:
+                    check.score(step + 1)
+                    if check.failed:
+                        stopped = f"check at step {step + 1}: too few answers"
+                        break
+                    if check.stale >= learn.patience:
+                        break
+        if check is None:
+            out = Learned(al.exact(), trace, time.time() - t0, {}, {}, len(trace))
+        else:
+            if not stopped and len(trace) not in check.scores:
+                check.score(len(trace))
+            out = Learned(check.best, trace, time.time() - t0, {}, check.scores, check.best_step)
+    out.stopped = stopped
+    return out
+
+
+def backpropagate(merged: Sequence[StateDict], grads: Sequence[StateDict]) -> None:
+    """Accumulate into the latents the gradient of the mean over the merges of a loss whose gradient at
+    each merged state ``merged[k]`` (differentiable in the latents) is ``grads[k]`` (the chain rule,
+    split at the merged state)."""
+    outs, gs = [], []
+    for sd, g in zip(merged, grads):
+        for k, v in sd.items():
+            if v.requires_grad:
+                outs.append(v)
+                gs.append(g[k].to(device=v.device, dtype=v.dtype) / len(merged))
+    torch.autograd.backward(outs, gs)
+
+
+class _RemoteChecks:
+    """``_Checks`` with the held-out losses computed by ``remote``: the merge at fixed weights, scored at
+    the start and every ``check_every`` steps; a check improves when it is significantly lower on the
+    examples both it and the best were scored on (paired by who scored them). ``failed``: the last
+    check had too few answers."""
+
+    def __init__(self, remote: Remote, al: Alignments, weights: list[float], opts: Options) -> None:
+        self.remote, self.al, self.weights, self.opts = remote, al, weights, opts
+        self.scores: dict[int, float] = {}
+        self.best_step, self.stale, self.failed = 0, 0, False
+        self.best_losses: Optional[dict[Any, torch.Tensor]] = None
+        self.best = al.exact()  # the start, kept when not even it can be scored
+        self.score(0)
+
+    def score(self, step: int) -> None:
+        with torch.no_grad(), section("learned: checks of the objective"):
+            perms = self.al.hard()
+            sd = merged_pairs(self.al.align_all(perms), self.weights, self.al.cfg, self.opts.form)
+            got = self.remote.losses({k: v.detach() for k, v in sd.items()}, step)
+        if got is None:
+            self.failed = True
+            return
+        got = {k: v.double().cpu().reshape(-1) for k, v in got.items()}
+        self.scores[step] = float(torch.cat(list(got.values())).mean())
+        if self.best_losses is None:
+            self.best, self.best_losses, self.best_step = self.al.exact(perms), got, step
+            return
+        common = [k for k in got if k in self.best_losses and len(got[k]) == len(self.best_losses[k])]
+        new = torch.cat([got[k] for k in common]) if common else None
+        if new is not None and significantly_lower(
+            new, torch.cat([self.best_losses[k] for k in common]), self.opts.learn.check_sigmas
+        ):
+            self.best, self.best_losses, self.best_step, self.stale = self.al.exact(perms), got, step, 0
+        else:
+            self.stale += 1

@@ -7,8 +7,10 @@ a universe seeded by the previous global model when the replies were trained fro
 default). ``RefinedFedAvg`` adds Dirichlet learned refinement on a small server-side data set.
 
 Do no harm: with a server-side ``guard_data`` set, the strategy also builds the plain average and keeps
-whichever has the lower loss there (and logs which won, by how much); without one, weight matching's
+whichever has the lower loss there (and logs which won, by how much); with ``on_clients`` and no server
+data, the clients score both (``fedlmc.on_clients.client_guard``); without either, weight matching's
 data-free identity guard applies (the identity transform — plain averaging — is one of its candidates).
+``RefinedFedAvg(on_clients=...)`` refines with no server data: the clients compute its gradients.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, ConfigRecord
 from flwr.supercore import log
 
 from fedlmc.averaging import FORMS, REDUCES, merge, robust_merge
 from fedlmc.data import split
-from fedlmc.options import Matching, Refinement, one_of
+from fedlmc.on_clients import ClientLosses
+from fedlmc.on_clients import client_guard as score_on_clients
+from fedlmc.options import Matching, OnClients, Refinement, one_of
 from fedlmc.symmetry import spec_for
 from fedlmc.universe import universe_merge
 
@@ -61,6 +65,12 @@ class AlignedFedAvg(FedlmcStrategy):
         FedTrimmedAvg).
     trim : float, default 0.2
         "trimmed": the fraction cut at each end of every coordinate.
+    on_clients : OnClients, optional
+        With no ``guard_data`` / ``guard_fn``: the guard's candidates are scored by the round's clients
+        on their held-out data (``evaluate`` messages their ClientApp answers; ``fedlmc.options.OnClients``
+        says how many clients, the loss metric's key, the timeout).
+    client_guard : bool, default True
+        With ``on_clients`` and no server guard: whether the clients guard at all.
     **kwargs
         ``FedlmcStrategy``'s (``model``, ``report_data``...) and Flower's ``FedAvg``'s parameters.
     """
@@ -80,9 +90,12 @@ class AlignedFedAvg(FedlmcStrategy):
         device: Optional[str] = None,
         reduce: str = "mean",
         trim: float = 0.2,
+        on_clients: Optional[OnClients] = None,
+        client_guard: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.on_clients, self.client_guard = on_clients, client_guard
         self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
         if guard_fn is not None and guard_data is not None:
             raise ValueError("pass guard_data or guard_fn, not both")
@@ -114,8 +127,18 @@ class AlignedFedAvg(FedlmcStrategy):
         total = sum(weights)
         return merge(models, [w / total for w in weights])
 
+    def require_grid(self):
+        if self.grid is None:
+            raise RuntimeError(
+                f"{type(self).__name__} asks the clients (on_clients) and has no grid: run it through Flower's "
+                "start(), or pass grid= to aggregate_replies"
+            )
+        return self.grid
+
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
+        self.round_nodes = [int(m.metadata.src_node_id) for m in replies]
+        self.server_round, self.remote_record = server_round, None
         start = self.start_for(models)
         merged, transforms = self.align(models, weights, start)
         fields: dict[str, Any] = {
@@ -127,20 +150,42 @@ class AlignedFedAvg(FedlmcStrategy):
         refined = next((T.info for T in transforms if T.info.get("method") == "refined"), None)
         if refined is not None:  # how long the refinement ran, and which of its steps it kept
             fields.update(refine_steps_run=refined["steps_run"], refine_best_step=refined["best_step"])
-        guarded = self.guard_data is not None or self.guard_fn is not None
+            if "stopped" in refined:
+                fields["refine_stopped"] = refined["stopped"]
+        if self.remote_record is not None:
+            fields["refine_clients"] = self.remote_record
+        on_server = self.guard_data is not None or self.guard_fn is not None
+        guarded = on_server or (self.on_clients is not None and self.client_guard)
         plain = self.plain(models, weights) if guarded or self.report_data is not None else None
         result = merged
-        if guarded:
-            l_aligned, l_plain = self.guard_loss(merged), self.guard_loss(plain)
-            fields.update(guard_aligned=l_aligned, guard_average=l_plain)
+        losses = None
+        if on_server:
+            losses = {"aligned": self.guard_loss(merged), "average": self.guard_loss(plain)}
+        elif guarded:
+            losses, cost = score_on_clients(
+                self.require_grid(),
+                self.round_nodes,
+                {"aligned": self.arrays_of(merged), "average": self.arrays_of(plain)},
+                self._with_config(ConfigRecord({"server-round": server_round})),
+                self.on_clients,
+            )
+            fields["guard_clients"] = cost
+            if losses is None:
+                fields["guard"] = "no verdict (too few clients answered): kept the aligned aggregate"
+        if losses is not None:
+            l_aligned, l_plain = losses["aligned"], losses["average"]
+            fields.update(
+                guard_aligned=l_aligned, guard_average=l_plain, guard_where="server" if on_server else "clients"
+            )
             if l_plain < l_aligned:
                 result, fields["kept"] = plain, "average"
             log(
                 INFO,
-                "%s round %d: kept %s (server loss aligned %.4f vs average %.4f, Δ %+.4f)",
+                "%s round %d: kept %s (%s loss aligned %.4f vs average %.4f, Δ %+.4f)",
                 type(self).__name__,
                 server_round,
                 fields["kept"],
+                fields["guard_where"],
                 l_aligned,
                 l_plain,
                 l_aligned - l_plain,
@@ -173,37 +218,67 @@ class RefinedFedAvg(AlignedFedAvg):
     and it stops after ``refine.patience`` checks without a significant improvement. Keep ``guard_data``
     disjoint from ``refine.data`` so the do-no-harm comparison stays honest.
 
+    With no server data (``refine.data`` None) and ``on_clients``, the clients compute the refinement:
+    every step sends the merged model at fresh λ draws to a sample of the round's clients, which answer
+    with their loss's gradient on a few local batches (a ``query.refine`` message, answered by
+    ``fedlmc.on_clients.answer``); the checks and the guard are scored by the clients' held-out losses.
+    A client that fails, times out or answers badly is excluded from that step with a reason; with
+    fewer than ``on_clients.min_clients`` answers the refinement stops and keeps the best alignment
+    checked so far. ``history[-1]["refine_clients"]`` records messages, bytes and seconds.
+
     Parameters
     ----------
     refine : Refinement
-        The refinement's data (required), steps, Dirichlet α, loss and stopping rule
-        (``fedlmc.options.Refinement``).
+        The refinement's data (at the server; None with ``on_clients``), steps, Dirichlet α, loss and
+        stopping rule (``fedlmc.options.Refinement``).
+    on_clients : OnClients, optional
+        Where the gradients and the checks' losses come from when the server has no data.
     **kwargs
         ``AlignedFedAvg``'s parameters (``reduce`` must stay "mean": refinement learns weighted means).
     """
 
-    def __init__(self, *, refine: Refinement, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, refine: Refinement, on_clients: Optional[OnClients] = None, **kwargs: Any) -> None:
+        super().__init__(on_clients=on_clients, **kwargs)
         if self.reduce != "mean":
             raise ValueError(
                 "RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'"
             )
-        if refine is None or refine.data is None:
-            raise ValueError("RefinedFedAvg needs refine=Refinement(data=...) (a small server-side data set)")
+        if refine is None or (refine.data is None and on_clients is None):
+            raise ValueError(
+                "RefinedFedAvg needs data for its refinement, at the server or at the clients: "
+                "refine=Refinement(data=...) (a small server-side data set), or on_clients=OnClients() (the "
+                "clients compute the gradients: their ClientApp answers 'query.refine' messages with "
+                "fedlmc.on_clients.answer)"
+            )
         self.refine = refine
 
     def align(self, models, weights, start):
-        return universe_merge(
-            models,
-            weights,
-            start,
-            matching=self.matching,
-            refine=refine_split(self.refine),
-            iterations=self.iterations,
-            form=self.form,
-            keep_layernorm=self.keep_layernorm,
-            device=self.device,
-        )
+        remote = None
+        if self.refine.data is None:
+            remote = ClientLosses(
+                self.require_grid(),
+                self.round_nodes,
+                self.on_clients,
+                self.refine.batch_size,
+                self.refine.check_batches,
+                seed=self.refine.seed,
+                server_round=self.server_round,
+            )
+        try:
+            return universe_merge(
+                models,
+                weights,
+                start,
+                matching=self.matching,
+                refine=refine_split(self.refine) if remote is None else self.refine,
+                iterations=self.iterations,
+                form=self.form,
+                keep_layernorm=self.keep_layernorm,
+                device=self.device,
+                remote=remote,
+            )
+        finally:
+            self.remote_record = remote.record() if remote is not None else None
 
 
 def refine_split(refine: Refinement) -> Refinement:

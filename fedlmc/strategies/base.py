@@ -110,6 +110,7 @@ class FedlmcStrategy(FedAvg):
         self.history: list[dict[str, Any]] = []
         self.round_offset = 0  # rounds completed before this run started (a resumed run continues numbering)
         self._previous: Optional[ArrayRecord] = None
+        self.grid = None  # the round's grid (configure_train's): strategies that ask the clients more use it
         self._excluded: list[dict[str, Any]] = []
         self._failures: list[dict[str, Any]] = []
 
@@ -159,16 +160,20 @@ class FedlmcStrategy(FedAvg):
         return config
 
     def aggregate_replies(
-        self, server_round: int, replies: list[Message], global_arrays: ArrayRecord
+        self, server_round: int, replies: list[Message], global_arrays: ArrayRecord, grid=None
     ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         """``aggregate_train`` outside Flower's loop, for replies trained from ``global_arrays``: several
-        strategies aggregating the very same replies (a side-by-side comparison)."""
+        strategies aggregating the very same replies (a side-by-side comparison). ``grid``: where
+        strategies that ask the clients more (the refinement on the clients) send their messages."""
         self.check_architecture(global_arrays)
         self._previous = global_arrays
+        if grid is not None:
+            self.grid = grid
         return self.aggregate_train(server_round, replies)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._previous = arrays  # this round's aggregate starts from (and is checked against) the global model
+        self.grid = grid
         msgs = super().configure_train(self.real_round(server_round), arrays, self._with_config(config), grid)
         return self.messages_for(msgs, config, MessageType.TRAIN)
 
