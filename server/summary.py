@@ -14,7 +14,8 @@ from rich.table import Table
 
 def _guard(rec: dict[str, Any]) -> str:
     """What the round kept and, when the guard compared, the aligned minus the alternative's loss on the
-    server's data (the plain average, or slicing for mixed widths; negative: alignment helped)."""
+    guard's data, the server's or the clients' (the plain average, or slicing for mixed widths; negative:
+    alignment helped)."""
     kept = rec.get("kept", "")
     other = rec.get("guard_average", rec.get("guard_slicing"))
     if "guard_aligned" in rec and other is not None:

@@ -40,7 +40,7 @@ def _env(d: Path, **extra: str) -> dict[str, str]:
     }
 
 
-def _deploy_and_run(mode: str, d: Path) -> dict:
+def _deploy_and_run(mode: str, d: Path, strategy: str = "aligned") -> dict:
     port, node_port = _free_port(), _free_port()
     env = _env(d, MODE=mode, N="2", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
     subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
@@ -53,7 +53,8 @@ def _deploy_and_run(mode: str, d: Path) -> dict:
             ".",
             "fedlmc-deploy",
             "-c",
-            f"strategy='aligned' preset='vit-digits' num-server-rounds=1 local-steps=3 threads=1 out-dir='{out}'",
+            f"strategy='{strategy}' preset='vit-digits' num-server-rounds=1 local-steps=3 threads=1 refine-steps=3 "
+            f"out-dir='{out}'",
         ],
         cwd=ROOT,
         env={**env, "FLWR_HOME": str(d / "flwr")},
@@ -93,10 +94,14 @@ def _node(res: dict, log: Path, *tls: str) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(600)
-def test_insecure_deployment_runs_a_round():
+def test_insecure_deployment_runs_a_round_refined_on_the_clients():
+    """refined-clients: no server data; the SuperNodes answer the refinement's queries and the guard."""
     d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
     try:
-        _deploy_and_run("insecure", d)
+        rec = _deploy_and_run("insecure", d, "refined-clients")["doc"]["rounds"][1]["strategy"]
+        cost = rec["refine_clients"]
+        assert cost["steps"] == 3 and cost["checks"] >= 1 and cost["excluded"] == [] and cost["bytes_received"] > 0
+        assert rec["guard_where"] == "clients" and len(rec["guard_clients"]["clients"]) == 2
     finally:
         subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
         shutil.rmtree(d, ignore_errors=True)
