@@ -152,7 +152,9 @@ class Refinement(Learning):
     data : data set or None, default None
         What the refinement learns on: anything with fedlmc's ``batches(batch_size, shuffle, generator)``
         (``fedlmc.data.ArrayData(x, y)`` wraps tensors). The strategies split off its last quarter for
-        the checks (``check_data``) when they can.
+        the checks (``check_data``) when they can. Or the clients' losses
+        (``fedlmc.on_clients.ClientLosses``, set by ``RefinedFedAvg(on_clients=...)``): the gradients and
+        the checks' losses come from the clients.
     alpha : float, default 1.0
         The Dirichlet concentration: α = 1 samples the whole simplex of merges evenly.
     check_data : data set or None, default None

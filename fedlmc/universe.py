@@ -191,7 +191,6 @@ def universe_merge(
     anchor: str = "heaviest",
     device: Optional[str] = None,
     progress: bool = False,
-    remote=None,
 ) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
@@ -218,7 +217,8 @@ def universe_merge(
         Weight matching's knobs; default ``Matching()``. ``matching.residual_data`` adds residual
         activations on a few batches to every residual step.
     refine : Refinement or None
-        Dirichlet refinement after the iterations (on ``refine.data``, or on ``remote``); None: aligned only.
+        Dirichlet refinement after the iterations (on ``refine.data``: a data set, or the clients'
+        losses, ``fedlmc.on_clients.ClientLosses``); None: aligned only.
     iterations : int, default 5
         At most this many universe iterations.
     tol : float, default 1e-4
@@ -240,9 +240,6 @@ def universe_merge(
     device : str or None
         Where matching and refinement run: CUDA when present, else CPU.
     progress : bool, default False
-    remote : matching.optimise.Remote or None
-        Where the refinement's loss lives when ``refine.data`` is None (``fedlmc.on_clients.ClientLosses``:
-        the clients compute the gradients).
 
     Returns
     -------
@@ -253,10 +250,10 @@ def universe_merge(
     """
     m = matching if matching is not None else Matching()
     keep_layernorm = keep_layernorm and all(layernorm_native(x.config) for x in models)
-    if refine is not None and refine.data is None and remote is None:
+    if refine is not None and refine.data is None:
         raise ValueError(
-            "refine needs data for the Dirichlet refinement: Refinement(data=...) at the server, or remote= "
-            "(the clients', fedlmc.on_clients)"
+            "refine needs data for the Dirichlet refinement: Refinement(data=...), a data set at the server or "
+            "the clients' losses (fedlmc.on_clients.ClientLosses)"
         )
     one_of(form, FORMS, "form")
     one_of(reduce, REDUCES, "reduce")
@@ -285,7 +282,6 @@ def universe_merge(
             reference=universe,
             progress=progress,
             device=device,
-            remote=remote,
         )
         for i, T in zip(live, refined):
             transforms[i] = T

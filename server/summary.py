@@ -27,7 +27,8 @@ def summary_table(doc: dict[str, Any]) -> str:
     """The per-round table of a metrics document (``metrics.json``), as plain text."""
     table = Table(title=f"fedlmc: {doc['settings'].get('strategy')} on {doc['settings'].get('preset')}")
     table.caption = (
-        "kept: what the round returned; Δ = aligned − plain average (mixed widths: slicing) loss on the guard's data (the server's or the clients')"
+        "kept: what the round returned; Δ = aligned − plain average (mixed widths: slicing) loss on the guard's "
+        "data (the server's or the clients')"
     )
     for col in ("round", "test loss", "test acc", "aggregation s", "kept", "replies", "excluded", "failed"):
         table.add_column(col, justify="left" if col == "kept" else "right", no_wrap=True)

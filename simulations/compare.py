@@ -30,7 +30,7 @@ console = Console(stderr=True)
 SETTINGS: dict[str, dict[str, Any]] = {
     # one-shot model fusion: independent inits, one round of long local training, one aggregation
     "oneshot": dict(
-        strategies=["average", "permuted", "aligned", "refined"],
+        strategies=["average", "permuted", "aligned", "refined", "refined-clients"],
         clients=4,
         config={
             "num-server-rounds": 1,
@@ -42,7 +42,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     ),
     # federated training from a shared init under strong label skew
     "multiround": dict(
-        strategies=["average", "permuted", "aligned", "refined"],
+        strategies=["average", "permuted", "aligned", "aligned-clients", "refined", "refined-clients"],
         clients=4,
         config={
             "num-server-rounds": 5,
@@ -227,7 +227,16 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
                 for r in doc["rounds"][1:]
                 if (r.get("strategy") or {}).get("kept")
             ]
+        verdicts = [
+            v for doc in by_seed.values() for r in doc["rounds"][1:] for v in [guard_verdict(r)] if v is not None
+        ]
+        costs = [c for doc in by_seed.values() for r in doc["rounds"][1:] for c in [client_cost(r)] if c is not None]
         rows[strategy] = {
+            "guard_agreement": (sum(verdicts) / len(verdicts)) if verdicts else None,
+            "guard_rounds": len(verdicts),
+            "client_comm_per_fedavg_round": _mean_se([c["comm"] for c in costs]) if costs else None,
+            "client_messaging_seconds": _mean_se([c["seconds"] for c in costs]) if costs else None,
+            "client_refine_steps": _mean_se([c["steps"] for c in costs]) if costs else None,
             "final_loss": _mean_se(finals),
             "final_acc": _mean_se(accs),
             "excess": _mean_se(excess),
@@ -243,6 +252,30 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
             "per_round_acc": _per_round(by_seed, "test_acc"),
         }
     return rows
+
+
+def guard_verdict(rnd: dict) -> Optional[bool]:
+    """Whether a round's guard chose the candidate the report data also finds better (None: no guard
+    or no report of both candidates)."""
+    rec = rnd.get("strategy") or {}
+    keys = ("guard_aligned", "guard_average", "report_aligned", "report_average")
+    if any(rec.get(k) is None for k in keys):
+        return None
+    return (rec["guard_aligned"] <= rec["guard_average"]) == (rec["report_aligned"] <= rec["report_average"])
+
+
+def client_cost(rnd: dict) -> Optional[dict[str, float]]:
+    """What asking the clients cost a round (the refinement's messages and the guard's): bytes as a
+    multiple of one FedAvg round's (every replying client sent the model and sent one back), and the
+    seconds spent waiting for the clients; None when the round asked nothing."""
+    rec = rnd.get("strategy") or {}
+    refine, guard = rec.get("refine_clients"), rec.get("guard_clients")
+    if (refine is None and guard is None) or not rec.get("model_bytes") or not rec.get("nodes"):
+        return None
+    fedavg = 2 * len(rec["nodes"]) * rec["model_bytes"]
+    sent = sum((c or {}).get("bytes_sent", 0) + (c or {}).get("bytes_received", 0) for c in (refine, guard))
+    seconds = sum((c or {}).get("seconds", 0.0) for c in (refine, guard))
+    return {"comm": sent / fedavg, "seconds": seconds, "steps": (refine or {}).get("steps", 0)}
 
 
 def ensemble_share(rec: dict, base: dict) -> Optional[float]:
@@ -334,6 +367,21 @@ def markdown(
         for key, label in (("best_client", "best single client"), ("mean_client", "mean client")):
             per = ", ".join(f"{x:.3f}" for x in clients[f"{key}_per_seed"])
             lines.append(f"| *{label} (reference, report data; per seed {per})* | {ms(clients[key])} | | | | | | | | |")
+    asked = {n: r for n, r in rows.items() if r.get("client_comm_per_fedavg_round") or r.get("guard_rounds")}
+    if asked:
+        lines += [
+            "",
+            "| strategy (asks the clients) | refinement steps | bytes per round / one FedAvg round's | "
+            "s waiting for the clients per round | guard agrees with the report data |",
+            "|---|---|---|---|---|",
+        ]
+        for n, r in asked.items():
+            agree = "–" if r["guard_agreement"] is None else f"{r['guard_agreement']:.0%} of {r['guard_rounds']} rounds"
+            comm, sec, steps = (
+                r.get(k) or (float("nan"), 0.0)
+                for k in ("client_comm_per_fedavg_round", "client_messaging_seconds", "client_refine_steps")
+            )
+            lines.append(f"| {n} | {ms(steps, '.0f')} | {ms(comm, '.1f')} | {ms(sec, '.1f')} | {agree} |")
     lines += [
         "",
         "Per seed, excess over the mean client loss (last round): "

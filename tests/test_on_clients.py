@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable, Optional
 
 import pytest
@@ -206,7 +207,7 @@ def test_client_refine_stops_with_too_few_answers_and_keeps_the_best_checked_ali
     on = OnClients(clients_per_step=2, min_clients=2, timeout=1.0)
     remote = ClientLosses(grid, list(data), on, 6, 1)
     refine = Refinement(steps=20, check_every=1, batch_size=6, check_batches=1, check_sigmas=0.0, patience=50)
-    merged, transforms = universe_merge(models, None, None, refine=refine, remote=remote, iterations=1)
+    merged, transforms = universe_merge(models, None, None, refine=replace(refine, data=remote), iterations=1)
     info = transforms[1].info
     assert info["where"] == "remote" and "too few" in info["stopped"]
     assert info["steps_run"] == 2 and set(info["checks"]) == {0, 1, 2}

@@ -465,6 +465,11 @@ class Remote(Protocol):
         call, so two calls are paired); None when too few answered."""
 
 
+def is_remote(data) -> bool:
+    """Whether ``data`` is a ``Remote`` (the loss computed elsewhere) rather than a data set."""
+    return all(callable(getattr(data, name, None)) for name in ("begin", "gradients", "losses"))
+
+
 def learn_alignments_remote(
     states: Sequence[StateDict],
     cfg,

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..options import Refinement
 from ..symmetry import Transform, canonical_config
 from ..train import pick_device
-from .optimise import Options, Remote, learn_alignments, learn_alignments_remote
+from .optimise import Options, is_remote, learn_alignments, learn_alignments_remote
 from .weight import canonical_state
 
 
@@ -35,7 +35,6 @@ def dirichlet_refine(
     reference: Optional[nn.Module] = None,
     progress: bool = True,
     device: Optional[str] = None,
-    remote: Optional[Remote] = None,
 ) -> list[Transform]:
     """Refine the transforms of ``models`` (same shape, e.g. padded) into their universe.
 
@@ -59,9 +58,6 @@ def dirichlet_refine(
         What the intra-head gauges align to (default: the fixed model aligned).
     progress : bool, default True
     device : str or None
-    remote : Remote or None
-        Where the loss lives when ``refine.data`` is None: e.g. ``fedlmc.on_clients.ClientLosses``, the
-        round's clients through Flower messages (its ``samples`` draws of λ per step).
 
     Returns
     -------
@@ -72,8 +68,8 @@ def dirichlet_refine(
     M = len(models)
     if M != len(transforms):
         raise ValueError("dirichlet_refine needs one transform per model")
-    if refine.data is None and remote is None:
-        raise ValueError("the refinement needs data: Refinement(data=...), or a remote loss (the clients')")
+    if refine.data is None:
+        raise ValueError("the refinement needs data: Refinement(data=...), a data set or a remote loss (the clients')")
     if M < 2:
         return list(transforms)
     dev = pick_device(device)
@@ -92,7 +88,8 @@ def dirichlet_refine(
         label=f"Dirichlet refinement ({M} models, α={refine.alpha:g})",
         check_weights=[w / sum(weights) for w in weights] if weights is not None else None,
     )
-    if refine.data is not None:
+    remote = refine.data if is_remote(refine.data) else None
+    if remote is None:
         got = learn_alignments(states, cfg, transforms, refine.data, check_data=refine.check_data, **common)
     else:
         got = learn_alignments_remote(states, cfg, transforms, remote, samples=getattr(remote, "samples", 1), **common)
@@ -106,7 +103,7 @@ def dirichlet_refine(
         "steps_run": len(got.trace),
         "checks": got.checks,
         "best_step": got.best_step,
-        "where": "server" if refine.data is not None else "remote",
+        "where": "server" if remote is None else "remote",
     }
     if got.stopped:
         info["stopped"] = got.stopped

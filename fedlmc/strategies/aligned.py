@@ -138,6 +138,7 @@ class AlignedFedAvg(FedlmcStrategy):
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
         self.round_nodes = [int(m.metadata.src_node_id) for m in replies]
+        self.candidates = {}
         self.server_round, self.remote_record = server_round, None
         start = self.start_for(models)
         merged, transforms = self.align(models, weights, start)
@@ -173,6 +174,7 @@ class AlignedFedAvg(FedlmcStrategy):
             if losses is None:
                 fields["guard"] = "no verdict (too few clients answered): kept the aligned aggregate"
         if losses is not None:
+            self.candidates = {"aligned": merged, "average": plain}  # the report scores both (the guard's verdict)
             l_aligned, l_plain = losses["aligned"], losses["average"]
             fields.update(
                 guard_aligned=l_aligned, guard_average=l_plain, guard_where="server" if on_server else "clients"
@@ -270,12 +272,11 @@ class RefinedFedAvg(AlignedFedAvg):
                 weights,
                 start,
                 matching=self.matching,
-                refine=refine_split(self.refine) if remote is None else self.refine,
+                refine=refine_split(self.refine) if remote is None else replace(self.refine, data=remote),
                 iterations=self.iterations,
                 form=self.form,
                 keep_layernorm=self.keep_layernorm,
                 device=self.device,
-                remote=remote,
             )
         finally:
             self.remote_record = remote.record() if remote is not None else None

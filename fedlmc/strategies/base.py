@@ -257,9 +257,11 @@ class FedlmcStrategy(FedAvg):
         record["seconds"] = time.time() - t0
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         record["train_metrics"] = dict(metrics) if metrics is not None else {}
+        arrays = self.arrays_of(result)
+        record["model_bytes"] = sum(a.numel() * a.element_size() for a in arrays.to_torch_state_dict().values())
         self.history.append(record)
         self.global_config = result.config.to_dict()
-        return self.arrays_of(result), metrics
+        return arrays, metrics
 
     def adapter_for(self, msg: Message) -> Optional[HFAdapter]:
         """The adapter a reply is read with (None: fedlmc keys); mixed-width strategies pick by shapes."""
@@ -376,7 +378,8 @@ class FedlmcStrategy(FedAvg):
         self, record: dict[str, Any], models: list[nn.Module], result: nn.Module, plain: Optional[nn.Module]
     ) -> None:
         """With ``report_data``: each client's loss, the aggregate's, its excess over the mean client,
-        the plain average's (when built) and the clients' output ensemble's loss and accuracy."""
+        the plain average's (when built), each guard candidate's (``report_aligned``, ``report_average``:
+        the report's verdict on the guard's choice) and the clients' output ensemble's loss and accuracy."""
         if self.report_data is None:
             return
         clients = [self.loss(m, self.report_data, self.report_batches) for m in models]
@@ -387,6 +390,8 @@ class FedlmcStrategy(FedAvg):
         if plain is not None:
             record["average_loss"] = self.loss(plain, self.report_data, self.report_batches)
             record["average_excess"] = record["average_loss"] - record["mean_client_loss"]
+        for name, model in getattr(self, "candidates", {}).items():  # what the guard chose between
+            record[f"report_{name}"] = self.loss(model, self.report_data, self.report_batches)
         if len(models) > 1:  # the output ensemble: the reference a single merged model tries to reach
             ens = evaluate(Ensemble(models), self.report_data, max_batches=self.report_batches)
             record["ensemble_loss"], record["ensemble_acc"] = float(ens["loss"]), float(ens["acc"])
