@@ -54,6 +54,8 @@ def answer(
     *,
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     device: Optional[str] = None,
+    clipping_norm: Optional[float] = None,
+    noise_multiplier: float = 0.0,
 ) -> Message:
     """The reply to a refinement query: for ``mode="gradient"``, the gradient of the mean loss on
     ``batches`` shuffled batches of ``data`` (seeded by the query) at each model the query carries
@@ -62,7 +64,13 @@ def answer(
 
     ``data``: anything with fedlmc's ``batches(batch_size, shuffle, generator)`` (``fedlmc.data.ArrayData``
     wraps tensors); ``loss_fn(outputs, targets)``: the loss, default cross-entropy. The models are
-    fedlmc models of the query's ``model-config``."""
+    fedlmc models of the query's ``model-config``.
+
+    ``clipping_norm``: each gradient is scaled to at most this global L2 norm, then Gaussian noise of
+    standard deviation ``noise_multiplier × clipping_norm`` is added to every entry (the Gaussian
+    mechanism, as DP-FedSGD clips and noises; the noise is drawn from the operating system's entropy,
+    never from the server's seed). Flower's DP mods act on train messages only, so a refinement
+    handler clips here."""
     cfg = msg.content["config"]
     mode, n_batches, batch_size = str(cfg["mode"]), int(cfg["batches"]), int(cfg["batch-size"])
     dev = pick_device(device)
@@ -97,16 +105,37 @@ def answer(
         loss = loss / max(n, 1)
         leaves = [name for name, v in state.items() if v.requires_grad]
         grads = torch.autograd.grad(loss, [state[name] for name in leaves], allow_unused=True)
-        content[f"gradient-{k}"] = ArrayRecord(
-            torch_state_dict={
-                name: (torch.zeros_like(state[name]) if g is None else g).detach().cpu()
-                for name, g in zip(leaves, grads)
-            }
-        )
+        grad = {
+            name: (torch.zeros_like(state[name]) if g is None else g).detach().cpu() for name, g in zip(leaves, grads)
+        }
+        if clipping_norm is not None:
+            grad = clip_and_noise(grad, clipping_norm, noise_multiplier)
+        content[f"gradient-{k}"] = ArrayRecord(torch_state_dict=grad)
         total_loss += float(loss.detach())
         k += 1
     content["metrics"] = MetricRecord({"num-examples": n, "loss": total_loss / max(k, 1)})
     return Message(content=content, reply_to=msg)
+
+
+def clip_and_noise(grad: StateDict, clipping_norm: float, noise_multiplier: float = 0.0) -> StateDict:
+    """``grad`` scaled to global L2 norm ≤ ``clipping_norm``, plus N(0, (noise_multiplier·clipping_norm)²)
+    noise per entry (a generator seeded from ``os.urandom``)."""
+    import os
+
+    if clipping_norm <= 0 or noise_multiplier < 0:
+        raise ValueError(
+            f"clipping_norm must be positive and noise_multiplier non-negative, got {clipping_norm}, {noise_multiplier}"
+        )
+    norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grad.values())))
+    scale = min(1.0, clipping_norm / max(norm, 1e-30))
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+    out = {}
+    for k, g in grad.items():
+        g = g * scale
+        if noise_multiplier > 0:
+            g = g + torch.randn(g.shape, generator=gen, dtype=g.dtype) * (noise_multiplier * clipping_norm)
+        out[k] = g
+    return out
 
 
 def endless(data, batch_size: int, gen: torch.Generator):

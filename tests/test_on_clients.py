@@ -285,3 +285,33 @@ def test_client_guard_in_the_strategy_keeps_the_plain_average_when_the_clients_p
     assert rec["guard_where"] == "clients" and rec["kept"] == "average"
     assert rec["guard_average"] == 1.0 and rec["guard_aligned"] == 2.0
     assert set(seen) == {MessageType.EVALUATE}
+
+
+def test_client_refine_answer_clips_and_noises_its_gradient():
+    """``answer(clipping_norm=C, noise_multiplier=z)``: the gradient scaled to norm ≤ C, then noised."""
+    torch.manual_seed(0)
+    model = _tiny_gpt2(0, torch.float32)
+    data = _token_data(1, 6)
+    state = {k: v.detach() for k, v in canonical_state(model, torch.device("cpu"), torch.float32).items()}
+    remote = ClientLosses(FakeGrid({}), [1], OnClients(), 6, 1)
+    remote.begin(canonical_config(model.config))
+    grads = {}
+    for name, kw in (
+        ("plain", {}),
+        ("clipped", dict(clipping_norm=1e-3)),
+        ("noised", dict(clipping_norm=1e-3, noise_multiplier=1.0)),
+    ):
+        remote.grid = FakeGrid({1: lambda m, kw=kw: answer(m, data, **kw)})
+        grads[name] = remote.gradients([state], 0)[0][0]
+
+    def norm(g):
+        return float(torch.sqrt(sum(v.pow(2).sum() for v in g.values())))
+
+    assert norm(grads["plain"]) > 1e-2
+    assert norm(grads["clipped"]) == pytest.approx(1e-3, rel=1e-4)
+    for k in grads["plain"]:  # the same direction, scaled
+        assert torch.allclose(grads["clipped"][k], grads["plain"][k] * (1e-3 / norm(grads["plain"])), atol=1e-9)
+    noise = {k: grads["noised"][k] - grads["clipped"][k] for k in grads["plain"]}
+    n = sum(v.numel() for v in noise.values())
+    std = norm(noise) / n**0.5
+    assert 0.8e-3 < std < 1.2e-3  # N(0, (z·C)²) per entry
