@@ -467,7 +467,17 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "".join(
         f"_{k}-{v}"
         for k, v in sorted(extra.items())
-        if k in ("partitioner", "alpha", "width-factors", "hf", "local-epochs", "local-steps")
+        if k
+        in (
+            "partitioner",
+            "alpha",
+            "width-factors",
+            "hf",
+            "local-epochs",
+            "local-steps",
+            "clients-per-step",
+            "refine-steps",
+        )
     )
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
     out = Path(args.out)
