@@ -127,7 +127,7 @@ def test_client_refine_gradients_equal_the_server_data_gradient_in_float64():
         grads, client_loss = remote.gradients([{k: v.detach() for k, v in sd.items()} for sd in merged], 0)
         backpropagate(merged, grads)
         clients = _latent_grads(al)
-    assert abs(client_loss - float(loss)) < 1e-12
+    assert abs(client_loss - loss.item()) < 1e-12
     for a, b in zip(server, clients):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), float((a - b).abs().max())
     assert remote.record()["excluded"] == [] and remote.messages == 3

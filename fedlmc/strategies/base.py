@@ -110,6 +110,7 @@ class FedlmcStrategy(FedAvg):
         self.history: list[dict[str, Any]] = []
         self.round_offset = 0  # rounds completed before this run started (a resumed run continues numbering)
         self._previous: Optional[ArrayRecord] = None
+        self.candidates: dict[str, nn.Module] = {}  # what a guard chose between this round (for the report)
         self.grid = None  # the round's grid (configure_train's): strategies that ask the clients more use it
         self._excluded: list[dict[str, Any]] = []
         self._failures: list[dict[str, Any]] = []
@@ -254,6 +255,7 @@ class FedlmcStrategy(FedAvg):
         )
         record.setdefault("align_seconds", time.time() - t0)
         self.report(record, models, result, plain)
+        self.candidates = {}  # the guard's candidates, kept for the report only: not held between rounds
         record["seconds"] = time.time() - t0
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         record["train_metrics"] = dict(metrics) if metrics is not None else {}
@@ -390,7 +392,7 @@ class FedlmcStrategy(FedAvg):
         if plain is not None:
             record["average_loss"] = self.loss(plain, self.report_data, self.report_batches)
             record["average_excess"] = record["average_loss"] - record["mean_client_loss"]
-        for name, model in getattr(self, "candidates", {}).items():  # what the guard chose between
+        for name, model in self.candidates.items():  # what the guard chose between
             record[f"report_{name}"] = self.loss(model, self.report_data, self.report_batches)
         if len(models) > 1:  # the output ensemble: the reference a single merged model tries to reach
             ens = evaluate(Ensemble(models), self.report_data, max_batches=self.report_batches)
