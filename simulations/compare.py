@@ -371,7 +371,7 @@ def markdown(
     if asked:
         lines += [
             "",
-            "| strategy (asks the clients) | refinement steps | bytes per round / one FedAvg round's | "
+            "| strategy | refinement steps on the clients | bytes to and from the clients per round / one FedAvg round's | "
             "s waiting for the clients per round | guard agrees with the report data |",
             "|---|---|---|---|---|",
         ]
