@@ -53,14 +53,14 @@ def _deploy_and_run(mode: str, d: Path, strategy: str = "aligned") -> dict:
             ".",
             "fedlmc-deploy",
             "-c",
-            f"strategy='{strategy}' preset='vit-digits' num-server-rounds=1 local-steps=3 threads=1 refine-steps=3 "
+            f"strategy='{strategy}' preset='vit-digits' num-server-rounds=1 local-steps=3 threads=1 refine-steps=2 "
             f"out-dir='{out}'",
         ],
         cwd=ROOT,
         env={**env, "FLWR_HOME": str(d / "flwr")},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=540,  # a busy host: every message of a deployment starts a ClientApp process
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads((out / "metrics.json").read_text())
@@ -93,14 +93,14 @@ def _node(res: dict, log: Path, *tls: str) -> subprocess.Popen:
     )
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_insecure_deployment_runs_a_round_refined_on_the_clients():
     """refined-clients: no server data; the SuperNodes answer the refinement's queries and the guard."""
     d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
     try:
         rec = _deploy_and_run("insecure", d, "refined-clients")["doc"]["rounds"][1]["strategy"]
         cost = rec["refine_clients"]
-        assert cost["steps"] == 3 and cost["checks"] >= 1 and cost["excluded"] == [] and cost["bytes_received"] > 0
+        assert cost["steps"] == 2 and cost["checks"] >= 1 and cost["excluded"] == [] and cost["bytes_received"] > 0
         assert rec["guard_where"] == "clients" and len(rec["guard_clients"]["clients"]) == 2
     finally:
         subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
