@@ -107,7 +107,7 @@ def test_insecure_deployment_runs_a_round_refined_on_the_clients():
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(
     not (shutil.which("openssl") and shutil.which("ssh-keygen")), reason="deploy/certs.sh needs openssl and ssh-keygen"
 )
