@@ -203,7 +203,8 @@ class ClientLosses:
         if not k or k >= len(self.nodes):
             return list(self.nodes)
         rng = np.random.default_rng([self.seed, self.round, step])
-        return sorted(int(n) for n in rng.choice(self.nodes, size=k, replace=False))
+        # indices, not the ids: Flower's node ids are 64-bit and numpy would round them through float64
+        return sorted(self.nodes[int(i)] for i in rng.choice(len(self.nodes), size=k, replace=False))
 
     def _ask(self, nodes: list[int], states: list[StateDict], mode: str, batches: int, step: int) -> dict[int, Message]:
         """Send the query to ``nodes``; the replies by node (a node that did not answer is excluded)."""

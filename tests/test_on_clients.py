@@ -315,3 +315,17 @@ def test_client_refine_answer_clips_and_noises_its_gradient():
     n = sum(v.numel() for v in noise.values())
     std = norm(noise) / n**0.5
     assert 0.8e-3 < std < 1.2e-3  # N(0, (z·C)²) per entry
+
+
+def test_client_refine_samples_real_node_ids_exactly():
+    """Flower's node ids are 64-bit: the per-step sample must return them exactly (numpy rounds such
+    integers through float64 when it samples the ids themselves), a fresh seeded sample each step."""
+    nodes = [2**63 + 12345, 14865438448911923200, 7106825706875898880, 5]
+    remote = ClientLosses(FakeGrid({}), nodes, OnClients(clients_per_step=2), 6, 1, seed=3, server_round=1)
+    seen = set()
+    for step in range(20):
+        picked = remote.step_nodes(step)
+        assert len(picked) == 2 and set(picked) <= set(nodes)
+        seen.update(picked)
+        assert picked == remote.step_nodes(step)  # seeded
+    assert seen == set(nodes)
