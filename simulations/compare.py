@@ -371,8 +371,8 @@ def markdown(
     if asked:
         lines += [
             "",
-            "| strategy | refinement steps on the clients | bytes to and from the clients per round / one FedAvg round's | "
-            "s waiting for the clients per round | guard agrees with the report data |",
+            "| strategy | refinement steps on the clients | bytes to and from the clients per round / one FedAvg "
+            "round's | s waiting for the clients per round | guard agrees with the report data |",
             "|---|---|---|---|---|",
         ]
         for n, r in asked.items():

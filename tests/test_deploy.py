@@ -93,29 +93,25 @@ def _node(res: dict, log: Path, *tls: str) -> subprocess.Popen:
     )
 
 
-@pytest.mark.timeout(900)
-def test_insecure_deployment_runs_a_round_refined_on_the_clients():
-    """refined-clients: no server data; the SuperNodes answer the refinement's queries and the guard."""
-    d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
-    try:
-        rec = _deploy_and_run("insecure", d, "refined-clients")["doc"]["rounds"][1]["strategy"]
-        cost = rec["refine_clients"]
-        assert cost["steps"] == 2 and cost["checks"] >= 1 and cost["excluded"] == [] and cost["bytes_received"] > 0
-        assert rec["guard_where"] == "clients" and len(rec["guard_clients"]["clients"]) == 2
-    finally:
-        subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env=_env(d), timeout=60)
-        shutil.rmtree(d, ignore_errors=True)
+SECURE_TOOLS = bool(shutil.which("openssl") and shutil.which("ssh-keygen"))  # deploy/certs.sh needs them
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(
-    not (shutil.which("openssl") and shutil.which("ssh-keygen")), reason="deploy/certs.sh needs openssl and ssh-keygen"
-)
-def test_tls_and_node_authentication_refuse_an_unregistered_key():
+@pytest.mark.parametrize("mode", ["secure" if SECURE_TOOLS else "insecure"])
+def test_tls_deployment_refines_on_the_clients_and_refuses_an_unregistered_key(mode):
+    """TLS + SuperNode authentication (insecure where openssl / ssh-keygen are missing); the round runs
+    refined-clients (no server data: the SuperNodes answer the refinement's queries and score the
+    guard). Then an unregistered key and a plaintext client are refused."""
     d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
     rogue, procs = None, []
     try:
-        res = _deploy_and_run("secure", d)
+        res = _deploy_and_run(mode, d, "refined-clients")
+        rec = res["doc"]["rounds"][1]["strategy"]
+        cost = rec["refine_clients"]
+        assert cost["steps"] == 2 and cost["checks"] >= 1 and cost["excluded"] == [] and cost["bytes_received"] > 0
+        assert rec["guard_where"] == "clients" and len(rec["guard_clients"]["clients"]) == 2
+        if mode != "secure":
+            return
         for i in range(2):
             assert "registered successfully" in (d / f"register{i}.log").read_text()
         subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(d / "rogue")], check=True)
@@ -155,11 +151,8 @@ def _wait_for(path: Path, text: str, seconds: float) -> bool:
     return False
 
 
-SECURE_TOOLS = bool(shutil.which("openssl") and shutil.which("ssh-keygen"))
-
-
 @pytest.mark.timeout(900)
-# with TLS and node authentication where the tools are there (the insecure mode runs a round above)
+# with TLS and node authentication where the tools are there (the insecure mode: the restart test)
 @pytest.mark.parametrize("mode", ["secure" if SECURE_TOOLS else "insecure"])
 def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
     """3 SuperNodes, one killed while round 1 trains: the SuperLink reports its message failed (no
