@@ -329,3 +329,16 @@ def test_client_refine_samples_real_node_ids_exactly():
         seen.update(picked)
         assert picked == remote.step_nodes(step)  # seeded
     assert seen == set(nodes)
+
+
+def test_client_guard_and_checks_ask_only_check_clients():
+    cands = {
+        "aligned": ArrayRecord(torch_state_dict={"w": torch.ones(2)}),
+        "average": ArrayRecord(torch_state_dict={"w": torch.zeros(2)}),
+    }
+    handlers = {n: _evaluate_handler({"aligned": 1.0, "average": 2.0}) for n in (1, 2, 3)}
+    grid = FakeGrid(handlers)
+    losses, cost = client_guard(grid, [3, 1, 2], cands, ConfigRecord({}), OnClients(check_clients=2))
+    assert cost["clients"] == [1, 2] and cost["messages"] == 4 and losses["aligned"] == 1.0
+    remote = ClientLosses(grid, [3, 1, 2], OnClients(check_clients=1), 6, 1)
+    assert remote.check_nodes == [1]
