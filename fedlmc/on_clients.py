@@ -46,6 +46,11 @@ def nbytes(state: StateDict) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
+def record_nbytes(arrays: ArrayRecord) -> int:
+    """The tensor bytes an ArrayRecord holds (from its arrays' shapes and dtypes: no copy)."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays.values())
+
+
 # ---- the client's side --------------------------------------------------------------------------------
 def answer(
     msg: Message,
@@ -395,10 +400,7 @@ def client_guard(
             excluded.append({"node": n, "reason": f"no answer for every candidate within {on.timeout:g} s"})
     cost = {
         "messages": len(msgs),
-        "bytes_sent": sum(
-            sum(v.numel() * v.element_size() for v in a.to_torch_state_dict().values()) for a in candidates.values()
-        )
-        * len(nodes),
+        "bytes_sent": sum(record_nbytes(a) for a in candidates.values()) * len(nodes),
         "seconds": time.time() - t0,
         "clients": both,
         "excluded": excluded,

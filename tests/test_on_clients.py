@@ -342,3 +342,10 @@ def test_client_guard_and_checks_ask_only_check_clients():
     assert cost["clients"] == [1, 2] and cost["messages"] == 4 and losses["aligned"] == 1.0
     remote = ClientLosses(grid, [3, 1, 2], OnClients(check_clients=1), 6, 1)
     assert remote.check_nodes == [1]
+
+
+def test_client_guard_counts_the_candidates_bytes():
+    from fedlmc.on_clients import record_nbytes
+
+    arrays = ArrayRecord(torch_state_dict={"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.float64)})
+    assert record_nbytes(arrays) == 3 * 4 * 4 + 5 * 8
