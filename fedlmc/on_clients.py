@@ -28,7 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.supercore import log
 from torch.func import functional_call
 
-from .matching.optimise import example_losses, merged_loss
+from .matching.optimise import endless_batches, example_losses, merged_loss
 from .models import from_config
 from .options import Learning, OnClients
 from .symmetry import StateDict
@@ -95,7 +95,7 @@ def answer(
     if mode != GRADIENT:
         raise ValueError(f"unknown refinement query mode {mode!r}")
     gen = torch.Generator().manual_seed(int(cfg["seed"]))
-    batches = [b for _, b in zip(range(n_batches), endless(data, batch_size, gen))]
+    batches = [b for _, b in zip(range(n_batches), endless_batches(data, batch_size, gen))]
     content = RecordDict({})
     total_loss, n = 0.0, sum(len(x) for x, _ in batches)
     k = 0
@@ -141,17 +141,6 @@ def clip_and_noise(grad: StateDict, clipping_norm: float, noise_multiplier: floa
             g = g + torch.randn(g.shape, generator=gen, dtype=g.dtype) * (noise_multiplier * clipping_norm)
         out[k] = g
     return out
-
-
-def endless(data, batch_size: int, gen: torch.Generator):
-    """Shuffled batches of ``data``, epoch after epoch."""
-    while True:
-        got = False
-        for b in data.batches(batch_size, shuffle=True, generator=gen):
-            got = True
-            yield b
-        if not got:
-            return
 
 
 # ---- the server's side --------------------------------------------------------------------------------

@@ -56,9 +56,15 @@ class _Polar(torch.autograd.Function):
 
 
 def endless_batches(data, batch_size: int, gen: torch.Generator):
-    """Shuffled batches of ``data``, epoch after epoch (the latents train for a number of steps)."""
+    """Shuffled batches of ``data``, epoch after epoch (the latents train for a number of steps); none
+    at all for data without a batch (an empty client partition), never an endless empty loop."""
     while True:
-        yield from data.batches(batch_size, shuffle=True, generator=gen)
+        got = False
+        for b in data.batches(batch_size, shuffle=True, generator=gen):
+            got = True
+            yield b
+        if not got:
+            return
 
 
 @dataclass
