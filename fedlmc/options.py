@@ -6,6 +6,8 @@
 * ``Refinement``: Dirichlet refinement of a universe's alignments: ``Learning`` plus its data, its
   Dirichlet concentration and when it stops (``universe_merge(refine=...)``, ``RefinedFedAvg``,
   ``HeteroWidthFedAvg``).
+* ``OnClients``: where a refinement's gradients and a guard's losses come from without server data.
+* ``Scale``: how a server aggregates many replies: on disk, aligned by parallel workers.
 
 A knob has one name from ``run_config`` down to the optimiser: run_config ``refine-check-sigmas`` is
 ``Settings.refine_check_sigmas`` is ``Refinement.check_sigmas``, the one the optimiser reads.
@@ -220,3 +222,54 @@ class OnClients:
             raise ValueError("batches_per_client, samples_per_message and min_clients must be at least 1")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+
+
+BACKENDS = ("auto", "process", "ray")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How a server aggregates many replies: where they wait, and who aligns them.
+
+    Parameters
+    ----------
+    workers : int, default 1
+        Processes that align a universe iteration's replies at once (``fedlmc.workers``); 1: in the
+        server's own process, one after the other; 0: one per available core.
+    backend : {"auto", "process", "ray"}, default "auto"
+        "process": local worker processes; "ray": Ray tasks (on the cluster at ``address``, or a local
+        Ray); "auto": Ray when ``address`` is given, else processes.
+    address : str or None, default None
+        A Ray cluster's address (``"auto"``, ``"ray://host:10001"``): the alignments spread over its
+        machines.
+    spool : bool, default False
+        Write every accepted reply to disk (``replies.ReplyStore``) and read it back through a memory map
+        when needed, so the server holds a few models whatever the number of replies. Always on with
+        more than one worker.
+    spool_dir : str or None, default None
+        Where the replies wait (a local disk with room for every reply of a round); default: the system's
+        temporary directory. Removed after each round; a crashed server's files are removed by the next.
+    retries : int, default 1
+        A failed alignment (its worker died, or its reply could not be read) is tried this many times
+        more, then its reply is excluded with the reason.
+    """
+
+    workers: int = 1
+    backend: str = "auto"
+    address: Optional[str] = None
+    spool: bool = False
+    spool_dir: Optional[str] = None
+    retries: int = 1
+
+    def __post_init__(self) -> None:
+        one_of(self.backend, BACKENDS, "backend")
+        if self.workers < 0 or self.retries < 0:
+            raise ValueError(f"workers and retries must be non-negative, got {self.workers} and {self.retries}")
+
+    @property
+    def parallel(self) -> bool:
+        return self.workers != 1
+
+    @property
+    def on_disk(self) -> bool:
+        return self.spool or self.parallel

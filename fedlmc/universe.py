@@ -3,11 +3,14 @@ averaged there, optionally refined (Dirichlet), and projected back to each clien
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+import time
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from flwr.supercore import log
 
 from .allocator import release_freed_memory
 from .averaging import FORMS, REDUCES, merge, robust_merge
@@ -15,7 +18,8 @@ from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
 from .matching.profile import section
 from .matching.refine import dirichlet_refine
-from .options import Matching, Refinement, one_of
+from .options import Matching, Refinement, Scale, one_of
+from .replies import ReplyError, ReplyStore, StoredModel, save_model
 from .symmetry import (
     StateDict,
     Transform,
@@ -41,27 +45,66 @@ from .widths import (
     unit_masks,
     unpad,
 )
+from .workers import AlignmentPool
+
+Model = Union[nn.Module, StoredModel]
+
+
+class Canonical(Sequence):
+    """The models in canonical form: a model in memory converted once and kept, a ``StoredModel`` read
+    from its file (memory-mapped) and converted each time it is asked for, then let go."""
+
+    def __init__(self, models: Sequence[Model]) -> None:
+        self.models = models
+        self._kept = [None if isinstance(m, StoredModel) else canonical(m) for m in models]
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def __getitem__(self, i: int) -> nn.Module:  # type: ignore[override]
+        kept = self._kept[i]
+        return kept if kept is not None else canonical(self.models[i].load())
 
 
 @dataclass
 class Members:
     """The models of a universe, each padded exactly to the common shape (with masks marking its padded
-    heads / FF neurons when widths differ) and canonical; ``weights`` sum to one."""
+    heads / FF neurons when widths differ) and canonical; ``weights`` sum to one. Models may wait on
+    disk (``StoredModel``): same-shape ones are then read one at a time, whenever they are needed."""
 
-    models: Sequence[nn.Module]
+    models: Sequence[Model]
     weights: list[float]
     shape: dict[str, int]
-    padded: list[nn.Module]
+    padded: Sequence[nn.Module]
     masks: list[Optional[dict]]
     attn_scale: Optional[float]  # the universe's attention scale (mixed widths only)
     hetero: bool  # widths differ: models are padded and masked
     # keep_layernorm with mixed widths: the reflection each narrower padded model was turned by so that its
     # stream stays centred in the universe (``widths.ones_lift``); None for the others
     lifts: Optional[list[Optional[torch.Tensor]]] = None
+    excluded: dict[int, str] = field(default_factory=dict)  # model → why it was left out (unreadable, failed)
 
     @property
     def live(self) -> list[int]:
         return [i for i, w in enumerate(self.weights) if w > 0]
+
+    def exclude(self, i: int, reason: str) -> None:
+        """Leave model i out of the universe (its weight shared out among the others), with the reason."""
+        self.excluded[i] = reason
+        self.weights[i] = 0.0
+        total = sum(self.weights)
+        if total <= 0:
+            raise ReplyError(f"every model of the universe was excluded; the last: {reason}")
+        self.weights = [w / total for w in self.weights]
+        log(WARNING, "universe: excluded model %d: %s", i, reason)
+
+    def load(self, i: int) -> Optional[nn.Module]:
+        """Model i in canonical (padded) form, or None after excluding it when its file cannot be read."""
+        try:
+            return self.padded[i]
+        except ReplyError as e:
+            self.exclude(i, str(e))
+            return None
 
     def own(self, i: int, T: Transform) -> Transform:
         """Model i's transform as a map of its zero-padded self (its ones-lift composed in)."""
@@ -110,17 +153,27 @@ class Members:
         otherwise not fit these allocations and grow the peak (``allocator.release_freed_memory``)."""
         release_freed_memory()
         acc: Optional[StateDict] = None
+        first, summed = None, 0.0
         for i in self.live:
-            sd = {k: v.detach() for k, v in self.padded[i].state_dict().items()}
-            sd = apply_to_state(sd, self.padded[i].config, transforms[i])[0]
+            model = self.load(i)
+            if model is None:  # unreadable now: the others' weights are rescaled below
+                continue
+            sd = {k: v.detach() for k, v in model.state_dict().items()}
+            sd = apply_to_state(sd, model.config, transforms[i])[0]
             w = self.weights[i]
+            summed += w
             if acc is None:
-                acc = {k: v * w for k, v in sd.items()}
+                acc, first = {k: v * w for k, v in sd.items()}, model
             else:
                 for k, v in sd.items():
                     acc[k].add_(v, alpha=w)
-            del sd
-        return rebuild(self.padded[self.live[0]], acc)
+            del sd, model
+        if acc is None:
+            raise ReplyError("no model of the universe could be read")
+        if abs(summed - 1.0) > 1e-12:  # a model was excluded during this average
+            for v in acc.values():
+                v.div_(summed)
+        return rebuild(first, acc)
 
     def client_transforms(self, transforms: list[Transform]) -> list[Transform]:
         """Each model's map from *its own* shape into the universe (a rectangular residual map for a
@@ -147,9 +200,9 @@ def members(
         raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
     configs = [m.config for m in models] + ([start.config] if start is not None else [])
     shape = common_shape(configs)
-    canon = [canonical(m) for m in models]
     if same_shape(configs):
-        return Members(models, [x / sum(w) for x in w], shape, canon, [None] * n, None, False)
+        return Members(models, [x / sum(w) for x in w], shape, Canonical(models), [None] * n, None, False)
+    canon = [canonical(m.load() if isinstance(m, StoredModel) else m) for m in models]
     if any(getattr(c, "n_kv_head", None) is not None for c in configs):
         # zero-padding a rotary head changes which dimensions RoPE pairs; GQA groups need their own masks
         raise ValueError("mixed widths are not supported for Llama-style models (RoPE, grouped-query attention) yet")
@@ -176,7 +229,7 @@ def members(
 
 
 def universe_merge(
-    models: Sequence[nn.Module],
+    models: Sequence[Model],
     weights: Optional[Sequence[float]] = None,
     start: Optional[nn.Module] = None,
     *,
@@ -191,6 +244,7 @@ def universe_merge(
     anchor: str = "heaviest",
     device: Optional[str] = None,
     progress: bool = False,
+    scale: Optional[Scale] = None,
 ) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
@@ -205,9 +259,15 @@ def universe_merge(
     FF neurons are masked out of the averages, and its transform maps *its own* shape into the universe
     (a rectangular residual map), so ``project(universe, T)`` returns a model of the client's shape.
 
+    Models may wait on disk (``fedlmc.replies.StoredModel``): models of one shape are then read one at a
+    time (memory-mapped) whenever an alignment or the average needs them, so the merge holds a few
+    models whatever their number (mixed widths, a robust ``reduce`` and a refinement read them all).
+    A model that cannot be read, or whose alignment fails in a worker twice, is excluded (its
+    transform's ``info["excluded"]`` says why) and the others' weights are rescaled.
+
     Parameters
     ----------
-    models : sequence of nn.Module
+    models : sequence of nn.Module or StoredModel
         The fedlmc models to merge.
     weights : sequence of float or None
         Non-negative merge weights (e.g. example counts); default uniform.
@@ -240,6 +300,12 @@ def universe_merge(
     device : str or None
         Where matching and refinement run: CUDA when present, else CPU.
     progress : bool, default False
+        Log each universe iteration (how far it moved, seconds).
+    scale : Scale or None
+        ``Scale(workers=n)`` aligns each iteration's models in ``n`` worker processes (or Ray tasks),
+        the models read from their files there (models in memory are written to a temporary store
+        first); default: one after the other, in this process. Same-shape models without
+        ``matching.residual_data`` only (others align here).
 
     Returns
     -------
@@ -263,11 +329,46 @@ def universe_merge(
     if reduce != "mean" and mem.hetero:
         raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
     align = dict(matching=m, keep_layernorm=keep_layernorm, device=device)
+    sc = scale if scale is not None else Scale()
+    parallel = sc.parallel and not mem.hetero and m.residual_data is None
+    if sc.parallel and not parallel:
+        log(INFO, "universe: aligning in this process (workers take same-shape models without residual data)")
+    if not parallel:
+        return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress)
+    with ReplyStore(sc.spool_dir) as store, AlignmentPool(sc) as pool:
+        if not all(isinstance(x, StoredModel) for x in models):  # the workers read the models from files
+            on_disk = [x if isinstance(x, StoredModel) else store.put(x) for x in models]
+            mem = Members(**{**mem.__dict__, "models": on_disk, "padded": Canonical(on_disk)})
+        return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress, pool, store)
+
+
+def _merge(
+    mem: Members,
+    start: Optional[nn.Module],
+    anchor: str,
+    align: dict,
+    refine: Optional[Refinement],
+    iterations: int,
+    tol: float,
+    form: str,
+    reduce: str,
+    trim: float,
+    progress: bool,
+    pool: Optional[AlignmentPool] = None,
+    store: Optional[ReplyStore] = None,
+) -> tuple[nn.Module, list[Transform]]:
+    """``universe_merge`` on prepared members (``align``: weight matching's options)."""
+    keep_layernorm, first = align["keep_layernorm"], None
     if start is not None:
         universe = pad(start, mem.shape, attn_scale=mem.attn_scale) if mem.hetero else start
     else:
-        universe = mem.padded[anchor_index(mem, anchor, align)]
-    universe, transforms = _iterate(canonical(universe), mem, iterations, tol, reduce, trim, progress, align)
+        universe = None
+        while universe is None:  # an anchor that cannot be read is excluded, and the next one taken
+            first = anchor_index(mem, anchor, align)
+            universe = mem.load(first)
+    universe, transforms = _iterate(
+        canonical(universe), mem, iterations, tol, reduce, trim, progress, align, first, pool, store
+    )
     live = mem.live
     if refine is not None and len(live) > 1:
         refined = dirichlet_refine(
@@ -278,10 +379,10 @@ def universe_merge(
             weights=[mem.weights[i] for i in live],
             form=form,
             keep_layernorm=keep_layernorm,
-            gauge=m.gauge,
+            gauge=align["matching"].gauge,
             reference=universe,
             progress=progress,
-            device=device,
+            device=align["device"],
         )
         for i, T in zip(live, refined):
             transforms[i] = T
@@ -290,6 +391,8 @@ def universe_merge(
         universe = mem.merge(transforms, form="circuit")
     if keep_layernorm and reduce != "mean":  # a median of centred streams is not centred: project it back
         universe = recentre(universe)
+    for i, reason in mem.excluded.items():
+        transforms[i] = Transform(info={"excluded": reason})
     return (to_layernorm(universe) if keep_layernorm else universe), mem.client_transforms(transforms)
 
 
@@ -319,32 +422,60 @@ def _iterate(
     trim: float,
     progress: bool,
     align: dict,
+    first: Optional[int] = None,
+    pool: Optional[AlignmentPool] = None,
+    store: Optional[ReplyStore] = None,
 ) -> tuple[nn.Module, list[Transform]]:
-    """Align every model to the universe, average there, repeat (the warm start is the last transform)."""
-    transforms: list[Transform] = [Transform() for _ in mem.padded]
-    residual_data = align["matching"].residual_data
+    """Align every model to the universe, average there, repeat (the warm start is the last transform).
+    ``first``: the model the universe started as (its first alignment is the identity, exactly);
+    ``pool``: workers that align an iteration's models at once, reading the universe from ``store``."""
+    transforms: list[Transform] = [Transform() for _ in mem.models]
     for it in range(max(1, iterations)):
-        states = residual_states(universe, residual_data) if residual_data is not None else None
-        reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
-        for i, m in enumerate(mem.padded):
-            if mem.weights[i] <= 0 or (it == 0 and m is universe):  # the anchor itself: the identity, exactly
-                continue
-            acts = (
-                residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
-            )
-            transforms[i] = weight_matching(
-                universe, m, warm_start=transforms[i] if it else None, residual_acts=acts, reuse=reuse, **align
-            )
-        reuse.clear()  # before the average, the merge's peak of memory
+        t0 = time.time()
+        todo = [i for i in mem.live if not (it == 0 and i == first)]
+        warm = {i: transforms[i] if it else None for i in todo}
+        if pool is not None:
+            path = save_model(store.path / f"universe-{it}.safetensors", universe).path
+            done, failed = pool.align(path, [(i, mem.models[i], warm[i]) for i in todo], align)
+            for i, reason in sorted(failed.items()):
+                mem.exclude(i, reason)
+            for i, T in done.items():
+                transforms[i] = T
+        else:
+            _align_here(universe, mem, todo, warm, transforms, align)
         with section("universe averages"):
             new = mem.merge(transforms, reduce=reduce, trim=trim)
             moved = _relative_change(universe, new)
         universe = new
         if progress:
-            print(f"universe iteration {it + 1}: moved {moved:.2e}")
+            log(
+                INFO,
+                "universe iteration %d: %d models aligned, moved %.2e, %.1f s",
+                it + 1,
+                len(todo),
+                moved,
+                time.time() - t0,
+            )
         if moved < tol:
             break
     return universe, transforms
+
+
+def _align_here(
+    universe: nn.Module, mem: Members, todo: list[int], warm: dict, transforms: list[Transform], align: dict
+) -> None:
+    """One iteration's alignments in this process, one model at a time (each read when its turn comes)."""
+    residual_data = align["matching"].residual_data
+    states = residual_states(universe, residual_data) if residual_data is not None else None
+    reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
+    for i in todo:
+        m = mem.load(i)
+        if m is None:
+            continue
+        acts = residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
+        transforms[i] = weight_matching(universe, m, warm_start=warm[i], residual_acts=acts, reuse=reuse, **align)
+        del m
+    reuse.clear()  # before the average, the merge's peak of memory
 
 
 def _relative_change(a: nn.Module, b: nn.Module) -> float:

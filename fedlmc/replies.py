@@ -1,0 +1,195 @@
+"""Replies off the heap: models waiting on disk as safetensors, read back through a memory map.
+
+A server that aligns M replies need not hold M models: each reply is written once to a ``ReplyStore``
+(one directory per round) and comes back as a ``StoredModel``, a small handle (path + config) whose
+``load()`` builds the model on a read-only memory map of its file. Pages are read when touched and
+belong to the page cache, not to the process's heap, so a universe that loads one reply at a time
+(``universe.universe_merge`` with ``StoredModel``s) keeps a few models in memory whatever M is, and
+workers in other processes (``fedlmc.workers``) read the same file without a copy being sent.
+
+Nothing is lost and nothing is left: a reply that cannot be written or read raises ``ReplyError``
+with the reason (the strategies exclude that reply and go on); ``ReplyStore.close()`` removes the
+round's files, and a store left behind by a process that died (a crash, a kill) is removed by the
+next store opened under the same root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from .models import from_config
+from .models.layers import TransformerConfig
+
+OWNER = "owner.json"  # in every store: the pid that owns it (stale once that process is gone)
+_DTYPES = {  # safetensors dtype → (numpy dtype to map the bytes with, torch dtype to view them as)
+    "F64": (np.float64, torch.float64),
+    "F32": (np.float32, torch.float32),
+    "F16": (np.float16, torch.float16),
+    "BF16": (np.int16, torch.bfloat16),
+    "I64": (np.int64, torch.int64),
+    "I32": (np.int32, torch.int32),
+    "I16": (np.int16, torch.int16),
+    "I8": (np.int8, torch.int8),
+    "U8": (np.uint8, torch.uint8),
+    "BOOL": (np.bool_, torch.bool),
+}
+
+
+class ReplyError(RuntimeError):
+    """A reply that could not be written to, or read back from, its file (the message says why)."""
+
+
+def write_state(path: Union[str, Path], state: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None):
+    """Write ``state`` as safetensors at ``path``, atomically (a partial file never has the final name)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    seen: set[int] = set()
+    flat = {}
+    for k, v in state.items():  # safetensors refuses tensors that share memory: copy the second of a pair
+        v = v.detach().cpu().contiguous()
+        ptr = v.data_ptr()
+        flat[k] = v.clone() if ptr in seen and v.numel() else v
+        seen.add(ptr)
+    save_file(flat, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def mmap_state(path: Union[str, Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of a safetensors file as views of a private (copy-on-write) memory map of it, and its
+    metadata. No tensor is copied: a page is read from disk (or the page cache) when first touched, and
+    writing to a tensor changes this process's copy of that page only, never the file."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n <= 0 or n > 100_000_000:
+            raise ReplyError(f"{path.name} is not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", None) or {}
+    size = path.stat().st_size
+    base = 8 + n
+    raw = np.memmap(path, dtype=np.uint8, mode="c") if size > base else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        np_dtype, torch_dtype = _DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        if base + end > size:
+            raise ReplyError(f"{path.name} is truncated: {name} ends at byte {base + end} of {size}")
+        t = torch.from_numpy(raw[base + begin : base + end].view(np_dtype)) if end > begin else torch.empty(0)
+        out[name] = t.view(torch_dtype).reshape(info["shape"]) if end > begin else torch.zeros(info["shape"])
+    return out, meta
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """A fedlmc model that waits on disk (a ``ReplyStore`` file): its ``config`` is at hand, its weights
+    are read by ``load()``. Picklable and small, so it travels to worker processes as it is."""
+
+    path: str
+    config: TransformerConfig
+
+    def load(self) -> nn.Module:
+        """The model, on a memory map of the file (``mmap_state``); ``ReplyError`` if it cannot be read."""
+        try:
+            state, _ = mmap_state(self.path)
+            with torch.device("meta"):
+                model = from_config(self.config)
+            model.load_state_dict(state, strict=True, assign=True)
+        except ReplyError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- a missing, truncated or foreign file: say which and why
+            raise ReplyError(f"could not read {Path(self.path).name}: {type(e).__name__}: {e}") from e
+        return model.eval()
+
+
+def save_model(path: Union[str, Path], model: nn.Module, meta: Optional[dict[str, Any]] = None) -> StoredModel:
+    """Write ``model`` to ``path`` (safetensors, its config in the file's metadata) and return its handle."""
+    doc = {"config": json.dumps(model.config.to_dict()), "meta": json.dumps(meta or {})}
+    write_state(path, model.state_dict(), doc)
+    return StoredModel(str(path), model.config)
+
+
+def stored(path: Union[str, Path]) -> StoredModel:
+    """The handle of a file written by ``save_model`` (its config read from the file's header)."""
+    _, meta = mmap_state(path)
+    with torch.device("meta"):
+        config = from_config(json.loads(meta["config"])).config
+    return StoredModel(str(path), config)
+
+
+class ReplyStore:
+    """One round's replies on disk: ``put`` writes a model and returns its ``StoredModel``; ``close`` (or
+    leaving the ``with`` block) removes the files. Opening a store removes the stores under the same
+    ``root`` whose owning process has died (what a crash left behind).
+
+    Parameters
+    ----------
+    root : str or Path, optional
+        Where the round directories go (default: the system's temporary directory, ``fedlmc-replies``).
+        Put it on a local disk with room for M models.
+    """
+
+    def __init__(self, root: Union[str, Path, None] = None) -> None:
+        self.root = Path(root) if root is not None else Path(tempfile.gettempdir()) / "fedlmc-replies"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.removed_stale = sweep(self.root)
+        self.path = self.root / f"round-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.path.mkdir()
+        (self.path / OWNER).write_text(json.dumps({"pid": os.getpid()}))
+        self._n = 0
+
+    def put(self, model: nn.Module, name: Optional[str] = None) -> StoredModel:
+        """Write ``model``; ``ReplyError`` (with the reason) if it cannot be written."""
+        self._n += 1
+        path = self.path / f"{name or f'reply-{self._n}'}.safetensors"
+        try:
+            return save_model(path, model)
+        except Exception as e:  # noqa: BLE001 -- a full disk, a vanished directory: the reply is excluded, said why
+            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+            raise ReplyError(f"could not write {path.name}: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> "ReplyStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def sweep(root: Union[str, Path]) -> list[str]:
+    """Remove the stores under ``root`` whose owning process is gone; returns their names."""
+    removed = []
+    for d in Path(root).glob("round-*"):
+        try:
+            pid = int(json.loads((d / OWNER).read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pid = int(d.name.split("-")[1]) if d.name.split("-")[1].isdigit() else -1
+        if not _alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True

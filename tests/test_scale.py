@@ -1,0 +1,175 @@
+"""Aggregation at scale: replies memory-mapped from disk, alignments in parallel workers, and nothing
+lost (unreadable replies and dying workers are excluded with a reason; files are removed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import perturbed
+
+from fedlmc.models import from_preset
+from fedlmc.options import Matching, Scale
+from fedlmc.replies import ReplyError, ReplyStore, StoredModel, mmap_state, save_model, stored, sweep
+from fedlmc.symmetry import apply_transform, canonicalize, random_transform
+from fedlmc.universe import universe_merge
+from fedlmc.workers import AlignmentPool
+
+
+def _copies(n: int = 4, noise: float = 0.05):
+    """``n`` float64 gpt2-shaped models: one base under n random group elements, plus noise each."""
+    torch.manual_seed(0)
+    base = canonicalize(perturbed(from_preset("gpt2-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40)))
+    out = []
+    for s in range(n):
+        c = apply_transform(base, random_transform(base, seed=10 + s, groups=["residual", "heads", "ff"]))
+        g = torch.Generator().manual_seed(s)
+        with torch.no_grad():
+            for p in c.parameters():
+                p.add_(noise * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        out.append(c)
+    return out
+
+
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    sb = b.state_dict()
+    return max(float((v - sb[k]).abs().max()) for k, v in a.state_dict().items())
+
+
+def _same_transforms(Ta, Tb, record, what: str) -> None:
+    """The same permutations, and the same continuous elements (residual map, gauges) to 1e-9."""
+    worst = 0.0
+    for A, B in zip(Ta, Tb):
+        assert A.elements.keys() == B.elements.keys()
+        for k, a in A.elements.items():
+            b = B.elements[k]
+            if a.dtype in (torch.int64, torch.int32):
+                assert torch.equal(a, b), f"{what}: {k} differs"
+            else:
+                worst = max(worst, float((a - b).abs().max()))
+    record(f"{what}: transforms' continuous elements vs sequential", worst, 1e-9)
+
+
+def test_mmap_roundtrip_is_exact_and_mapped(tmp_path):
+    model = _copies(1)[0]
+    handle = save_model(tmp_path / "m.safetensors", model)
+    again = handle.load()
+    assert _max_diff(model, again) == 0.0
+    assert next(again.parameters()).dtype == torch.float64
+    # the tensors are views of a memory map of the file, not copies on the heap
+    maps = Path("/proc/self/maps").read_text()
+    assert str(tmp_path / "m.safetensors") in maps
+    # a private map: writing to a loaded tensor never changes the file
+    with torch.no_grad():
+        next(again.parameters()).add_(1.0)
+    assert _max_diff(model, stored(handle.path).load()) == 0.0
+    state, meta = mmap_state(handle.path)
+    assert set(state) == set(model.state_dict()) and "config" in meta
+
+
+def test_mmap_universe_equals_the_in_memory_one(tmp_path, record):
+    models = _copies(4)
+    ref, T_ref = universe_merge(models, iterations=2, matching=Matching(keep_identity=False))
+    with ReplyStore(tmp_path) as store:
+        handles = [store.put(m) for m in models]
+        assert all(isinstance(h, StoredModel) for h in handles)
+        got, T_got = universe_merge(handles, iterations=2, matching=Matching(keep_identity=False))
+    record("universe of memory-mapped replies vs in memory (max |Δ|)", _max_diff(ref, got), 0.0)
+    _same_transforms(T_ref, T_got, record, "mmap")
+    assert not any(tmp_path.glob("round-*")), "the store's files were not removed"
+
+
+def test_mmap_unreadable_reply_is_excluded_with_a_reason(tmp_path, record):
+    models = _copies(4)
+    with ReplyStore(tmp_path) as store:
+        handles = [store.put(m) for m in models]
+        Path(handles[2].path).write_bytes(Path(handles[2].path).read_bytes()[:5000])  # truncated on disk
+        merged, Ts = universe_merge(handles, iterations=2)
+    assert "excluded" in Ts[2].info and "truncated" in Ts[2].info["excluded"]
+    assert all("excluded" not in T.info for i, T in enumerate(Ts) if i != 2)
+    ref, _ = universe_merge([models[i] for i in (0, 1, 3)], iterations=2)
+    record("universe without the unreadable reply vs the same three in memory", _max_diff(ref, merged), 1e-12)
+    with pytest.raises(ReplyError, match="could not read"):
+        StoredModel(str(tmp_path / "missing.safetensors"), models[0].config).load()
+
+
+def test_mmap_store_is_removed_and_a_crashed_servers_files_are_swept(tmp_path):
+    store = ReplyStore(tmp_path)
+    store.put(_copies(1)[0])
+    assert any(store.path.iterdir())
+    store.close()
+    assert not store.path.exists()
+    # a server killed mid-round leaves its store behind; the next store under the same root removes it
+    code = (
+        "import os, sys; from fedlmc.replies import ReplyStore; from fedlmc.models import from_preset;"
+        f"s = ReplyStore({str(tmp_path)!r}); s.put(from_preset('gpt2-tiny', n_layer=1)); os._exit(1)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=False, timeout=120)
+    left = list(tmp_path.glob("round-*"))
+    assert len(left) == 1 and any(left[0].glob("*.safetensors"))
+    assert sweep(tmp_path) == [left[0].name] and not left[0].exists()
+    # a live process's store is kept
+    live = ReplyStore(tmp_path)
+    assert sweep(tmp_path) == [] and live.path.exists()
+    live.close()
+
+
+def test_parallel_alignments_equal_the_sequential_path(tmp_path, record):
+    models = _copies(4)
+    m = Matching(keep_identity=False)
+    seq, T_seq = universe_merge(models, iterations=2, matching=m)
+    par, T_par = universe_merge(
+        models, iterations=2, matching=m, scale=Scale(workers=2, backend="process", spool_dir=str(tmp_path))
+    )
+    record("universe aligned by 2 worker processes vs sequential (max |Δ|)", _max_diff(seq, par), 1e-10)
+    _same_transforms(T_seq, T_par, record, "parallel")
+    pids = {T.info.get("worker_pid") for T in T_par[1:]}
+    assert os.getpid() not in pids and None not in pids, "the alignments did not run in the workers"
+    assert not any(tmp_path.glob("round-*"))
+
+
+class CrashingModel(StoredModel):
+    """A stored reply whose reading kills the worker process: once (a marker file remembers), or always."""
+
+    def load(self):
+        marker = Path(self.path + ".crashed")
+        if not marker.exists() or marker.read_text() == "always":
+            if not marker.exists():
+                marker.write_text("once")
+            os._exit(3)
+        return super().load()
+
+
+def test_parallel_dead_worker_is_retried_once_then_excluded(tmp_path, record):
+    models = _copies(4)
+    m = Matching(keep_identity=False)
+    with ReplyStore(tmp_path / "replies") as store:
+        handles = [store.put(x) for x in models]
+        once = list(handles)
+        once[1] = CrashingModel(handles[1].path, handles[1].config)
+        scale = Scale(workers=2, backend="process", spool_dir=str(tmp_path))
+        got, Ts = universe_merge(once, iterations=1, matching=m, scale=scale)
+        ref, _ = universe_merge(models, iterations=1, matching=m)
+        record("a worker died once: the retried universe vs sequential", _max_diff(ref, got), 1e-10)
+        assert all("excluded" not in T.info for T in Ts)
+
+        Path(handles[2].path + ".crashed").write_text("always")
+        always = list(handles)
+        always[2] = CrashingModel(handles[2].path, handles[2].config)
+        got, Ts = universe_merge(always, iterations=1, matching=m, scale=scale)
+        assert "worker died" in Ts[2].info["excluded"] and "2 attempts" in Ts[2].info["excluded"]
+        ref, _ = universe_merge([models[i] for i in (0, 1, 3)], iterations=1, matching=m)
+        record("a worker died twice: the universe without that reply", _max_diff(ref, got), 1e-10)
+
+
+def test_parallel_pool_reports_a_failing_task(tmp_path):
+    models = _copies(2)
+    with ReplyStore(tmp_path) as store, AlignmentPool(Scale(workers=1, backend="process", retries=1)) as pool:
+        u = store.put(models[0])
+        missing = StoredModel(str(tmp_path / "gone.safetensors"), models[1].config)
+        done, failed = pool.align(u.path, [(0, store.put(models[1]), None), (1, missing, None)], {})
+        assert set(done) == {0} and "could not read" in failed[1] and pool.retried == [1]
