@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from .models.layers import TransformerConfig
-from .symmetry import StateDict, canonical, layernorm_native, rebuild, spec_for, to_layernorm
+from .symmetry import StateDict, apply_to_state, canonical, layernorm_native, rebuild, spec_for, to_layernorm
 
 FORMS = ("factored", "circuit")
 
@@ -42,6 +42,46 @@ def _check_same_shape(models: Sequence[nn.Module]) -> None:
 def weighted_state(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
     """``Σ w_m θ_m`` tensor by tensor."""
     return {k: sum(w * sd[k] for w, sd in zip(weights, states)) for k in states[0]}
+
+
+def aligned_state(model: nn.Module, T) -> StateDict:
+    """The state dict of ``model`` (canonical) aligned by the transform ``T``."""
+    return apply_to_state({k: v.detach() for k, v in model.state_dict().items()}, model.config, T)[0]
+
+
+class RunningSum:
+    """``Σ w_m θ_m`` built one state dict at a time (a streamed weighted mean holds the sum and one
+    model, whatever M is); ``add`` sums in the order given, ``mean()`` divides by the weights added."""
+
+    def __init__(self) -> None:
+        self.state: Optional[StateDict] = None
+        self.weight = 0.0
+
+    def add(self, state: StateDict, w: float) -> None:
+        if self.state is None:
+            self.state = {k: v * w for k, v in state.items()}
+        else:
+            for k, v in state.items():
+                self.state[k].add_(v, alpha=w)
+        self.weight += w
+
+    def add_sum(self, state: StateDict, weight: float) -> None:
+        """Add another partial sum (of models whose weights add up to ``weight``)."""
+        if self.state is None:
+            self.state = {k: v.clone() for k, v in state.items()}
+        else:
+            for k, v in state.items():
+                self.state[k].add_(v)
+        self.weight += weight
+
+    def mean(self) -> StateDict:
+        """The weighted mean (in place: the sum is divided unless the weights added sum to one)."""
+        if self.state is None:
+            raise ValueError("nothing was added")
+        if abs(self.weight - 1.0) > 1e-12:
+            for v in self.state.values():
+                v.div_(self.weight)
+        return self.state
 
 
 REDUCES = ("mean", "median", "trimmed")

@@ -13,7 +13,7 @@ import torch.nn as nn
 from flwr.supercore import log
 
 from .allocator import release_freed_memory
-from .averaging import FORMS, REDUCES, merge, robust_merge
+from .averaging import FORMS, REDUCES, RunningSum, aligned_state, merge, robust_merge
 from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
 from .matching.profile import section
@@ -21,10 +21,8 @@ from .matching.refine import dirichlet_refine
 from .options import Matching, Refinement, Scale, one_of
 from .replies import ReplyError, ReplyStore, StoredModel, save_model
 from .symmetry import (
-    StateDict,
     Transform,
     WidthMap,
-    apply_to_state,
     apply_transform,
     canonical,
     invert_transform,
@@ -152,28 +150,17 @@ class Members:
         back to the kernel first: the retaining heap's holes from the matchings (or a refinement) would
         otherwise not fit these allocations and grow the peak (``allocator.release_freed_memory``)."""
         release_freed_memory()
-        acc: Optional[StateDict] = None
-        first, summed = None, 0.0
+        acc, first = RunningSum(), None
         for i in self.live:
             model = self.load(i)
-            if model is None:  # unreadable now: the others' weights are rescaled below
+            if model is None:  # unreadable now: the mean is over the others
                 continue
-            sd = {k: v.detach() for k, v in model.state_dict().items()}
-            sd = apply_to_state(sd, model.config, transforms[i])[0]
-            w = self.weights[i]
-            summed += w
-            if acc is None:
-                acc, first = {k: v * w for k, v in sd.items()}, model
-            else:
-                for k, v in sd.items():
-                    acc[k].add_(v, alpha=w)
-            del sd, model
-        if acc is None:
+            acc.add(aligned_state(model, transforms[i]), self.weights[i])
+            first = first or model
+            del model
+        if first is None:
             raise ReplyError("no model of the universe could be read")
-        if abs(summed - 1.0) > 1e-12:  # a model was excluded during this average
-            for v in acc.values():
-                v.div_(summed)
-        return rebuild(first, acc)
+        return rebuild(first, acc.mean())
 
     def client_transforms(self, transforms: list[Transform]) -> list[Transform]:
         """Each model's map from *its own* shape into the universe (a rectangular residual map for a
@@ -434,17 +421,19 @@ def _iterate(
         t0 = time.time()
         todo = [i for i in mem.live if not (it == 0 and i == first)]
         warm = {i: transforms[i] if it else None for i in todo}
+        streamed = reduce == "mean" and not mem.hetero  # align and sum each model in one visit
         if pool is not None:
             path = save_model(store.path / f"universe-{it}.safetensors", universe).path
-            done, failed = pool.align(path, [(i, mem.models[i], warm[i]) for i in todo], align)
+            tasks = [(i, mem.models[i], warm.get(i), mem.weights[i]) for i in mem.live]
+            done, failed, acc = pool.align(path, tasks, align, first if it == 0 else None)
             for i, reason in sorted(failed.items()):
                 mem.exclude(i, reason)
             for i, T in done.items():
                 transforms[i] = T
         else:
-            _align_here(universe, mem, todo, warm, transforms, align)
+            acc = _align_here(universe, mem, todo, warm, transforms, align, streamed)
         with section("universe averages"):
-            new = mem.merge(transforms, reduce=reduce, trim=trim)
+            new = rebuild(universe, acc.mean()) if streamed else mem.merge(transforms, reduce=reduce, trim=trim)
             moved = _relative_change(universe, new)
         universe = new
         if progress:
@@ -458,24 +447,43 @@ def _iterate(
             )
         if moved < tol:
             break
+    for T in transforms:
+        T.info["universe_iterations"] = it + 1
     return universe, transforms
 
 
 def _align_here(
-    universe: nn.Module, mem: Members, todo: list[int], warm: dict, transforms: list[Transform], align: dict
-) -> None:
-    """One iteration's alignments in this process, one model at a time (each read when its turn comes)."""
+    universe: nn.Module,
+    mem: Members,
+    todo: list[int],
+    warm: dict,
+    transforms: list[Transform],
+    align: dict,
+    streamed: bool,
+) -> Optional[RunningSum]:
+    """One iteration's alignments in this process, one model at a time (each read when its turn comes);
+    ``streamed``: each aligned model is added to the returned weighted sum while it is at hand."""
     residual_data = align["matching"].residual_data
     states = residual_states(universe, residual_data) if residual_data is not None else None
     reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
-    for i in todo:
-        m = mem.load(i)
+    acc = RunningSum() if streamed else None
+    weights = list(mem.weights)  # as they are now (an exclusion below rescales mem.weights; the mean divides)
+    for i in mem.live:
+        m = mem.load(i) if i in todo or streamed else None
         if m is None:
             continue
-        acts = residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
-        transforms[i] = weight_matching(universe, m, warm_start=warm[i], residual_acts=acts, reuse=reuse, **align)
+        if i in todo:
+            acts = (
+                residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
+            )
+            transforms[i] = weight_matching(universe, m, warm_start=warm[i], residual_acts=acts, reuse=reuse, **align)
+        if streamed:
+            with section("universe averages"):
+                acc.add(aligned_state(m, transforms[i]), weights[i])
         del m
-    reuse.clear()  # before the average, the merge's peak of memory
+    reuse.clear()
+    release_freed_memory()  # before the average, the merge's peak of memory
+    return acc
 
 
 def _relative_change(a: nn.Module, b: nn.Module) -> float:

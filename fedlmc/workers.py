@@ -2,15 +2,18 @@
 
 Every model of a universe iteration is aligned to the same universe, independently of the others, so
 the M weight matchings of an iteration can run at once. The server writes the universe to a file
-(``replies.save_model``); each task gets that file's path, one reply's ``StoredModel`` and its warm
-start, reads both through memory maps, and returns only the transform (a few MB). A worker process
-keeps the universe it last read, and what matching computes from it alone (``weight_matching``'s
-``reuse``), for the next task of the same iteration.
+(``replies.save_model``) and splits the replies into one chunk per worker. A task reads the universe
+and each reply of its chunk through memory maps, aligns the reply, adds it (aligned, weighted) to a
+partial sum while it is at hand, and returns the transforms (a few MB) and the partial sum's file;
+the server adds the partial sums. So each reply is read once per iteration, and both the matchings
+and the average run in the workers. A worker process keeps the universe it last read, and what
+matching computes from it alone (``weight_matching``'s ``reuse``), for its next task.
 
 Backends: ``"process"`` starts ``workers`` local processes (``spawn``); ``"ray"`` submits Ray tasks
 (to the cluster at ``address``, or a local Ray started for the purpose, or the one already running),
-so the same code spreads over the machines of a Ray cluster. A task that fails, or whose worker dies,
-is retried ``retries`` times; then its reply is excluded with the reason, and the round goes on.
+so the same code spreads over the machines of a Ray cluster (the files must then be on storage that
+every node reads at the same path). A reply that fails, or whose worker dies, is retried on its own
+``retries`` times; then it is excluded with the reason, and the round goes on.
 """
 
 from __future__ import annotations
@@ -18,38 +21,54 @@ from __future__ import annotations
 import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
+from .averaging import RunningSum, aligned_state
 from .matching import weight_matching
 from .options import Scale
-from .replies import StoredModel, stored
+from .replies import StoredModel, mmap_state, stored, write_state
 from .symmetry import Transform, canonical
 
 _CACHE: dict[str, Any] = {}  # in a worker: the universe it last read, and what matching built from it
 
+Item = tuple[int, StoredModel, Optional[Transform], float]  # (index, reply, warm start, weight)
 
-def align_one(
-    universe_file: str, source: StoredModel, warm: Optional[Transform], options: dict[str, Any], threads: int
-) -> Transform:
-    """One task: align the reply ``source`` to the universe in ``universe_file`` (in a worker)."""
+
+def align_chunk(
+    universe_file: str, items: list[Item], options: dict[str, Any], threads: int, out: str, skip: Optional[int]
+) -> tuple[dict[int, Transform], dict[int, str], Optional[str], float]:
+    """One task, in a worker: align each reply of ``items`` to the universe in ``universe_file`` and add
+    it, aligned and weighted, to a partial sum written to ``out``. Returns the transforms, the replies
+    that failed (with the reason), the partial sum's file (None if empty) and its total weight.
+    ``skip``: the reply the universe started as (its transform is the identity, exactly)."""
     if threads:
         torch.set_num_threads(threads)
     if _CACHE.get("file") != universe_file:
         _CACHE.clear()
         _CACHE.update(file=universe_file, universe=stored(universe_file).load(), reuse={})
-    model = canonical(source.load())
-    T = weight_matching(_CACHE["universe"], model, warm_start=warm, reuse=_CACHE["reuse"], **options)
-    T.info["worker_pid"] = os.getpid()
-    return T
-
-
-Task = tuple[int, StoredModel, Optional[Transform]]
+    universe, reuse, acc = _CACHE["universe"], _CACHE["reuse"], RunningSum()
+    done, failed = {}, {}
+    for i, source, warm, w in items:
+        try:
+            model = canonical(source.load())
+            T = Transform() if i == skip else weight_matching(universe, model, warm_start=warm, reuse=reuse, **options)
+            acc.add(aligned_state(model, T), w)
+        except Exception as e:  # noqa: BLE001 -- an unreadable reply, a failed matching: retried, then excluded
+            failed[i] = f"{type(e).__name__}: {e}"
+            continue
+        T.info["worker_pid"] = os.getpid()
+        done[i] = T
+    if acc.state is None:
+        return done, failed, None, 0.0
+    write_state(out, acc.state)
+    return done, failed, out, acc.weight
 
 
 class AlignmentPool:
-    """Workers that align replies to a universe (``align``); ``close()`` stops them.
+    """Workers that align replies to a universe and sum them there (``align``); ``close()`` stops them.
 
     Parameters
     ----------
@@ -61,11 +80,12 @@ class AlignmentPool:
         self.scale = scale
         self.workers = scale.workers or available_cores()
         self.backend = scale.backend if scale.backend != "auto" else ("ray" if scale.address else "process")
-        # each worker's torch threads: the cores shared out (a task on a remote Ray node keeps this count too)
+        # each worker's torch threads: this machine's cores shared out
         self.threads = max(1, available_cores() // self.workers)
         self._pool: Optional[ProcessPoolExecutor] = None
         self._ray_started = False
         self.retried: list[int] = []
+        self._calls = 0
         if self.backend == "ray":
             import ray
 
@@ -73,28 +93,63 @@ class AlignmentPool:
                 kwargs = {"address": scale.address} if scale.address else {"num_cpus": self.workers}
                 ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
                 self._ray_started = True
-            self._remote = ray.remote(num_cpus=1, max_retries=scale.retries, retry_exceptions=True)(align_one)
+            self._remote = ray.remote(num_cpus=1, max_retries=0)(align_chunk)
 
-    def align(self, universe_file: Union[str, os.PathLike], tasks: list[Task], options: dict[str, Any]):
-        """``{index: Transform}`` for the tasks that succeeded and ``{index: reason}`` for those that
-        failed ``1 + retries`` times."""
-        if not tasks:
-            return {}, {}
+    def align(
+        self, universe_file: Union[str, os.PathLike], items: list[Item], options: dict[str, Any], skip: Optional[int]
+    ) -> tuple[dict[int, Transform], dict[int, str], RunningSum]:
+        """Align and sum ``items`` (split into one chunk per worker): the transforms that succeeded, the
+        reasons of those that failed ``1 + retries`` times (a reply that failed, or whose worker died,
+        is retried on its own), and the weighted sum of the aligned replies (partial sums added here)."""
+        self._calls += 1
+        folder = Path(universe_file).parent
+        chunks = [items[k :: self.workers] for k in range(self.workers) if items[k :: self.workers]]
+        done: dict[int, Transform] = {}
+        errors: dict[int, str] = {}
+        acc = RunningSum()
+        for attempt in range(1 + self.scale.retries):
+            if attempt:  # one reply a task, so a worker that dies again names its own reply and no other
+                chunks = [[item] for item in items if item[0] in errors]
+                self.retried += [c[0][0] for c in chunks]
+            if not chunks:
+                break
+            outs = [str(folder / f"partial-{self._calls}-{attempt}-{k}.safetensors") for k in range(len(chunks))]
+            for chunk, result in zip(chunks, self._run(str(universe_file), chunks, options, outs, skip)):
+                if isinstance(result, BaseException):  # the worker died (or the task broke): each reply failed
+                    errors.update({i: _reason(result) for i, *_ in chunk})
+                    continue
+                ok, failed, partial, weight = result
+                done.update(ok)
+                errors.update(failed)
+                for i in ok:
+                    errors.pop(i, None)
+                if partial is not None:
+                    acc.add_sum(mmap_state(partial)[0], weight)
+                    Path(partial).unlink(missing_ok=True)
+        tries = 1 + self.scale.retries
+        return done, {i: f"alignment failed {tries} times: {why}" for i, why in errors.items()}, acc
+
+    def _run(self, universe_file: str, chunks: list, options: dict, outs: list[str], skip: Optional[int]) -> list:
+        """Each chunk's result, or the exception that stopped it."""
+        args = [(universe_file, c, options, self.threads, o, skip) for c, o in zip(chunks, outs)]
+        results: list = []
         if self.backend == "ray":
-            return self._align_ray(str(universe_file), tasks, options)
-        return self._align_processes(str(universe_file), tasks, options)
+            import ray
 
-    def _align_ray(self, universe_file: str, tasks: list[Task], options: dict[str, Any]):
-        import ray
-
-        refs = {i: self._remote.remote(universe_file, src, warm, options, self.threads) for i, src, warm in tasks}
-        done, failed = {}, {}
-        for i, ref in refs.items():
+            for ref in [self._remote.remote(*a) for a in args]:
+                try:
+                    results.append(ray.get(ref))
+                except Exception as e:  # noqa: BLE001 -- a dead worker or node
+                    results.append(e)
+            return results
+        for f in [self._executor().submit(align_chunk, *a) for a in args]:
             try:
-                done[i] = ray.get(ref)
-            except Exception as e:  # noqa: BLE001 -- after Ray's retries: the reply is excluded, with the reason
-                failed[i] = _reason(e, self.scale.retries)
-        return done, failed
+                results.append(f.result())
+            except BaseException as e:  # noqa: BLE001 -- a dead worker breaks the pool: a new one next time
+                results.append(e)
+        if any(isinstance(r, BrokenProcessPool) for r in results):
+            self._reset()
+        return results
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -107,34 +162,6 @@ class AlignmentPool:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-
-    def _align_processes(self, universe_file: str, tasks: list[Task], options: dict[str, Any]):
-        done: dict[int, Transform] = {}
-        errors: dict[int, BaseException] = {}
-        futures = {
-            i: self._executor().submit(align_one, universe_file, s, w, options, self.threads) for i, s, w in tasks
-        }
-        for i, f in futures.items():
-            try:
-                done[i] = f.result()
-            except BaseException as e:  # noqa: BLE001 -- a failed task or a dead worker: retried below
-                errors[i] = e
-        if any(isinstance(e, BrokenProcessPool) for e in errors.values()):
-            self._reset()  # a worker died: every task that was in flight failed with it
-        # retries one task at a time, so a worker that dies again names its own task and no other
-        for _ in range(self.scale.retries):
-            for i, src, warm in [t for t in tasks if t[0] in errors]:
-                self.retried.append(i)
-                try:
-                    done[i] = (
-                        self._executor().submit(align_one, universe_file, src, warm, options, self.threads).result()
-                    )
-                    del errors[i]
-                except BaseException as e:  # noqa: BLE001
-                    errors[i] = e
-                    if isinstance(e, BrokenProcessPool):
-                        self._reset()
-        return done, {i: _reason(e, self.scale.retries) for i, e in errors.items()}
 
     def close(self) -> None:
         self._reset()
@@ -151,17 +178,18 @@ class AlignmentPool:
         self.close()
 
 
-def _reason(e: BaseException, retries: int) -> str:
-    what = "its worker died" if isinstance(e, BrokenProcessPool) or "WorkerCrashed" in type(e).__name__ else "failed"
+def _reason(e: BaseException) -> str:
+    if isinstance(e, BrokenProcessPool) or "WorkerCrashed" in type(e).__name__ or "ActorDied" in type(e).__name__:
+        return f"its worker died ({type(e).__name__})"
     last = (str(e).strip().splitlines() or [""])[-1]
-    return f"alignment {what} ({1 + retries} attempts): {type(e).__name__}: {last}"
+    return f"{type(e).__name__}: {last}"
 
 
 def available_cores() -> int:
     """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota when one is set."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
         if quota != "max":
             n = min(n, max(1, int(int(quota) / int(period))))
     except (OSError, ValueError):

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import perturbed
 
+from fedlmc.averaging import aligned_state
+from fedlmc.matching import weight_matching
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Scale
 from fedlmc.replies import ReplyError, ReplyStore, StoredModel, mmap_state, save_model, stored, sweep
@@ -161,15 +163,28 @@ def test_parallel_dead_worker_is_retried_once_then_excluded(tmp_path, record):
         always = list(handles)
         always[2] = CrashingModel(handles[2].path, handles[2].config)
         got, Ts = universe_merge(always, iterations=1, matching=m, scale=scale)
-        assert "worker died" in Ts[2].info["excluded"] and "2 attempts" in Ts[2].info["excluded"]
+        assert "worker died" in Ts[2].info["excluded"] and "failed 2 times" in Ts[2].info["excluded"]
         ref, _ = universe_merge([models[i] for i in (0, 1, 3)], iterations=1, matching=m)
         record("a worker died twice: the universe without that reply", _max_diff(ref, got), 1e-10)
 
 
-def test_parallel_pool_reports_a_failing_task(tmp_path):
+def test_parallel_pool_reports_a_failing_task(tmp_path, record):
     models = _copies(2)
-    with ReplyStore(tmp_path) as store, AlignmentPool(Scale(workers=1, backend="process", retries=1)) as pool:
+    with ReplyStore(tmp_path) as store, AlignmentPool(Scale(workers=2, backend="process", retries=1)) as pool:
         u = store.put(models[0])
         missing = StoredModel(str(tmp_path / "gone.safetensors"), models[1].config)
-        done, failed = pool.align(u.path, [(0, store.put(models[1]), None), (1, missing, None)], {})
-        assert set(done) == {0} and "could not read" in failed[1] and pool.retried == [1]
+        items = [(0, store.put(models[0]), None, 0.25), (1, missing, None, 0.25), (2, store.put(models[1]), None, 0.5)]
+        done, failed, acc = pool.align(u.path, items, {"matching": Matching(keep_identity=False)}, 0)
+        assert set(done) == {0, 2} and "could not read" in failed[1] and "2 times" in failed[1]
+        assert pool.retried == [1] and acc.weight == 0.75
+        # the partial sums added up: reply 0 as it is (the universe itself), reply 2 aligned to it
+        T = weight_matching(models[0], models[1], Matching(keep_identity=False))
+        aligned = aligned_state(models[1], T)
+        want = {k: (0.25 * v + 0.5 * aligned[k]) / 0.75 for k, v in models[0].state_dict().items()}
+    got = acc.mean()
+    record(
+        "the workers' partial sums vs the same mean here",
+        max(float((got[k] - v).abs().max()) for k, v in want.items()),
+        1e-12,
+    )
+    assert not list(store.path.glob("partial-*"))

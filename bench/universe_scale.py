@@ -1,0 +1,294 @@
+"""Benchmark: the server's aggregation as the federation grows: M = 8 … 64 GPT-2-small-shaped replies.
+
+Writes results/bench_universe_scale.{json,png}. Usage:
+    python bench/universe_scale.py [--sizes 8,16,32,64] [--independent-sizes 8,16,32] [--layers 12]
+
+Replies (163M parameters, 0.65 GB each in float32) are written once per kind to ``--dir`` and every
+strategy reads the same files, memory-mapped (``fedlmc.replies``):
+
+* ``common``: the usual federated round. A global model G; every client trained a little from it:
+  G + δ_m, δ_m Gaussian with 2 % of each tensor's standard deviation. The universe starts from G
+  (as ``AlignedFedAvg`` does for replies trained from the global model).
+* ``independent``: clients that started apart (one-shot fusion). Every reply is π_m(G + ξ_m): ξ_m a
+  fresh random initialisation of the architecture (as large as G itself, so after alignment two
+  replies still differ by about their own norm, as independently trained models do), under a random
+  symmetry π_m (residual rotation, head and FF permutations). The universe starts from a reply.
+
+Strategies on the same replies: ``fedavg`` (the weighted mean streamed over the files: FedAvg's
+memory of about one model, its time the reference), ``aligned`` (``universe_merge`` in the server's
+process, one reply at a time, 3 iterations) and ``aligned-parallel`` (the same with
+``Scale(workers=0)``: one worker process per core). Each run is its own process; the peak resident
+memory of the server process and of its whole process tree (workers included) is sampled every
+50 ms, and a fixed float32 GEMM is timed in the same process as a reference for a busy machine.
+``--ray-address`` adds ``aligned-ray`` runs (the same tasks on a Ray cluster) at the smallest M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+
+from fedlmc.allocator import release_freed_memory, retain_freed_memory
+from fedlmc.models import from_preset
+from fedlmc.options import Scale
+from fedlmc.replies import save_model, stored
+from fedlmc.symmetry import apply_transform, canonical, random_transform, rebuild
+from fedlmc.universe import universe_merge
+
+STRATEGIES = ("fedavg", "aligned", "aligned-parallel")
+
+
+def _model(layers: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return from_preset("gpt2-small", n_layer=layers).eval()
+
+
+def make_replies(kind: str, count: int, layers: int, folder: Path) -> list[str]:
+    """Write ``count`` replies of ``kind`` (and the global model, ``global.safetensors``) to ``folder``
+    once; later calls reuse the files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"reply-{m:03d}.safetensors" for m in range(count)]
+    G_path = folder / "global.safetensors"
+    if not G_path.exists():
+        save_model(G_path, _model(layers, 0))
+    G = stored(G_path).load()
+    for m, path in enumerate(paths):
+        if path.exists():
+            continue
+        g = torch.Generator().manual_seed(1000 + m)
+        if kind == "common":
+            sd = {
+                k: v + 0.02 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v.clone()
+                for k, v in G.state_dict().items()
+            }
+            save_model(path, rebuild(G, sd))
+        else:
+            xi = _model(layers, 1000 + m).state_dict()
+            sd = {k: v + xi[k] for k, v in G.state_dict().items()}
+            own = rebuild(G, sd)
+            pi = random_transform(canonical(own), seed=m, groups=["residual", "heads", "ff"], dtype=torch.float32)
+            save_model(path, apply_transform(canonical(own), pi))
+        print(f"  {kind} reply {m + 1}/{count} written", flush=True)
+    return [str(p) for p in paths]
+
+
+class PeakMemory:
+    """Peak resident memory of this process and of its whole process tree, sampled in a thread."""
+
+    def __enter__(self) -> "PeakMemory":
+        self.me = psutil.Process()
+        self.peak = self.tree = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                own = self.me.memory_info().rss
+                kids = sum(c.memory_info().rss for c in self.me.children(recursive=True))
+            except psutil.Error:
+                continue
+            self.peak, self.tree = max(self.peak, own), max(self.tree, own + kids)
+            time.sleep(0.05)
+
+
+def gemm_seconds() -> float:
+    """A fixed float32 GEMM (2048², 10 products), median of 3: the busy-machine reference."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def streamed_fedavg(paths: list[str]) -> torch.nn.Module:
+    """FedAvg over files: a running weighted sum, one reply at a time."""
+    acc, first = None, None
+    for p in paths:
+        model = stored(p).load()
+        if acc is None:
+            acc, first = {k: v.detach().clone() / len(paths) for k, v in model.state_dict().items()}, model
+        else:
+            for k, v in model.state_dict().items():
+                acc[k].add_(v, alpha=1.0 / len(paths))
+    return rebuild(first, acc)
+
+
+def one_run(args: argparse.Namespace) -> dict:
+    """One (M, kind, strategy) in this process: seconds, peaks, the GEMM reference."""
+    retain_freed_memory()
+    folder = Path(args.dir) / args.kind
+    paths = sorted(str(p) for p in folder.glob("reply-*.safetensors"))[: args.models]
+    replies = [stored(p) for p in paths]
+    start = stored(folder / "global.safetensors").load() if args.kind == "common" else None
+    gemm = gemm_seconds()
+    release_freed_memory()
+    with PeakMemory() as mem:
+        t0 = time.perf_counter()
+        if args.strategy == "fedavg":
+            streamed_fedavg(paths)
+            its = None
+        else:
+            scale = {
+                "aligned": Scale(spool=True),
+                "aligned-parallel": Scale(workers=0, backend="process"),
+                "aligned-ray": Scale(workers=0, backend="ray", address=args.ray_address),
+            }[args.strategy]
+            # common replies are LayerNorm models (kept so, as AlignedFedAvg does); independent ones were
+            # written in canonical form under a random rotation of the residual stream
+            keep = args.kind == "common"
+            _, Ts = universe_merge(replies, start=start, iterations=args.iterations, keep_layernorm=keep, scale=scale)
+            its = max(T.info.get("universe_iterations", 0) for T in Ts)
+            excluded = [T.info["excluded"] for T in Ts if "excluded" in T.info]
+            assert not excluded, excluded
+        secs = time.perf_counter() - t0
+    model_gb = os.path.getsize(paths[0]) / 1e9
+    return {
+        "M": args.models,
+        "kind": args.kind,
+        "strategy": args.strategy,
+        "seconds": round(secs, 2),
+        "seconds_per_reply": round(secs / args.models, 3),
+        "universe_iterations": its,
+        "seconds_per_reply_iteration": round(secs / args.models / its, 3) if its else None,
+        "peak_rss_gb": round(mem.peak / 1e9, 2),
+        "peak_rss_tree_gb": round(mem.tree / 1e9, 2),
+        "model_gb": round(model_gb, 3),
+        "peak_rss_in_models": round(mem.peak / 1e9 / model_gb, 1),
+        "gemm_seconds": round(gemm, 3),
+        "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (kind, strategy), style in [
+        (("common", "fedavg"), "k:"),
+        (("common", "aligned"), "C0-"),
+        (("common", "aligned-parallel"), "C0--"),
+        (("independent", "fedavg"), "C7:"),
+        (("independent", "aligned"), "C3-"),
+        (("independent", "aligned-parallel"), "C3--"),
+    ]:
+        runs = sorted((r for r in res["runs"] if r["kind"] == kind and r["strategy"] == strategy), key=lambda r: r["M"])
+        if not runs:
+            continue
+        Ms = [r["M"] for r in runs]
+        axes[0].plot(Ms, [r["seconds"] for r in runs], style, marker="o", label=f"{strategy} ({kind})")
+        axes[1].plot(Ms, [r["peak_rss_gb"] for r in runs], style, marker="o", label=f"{strategy} ({kind})")
+    model_gb = res["runs"][0]["model_gb"] if res["runs"] else 0.65
+    Ms = sorted({r["M"] for r in res["runs"]})
+    axes[1].plot(Ms, [(m + 4) * model_gb for m in Ms], color="0.7", lw=1, label="holding every reply (M + 4 models)")
+    axes[1].axhline(6 * model_gb, color="C2", lw=1, label="target: 6 models")
+    axes[0].axhline(180, color="C2", lw=1, label="target: 3 min (common, M = 64)")
+    for ax, ylabel in zip(axes, ("seconds per round", "server peak RSS (GB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(Ms, [str(m) for m in Ms])
+        ax.set_xlabel("replies M (GPT-2-small shape)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=7)
+    fig.suptitle("Aggregation of M GPT-2-small replies on 2 CPU cores: aligned (memory-mapped replies) vs FedAvg")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="8,16,32,64", help="M for the common kind")
+    p.add_argument("--independent-sizes", default="8,16,32", help="M for the independent kind")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--dir", default="runs/universe_scale", help="where the replies are written (M × 0.65 GB)")
+    p.add_argument("--ray-address", default=None, help="also run aligned-ray on this Ray cluster at the smallest M")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    p.add_argument("--out", default="results/bench_universe_scale.json")
+    p.add_argument("--one", nargs=3, metavar=("M", "KIND", "STRATEGY"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        args.models, args.kind, args.strategy = int(args.one[0]), args.one[1], args.one[2]
+        print("RESULT " + json.dumps(one_run(args)), flush=True)
+        return
+    out = Path(args.out)
+    res = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    res.update(environment())
+    res["replies"] = {
+        "common": "G + 2 % Gaussian per tensor (trained a little from the global model); universe starts from G",
+        "independent": "π_m(G + ξ_m), ξ_m a fresh random init, π_m a random symmetry; universe starts from a reply",
+    }
+    plan = [("common", int(m)) for m in args.sizes.split(",") if m] + [
+        ("independent", int(m)) for m in args.independent_sizes.split(",") if m
+    ]
+    strategies = args.strategies.split(",")
+    for kind in {k for k, _ in plan}:
+        make_replies(kind, max(m for k, m in plan if k == kind), args.layers, Path(args.dir) / kind)
+    jobs = [(m, kind, s) for kind, m in plan for s in strategies]
+    if args.ray_address:
+        jobs.append((min(m for _, m in plan), "common", "aligned-ray"))
+    for m, kind, strategy in jobs:
+        cmd = [sys.executable, __file__, "--one", str(m), kind, strategy, "--dir", args.dir]
+        cmd += ["--iterations", str(args.iterations)] + (
+            ["--ray-address", args.ray_address] if args.ray_address else []
+        )
+        print(f"M={m} {kind} {strategy} ...", flush=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"  timed out after {args.timeout:.0f} s")
+            continue
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            print(proc.stdout[-2000:], proc.stderr[-4000:])
+            continue
+        run = json.loads(line[len("RESULT ") :])
+        print(f"  {run['seconds']} s, peak RSS {run['peak_rss_gb']} GB (tree {run['peak_rss_tree_gb']} GB)", flush=True)
+        res["runs"] = [r for r in res["runs"] if (r["M"], r["kind"], r["strategy"]) != (m, kind, strategy)] + [run]
+        summarise(res)
+        write_results(out, res)
+        plot(res, out.with_suffix(".png"))
+
+
+def summarise(res: dict) -> None:
+    """``parallel_speedup`` (sequential ÷ parallel seconds at the largest M run both ways) and each aligned
+    run's time as a multiple of FedAvg's on the same replies."""
+    by = {(r["M"], r["kind"], r["strategy"]): r for r in res["runs"]}
+    for r in res["runs"]:
+        ref = by.get((r["M"], r["kind"], "fedavg"))
+        r["fedavg_ratio"] = round(r["seconds"] / ref["seconds"], 1) if ref and r["strategy"] != "fedavg" else None
+    both = [k for k in by if k[2] == "aligned" and (k[0], k[1], "aligned-parallel") in by]
+    if both:
+        M, kind, _ = max(both)
+        res["parallel_speedup"] = round(
+            by[(M, kind, "aligned")]["seconds"] / by[(M, kind, "aligned-parallel")]["seconds"], 2
+        )
+        res["parallel_speedup_at"] = {"M": M, "kind": kind}
+
+
+if __name__ == "__main__":
+    main()
