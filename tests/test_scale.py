@@ -188,3 +188,56 @@ def test_parallel_pool_reports_a_failing_task(tmp_path, record):
         1e-12,
     )
     assert not list(store.path.glob("partial-*"))
+
+
+def _strategy_round(scale=None, n=4, **kwargs):
+    """One AlignedFedAvg round on ``n`` planted replies (crafted messages, no Flower runtime)."""
+    from flwr.app import ArrayRecord
+    from test_strategies import _planted_clients, _reply
+
+    from fedlmc.strategies import AlignedFedAvg
+
+    base, clients = _planted_clients(n)
+    replies = [_reply(c, 100 + 10 * i, node=i + 1) for i, c in enumerate(clients)]
+    strategy = AlignedFedAvg(model=base.config.to_dict(), scale=scale, **kwargs)
+    strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
+    arrays, _ = strategy.aggregate_train(1, replies)
+    return arrays.to_torch_state_dict(), strategy.history[-1]
+
+
+def test_mmap_strategy_spools_replies_and_leaves_no_file(tmp_path, record):
+    ref, _ = _strategy_round()
+    got, rec = _strategy_round(Scale(spool=True, spool_dir=str(tmp_path)), guard_fn=lambda arrays: 0.0)
+    record(
+        "AlignedFedAvg with replies on disk vs in memory",
+        max(float((got[k] - v).abs().max()) for k, v in ref.items()),
+        0.0,
+    )
+    assert rec["excluded"] == [] and rec["kept"] == "aligned"
+    assert not list(tmp_path.iterdir()) or not any(tmp_path.glob("round-*/*"))
+
+
+def test_mmap_strategy_excludes_a_reply_it_cannot_write(tmp_path, monkeypatch):
+    import fedlmc.replies as replies
+
+    real, calls = replies.write_state, []
+
+    def full_disk(path, state, metadata=None):  # the third reply finds the disk full
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(path, state, metadata)
+
+    monkeypatch.setattr(replies, "write_state", full_disk)
+    _, rec = _strategy_round(Scale(spool=True, spool_dir=str(tmp_path)))
+    assert [e["node"] for e in rec["excluded"]] == [3] and "No space left" in rec["excluded"][0]["reason"]
+    assert rec["nodes"] == [1, 2, 4] and rec["kept"] == "aligned"
+    assert not any(tmp_path.glob("round-*"))
+
+
+def test_parallel_strategy_equals_the_sequential_one(tmp_path, record):
+    ref, _ = _strategy_round()
+    got, rec = _strategy_round(Scale(workers=2, backend="process", spool_dir=str(tmp_path)))
+    diff = max(float((got[k] - v).abs().max()) for k, v in ref.items())
+    record("AlignedFedAvg aligned by 2 workers vs in this process (float32)", diff, 1e-5)
+    assert rec["excluded"] == [] and not any(tmp_path.glob("round-*"))

@@ -25,15 +25,16 @@ import torch.nn as nn
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.supercore import log
 
-from fedlmc.averaging import FORMS, REDUCES, merge, robust_merge
+from fedlmc.averaging import FORMS, REDUCES, RunningSum, merge, robust_merge
 from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
-from fedlmc.options import Matching, OnClients, Refinement, one_of
-from fedlmc.symmetry import spec_for
+from fedlmc.options import Matching, OnClients, Refinement, Scale, one_of
+from fedlmc.replies import StoredModel
+from fedlmc.symmetry import rebuild, spec_for
 from fedlmc.universe import universe_merge
 
-from .base import FedlmcStrategy
+from .base import FedlmcStrategy, loaded
 
 
 class AlignedFedAvg(FedlmcStrategy):
@@ -71,6 +72,12 @@ class AlignedFedAvg(FedlmcStrategy):
         says how many clients, the loss metric's key, the timeout).
     client_guard : bool, default True
         With ``on_clients`` and no server guard: whether the clients guard at all.
+    scale : Scale, optional
+        Many replies: ``Scale(spool=True)`` writes each accepted reply to disk and reads it back
+        (memory-mapped) when needed, so the server holds a few models whatever their number;
+        ``Scale(workers=n)`` also aligns them in ``n`` worker processes (or Ray tasks, ``address=`` a
+        cluster's). A reply that cannot be written or read, or whose alignment fails twice, is
+        excluded with the reason (``fedlmc.options.Scale``).
     **kwargs
         ``FedlmcStrategy``'s (``model``, ``report_data``...) and Flower's ``FedAvg``'s parameters.
     """
@@ -92,9 +99,11 @@ class AlignedFedAvg(FedlmcStrategy):
         trim: float = 0.2,
         on_clients: Optional[OnClients] = None,
         client_guard: bool = True,
+        scale: Optional[Scale] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.scale = scale if scale is not None else Scale()
         self.on_clients, self.client_guard = on_clients, client_guard
         self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
         if guard_fn is not None and guard_data is not None:
@@ -118,14 +127,22 @@ class AlignedFedAvg(FedlmcStrategy):
             device=self.device,
             reduce=self.reduce,
             trim=self.trim,
+            scale=self.scale,
         )
 
-    def plain(self, models: list[nn.Module], weights: list[float]) -> nn.Module:
-        """The unaligned counterpart: FedAvg's weighted mean, or Flower's FedMedian / FedTrimmedAvg."""
+    def plain(self, models: list, weights: list[float]) -> nn.Module:
+        """The unaligned counterpart: FedAvg's weighted mean, or Flower's FedMedian / FedTrimmedAvg
+        (replies on disk: the mean streamed, one reply at a time)."""
         if self.reduce != "mean":
-            return robust_merge(models, self.reduce, self.trim)
+            return robust_merge([loaded(m) for m in models], self.reduce, self.trim)
         total = sum(weights)
-        return merge(models, [w / total for w in weights])
+        if not any(isinstance(m, StoredModel) for m in models):
+            return merge(models, [w / total for w in weights])
+        acc, first = RunningSum(), None
+        for m, w in zip(models, weights):
+            first = loaded(m)
+            acc.add({k: v.detach() for k, v in first.state_dict().items()}, w / total)
+        return rebuild(first, acc.mean())
 
     def require_grid(self):
         if self.grid is None:
@@ -142,6 +159,13 @@ class AlignedFedAvg(FedlmcStrategy):
         self.server_round, self.remote_record = server_round, None
         start = self.start_for(models)
         merged, transforms = self.align(models, weights, start)
+        gone = [i for i, T in enumerate(transforms) if "excluded" in T.info]  # unreadable, or failed in a worker
+        for i in gone:
+            self.exclude(server_round, self.round_nodes[i], transforms[i].info["excluded"])
+        if gone:  # in place: the round's record, metrics and report see only the replies aggregated
+            keep = [i for i in range(len(models)) if i not in gone]
+            for seq in (replies, models, weights, transforms, self.round_nodes):
+                seq[:] = [seq[i] for i in keep]
         fields: dict[str, Any] = {
             "align_seconds": time.time() - t0,
             "kept": "aligned",
@@ -277,6 +301,7 @@ class RefinedFedAvg(AlignedFedAvg):
                 form=self.form,
                 keep_layernorm=self.keep_layernorm,
                 device=self.device,
+                scale=self.scale,
             )
         finally:
             self.remote_record = remote.record() if remote is not None else None

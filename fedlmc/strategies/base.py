@@ -26,7 +26,8 @@ from fedlmc.hf import HFAdapter, recognise
 from fedlmc.hf.adapter import key_mismatch
 from fedlmc.models import from_config
 from fedlmc.models.layers import TransformerConfig
-from fedlmc.options import one_of
+from fedlmc.options import Scale, one_of
+from fedlmc.replies import ReplyError, ReplyStore, StoredModel
 from fedlmc.train import evaluate
 
 from .records import MODEL_CONFIG_KEY, model_from_arrays, state_arrays
@@ -114,6 +115,8 @@ class FedlmcStrategy(FedAvg):
         self.grid = None  # the round's grid (configure_train's): strategies that ask the clients more use it
         self._excluded: list[dict[str, Any]] = []
         self._failures: list[dict[str, Any]] = []
+        self.scale = Scale()  # where replies wait (strategies that take ``scale=`` set it)
+        self.store: Optional[ReplyStore] = None  # this round's replies on disk (with ``scale.on_disk``)
 
     def _config_of(self, model: Any, fallback: str) -> Optional[dict[str, Any]]:
         """The global model's fedlmc config (as a dict) from ``model``; sets the Hugging Face adapter."""
@@ -241,6 +244,17 @@ class FedlmcStrategy(FedAvg):
             )
             return FedAvg.aggregate_train(self, server_round, replies)
         server_round = self.real_round(server_round)
+        self.store = ReplyStore(self.scale.spool_dir) if self.scale.on_disk else None
+        try:
+            return self._aggregate(server_round, replies)
+        finally:
+            if self.store is not None:
+                self.store.close()  # the round's files: nothing is left on disk after a round
+                self.store = None
+
+    def _aggregate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         accepted = self.accept(server_round, replies)
         if accepted is None:
             return None, None
@@ -315,22 +329,16 @@ class FedlmcStrategy(FedAvg):
                     max_norm_ratio=self.max_norm_ratio,
                     adapter=self.adapter_for(msg),
                 )
-            except InvalidReply as e:
-                node = msg.metadata.src_node_id
-                log(
-                    WARNING,
-                    "%s round %d: excluded the reply of node %s: %s",
-                    type(self).__name__,
-                    server_round,
-                    node,
-                    e,
-                )
-                self._excluded.append({"node": node, "reason": str(e)})
+                model = from_config(cfg)
+                model.load_state_dict({k: v.float() for k, v in sd.items()})
+                del sd
+                # with a store, the reply waits on disk and is read back (memory-mapped) when needed
+                model = self.store.put(model, f"node-{msg.metadata.src_node_id}") if self.store else model.eval()
+            except (InvalidReply, ReplyError) as e:
+                self.exclude(server_round, msg.metadata.src_node_id, str(e))
                 continue
-            model = from_config(cfg)
-            model.load_state_dict({k: v.float() for k, v in sd.items()})
             kept.append(msg)
-            models.append(model.eval())
+            models.append(model)
             weights.append(w)
         if len(kept) < self.min_replies:
             log(
@@ -344,6 +352,11 @@ class FedlmcStrategy(FedAvg):
             self.history.append(self.round_record(server_round, kept="previous", align_seconds=0.0))
             return None
         return kept, models, weights
+
+    def exclude(self, server_round: int, node: int, reason: str) -> None:
+        """Leave a node's reply out of this round, with one log line and a record naming the reason."""
+        log(WARNING, "%s round %d: excluded the reply of node %s: %s", type(self).__name__, server_round, node, reason)
+        self._excluded.append({"node": node, "reason": reason})
 
     def round_record(self, server_round: int, **fields: Any) -> dict[str, Any]:
         """The history record of a round: what every strategy logs (replies excluded by validation,
@@ -370,7 +383,7 @@ class FedlmcStrategy(FedAvg):
         previous = self.previous_model()
         if previous is None or not models:
             return None
-        cosines = sorted(weight_cosine(m, previous) for m in models)
+        cosines = sorted(weight_cosine(loaded(m), previous) for m in models)
         return previous if cosines[len(cosines) // 2] >= DESCENT_COSINE else None
 
     def loss(self, model: nn.Module, data, batches: Optional[int]) -> float:
@@ -384,7 +397,7 @@ class FedlmcStrategy(FedAvg):
         the report's verdict on the guard's choice) and the clients' output ensemble's loss and accuracy."""
         if self.report_data is None:
             return
-        clients = [self.loss(m, self.report_data, self.report_batches) for m in models]
+        clients = [self.loss(loaded(m), self.report_data, self.report_batches) for m in models]
         record["client_losses"] = clients
         record["mean_client_loss"] = sum(clients) / len(clients)
         record["global_loss"] = self.loss(result, self.report_data, self.report_batches)
@@ -395,7 +408,7 @@ class FedlmcStrategy(FedAvg):
         for name, model in self.candidates.items():  # what the guard chose between
             record[f"report_{name}"] = self.loss(model, self.report_data, self.report_batches)
         if len(models) > 1:  # the output ensemble: the reference a single merged model tries to reach
-            ens = evaluate(Ensemble(models), self.report_data, max_batches=self.report_batches)
+            ens = evaluate(Ensemble([loaded(m) for m in models]), self.report_data, max_batches=self.report_batches)
             record["ensemble_loss"], record["ensemble_acc"] = float(ens["loss"]), float(ens["acc"])
 
     # ---- checkpoints ------------------------------------------------------------------------------------
@@ -406,6 +419,11 @@ class FedlmcStrategy(FedAvg):
     def load_state(self, state: dict[str, Any], round_offset: int) -> None:
         """Continue from ``state()`` after ``round_offset`` completed rounds."""
         self.global_config, self.history, self.round_offset = state["global_config"], state["history"], round_offset
+
+
+def loaded(model) -> nn.Module:
+    """A reply's model: itself, or read from its file (``fedlmc.replies.StoredModel``)."""
+    return model.load() if isinstance(model, StoredModel) else model
 
 
 @contextmanager
