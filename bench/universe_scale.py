@@ -152,7 +152,7 @@ def one_run(args: argparse.Namespace) -> dict:
             scale = {
                 "aligned": Scale(spool=True),
                 "aligned-parallel": Scale(workers=0, backend="process"),
-                "aligned-ray": Scale(workers=0, backend="ray", address=args.ray_address),
+                "aligned-ray": Scale(workers=0, backend="ray", ray_address=args.ray_address),
             }[args.strategy]
             # common replies are LayerNorm models (kept so, as AlignedFedAvg does); independent ones were
             # written in canonical form under a random rotation of the residual stream

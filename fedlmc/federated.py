@@ -21,7 +21,7 @@ from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
-from .options import Matching, OnClients, Refinement, one_of
+from .options import Matching, OnClients, Refinement, Scale, one_of
 from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
 
@@ -85,6 +85,10 @@ class Settings:
     reduce: str = "mean"  # mean | median | trimmed: how average / permuted / aligned combine (robust aggregation)
     trim: float = 0.2  # trimmed: the fraction of values cut at each end of every coordinate
     vocab_size: int = 0  # 0: the data's; larger pads the vocabulary (50257: GPT-2-small's 124M parameters)
+    workers: int = Scale.workers  # Scale.workers: processes aligning a round's replies (1: here; 0: one a core)
+    spool: bool = Scale.spool  # Scale.spool: replies wait on disk, memory-mapped (always with workers != 1)
+    spool_dir: str = ""  # Scale.spool_dir ("": the system's temporary directory)
+    ray_address: str = ""  # Scale.ray_address: align on this Ray cluster ("": local worker processes)
 
     # Fixed in the production app; the experiment layer makes each a run_config key (ExperimentSettings).
     form: ClassVar[str] = "factored"  # the merge's form: factored (the clients' shape) or circuit
@@ -144,6 +148,7 @@ class Settings:
         one_of(self.reduce, REDUCES, "reduce")
         one_of(self.partitioner, SCHEMES, "partitioner")
         self.matching()
+        self.scale()
 
     def strategies(self) -> list[str]:
         """The strategy, or the strategies a side-by-side comparison aggregates the same replies with."""
@@ -153,6 +158,15 @@ class Settings:
         """Weight matching's options (the permutation-only strategies match with permutations)."""
         residual = "permutation" if self.strategy in ("permuted", "hetero-permuted") else self.residual
         return Matching(residual=residual)
+
+    def scale(self) -> Scale:
+        """Where a round's replies wait and who aligns them (aligned / refined strategies)."""
+        return Scale(
+            workers=self.workers,
+            spool=self.spool,
+            spool_dir=self.spool_dir or None,
+            ray_address=self.ray_address or None,
+        )
 
     def refinement(self, data) -> Refinement:
         """The refinement's options, learning on ``data`` (the server's refinement half)."""

@@ -237,11 +237,11 @@ class Scale:
         Processes that align a universe iteration's replies at once (``fedlmc.workers``); 1: in the
         server's own process, one after the other; 0: one per available core.
     backend : {"auto", "process", "ray"}, default "auto"
-        "process": local worker processes; "ray": Ray tasks (on the cluster at ``address``, or a local
-        Ray); "auto": Ray when ``address`` is given, else processes.
-    address : str or None, default None
+        "process": local worker processes; "ray": Ray tasks (on the cluster at ``ray_address``, or a
+        local Ray); "auto": Ray when ``ray_address`` is given, else processes.
+    ray_address : str or None, default None
         A Ray cluster's address (``"auto"``, ``"ray://host:10001"``): the alignments spread over its
-        machines.
+        machines (``spool_dir`` must then be storage every node reads at the same path).
     spool : bool, default False
         Write every accepted reply to disk (``replies.ReplyStore``) and read it back through a memory map
         when needed, so the server holds a few models whatever the number of replies. Always on with
@@ -256,7 +256,7 @@ class Scale:
 
     workers: int = 1
     backend: str = "auto"
-    address: Optional[str] = None
+    ray_address: Optional[str] = None
     spool: bool = False
     spool_dir: Optional[str] = None
     retries: int = 1

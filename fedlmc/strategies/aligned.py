@@ -29,7 +29,7 @@ from fedlmc.averaging import FORMS, REDUCES, RunningSum, merge, robust_merge
 from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
-from fedlmc.options import Matching, OnClients, Refinement, Scale, one_of
+from fedlmc.options import Matching, OnClients, Refinement, one_of
 from fedlmc.replies import StoredModel
 from fedlmc.symmetry import rebuild, spec_for
 from fedlmc.universe import universe_merge
@@ -72,14 +72,8 @@ class AlignedFedAvg(FedlmcStrategy):
         says how many clients, the loss metric's key, the timeout).
     client_guard : bool, default True
         With ``on_clients`` and no server guard: whether the clients guard at all.
-    scale : Scale, optional
-        Many replies: ``Scale(spool=True)`` writes each accepted reply to disk and reads it back
-        (memory-mapped) when needed, so the server holds a few models whatever their number;
-        ``Scale(workers=n)`` also aligns them in ``n`` worker processes (or Ray tasks, ``address=`` a
-        cluster's). A reply that cannot be written or read, or whose alignment fails twice, is
-        excluded with the reason (``fedlmc.options.Scale``).
     **kwargs
-        ``FedlmcStrategy``'s (``model``, ``report_data``...) and Flower's ``FedAvg``'s parameters.
+        ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
     """
 
     needs_architecture = True
@@ -99,11 +93,9 @@ class AlignedFedAvg(FedlmcStrategy):
         trim: float = 0.2,
         on_clients: Optional[OnClients] = None,
         client_guard: bool = True,
-        scale: Optional[Scale] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.scale = scale if scale is not None else Scale()
         self.on_clients, self.client_guard = on_clients, client_guard
         self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
         if guard_fn is not None and guard_data is not None:

@@ -81,6 +81,12 @@ class FedlmcStrategy(FedAvg):
     aggregate_threads : int, optional
         Torch threads while a round is combined: None leaves the process's setting alone, 0 uses every
         core (on a busy shared host, extra OpenMP threads can thrash instead).
+    scale : Scale, optional
+        Many replies: ``Scale(spool=True)`` writes each accepted reply to disk and reads it back
+        (memory-mapped) when needed, so the server holds a few models whatever their number;
+        ``Scale(workers=n)`` also aligns them in ``n`` worker processes (or Ray tasks on the cluster at
+        ``ray_address``). A reply that cannot be written or read, or whose alignment fails twice, is
+        excluded with the reason (``fedlmc.options.Scale``).
     **fedavg
         Flower's ``FedAvg`` parameters (``fraction_train``, ``min_available_nodes``...).
     """
@@ -98,6 +104,7 @@ class FedlmcStrategy(FedAvg):
         max_norm_ratio: float = 100.0,
         fallback: str = "error",
         aggregate_threads: Optional[int] = None,
+        scale: Optional[Scale] = None,
         **fedavg: Any,
     ) -> None:
         super().__init__(**fedavg)
@@ -115,7 +122,7 @@ class FedlmcStrategy(FedAvg):
         self.grid = None  # the round's grid (configure_train's): strategies that ask the clients more use it
         self._excluded: list[dict[str, Any]] = []
         self._failures: list[dict[str, Any]] = []
-        self.scale = Scale()  # where replies wait (strategies that take ``scale=`` set it)
+        self.scale = scale if scale is not None else Scale()
         self.store: Optional[ReplyStore] = None  # this round's replies on disk (with ``scale.on_disk``)
 
     def _config_of(self, model: Any, fallback: str) -> Optional[dict[str, Any]]:
