@@ -16,10 +16,12 @@ strategy reads the same files, memory-mapped (``fedlmc.replies``):
 
 Strategies on the same replies: ``fedavg`` (the weighted mean streamed over the files: FedAvg's
 memory of about one model, its time the reference), ``aligned`` (``universe_merge`` in the server's
-process, one reply at a time, 3 iterations) and ``aligned-parallel`` (the same with
-``Scale(workers=0)``: one worker process per core). Each run is its own process; the peak resident
-memory of the server process and of its whole process tree (workers included) is sampled every
-50 ms, and a fixed float32 GEMM is timed in the same process as a reference for a busy machine.
+process, one reply at a time, 3 iterations, torch's threads: every core), ``aligned-1thread`` (the
+same on one torch thread, the ServerApp's default ``threads = 1``) and ``aligned-parallel`` (the same
+with ``Scale(workers=0)``: one worker process per core, each on cores / workers threads). Each run is
+its own process; the peak resident memory of the server process and of its whole process tree
+(workers included) is sampled every 50 ms, and a fixed float32 GEMM is timed in the same process as
+a reference for a busy machine.
 ``--ray-address`` adds ``aligned-ray`` runs (the same tasks on a Ray cluster) at the smallest M.
 """
 
@@ -149,8 +151,11 @@ def one_run(args: argparse.Namespace) -> dict:
             streamed_fedavg(paths)
             its = None
         else:
+            if args.strategy == "aligned-1thread":  # the ServerApp's default (run_config threads = 1)
+                torch.set_num_threads(1)
             scale = {
                 "aligned": Scale(spool=True),
+                "aligned-1thread": Scale(spool=True),
                 "aligned-parallel": Scale(workers=0, backend="process"),
                 "aligned-ray": Scale(workers=0, backend="ray", ray_address=args.ray_address),
             }[args.strategy]
@@ -223,6 +228,7 @@ def main() -> None:
     p.add_argument("--sizes", default="8,16,32,64", help="M for the common kind")
     p.add_argument("--independent-sizes", default="8,16,32", help="M for the independent kind")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--plan", help="explicit runs instead: M:kind:strategy,... (e.g. 64:common:aligned-parallel)")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--dir", default="runs/universe_scale", help="where the replies are written (M × 0.65 GB)")
@@ -249,6 +255,9 @@ def main() -> None:
     for kind in {k for k, _ in plan}:
         make_replies(kind, max(m for k, m in plan if k == kind), args.layers, Path(args.dir) / kind)
     jobs = [(m, kind, s) for kind, m in plan for s in strategies]
+    if args.plan:
+        jobs = [(int(m), kind, s) for m, kind, s in (x.split(":") for x in args.plan.split(","))]
+        plan = [(kind, m) for m, kind, _ in jobs]
     if args.ray_address:
         jobs.append((min(m for _, m in plan), "common", "aligned-ray"))
     for m, kind, strategy in jobs:
