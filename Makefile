@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 FLWR_ENV := PATH=$(CURDIR)/$(BIN):$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
 	RAY_TMPDIR=/tmp/ray-$$(id -u) FLWR_TELEMETRY_ENABLED=0 FLWR_HOME=$(CURDIR)/.flwr
 
-.PHONY: setup run demo compare lint test test-fast clean
+.PHONY: setup run demo compare lint test test-fast gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -54,6 +54,11 @@ test: lint
 # replies, data. At most 5 minutes on 2 cores.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not slow"
+
+# On a CUDA machine: the everyday suite, the speed benches and the paper's GPT-2 setting (6 layers, d 256,
+# block 256, 3 pairs) on the GPU, written to results/gpu/*.json with the device's name.
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .flwr
