@@ -241,3 +241,78 @@ def test_parallel_strategy_equals_the_sequential_one(tmp_path, record):
     diff = max(float((got[k] - v).abs().max()) for k, v in ref.items())
     record("AlignedFedAvg aligned by 2 workers vs in this process (float32)", diff, 1e-5)
     assert rec["excluded"] == [] and not any(tmp_path.glob("round-*"))
+
+
+class ReplyingGrid:
+    """A grid whose nodes answer a train message with their planted client's weights (no Flower runtime);
+    it records what is pulled at once, and which of the returned replies still carry their arrays."""
+
+    def __init__(self, clients):
+        from test_strategies import _reply
+
+        self.replies = {i + 1: _reply(c, 100 + 10 * i, node=i + 1) for i, c in enumerate(clients)}
+        self.pushed, self.pulled_at_once = {}, []
+
+    def get_node_ids(self):
+        return list(self.replies)
+
+    def push_messages(self, messages):
+        ids = []
+        for n, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"ins-{n}-{msg.metadata.dst_node_id}"
+            self.pushed[msg.metadata.message_id] = msg
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        from flwr.app import Message
+
+        out = []
+        for mid in message_ids:
+            ins = self.pushed.pop(mid)
+            out.append(Message(self.replies[ins.metadata.dst_node_id].content, reply_to=ins))
+        self.pulled_at_once.append(len(out))
+        return out
+
+    def send_and_receive(self, messages, *, timeout=None):  # Flower's: every reply pulled together
+        return self.pull_messages(self.push_messages(messages))
+
+
+def test_mmap_replies_are_written_as_they_arrive_in_flowers_loop(tmp_path, record, monkeypatch):
+    """With ``Scale(spool=True)`` the strategy reads each train reply the moment it is pulled (one at a
+    time), writes it to disk and drops its arrays from the message: the round ends with the same model."""
+    from flwr.app import ArrayRecord
+    from test_strategies import _planted_clients
+
+    from fedlmc.strategies import AlignedFedAvg
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):  # messages outside Flower's runtime
+        monkeypatch.setattr(TaskIdentity, attr, value)
+    base, clients = _planted_clients(3)
+    results = {}
+    for name, scale in (("memory", None), ("disk", Scale(spool=True, spool_dir=str(tmp_path)))):
+        grid = ReplyingGrid(clients)
+        strategy = AlignedFedAvg(model=base.config.to_dict(), scale=scale, fraction_evaluate=0.0)
+        seen = []
+        if scale is not None:  # what the strategy's Flower loop got back from the grid
+            real = strategy.aggregate_train
+
+            def spy(server_round, replies, real=real, seen=seen):
+                replies = list(replies)
+                seen.extend("arrays" in m.content for m in replies)
+                return real(server_round, replies)
+
+            strategy.aggregate_train = spy
+        result = strategy.start(
+            grid=grid, initial_arrays=ArrayRecord(torch_state_dict=clients[0].state_dict()), num_rounds=1
+        )
+        results[name] = result.arrays.to_torch_state_dict()
+        if scale is not None:
+            assert seen == [False, False, False], "a reply reached aggregation with its arrays still in memory"
+            assert set(grid.pulled_at_once) == {1}
+            assert strategy.history[-1]["nodes"] == [1, 2, 3] and strategy.history[-1]["excluded"] == []
+    diff = max(float((results["disk"][k] - v).abs().max()) for k, v in results["memory"].items())
+    record("Flower's loop, replies written as they arrive vs held in memory", diff, 0.0)
+    assert not any(tmp_path.glob("round-*"))

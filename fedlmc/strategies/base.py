@@ -124,6 +124,8 @@ class FedlmcStrategy(FedAvg):
         self._failures: list[dict[str, Any]] = []
         self.scale = scale if scale is not None else Scale()
         self.store: Optional[ReplyStore] = None  # this round's replies on disk (with ``scale.on_disk``)
+        self._arrived: dict[tuple, Any] = {}  # arrival_key → (model, weight) or the reason, read as it arrived
+        self._norm_of, self._norm = None, None  # the global model whose norm ``_reference_norm`` holds
 
     def _config_of(self, model: Any, fallback: str) -> Optional[dict[str, Any]]:
         """The global model's fedlmc config (as a dict) from ``model``; sets the Hugging Face adapter."""
@@ -185,6 +187,9 @@ class FedlmcStrategy(FedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._previous = arrays  # this round's aggregate starts from (and is checked against) the global model
         self.grid = grid
+        if self.scale.on_disk:  # the round's replies are written here as they arrive (``ArrivalGrid``)
+            self._close_store()
+            self.store, self._arrived = ReplyStore(self.scale.spool_dir), {}
         msgs = super().configure_train(self.real_round(server_round), arrays, self._with_config(config), grid)
         return self.messages_for(msgs, config, MessageType.TRAIN)
 
@@ -195,9 +200,34 @@ class FedlmcStrategy(FedAvg):
         return self.messages_for(msgs, config, MessageType.EVALUATE)
 
     def start(self, grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any):
-        """Flower's ``start``, after checking that this strategy can handle the model at all."""
+        """Flower's ``start``, after checking that this strategy can handle the model at all. With
+        ``scale.on_disk`` each train reply is validated and written to disk as it arrives
+        (``ArrivalGrid``), so the round never holds every reply's arrays at once."""
         self.check_architecture(initial_arrays)
-        return super().start(grid, initial_arrays, *args, **kwargs)
+        if self.scale.on_disk:
+            grid = ArrivalGrid(grid, self.arrived)
+        try:
+            return super().start(grid, initial_arrays, *args, **kwargs)
+        finally:
+            self._close_store()
+
+    def arrived(self, msg: Message) -> Message:
+        """A reply as it arrives (``ArrivalGrid``): a train reply is read, validated and written to this
+        round's store, and its arrays are dropped from the message (the file holds them now)."""
+        if self.store is None or msg.has_error() or msg.metadata.message_type != MessageType.TRAIN:
+            return msg
+        try:
+            self._arrived[arrival_key(msg)] = self.read_reply(msg, self._reference_norm())
+        except (InvalidReply, ReplyError) as e:
+            self._arrived[arrival_key(msg)] = str(e)
+        if self.arrayrecord_key in msg.content:
+            del msg.content[self.arrayrecord_key]
+        return msg
+
+    def _close_store(self) -> None:
+        if self.store is not None:
+            self.store.close()  # the round's files: nothing is left on disk after a round
+            self.store, self._arrived = None, {}
 
     def check_architecture(self, arrays: ArrayRecord) -> None:
         """A model the strategy cannot align is an error before the first round (naming the fix), not a
@@ -251,13 +281,12 @@ class FedlmcStrategy(FedAvg):
             )
             return FedAvg.aggregate_train(self, server_round, replies)
         server_round = self.real_round(server_round)
-        self.store = ReplyStore(self.scale.spool_dir) if self.scale.on_disk else None
+        if self.scale.on_disk and self.store is None:  # outside Flower's loop (aggregate_replies)
+            self.store = ReplyStore(self.scale.spool_dir)
         try:
             return self._aggregate(server_round, replies)
         finally:
-            if self.store is not None:
-                self.store.close()  # the round's files: nothing is left on disk after a round
-                self.store = None
+            self._close_store()
 
     def _aggregate(
         self, server_round: int, replies: Iterable[Message]
@@ -320,27 +349,14 @@ class FedlmcStrategy(FedAvg):
             sorted(m.metadata.src_node_id for m in ok) or "none",
             [f["node"] for f in self._failures] or "none",
         )
-        ref_norm = None
-        if self._previous is not None:
-            ref_norm = sum(float(t.double().pow(2).sum()) for t in self._previous.to_torch_state_dict().values()) ** 0.5
+        ref_norm = self._reference_norm() if any(arrival_key(m) not in self._arrived for m in ok) else None
         kept, models, weights, self._excluded = [], [], [], []
         for msg in ok:
+            read = self._arrived.pop(arrival_key(msg), None)  # read as it arrived (ArrivalGrid)
             try:
-                cfg, sd, w = check_reply(
-                    msg.content,
-                    arrays_key=self.arrayrecord_key,
-                    weight_key=self.weighted_by_key,
-                    reference_config=self.global_config,
-                    reference_norm=ref_norm,
-                    same_shape=self.same_shape,
-                    max_norm_ratio=self.max_norm_ratio,
-                    adapter=self.adapter_for(msg),
-                )
-                model = from_config(cfg)
-                model.load_state_dict({k: v.float() for k, v in sd.items()})
-                del sd
-                # with a store, the reply waits on disk and is read back (memory-mapped) when needed
-                model = self.store.put(model, f"node-{msg.metadata.src_node_id}") if self.store else model.eval()
+                if isinstance(read, str):
+                    raise InvalidReply(read)
+                model, w = read if read is not None else self.read_reply(msg, ref_norm)
             except (InvalidReply, ReplyError) as e:
                 self.exclude(server_round, msg.metadata.src_node_id, str(e))
                 continue
@@ -359,6 +375,34 @@ class FedlmcStrategy(FedAvg):
             self.history.append(self.round_record(server_round, kept="previous", align_seconds=0.0))
             return None
         return kept, models, weights
+
+    def _reference_norm(self) -> Optional[float]:
+        """The global model's weight norm (a reply's norm is checked against it), once per global model."""
+        if self._previous is None:
+            return None
+        if self._norm_of is not self._previous:
+            arrays = self._previous.to_torch_state_dict().values()
+            self._norm_of, self._norm = self._previous, sum(float(t.double().pow(2).sum()) for t in arrays) ** 0.5
+        return self._norm
+
+    def read_reply(self, msg: Message, ref_norm: Optional[float]) -> tuple[Any, float]:
+        """A reply's model (written to this round's store when there is one: then its ``StoredModel``)
+        and weight; ``InvalidReply`` / ``ReplyError`` with the reason."""
+        cfg, sd, w = check_reply(
+            msg.content,
+            arrays_key=self.arrayrecord_key,
+            weight_key=self.weighted_by_key,
+            reference_config=self.global_config,
+            reference_norm=ref_norm,
+            same_shape=self.same_shape,
+            max_norm_ratio=self.max_norm_ratio,
+            adapter=self.adapter_for(msg),
+        )
+        model = from_config(cfg)
+        model.load_state_dict({k: v.float() for k, v in sd.items()})
+        del sd
+        # with a store, the reply waits on disk and is read back (memory-mapped) when needed
+        return (self.store.put(model, f"node-{msg.metadata.src_node_id}") if self.store else model.eval()), w
 
     def exclude(self, server_round: int, node: int, reason: str) -> None:
         """Leave a node's reply out of this round, with one log line and a record naming the reason."""
@@ -426,6 +470,39 @@ class FedlmcStrategy(FedAvg):
     def load_state(self, state: dict[str, Any], round_offset: int) -> None:
         """Continue from ``state()`` after ``round_offset`` completed rounds."""
         self.global_config, self.history, self.round_offset = state["global_config"], state["history"], round_offset
+
+
+class ArrivalGrid:
+    """A Flower grid whose ``send_and_receive`` hands every reply to ``on_reply`` as soon as it arrives
+    (pulled one message at a time) and returns what ``on_reply`` made of it; everything else is the
+    wrapped grid's. ``FedlmcStrategy`` uses it to write train replies to disk as they come."""
+
+    def __init__(self, grid, on_reply, poll: float = 1.0) -> None:
+        self._grid, self._on_reply, self._poll = grid, on_reply, poll
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: Optional[float] = None) -> list[Message]:
+        pending = set(self._grid.push_messages(messages))
+        del messages
+        end = None if timeout is None else time.time() + timeout
+        out: list[Message] = []
+        while pending and (end is None or time.time() < end):
+            got = False
+            for mid in sorted(pending):
+                for msg in self._grid.pull_messages([mid]):
+                    pending.discard(msg.metadata.reply_to_message_id)
+                    out.append(self._on_reply(msg))
+                    got = True
+            if pending and not got:
+                time.sleep(self._poll)
+        return out
+
+
+def arrival_key(msg: Message) -> tuple[int, str]:
+    """A reply's key in a round: its node and the message it answers."""
+    return int(msg.metadata.src_node_id), str(msg.metadata.reply_to_message_id)
 
 
 def loaded(model) -> nn.Module:
