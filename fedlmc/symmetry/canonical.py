@@ -28,7 +28,8 @@ def canonicalize(model: nn.Module) -> nn.Module:
     """
     cfg = model.config
     spec = spec_for(cfg)
-    sd: StateDict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    src = {k: v.detach() for k, v in model.state_dict().items()}
+    sd: StateDict = dict(src)  # every fold below makes a new tensor; the untouched ones are copied at the end
     layernorm = cfg.norm == "layernorm"
     for norm in spec.norms:
         gain = sd.pop(f"{norm}.weight", None)
@@ -51,7 +52,9 @@ def canonicalize(model: nn.Module) -> nn.Module:
         for m in spec.writers() + spec.readers():
             t = sd[m.param]
             sd[m.param] = t - t.mean(dim=m.axis, keepdim=True)  # C t along the axis, without a d×d product
-    return rebuild(model, sd, canonical_config(cfg))
+    ref = next(model.parameters())
+    sd = {k: v.to(ref.dtype, copy=True) if v is src.get(k) else v.to(ref.dtype) for k, v in sd.items()}
+    return rebuild(model, sd, canonical_config(cfg), own=True)
 
 
 def canonical(model: nn.Module) -> nn.Module:

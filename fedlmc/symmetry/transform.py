@@ -244,14 +244,18 @@ def apply_to_state(
     return sd, cfg
 
 
-def rebuild(model: nn.Module, sd: StateDict, cfg: Optional[TransformerConfig] = None) -> nn.Module:
-    """A new model of config ``cfg`` (default: the model's) holding ``sd``, on the model's dtype/device."""
+def rebuild(
+    model: nn.Module, sd: StateDict, cfg: Optional[TransformerConfig] = None, own: bool = False
+) -> nn.Module:
+    """A new model of config ``cfg`` (default: the model's) holding ``sd``, on the model's dtype/device.
+    ``own``: the tensors of ``sd`` are the caller's to give (fresh, shared with nothing): the model takes
+    them as they are instead of a copy (one model's memory less at the peak)."""
     ref = next(model.parameters())
     with torch.device("meta"):  # no random init of weights that are overwritten right away
         new = from_config(cfg or model.config)
-    # copy=True: the new model must never share storage with the one it came from
+    # copy unless owned: the new model must never share storage with the one it came from
     new.load_state_dict(
-        {k: v.detach().to(device=ref.device, dtype=ref.dtype, copy=True) for k, v in sd.items()}, assign=True
+        {k: v.detach().to(device=ref.device, dtype=ref.dtype, copy=not own) for k, v in sd.items()}, assign=True
     )
     new.train(model.training)
     if hasattr(model, "meta"):
