@@ -244,9 +244,7 @@ def apply_to_state(
     return sd, cfg
 
 
-def rebuild(
-    model: nn.Module, sd: StateDict, cfg: Optional[TransformerConfig] = None, own: bool = False
-) -> nn.Module:
+def rebuild(model: nn.Module, sd: StateDict, cfg: Optional[TransformerConfig] = None, own: bool = False) -> nn.Module:
     """A new model of config ``cfg`` (default: the model's) holding ``sd``, on the model's dtype/device.
     ``own``: the tensors of ``sd`` are the caller's to give (fresh, shared with nothing): the model takes
     them as they are instead of a copy (one model's memory less at the peak)."""
