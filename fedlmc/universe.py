@@ -160,7 +160,7 @@ class Members:
             del model
         if first is None:
             raise ReplyError("no model of the universe could be read")
-        return rebuild(first, acc.mean())
+        return rebuild(first, acc.mean(), own=True)
 
     def client_transforms(self, transforms: list[Transform]) -> list[Transform]:
         """Each model's map from *its own* shape into the universe (a rectangular residual map for a
@@ -433,7 +433,9 @@ def _iterate(
         else:
             acc = _align_here(universe, mem, todo, warm, transforms, align, streamed)
         with section("universe averages"):
-            new = rebuild(universe, acc.mean()) if streamed else mem.merge(transforms, reduce=reduce, trim=trim)
+            new = (
+                rebuild(universe, acc.mean(), own=True) if streamed else mem.merge(transforms, reduce=reduce, trim=trim)
+            )
             moved = _relative_change(universe, new)
         universe = new
         if progress:
