@@ -282,11 +282,10 @@ def test_mmap_replies_are_written_as_they_arrive_in_flowers_loop(tmp_path, recor
     """With ``Scale(spool=True)`` the strategy reads each train reply the moment it is pulled (one at a
     time), writes it to disk and drops its arrays from the message: the round ends with the same model."""
     from flwr.app import ArrayRecord
+    from flwr.supercore.task_identity import TaskIdentity
     from test_strategies import _planted_clients
 
     from fedlmc.strategies import AlignedFedAvg
-
-    from flwr.supercore.task_identity import TaskIdentity
 
     for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):  # messages outside Flower's runtime
         monkeypatch.setattr(TaskIdentity, attr, value)
@@ -316,3 +315,38 @@ def test_mmap_replies_are_written_as_they_arrive_in_flowers_loop(tmp_path, recor
     diff = max(float((results["disk"][k] - v).abs().max()) for k, v in results["memory"].items())
     record("Flower's loop, replies written as they arrive vs held in memory", diff, 0.0)
     assert not any(tmp_path.glob("round-*"))
+
+
+class CountedModel(StoredModel):
+    """A stored reply that counts how many models read from the store are alive at once."""
+
+    alive = 0
+    most = 0
+
+    def load(self):
+        import weakref
+
+        model = super().load()
+        CountedModel.alive += 1
+        CountedModel.most = max(CountedModel.most, CountedModel.alive)
+        weakref.finalize(model, CountedModel._gone)
+        return model
+
+    @staticmethod
+    def _gone():
+        CountedModel.alive -= 1
+
+
+def test_mmap_universe_holds_one_reply_at_a_time_whatever_m(tmp_path):
+    """The claim behind "a few models whatever M is": a universe of 8 stored replies never has more than
+    one of them read at once (aligned, summed, let go), in the iterations and in the final average."""
+    models = _copies(8, noise=0.2)
+    with ReplyStore(tmp_path) as store:
+        handles = [CountedModel(h.path, h.config) for h in (store.put(m) for m in models)]
+        CountedModel.alive = CountedModel.most = 0
+        universe_merge(handles, start=models[0], iterations=3)
+        assert CountedModel.most == 1, f"{CountedModel.most} replies were held at once"
+        # seeded by a reply, the universe is that reply during the first iteration: it and one other
+        CountedModel.alive = CountedModel.most = 0
+        universe_merge(handles, iterations=3)
+        assert CountedModel.most == 2, f"{CountedModel.most} replies were held at once"
