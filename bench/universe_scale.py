@@ -223,6 +223,33 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def table(res: dict) -> str:
+    """The results as a markdown table (``--table``): one row per M and kind, a column per strategy."""
+    strategies = [
+        s
+        for s in ("fedavg", "aligned", "aligned-1thread", "aligned-parallel", "aligned-ray")
+        if any(r["strategy"] == s for r in res["runs"])
+    ]
+    by = {(r["M"], r["kind"], r["strategy"]): r for r in res["runs"]}
+    head = ["kind", "M"] + [f"{s}: s (per reply-iteration) / peak GB" for s in strategies] + ["GEMM ref. s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind in ("common", "independent"):
+        for M in sorted({m for m, k, _ in by if k == kind}):
+            cells = [kind, str(M)]
+            for s in strategies:
+                r = by.get((M, kind, s))
+                if r is None:
+                    cells.append("")
+                    continue
+                per = f" ({r['seconds_per_reply_iteration']:.2f})" if r.get("seconds_per_reply_iteration") else ""
+                tree = f", tree {r['peak_rss_tree_gb']:.1f}" if r["peak_rss_tree_gb"] > r["peak_rss_gb"] + 0.05 else ""
+                cells.append(f"{r['seconds']:.1f}{per} / {r['peak_rss_gb']:.2f}{tree}")
+            refs = [by[(M, kind, s)]["gemm_seconds"] for s in strategies if (M, kind, s) in by]
+            cells.append(f"{min(refs):.2f}–{max(refs):.2f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="8,16,32,64", help="M for the common kind")
@@ -235,6 +262,7 @@ def main() -> None:
     p.add_argument("--ray-address", default=None, help="also run aligned-ray on this Ray cluster at the smallest M")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     p.add_argument("--out", default="results/bench_universe_scale.json")
+    p.add_argument("--table", action="store_true", help="print the results file as a markdown table and stop")
     p.add_argument("--one", nargs=3, metavar=("M", "KIND", "STRATEGY"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -243,6 +271,9 @@ def main() -> None:
         return
     out = Path(args.out)
     res = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    if args.table:
+        print(table(res))
+        return
     res.update(environment())
     res["replies"] = {
         "common": "G + 2 % Gaussian per tensor (trained a little from the global model); universe starts from G",
