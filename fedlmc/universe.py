@@ -156,7 +156,7 @@ class Members:
             if model is None:  # unreadable now: the mean is over the others
                 continue
             acc.add(aligned_state(model, transforms[i]), self.weights[i])
-            first = first or model
+            first = model if first is None else first
             del model
         if first is None:
             raise ReplyError("no model of the universe could be read")
