@@ -99,7 +99,15 @@ def test_the_fab_carries_the_apps_and_not_the_library(tmp_path):
     import zipfile
 
     flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
-    subprocess.run([flwr, "build", "--app", str(ROOT)], cwd=tmp_path, check=True, capture_output=True, timeout=120)
-    names = zipfile.ZipFile(next(tmp_path.glob("*.fab"))).namelist()
+    # Flower takes the app's name from its folder (letters, digits, hyphens): build a copy of the checkout
+    # under such a name, whatever folder this checkout was cloned into
+    app = tmp_path / "fedlmc-app"
+    shutil.copytree(
+        ROOT, app, ignore=shutil.ignore_patterns(".git", ".venv", ".flwr", "runs", "__pycache__", "*.egg-info")
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run([flwr, "build", "--app", str(app)], cwd=out, check=True, capture_output=True, timeout=120)
+    names = zipfile.ZipFile(next(out.glob("*.fab"))).namelist()
     assert {"clients/app.py", "server/app.py", "server/comparison.py", "strategies/factory.py"} <= set(names)
     assert not [n for n in names if n.startswith(("fedlmc/", "simulations/", "tests/"))], names
