@@ -291,7 +291,7 @@ def main() -> None:
     if args.plan:
         jobs = [(int(m), kind, s) for m, kind, s in (x.split(":") for x in args.plan.split(","))]
         plan = [(kind, m) for m, kind, _ in jobs]
-    if args.ray_address:
+    if args.ray_address and not any(s == "aligned-ray" for *_, s in jobs):
         jobs.append((min(m for _, m in plan), "common", "aligned-ray"))
     for m, kind, strategy in jobs:
         cmd = [sys.executable, __file__, "--one", str(m), kind, strategy, "--dir", args.dir]

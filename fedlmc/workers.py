@@ -90,7 +90,12 @@ class AlignmentPool:
             import ray
 
             if not ray.is_initialized():
-                kwargs = {"address": scale.ray_address} if scale.ray_address else {"num_cpus": self.workers}
+                # a cluster's address, or a Ray of our own on this machine, on the loopback interface
+                kwargs = (
+                    {"address": scale.ray_address}
+                    if scale.ray_address
+                    else {"num_cpus": self.workers, "_node_ip_address": "127.0.0.1"}
+                )
                 ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
                 self._ray_started = True
             self._remote = ray.remote(num_cpus=1, max_retries=0)(align_chunk)

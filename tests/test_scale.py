@@ -350,3 +350,20 @@ def test_mmap_universe_holds_one_reply_at_a_time_whatever_m(tmp_path):
         CountedModel.alive = CountedModel.most = 0
         universe_merge(handles, iterations=3)
         assert CountedModel.most == 2, f"{CountedModel.most} replies were held at once"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_parallel_ray_tasks_equal_the_sequential_path(tmp_path, record):
+    """The same chunks as Ray tasks (a local Ray started for them, on loopback, stopped after)."""
+    import ray
+
+    models = _copies(4)
+    m = Matching(keep_identity=False)
+    seq, T_seq = universe_merge(models, iterations=2, matching=m)
+    par, T_par = universe_merge(
+        models, iterations=2, matching=m, scale=Scale(workers=2, backend="ray", spool_dir=str(tmp_path))
+    )
+    record("universe aligned by 2 Ray tasks vs sequential (max |Δ|)", _max_diff(seq, par), 1e-10)
+    _same_transforms(T_seq, T_par, record, "ray")
+    assert not ray.is_initialized() and not any(tmp_path.glob("round-*"))
