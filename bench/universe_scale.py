@@ -284,15 +284,14 @@ def main() -> None:
     plan = [("common", int(m)) for m in args.sizes.split(",") if m] + [
         ("independent", int(m)) for m in args.independent_sizes.split(",") if m
     ]
-    strategies = args.strategies.split(",")
-    for kind in {k for k, _ in plan}:
-        make_replies(kind, max(m for k, m in plan if k == kind), args.layers, Path(args.dir) / kind)
-    jobs = [(m, kind, s) for kind, m in plan for s in strategies]
+    jobs = [(m, kind, s) for kind, m in plan for s in args.strategies.split(",")]
     if args.plan:
         jobs = [(int(m), kind, s) for m, kind, s in (x.split(":") for x in args.plan.split(","))]
         plan = [(kind, m) for m, kind, _ in jobs]
     if args.ray_address and not any(s == "aligned-ray" for *_, s in jobs):
         jobs.append((min(m for _, m in plan), "common", "aligned-ray"))
+    for kind in {k for k, _ in plan}:  # the replies the runs read, written once
+        make_replies(kind, max(m for k, m in plan if k == kind), args.layers, Path(args.dir) / kind)
     for m, kind, strategy in jobs:
         cmd = [sys.executable, __file__, "--one", str(m), kind, strategy, "--dir", args.dir]
         cmd += ["--iterations", str(args.iterations)] + (
