@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import platform
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from fedlmc.train import pick_device
@@ -30,3 +33,34 @@ def write_results(path: str | Path, res: dict) -> Path:
     out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out}")
     return out
+
+
+class PeakMemory:
+    """Peak resident memory (bytes) while the block runs, sampled in a thread every ``every`` seconds:
+    ``peak`` of this process, ``tree`` of it and its child processes (workers), ``start`` before."""
+
+    def __init__(self, every: float = 0.02) -> None:
+        self.every = every
+
+    def __enter__(self) -> "PeakMemory":
+        self.me = psutil.Process()
+        self.start = self.me.memory_info().rss
+        self.peak = self.tree = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                own = self.me.memory_info().rss
+                kids = sum(c.memory_info().rss for c in self.me.children(recursive=True))
+            except psutil.Error:
+                continue
+            self.peak, self.tree = max(self.peak, own), max(self.tree, own + kids)
+            time.sleep(self.every)

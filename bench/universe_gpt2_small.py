@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import threading
 import time
-from pathlib import Path
 
+import psutil
 import torch
-from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import PeakMemory, environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.matching.profile import profiling
@@ -55,30 +53,6 @@ def noisy_copy(layers: int, s: int) -> torch.nn.Module:
     return c
 
 
-class PeakMemory:
-    """Peak resident memory (bytes) of this process while the block runs, sampled in a thread."""
-
-    def __enter__(self) -> "PeakMemory":
-        self.peak, self.start = 0, self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @staticmethod
-    def _rss() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.02)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", type=int, default=8)
@@ -100,7 +74,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     retained = False if args.default_allocator else retain_freed_memory()
-    rss_interpreter = PeakMemory._rss()
+    rss_interpreter = psutil.Process().memory_info().rss
     copies = [noisy_copy(args.layers, s) for s in range(args.models)]
     model_bytes = 4 * sum(p.numel() for p in copies[0].parameters())
     # the server holds the M replies and nothing else (the clean model is rebuilt afterwards); what

@@ -33,13 +33,11 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
-from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import PeakMemory, environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.models import from_preset
@@ -85,32 +83,6 @@ def make_replies(kind: str, count: int, layers: int, folder: Path) -> list[str]:
     return [str(p) for p in paths]
 
 
-class PeakMemory:
-    """Peak resident memory of this process and of its whole process tree, sampled in a thread."""
-
-    def __enter__(self) -> "PeakMemory":
-        self.me = psutil.Process()
-        self.peak = self.tree = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            try:
-                own = self.me.memory_info().rss
-                kids = sum(c.memory_info().rss for c in self.me.children(recursive=True))
-            except psutil.Error:
-                continue
-            self.peak, self.tree = max(self.peak, own), max(self.tree, own + kids)
-            time.sleep(0.05)
-
-
 def gemm_seconds() -> float:
     """A fixed float32 GEMM (2048², 10 products), median of 3: the busy-machine reference."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
@@ -145,7 +117,7 @@ def one_run(args: argparse.Namespace) -> dict:
     start = stored(folder / "global.safetensors").load() if args.kind == "common" else None
     gemm = gemm_seconds()
     release_freed_memory()
-    with PeakMemory() as mem:
+    with PeakMemory(every=0.05) as mem:
         t0 = time.perf_counter()
         if args.strategy == "fedavg":
             streamed_fedavg(paths)

@@ -120,15 +120,22 @@ def test_mmap_store_is_removed_and_a_crashed_servers_files_are_swept(tmp_path):
     live.close()
 
 
-def test_parallel_alignments_equal_the_sequential_path(tmp_path, record):
+def _parallel_vs_sequential(tmp_path, record, backend: str):
+    """A universe of 4 models aligned by 2 workers of ``backend`` against the sequential path: the same
+    permutations, and every continuous element and the universe to float64 noise."""
     models = _copies(4)
     m = Matching(keep_identity=False)
     seq, T_seq = universe_merge(models, iterations=2, matching=m)
     par, T_par = universe_merge(
-        models, iterations=2, matching=m, scale=Scale(workers=2, backend="process", spool_dir=str(tmp_path))
+        models, iterations=2, matching=m, scale=Scale(workers=2, backend=backend, spool_dir=str(tmp_path))
     )
-    record("universe aligned by 2 worker processes vs sequential (max |Δ|)", _max_diff(seq, par), 1e-10)
-    _same_transforms(T_seq, T_par, record, "parallel")
+    record(f"universe aligned by 2 workers ({backend}) vs sequential (max |Δ|)", _max_diff(seq, par), 1e-10)
+    _same_transforms(T_seq, T_par, record, backend)
+    return T_par
+
+
+def test_parallel_alignments_equal_the_sequential_path(tmp_path, record):
+    T_par = _parallel_vs_sequential(tmp_path, record, "process")
     pids = {T.info.get("worker_pid") for T in T_par[1:]}
     assert os.getpid() not in pids and None not in pids, "the alignments did not run in the workers"
     assert not any(tmp_path.glob("round-*"))
@@ -358,12 +365,5 @@ def test_parallel_ray_tasks_equal_the_sequential_path(tmp_path, record):
     """The same chunks as Ray tasks (a local Ray started for them, on loopback, stopped after)."""
     import ray
 
-    models = _copies(4)
-    m = Matching(keep_identity=False)
-    seq, T_seq = universe_merge(models, iterations=2, matching=m)
-    par, T_par = universe_merge(
-        models, iterations=2, matching=m, scale=Scale(workers=2, backend="ray", spool_dir=str(tmp_path))
-    )
-    record("universe aligned by 2 Ray tasks vs sequential (max |Δ|)", _max_diff(seq, par), 1e-10)
-    _same_transforms(T_seq, T_par, record, "ray")
+    _parallel_vs_sequential(tmp_path, record, "ray")
     assert not ray.is_initialized() and not any(tmp_path.glob("round-*"))
