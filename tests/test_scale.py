@@ -367,3 +367,12 @@ def test_parallel_ray_tasks_equal_the_sequential_path(tmp_path, record):
 
     _parallel_vs_sequential(tmp_path, record, "ray")
     assert not ray.is_initialized() and not any(tmp_path.glob("round-*"))
+
+
+def test_mmap_replies_on_disk_are_refused_by_strategies_that_hold_them_in_memory():
+    from fedlmc.strategies import HeteroWidthFedAvg, ReportingFedAvg
+
+    for cls in (ReportingFedAvg, HeteroWidthFedAvg):
+        with pytest.raises(ValueError, match="AlignedFedAvg and RefinedFedAvg"):
+            cls(scale=Scale(spool=True))
+    ReportingFedAvg(scale=Scale())  # the default (in memory) is every strategy's

@@ -77,6 +77,7 @@ class AlignedFedAvg(FedlmcStrategy):
     """
 
     needs_architecture = True
+    stored_replies = True
 
     def __init__(
         self,

@@ -92,6 +92,7 @@ class FedlmcStrategy(FedAvg):
     """
 
     same_shape = True  # replies must have the global model's shape (mixed-width strategies say False)
+    stored_replies = False  # combine() reads replies that wait on disk (``scale.on_disk``): the aligned ones
     needs_architecture = False  # strategies that align or slice must know the model before round 1
 
     def __init__(
@@ -123,6 +124,11 @@ class FedlmcStrategy(FedAvg):
         self._excluded: list[dict[str, Any]] = []
         self._failures: list[dict[str, Any]] = []
         self.scale = scale if scale is not None else Scale()
+        if self.scale.on_disk and not self.stored_replies:
+            raise ValueError(
+                f"{type(self).__name__} combines replies held in memory: scale=Scale(spool=..., workers=...) is "
+                "for AlignedFedAvg and RefinedFedAvg"
+            )
         self.store: Optional[ReplyStore] = None  # this round's replies on disk (with ``scale.on_disk``)
         self._arrived: dict[tuple, Any] = {}  # arrival_key → (model, weight) or the reason, read as it arrived
         self._norm_of, self._norm = None, None  # the global model whose norm ``_reference_norm`` holds
