@@ -86,7 +86,8 @@ class FedlmcStrategy(FedAvg):
         (memory-mapped) when needed, so the server holds a few models whatever their number;
         ``Scale(workers=n)`` also aligns them in ``n`` worker processes (or Ray tasks on the cluster at
         ``ray_address``). A reply that cannot be written or read, or whose alignment fails twice, is
-        excluded with the reason (``fedlmc.options.Scale``).
+        excluded with the reason (``fedlmc.options.Scale``). Replies on disk are for the aligned
+        strategies (``AlignedFedAvg``, ``RefinedFedAvg``); the others refuse them.
     **fedavg
         Flower's ``FedAvg`` parameters (``fraction_train``, ``min_available_nodes``...).
     """
