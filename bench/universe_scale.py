@@ -40,6 +40,7 @@ import torch
 from _results import PeakMemory, environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from fedlmc.allocator import release_freed_memory, retain_freed_memory
+from fedlmc.averaging import streamed_mean
 from fedlmc.models import from_preset
 from fedlmc.options import Scale
 from fedlmc.replies import save_model, stored
@@ -97,15 +98,7 @@ def gemm_seconds() -> float:
 
 def streamed_fedavg(paths: list[str]) -> torch.nn.Module:
     """FedAvg over files: a running weighted sum, one reply at a time."""
-    acc, first = None, None
-    for p in paths:
-        model = stored(p).load()
-        if acc is None:
-            acc, first = {k: v.detach().clone() / len(paths) for k, v in model.state_dict().items()}, model
-        else:
-            for k, v in model.state_dict().items():
-                acc[k].add_(v, alpha=1.0 / len(paths))
-    return rebuild(first, acc)
+    return streamed_mean((stored(p).load() for p in paths), [1.0 / len(paths)] * len(paths))
 
 
 def one_run(args: argparse.Namespace) -> dict:

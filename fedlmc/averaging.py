@@ -18,7 +18,7 @@ they are, so the identity transform gives exactly plain averaging (FedAvg).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -82,6 +82,18 @@ class RunningSum:
             for v in self.state.values():
                 v.div_(self.weight)
         return self.state
+
+
+def streamed_mean(models: Iterable[nn.Module], weights: Sequence[float]) -> nn.Module:
+    """``Σ w_m θ_m / Σ w_m`` over models given one at a time (e.g. read from disk as the loop asks): the
+    sum and one model in memory, whatever their number."""
+    acc, first = RunningSum(), None
+    for model, w in zip(models, weights):
+        acc.add({k: v.detach() for k, v in model.state_dict().items()}, w)
+        first = model if first is None else first
+    if first is None:
+        raise ValueError("streamed_mean needs at least one model")
+    return rebuild(first, acc.mean(), own=True)
 
 
 REDUCES = ("mean", "median", "trimmed")

@@ -25,13 +25,13 @@ import torch.nn as nn
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.supercore import log
 
-from fedlmc.averaging import FORMS, REDUCES, RunningSum, merge, robust_merge
+from fedlmc.averaging import FORMS, REDUCES, merge, robust_merge, streamed_mean
 from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
 from fedlmc.options import Matching, OnClients, Refinement, one_of
 from fedlmc.replies import StoredModel
-from fedlmc.symmetry import rebuild, spec_for
+from fedlmc.symmetry import spec_for
 from fedlmc.universe import universe_merge
 
 from .base import FedlmcStrategy, loaded
@@ -131,11 +131,7 @@ class AlignedFedAvg(FedlmcStrategy):
         total = sum(weights)
         if not any(isinstance(m, StoredModel) for m in models):
             return merge(models, [w / total for w in weights])
-        acc, first = RunningSum(), None
-        for m, w in zip(models, weights):
-            first = loaded(m)
-            acc.add({k: v.detach() for k, v in first.state_dict().items()}, w / total)
-        return rebuild(first, acc.mean())
+        return streamed_mean((loaded(m) for m in models), [w / total for w in weights])
 
     def require_grid(self):
         if self.grid is None:
