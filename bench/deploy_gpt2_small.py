@@ -5,7 +5,11 @@ size both ways. Clients receive the global model, take ``--local-steps`` steps a
 server averages. Samples every process's resident memory twice a second and writes
 ``results/deploy_gpt2_small.json``: the round's wall time, each process's peak RSS, and what it needed.
 
-    python bench/deploy_gpt2_small.py [--local-steps 1] [--strategy average]
+    python bench/deploy_gpt2_small.py [--database memory|sqlite] [--superlink fedlmc|flower] [--burners N]
+
+``--superlink flower`` runs Flower's own ``flower-superlink`` (payloads in the state file, 5 s lock
+wait) instead of ``fedlmc-superlink``; ``--burners N`` runs N CPU-bound GEMM processes beside the round
+(a busy host). The file is ``deploy_gpt2_small_<database>[_flower][_load<N>].json``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from _results import Burners
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,6 +39,7 @@ def free_port() -> int:
 def role(args: str) -> str:
     for key in (
         "flower-superlink",
+        "fedlmc-superlink",
         "flower-supernode",
         "flwr-serverapp",
         "flwr-clientapp",
@@ -88,6 +95,8 @@ def main() -> None:
         default="memory",
         help="the SuperLink's state: a sqlite file (deploy/start.sh's default) or in memory",
     )
+    p.add_argument("--superlink", choices=["fedlmc", "flower"], default="fedlmc")
+    p.add_argument("--burners", type=int, default=0, help="CPU-bound GEMM processes running beside the round")
     args = p.parse_args()
     d = Path(tempfile.mkdtemp(prefix="dep-g2s-", dir="/tmp"))
     bin_dir = str(Path(sys.executable).parent)
@@ -103,13 +112,15 @@ def main() -> None:
         "WIDTHS": "",
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "DATABASE": str(d / "state.db") if args.database == "sqlite" else "",
+        "SUPERLINK": args.superlink,
     }
     out = d / "out"
     cfg = (
         f"preset='gpt2-small' vocab-size=50257 num-server-rounds=1 local-steps={args.local_steps} batch-size=2 "
         f"strategy='{args.strategy}' independent-start=false eval-batches=1 guard=false threads=1 out-dir='{out}'"
     )
-    doc = {"config": cfg, "database": args.database}
+    doc = {"config": cfg, "database": args.database, "superlink": args.superlink, "burners": args.burners}
+    burners = Burners(args.burners).__enter__()
     try:
         subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
         sampler = Sampler(d / "pids", [os.getpid()])
@@ -134,9 +145,12 @@ def main() -> None:
             doc["finished"] = "finished" in m
         doc["log_tail"] = (run.stdout + run.stderr)[-3000:]
     finally:
+        burners.__exit__()
         subprocess.run(["bash", str(ROOT / "deploy/stop.sh")], env={**env}, timeout=60)
     doc["peak_rss_mb"] = {k: v for k, v in doc.get("peak_rss_mb", {}).items() if not k.startswith("ps ")}
-    (ROOT / "results" / f"deploy_gpt2_small_{args.database}.json").write_text(json.dumps(doc, indent=1))
+    name = f"deploy_gpt2_small_{args.database}" + ("_flower" if args.superlink == "flower" else "")
+    name += f"_load{args.burners}" if args.burners else ""
+    (ROOT / "results" / f"{name}.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps({k: v for k, v in doc.items() if k != "log_tail"}, indent=1))
     print(doc.get("log_tail", "")[-1500:])
 

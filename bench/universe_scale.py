@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _results import PeakMemory, environment, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import PeakMemory, environment, gemm_seconds, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.averaging import streamed_mean
@@ -82,18 +81,6 @@ def make_replies(kind: str, count: int, layers: int, folder: Path) -> list[str]:
             save_model(path, apply_transform(canonical(own), pi))
         print(f"  {kind} reply {m + 1}/{count} written", flush=True)
     return [str(p) for p in paths]
-
-
-def gemm_seconds() -> float:
-    """A fixed float32 GEMM (2048², 10 products), median of 3: the busy-machine reference."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def streamed_fedavg(paths: list[str]) -> torch.nn.Module:

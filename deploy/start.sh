@@ -13,11 +13,20 @@ PORT=${PORT:-8000}           # the SuperLink's HTTP API (fleet, control, runtime
 NODE_PORT=${NODE_PORT:-9094} # first SuperNode's ClientAppIo port (one per node)
 WIDTHS=${WIDTHS:-}
 DATABASE=${DATABASE-$DIR/state.db} # the SuperLink's state; DATABASE="" keeps it in memory (no restart possible)
+PAYLOADS=${PAYLOADS:-memory}        # message payloads: in the SuperLink's memory, or in the state file (database)
 BIN=${BIN:-$ROOT/.venv/bin}
 export PATH="$BIN:$PATH" FLWR_TELEMETRY_ENABLED=0
 export FLWR_HOME="$DIR/flwr"
+# every process of this deployment inherits the marker; deploy/stop.sh finds them by it, and by the
+# addresses and state file recorded in DIR/deployment, even when they are no longer below a started pid
+export FEDLMC_DEPLOYMENT="$DIR"
 mkdir -p "$FLWR_HOME"
 : > "$DIR/pids"
+{
+  echo "PORT=$PORT"
+  for ((i = 0; i < N; i++)); do echo "NODE_PORT$i=$((NODE_PORT + i))"; done
+  echo "DATABASE=$DATABASE"
+} > "$DIR/deployment"
 
 if [[ $MODE == secure ]]; then
   [[ -f $DIR/certs/ca.crt && -f $DIR/certs/keys/node$((N - 1)).pub ]] || "$ROOT/deploy/certs.sh" "$DIR/certs" "$N"
@@ -43,10 +52,15 @@ insecure = true
 TOML
 fi
 
-# the SuperLink never installs the app's dependencies (they are in this venv; a fetch would pull CUDA torch)
+# the SuperLink never installs the app's dependencies (they are in this venv; a fetch would pull CUDA torch).
+# fedlmc-superlink is flower-superlink with the message payloads out of the state file (PAYLOADS=memory,
+# the default; PAYLOADS=database keeps Flower's layout) and writes that wait for the file's lock
+# (SUPERLINK=flower: Flower's own flower-superlink, payloads in the state file, writes waiting 5 s)
 DB_ARGS=()
 [[ -n $DATABASE ]] && DB_ARGS=(--database "$DATABASE")
-flower-superlink "${LINK_TLS[@]}" --disable-runtime-dependency-installation "${DB_ARGS[@]}" \
+LINK=(fedlmc-superlink --payloads "$PAYLOADS")
+[[ ${SUPERLINK:-fedlmc} == flower ]] && LINK=(flower-superlink)
+"${LINK[@]}" "${LINK_TLS[@]}" --disable-runtime-dependency-installation "${DB_ARGS[@]}" \
   --fleet-api-address "127.0.0.1:$PORT" --control-api-address "127.0.0.1:$PORT" --host 127.0.0.1 --port "$PORT" \
   > "$DIR/superlink.log" 2>&1 &
 echo $! >> "$DIR/pids"

@@ -21,7 +21,7 @@ from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
-from .options import Matching, OnClients, Refinement, Scale, one_of
+from .options import SCREENS, Matching, OnClients, Refinement, Scale, Screen, one_of
 from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
 
@@ -36,6 +36,8 @@ STRATEGIES = (
     "hetero-permuted",
     "hetero-refined",
     "slicing",
+    "krum",
+    "multikrum",
 )
 # strategies whose refinement and guard run on the clients (no server data)
 ON_CLIENTS = ("aligned-clients", "refined-clients")
@@ -89,6 +91,9 @@ class Settings:
     spool: bool = Scale.spool  # Scale.spool: replies wait on disk, memory-mapped (always with workers != 1)
     spool_dir: str = ""  # Scale.spool_dir ("": the system's temporary directory)
     ray_address: str = ""  # Scale.ray_address: align on this Ray cluster ("": local worker processes)
+    screen: str = "none"  # none | distance | krum: Screen.method, the aligned strategies' screening of outliers
+    screen_threshold: float = Screen.threshold  # Screen.threshold (distance: robust deviations)
+    malicious: int = Screen.malicious  # Screen.malicious, and the krum / multikrum baselines' f
 
     # Fixed in the production app; the experiment layer makes each a run_config key (ExperimentSettings).
     form: ClassVar[str] = "factored"  # the merge's form: factored (the clients' shape) or circuit
@@ -145,7 +150,14 @@ class Settings:
                     f"reduce={self.reduce!r} applies to strategies average, permuted, aligned and aligned-clients, "
                     f"not {name!r}"
                 )
+            if self.screen != "none" and name not in ("permuted", "aligned", "aligned-clients"):
+                raise ValueError(
+                    f"screen={self.screen!r} screens aligned replies: strategies permuted, aligned and "
+                    f"aligned-clients (krum / multikrum are the raw-coordinate baselines), not {name!r}"
+                )
         one_of(self.reduce, REDUCES, "reduce")
+        one_of(self.screen, ("none", *SCREENS), "screen")
+        self.screen_options()
         one_of(self.partitioner, SCHEMES, "partitioner")
         self.matching()
         self.scale()
@@ -167,6 +179,12 @@ class Settings:
             spool_dir=self.spool_dir or None,
             ray_address=self.ray_address or None,
         )
+
+    def screen_options(self) -> Optional[Screen]:
+        """The aligned strategies' screening of outlier replies (None: no screening)."""
+        if self.screen == "none":
+            return None
+        return Screen(method=self.screen, threshold=self.screen_threshold, malicious=self.malicious)
 
     def refinement(self, data) -> Refinement:
         """The refinement's options, learning on ``data`` (the server's refinement half)."""

@@ -8,6 +8,7 @@
   ``HeteroWidthFedAvg``).
 * ``OnClients``: where a refinement's gradients and a guard's losses come from without server data.
 * ``Scale``: how a server aggregates many replies: on disk, aligned by parallel workers.
+* ``Screen``: which replies a round leaves out as outliers once they are aligned.
 
 A knob has one name from ``run_config`` down to the optimiser: run_config ``refine-check-sigmas`` is
 ``Settings.refine_check_sigmas`` is ``Refinement.check_sigmas``, the one the optimiser reads.
@@ -273,3 +274,39 @@ class Scale:
     @property
     def on_disk(self) -> bool:
         return self.spool or self.parallel
+
+
+SCREENS = ("distance", "krum")
+
+
+@dataclass(frozen=True)
+class Screen:
+    """Which replies to leave out of a round because they are outliers once aligned (``fedlmc.screen``).
+
+    After alignment every reply lives in the universe's coordinates, so distances between replies
+    measure how differently they compute, not how differently their neurons happen to be ordered.
+
+    Parameters
+    ----------
+    method : {"distance", "krum"}, default "distance"
+        "distance": a robust z-score of each reply's distance to the coordinate-wise median of the
+        aligned replies; replies above ``threshold`` are excluded (none, in a federation of honest
+        clients). "krum": Krum's score (the summed squared distances to each reply's M − f − 2 nearest
+        aligned replies) and the ``malicious`` highest scores excluded (Multi-Krum's selection).
+    threshold : float, default 3.0
+        "distance": exclude a reply whose distance exceeds the median distance by this many robust
+        standard deviations (1.4826 × the median absolute deviation, at least 10 % of the median).
+    malicious : int, default 1
+        "krum": f, the number of poisoned clients assumed (and excluded every round).
+    """
+
+    method: str = "distance"
+    threshold: float = 3.0
+    malicious: int = 1
+
+    def __post_init__(self) -> None:
+        one_of(self.method, SCREENS, "screen method")
+        if not self.threshold > 0 or self.malicious < 0:
+            raise ValueError(
+                f"threshold must be positive and malicious non-negative, got {self.threshold}, {self.malicious}"
+            )

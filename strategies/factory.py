@@ -5,12 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from fedlmc.federated import Settings, halves
-from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg, ReportingFedAvg, SlicingFedAvg
+from fedlmc.strategies import (
+    AlignedFedAvg,
+    HeteroWidthFedAvg,
+    KrumFedAvg,
+    RefinedFedAvg,
+    ReportingFedAvg,
+    SlicingFedAvg,
+)
 
 
 def build_strategy(s: Settings, model_config, splits, model: Any = None):
     """``average`` | ``permuted`` | ``aligned`` | ``aligned-clients`` | ``refined`` | ``refined-clients`` |
-    ``hetero`` | ``hetero-permuted`` | ``hetero-refined`` | ``slicing`` for the run's settings.
+    ``hetero`` | ``hetero-permuted`` | ``hetero-refined`` | ``slicing`` | ``krum`` | ``multikrum`` for the
+    run's settings (``screen`` screens the aligned strategies' replies; ``krum`` / ``multikrum`` are Flower's
+    raw-coordinate Krum and Multi-Krum, f = ``malicious``).
 
     The server's validation split is cut in two: the refinement learns on one half, the do-no-harm
     guard judges on the other (so the guard never scores a model on data it was refined on). The
@@ -46,14 +55,19 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
     robust = dict(reduce=s.reduce, trim=s.trim)
     if s.strategy == "average":
         return ReportingFedAvg(**common, **robust)
+    if s.strategy in ("krum", "multikrum"):
+        return KrumFedAvg(
+            **common, num_malicious_nodes=s.malicious, num_nodes_to_select=1 if s.strategy == "krum" else None
+        )
+    screened = dict(robust, screen=s.screen_options())
     if s.strategy in ("aligned", "permuted"):
-        return AlignedFedAvg(**common, **aligned, **robust)
+        return AlignedFedAvg(**common, **aligned, **screened)
     if s.strategy == "refined":
         return RefinedFedAvg(**common, **aligned, refine=s.refinement(refine_half))
     # no server data: the clients compute the refinement's gradients and score the guard's candidates
     clients = dict(aligned, guard_data=None, on_clients=s.on_clients(), client_guard=s.guard)
     if s.strategy == "aligned-clients":
-        return AlignedFedAvg(**common, **clients, **robust)
+        return AlignedFedAvg(**common, **clients, **screened)
     if s.strategy == "refined-clients":
         return RefinedFedAvg(**common, **clients, refine=s.refinement(None))
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,61 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 # for each other and the fast suite goes from ~20 s to over 10 minutes (measured; see the CI note in
 # README "Development"). FEDLMC_TEST_THREADS overrides it.
 torch.set_num_threads(int(os.environ.get("FEDLMC_TEST_THREADS", "1")))
+
+# Every process a test starts inherits this marker; after each test none of the deployment's runtime
+# processes (Flower's SuperLink, SuperNodes, SuperExecs, ServerApps, ClientApps, ``flwr``) or Ray's
+# daemons that carry it may be left (``leftovers`` below).
+SESSION_MARK = f"FEDLMC_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["FEDLMC_TEST_SESSION"] = SESSION_MARK.split("=", 1)[1]
+RUNTIME = (
+    b"flower-superlink",
+    b"fedlmc-superlink",
+    b"flower-supernode",
+    b"flower-superexec",
+    b"flwr-serverapp",
+    b"flwr-clientapp",
+    b"bin/flwr",
+    b"raylet",
+    b"gcs_server",
+)
+
+
+def leftovers() -> dict[int, str]:
+    """This test session's Flower and Ray runtime processes still running: {pid: command line}."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if not any(name in cmdline for name in RUNTIME):
+                continue
+            if SESSION_MARK.encode() not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().split(") ")[1][0] == "Z":
+                continue
+        except OSError:
+            continue
+        found[int(proc.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    """Fail a test that leaves a runtime process behind (after a grace period for processes on their way
+    out), and kill what it left so the next test starts clean."""
+    yield
+    end = time.time() + 20
+    left = leftovers()
+    while left and time.time() < end:
+        time.sleep(0.5)
+        left = leftovers()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left running after the test: {left}"
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAv
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
-from .fedavg import ReportingFedAvg
+from .fedavg import KrumFedAvg, ReportingFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 from .lora import LoraFedAvg
 
@@ -15,6 +15,7 @@ __all__ = [
     "HeteroWidthFedAvg",
     "SlicingFedAvg",
     "ReportingFedAvg",
+    "KrumFedAvg",
     "FedlmcStrategy",
     "LoraFedAvg",
 ]

@@ -25,13 +25,14 @@ import torch.nn as nn
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.supercore import log
 
-from fedlmc.averaging import FORMS, REDUCES, merge, robust_merge, streamed_mean
+from fedlmc.averaging import FORMS, REDUCES, aligned_state, merge, robust_merge, streamed_mean
 from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
-from fedlmc.options import Matching, OnClients, Refinement, one_of
+from fedlmc.options import Matching, OnClients, Refinement, Screen, one_of
 from fedlmc.replies import StoredModel
-from fedlmc.symmetry import spec_for
+from fedlmc.screen import screen as screen_replies
+from fedlmc.symmetry import canonical, spec_for
 from fedlmc.universe import universe_merge
 
 from .base import FedlmcStrategy, loaded
@@ -72,6 +73,10 @@ class AlignedFedAvg(FedlmcStrategy):
         says how many clients, the loss metric's key, the timeout).
     client_guard : bool, default True
         With ``on_clients`` and no server guard: whether the clients guard at all.
+    screen : Screen, optional
+        Screen the aligned replies (``fedlmc.options.Screen``): the outliers among them are excluded with
+        the reason logged, and the round is merged again without them, with the same ``reduce``. The
+        screen holds the round's aligned replies in memory.
     **kwargs
         ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
     """
@@ -94,10 +99,12 @@ class AlignedFedAvg(FedlmcStrategy):
         trim: float = 0.2,
         on_clients: Optional[OnClients] = None,
         client_guard: bool = True,
+        screen: Optional[Screen] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.on_clients, self.client_guard = on_clients, client_guard
+        self.screen = screen
         self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
         if guard_fn is not None and guard_data is not None:
             raise ValueError("pass guard_data or guard_fn, not both")
@@ -148,19 +155,19 @@ class AlignedFedAvg(FedlmcStrategy):
         self.server_round, self.remote_record = server_round, None
         start = self.start_for(models)
         merged, transforms = self.align(models, weights, start)
-        gone = [i for i, T in enumerate(transforms) if "excluded" in T.info]  # unreadable, or failed in a worker
-        for i in gone:
-            self.exclude(server_round, self.round_nodes[i], transforms[i].info["excluded"])
-        if gone:  # in place: the round's record, metrics and report see only the replies aggregated
-            keep = [i for i in range(len(models)) if i not in gone]
-            for seq in (replies, models, weights, transforms, self.round_nodes):
-                seq[:] = [seq[i] for i in keep]
+        self._drop_failed(server_round, replies, models, weights, transforms)
+        screened = self._screen(server_round, replies, models, weights, transforms) if self.screen else None
+        if screened is not None and screened["excluded"]:  # merged again without the outliers
+            merged, transforms = self.align(models, weights, start)
+            self._drop_failed(server_round, replies, models, weights, transforms)
         fields: dict[str, Any] = {
             "align_seconds": time.time() - t0,
             "kept": "aligned",
             "start": "previous" if start is not None else "reply",
             "moved": [transform_distance(T, spec_for(merged)) for T in transforms],
         }
+        if screened is not None:
+            fields["screen"] = screened
         refined = next((T.info for T in transforms if T.info.get("method") == "refined"), None)
         if refined is not None:  # how long the refinement ran, and which of its steps it kept
             fields.update(refine_steps_run=refined["steps_run"], refine_best_step=refined["best_step"])
@@ -215,6 +222,39 @@ class AlignedFedAvg(FedlmcStrategy):
             sum(fields["moved"]) / len(models),
         )
         return result, fields, plain
+
+    def _drop_failed(self, server_round, replies, models, weights, transforms) -> None:
+        """Exclude the replies the merge could not use (unreadable, or failed in a worker), in place: the
+        round's record, metrics and report see only the replies aggregated."""
+        gone = [i for i, T in enumerate(transforms) if "excluded" in T.info]
+        for i in gone:
+            self.exclude(server_round, self.round_nodes[i], transforms[i].info["excluded"])
+        if gone:
+            self._drop(gone, replies, models, weights, transforms)
+
+    def _drop(self, gone, replies, models, weights, transforms) -> None:
+        """Leave the replies at indices ``gone`` out of the round, in place."""
+        keep = [i for i in range(len(models)) if i not in gone]
+        for seq in (replies, models, weights, transforms, self.round_nodes):
+            seq[:] = [seq[i] for i in keep]
+
+    def _screen(self, server_round, replies, models, weights, transforms) -> dict[str, Any]:
+        """Score the aligned replies (``fedlmc.screen``), exclude the outliers (in place), and return the
+        round record's ``screen`` field: each node's score and the nodes excluded."""
+        t0 = time.time()
+        states = [aligned_state(canonical(loaded(m)), T) for m, T in zip(models, transforms)]
+        found = screen_replies(states, self.screen)
+        del states
+        nodes = list(self.round_nodes)
+        for i, reason in sorted(found.excluded.items()):
+            self.exclude(server_round, nodes[i], f"screen ({found.method}): {reason}")
+        self._drop(sorted(found.excluded), replies, models, weights, transforms)
+        return {
+            "method": found.method,
+            "scores": {str(n): s for n, s in zip(nodes, found.scores)},
+            "excluded": [nodes[i] for i in sorted(found.excluded)],
+            "seconds": time.time() - t0,
+        }
 
     def guard_loss(self, model: nn.Module) -> float:
         """The do-no-harm loss: ``guard_fn`` on the clients' form of ``model``, else the loss on ``guard_data``."""

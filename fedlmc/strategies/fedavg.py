@@ -3,8 +3,9 @@ with ``reduce``, Flower's robust coordinate-wise aggregates (FedMedian, FedTrimm
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedlmc.averaging import REDUCES, robust_merge
@@ -37,3 +38,45 @@ class ReportingFedAvg(FedlmcStrategy):
             return robust_merge(models, self.reduce, self.trim), {"kept": self.reduce}, None
         arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
         return self.model_of(arrays), {"kept": "average"}, None
+
+
+class KrumFedAvg(ReportingFedAvg):
+    """Flower's Krum / Multi-Krum on the raw replies (``flwr.serverapp.strategy.MultiKrum``'s own
+    ``select_multikrum``), with fedlmc's validation and a record of the replies it left out: the
+    raw-coordinate baseline for screening modulo symmetries (``AlignedFedAvg(screen=...)``).
+
+    Parameters
+    ----------
+    num_malicious_nodes : int, default 1
+        Krum's f: each reply's score sums its squared distances to its M − f − 2 nearest replies.
+    num_nodes_to_select : int or None, default None
+        How many of the lowest-scoring replies are averaged: 1 is Krum; None: M − f (Multi-Krum keeping
+        all but f).
+    **kwargs
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
+    """
+
+    def __init__(self, *, num_malicious_nodes: int = 1, num_nodes_to_select: Optional[int] = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        if num_malicious_nodes < 0 or (num_nodes_to_select is not None and num_nodes_to_select < 1):
+            raise ValueError(
+                f"num_malicious_nodes must be >= 0 and num_nodes_to_select >= 1 (or None), got "
+                f"{num_malicious_nodes} and {num_nodes_to_select}"
+            )
+        self.num_malicious_nodes, self.num_nodes_to_select = num_malicious_nodes, num_nodes_to_select
+
+    def combine(self, server_round, replies, models, weights):
+        contents = [m.content for m in replies]
+        f = self.num_malicious_nodes
+        select = self.num_nodes_to_select or max(1, len(replies) - f)
+        chosen = {id(c) for c in select_multikrum(contents, num_malicious_nodes=f, num_nodes_to_select=select)}
+        nodes = [int(m.metadata.src_node_id) for m in replies]
+        left_out = [i for i, c in enumerate(contents) if id(c) not in chosen]
+        for i in left_out:
+            self.exclude(server_round, nodes[i], f"Krum (raw coordinates, f={f}): not among the {select} selected")
+        keep = [i for i in range(len(replies)) if i not in left_out]
+        for seq in (replies, models, weights):
+            seq[:] = [seq[i] for i in keep]
+        arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
+        screened = {"method": "krum-raw", "excluded": [nodes[i] for i in left_out]}
+        return self.model_of(arrays), {"kept": "krum" if select == 1 else "multikrum", "screen": screened}, None

@@ -1,0 +1,105 @@
+"""Screening replies modulo symmetries: which replies are outliers once aligned.
+
+Two replies trained from different starts, or with their neurons in another order, are far apart in raw
+coordinates whatever they compute, so a distance-based defence (Krum, a distance to the median) cannot
+tell a poisoned reply from an honest one there. After alignment to the universe the replies share one
+coordinate system and distances between them mean something. ``screen`` scores each aligned reply and
+names the ones to exclude (``fedlmc.options.Screen`` says how); ``AlignedFedAvg(screen=...)`` then
+merges again without them, with the round's ``reduce``.
+
+``krum_scores`` and ``multikrum_selection`` are Krum's score and Multi-Krum's selection on any list of
+state dicts: on aligned replies here, and on raw replies for Flower's ``Krum`` / ``MultiKrum`` baselines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .options import Screen
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass
+class Screening:
+    """What ``screen`` found: each reply's score (higher: more of an outlier), the replies to exclude
+    (index → the reason, for the log), and the method."""
+
+    method: str
+    scores: list[float]
+    excluded: dict[int, str] = field(default_factory=dict)
+
+
+def squared_distances(states: Sequence[StateDict]) -> torch.Tensor:
+    """(M, M) squared Euclidean distances between flattened state dicts (float64, one tensor at a time)."""
+    M = len(states)
+    D = torch.zeros(M, M, dtype=torch.float64)
+    for name in states[0]:
+        X = torch.stack([s[name].detach().reshape(-1).to(torch.float64) for s in states])
+        G = X @ X.T
+        n = G.diagonal()
+        D += (n[:, None] + n[None, :] - 2 * G).clamp_min(0)
+    D.fill_diagonal_(0)
+    return D
+
+
+def median_distances(states: Sequence[StateDict]) -> torch.Tensor:
+    """(M,) each state dict's Euclidean distance to the coordinate-wise median of all of them."""
+    d2 = torch.zeros(len(states), dtype=torch.float64)
+    for name in states[0]:
+        X = torch.stack([s[name].detach().reshape(-1).to(torch.float64) for s in states])
+        S, M = X.sort(dim=0).values, len(states)
+        med = S[M // 2] if M % 2 else (S[M // 2 - 1] + S[M // 2]) / 2
+        d2 += ((X - med) ** 2).sum(dim=1)
+    return d2.sqrt()
+
+
+def krum_scores(D: torch.Tensor, malicious: int) -> torch.Tensor:
+    """Krum's score of each reply: the sum of its squared distances to its M − f − 2 nearest others."""
+    M = D.shape[0]
+    k = M - malicious - 2
+    if k < 1:
+        raise ValueError(f"Krum needs more than f + 2 replies: {M} replies, f = {malicious}")
+    others = D + torch.diag(torch.full((M,), float("inf"), dtype=D.dtype))
+    return others.sort(dim=1).values[:, :k].sum(dim=1)
+
+
+def multikrum_selection(D: torch.Tensor, malicious: int, select: int) -> list[int]:
+    """Multi-Krum's choice: the ``select`` replies with the lowest Krum scores (Krum: ``select=1``)."""
+    scores = krum_scores(D, malicious)
+    return sorted(int(i) for i in scores.argsort()[:select])
+
+
+def screen(states: Sequence[StateDict], options: Screen) -> Screening:
+    """Score aligned replies (state dicts in one coordinate system) and name the outliers to exclude.
+
+    "distance": each reply's distance to the coordinate-wise median; a reply is excluded when its robust
+    z-score, (d − median d) / max(1.4826 MAD, 0.1 median d), exceeds ``options.threshold``. At most
+    (M − 1) // 2 replies are excluded (the farthest), so a majority is always kept. "krum": the
+    ``options.malicious`` replies with the highest Krum scores.
+    """
+    M = len(states)
+    if options.method == "krum":
+        if M - options.malicious - 2 < 1:  # too few replies for Krum's score: exclude nothing
+            return Screening("krum", [0.0] * M)
+        scores = krum_scores(squared_distances(states), options.malicious)
+        worst = scores.argsort(descending=True)[: options.malicious].tolist()
+        out = Screening("krum", scores.tolist())
+        for i in worst:
+            out.excluded[i] = f"Krum score {scores[i]:.4g} among the {options.malicious} highest of {M} aligned replies"
+        return out
+    d = median_distances(states)
+    centre = d.median()
+    spread = torch.maximum(1.4826 * (d - centre).abs().median(), 0.1 * centre).clamp_min(1e-12)
+    z = (d - centre) / spread
+    out = Screening("distance", z.tolist())
+    flagged = [i for i in z.argsort(descending=True).tolist() if z[i] > options.threshold][: (M - 1) // 2]
+    for i in flagged:
+        out.excluded[i] = (
+            f"aligned distance to the median {d[i]:.4g} is {z[i]:.1f} robust deviations above the others' "
+            f"(median {centre:.4g}; threshold {options.threshold:g})"
+        )
+    return out

@@ -1,0 +1,128 @@
+"""Screening replies modulo symmetries: after alignment, an outlier among rotated and permuted honest
+replies is found and excluded, the honest ones are not; Krum's score and Multi-Krum's selection agree
+with Flower's; the strategies record what they left out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturbed
+from flwr.app import ArrayRecord
+from flwr.serverapp.strategy.multikrum import select_multikrum
+from test_strategies import _reply
+
+from fedlmc.averaging import aligned_state
+from fedlmc.models import from_preset
+from fedlmc.options import Screen
+from fedlmc.screen import krum_scores, multikrum_selection, screen, squared_distances
+from fedlmc.strategies import AlignedFedAvg, KrumFedAvg
+from fedlmc.strategies.records import model_from_arrays
+from fedlmc.symmetry import apply_transform, canonical, canonicalize, random_transform, to_layernorm
+from fedlmc.universe import universe_merge
+
+KW = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
+POISONED = 4  # the index of the poisoned reply
+
+
+def _federation(poisoned: bool = True, n: int = 5, seed: int = 0):
+    """n replies of one model: honest ones are the model plus a small update of their own, each in its own
+    coordinates (a random residual rotation, head and FF permutations); with ``poisoned`` the last one
+    sends the model minus 4 × its update (a sign-flipping attacker), in its own coordinates too."""
+    torch.manual_seed(seed)
+    base = perturbed(from_preset("vit-tiny", **KW), seed, 0.2).double()
+    replies = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(100 + seed * 10 + i)
+        sign = -4.0 if poisoned and i == POISONED else 1.0
+        update = {k: 0.02 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in base.state_dict().items()}
+        client = from_preset("vit-tiny", **KW).double()
+        client.load_state_dict({k: v + sign * update[k] for k, v in base.state_dict().items()})
+        canon = canonicalize(client)
+        T = random_transform(canon, seed=10 + i, fix_ones=True, groups=["residual", "heads", "ff"])
+        replies.append(to_layernorm(apply_transform(canon, T)))
+    return base, replies
+
+
+def _aligned(replies):
+    merged, transforms = universe_merge(replies, reduce="median", keep_layernorm=True, iterations=3)
+    return [aligned_state(canonical(m), T) for m, T in zip(replies, transforms)]
+
+
+@pytest.mark.parametrize("method", ["distance", "krum"])
+def test_screen_excludes_a_planted_outlier_among_rotated_and_permuted_honest_replies(method):
+    _, replies = _federation(poisoned=True)
+    found = screen(_aligned(replies), Screen(method=method))
+    assert set(found.excluded) == {POISONED}, (found.scores, found.excluded)
+    assert max(found.scores) == found.scores[POISONED]
+
+
+def test_screen_excludes_no_honest_reply():
+    for seed in range(3):
+        _, replies = _federation(poisoned=False, seed=seed)
+        found = screen(_aligned(replies), Screen())
+        assert found.excluded == {}, (seed, found.scores)
+
+
+def test_in_raw_coordinates_the_outlier_does_not_stand_out():
+    """The same replies unaligned: each honest one sits in its own coordinates, so they are as far from
+    each other as from the attacker, and Flower's raw Krum keeps the attacker's reply in its selection."""
+    _, replies = _federation(poisoned=True)
+    raw = [m.state_dict() for m in replies]
+    found = screen(raw, Screen())
+    assert POISONED not in found.excluded
+    D = squared_distances(raw)
+    honest = D[:POISONED, :POISONED][~torch.eye(POISONED, dtype=torch.bool)]
+    assert D[POISONED, :POISONED].mean() < 2 * honest.mean()  # raw: the attacker is not far out
+
+
+def test_krum_scores_and_selection_are_flowers():
+    _, replies = _federation(poisoned=True)
+    states = [{k: v.float() for k, v in m.state_dict().items()} for m in replies]
+    contents = [_reply(m, 10, node=i + 1).content for i, m in enumerate(replies)]
+    for f, select in ((1, 1), (1, 4), (2, 2)):
+        theirs = select_multikrum(contents, num_malicious_nodes=f, num_nodes_to_select=select)
+        ours = multikrum_selection(squared_distances(states), f, select)
+        assert sorted(contents.index(c) for c in theirs) == ours
+    D = squared_distances(states)
+    k = 5 - 1 - 2
+    manual = torch.stack([D[i][torch.arange(5) != i].sort().values[:k].sum() for i in range(5)])
+    assert torch.allclose(krum_scores(D, 1), manual)
+    with pytest.raises(ValueError, match="Krum needs"):
+        krum_scores(D[:3, :3], 1)
+
+
+def test_aligned_fedavg_screen_excludes_the_outlier_and_merges_the_rest():
+    """AlignedFedAvg(screen=...) excludes the poisoned node (logged, recorded), and its aggregate is the
+    one the same strategy gives the honest replies alone; with reduce="median" too."""
+    base, replies = _federation(poisoned=True)
+    cfg = replies[0].config.to_dict()
+    previous = ArrayRecord(torch_state_dict={k: v.float() for k, v in base.state_dict().items()})
+
+    def run(strategy, models):
+        msgs = [_reply(m.float(), 10, node=i + 1) for i, m in models]
+        arrays, _ = strategy.aggregate_replies(1, msgs, previous)
+        return model_from_arrays(arrays, strategy.global_config), strategy.history[-1]
+
+    for reduce in ("mean", "median"):
+        screened, rec = run(AlignedFedAvg(model=cfg, reduce=reduce, screen=Screen()), list(enumerate(replies)))
+        assert rec["screen"]["excluded"] == [POISONED + 1]
+        assert [e["node"] for e in rec["excluded"]] == [POISONED + 1] and "screen" in rec["excluded"][0]["reason"]
+        honest, _ = run(AlignedFedAvg(model=cfg, reduce=reduce), list(enumerate(replies))[:POISONED])
+        a, b = screened.state_dict(), honest.state_dict()
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_krum_fedavg_records_the_replies_flowers_krum_left_out():
+    base, replies = _federation(poisoned=True)
+    cfg = replies[0].config.to_dict()
+    previous = ArrayRecord(torch_state_dict={k: v.float() for k, v in base.state_dict().items()})
+    msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
+    strategy = KrumFedAvg(model=cfg, num_malicious_nodes=1)
+    strategy.aggregate_replies(1, msgs, previous)
+    rec = strategy.history[-1]
+    assert len(rec["screen"]["excluded"]) == 1 and rec["kept"] == "multikrum"
+    assert [e["node"] for e in rec["excluded"]] == rec["screen"]["excluded"]
+    with pytest.raises(ValueError):
+        KrumFedAvg(model=cfg, num_malicious_nodes=-1)
+    with pytest.raises(ValueError, match="screen method"):
+        Screen(method="bulyan")
