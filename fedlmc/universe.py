@@ -14,6 +14,7 @@ from flwr.supercore import log
 
 from .allocator import release_freed_memory
 from .averaging import FORMS, REDUCES, RunningSum, aligned_state, merge, robust_merge
+from .cpu import fitting_threads
 from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
 from .matching.profile import section
@@ -321,7 +322,8 @@ def universe_merge(
     if sc.parallel and not parallel:
         log(INFO, "universe: aligning in this process (workers take same-shape models without residual data)")
     if not parallel:
-        return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress)
+        with fitting_threads():  # no more torch threads than idle cores (a busy host)
+            return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress)
     with ReplyStore(sc.spool_dir) as store, AlignmentPool(sc) as pool:
         if not all(isinstance(x, StoredModel) for x in models):  # the workers read the models from files
             on_disk = [x if isinstance(x, StoredModel) else store.put(x) for x in models]

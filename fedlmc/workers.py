@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .averaging import RunningSum, aligned_state
+from .cpu import available_cores
 from .matching import weight_matching
 from .options import Scale
 from .replies import StoredModel, mmap_state, stored, write_state
@@ -188,15 +189,3 @@ def _reason(e: BaseException) -> str:
         return f"its worker died ({type(e).__name__})"
     last = (str(e).strip().splitlines() or [""])[-1]
     return f"{type(e).__name__}: {last}"
-
-
-def available_cores() -> int:
-    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota when one is set."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            n = min(n, max(1, int(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return n

@@ -27,6 +27,15 @@ from .simulate import run_in_subprocess
 
 console = Console(stderr=True)
 
+SCREEN_STRATEGIES = [
+    "aligned@median",
+    "aligned+distance",
+    "aligned@median+distance",
+    "aligned+krum",
+    "krum",
+    "multikrum",
+]
+
 SETTINGS: dict[str, dict[str, Any]] = {
     # one-shot model fusion: independent inits, one round of long local training, one aggregation
     "oneshot": dict(
@@ -71,6 +80,50 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # flipped update cancels the four honest ones in a plain mean)
     "robust-multiround": dict(
         strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
+        clients=5,
+        config={
+            "num-server-rounds": 5,
+            "independent-start": False,
+            "partitioner": "iid",
+            "local-epochs": 2.0,
+            "poison-partition": 4,
+            "poison": "sign-flip",
+            "poison-scale": 4.0,
+        },
+    ),
+    # screening modulo symmetries (simulations.screen): the robust settings with screened strategies
+    # ("X+distance": strategy X with screen=distance) against Flower's raw Krum / Multi-Krum
+    "screen": dict(
+        strategies=SCREEN_STRATEGIES,
+        clients=5,
+        config={
+            "num-server-rounds": 1,
+            "independent-start": True,
+            "partitioner": "dirichlet",
+            "alpha": 0.5,
+            "local-epochs": 20.0,
+            "poison-partition": 4,
+            "poison": "labels",
+        },
+    ),
+    # ... independently started clients, one of them a sign-flipper (×4)
+    "screen-flip": dict(
+        strategies=SCREEN_STRATEGIES,
+        clients=5,
+        config={
+            "num-server-rounds": 1,
+            "independent-start": True,
+            "partitioner": "dirichlet",
+            "alpha": 0.5,
+            "local-epochs": 20.0,
+            "poison-partition": 4,
+            "poison": "sign-flip",
+            "poison-scale": 4.0,
+        },
+    ),
+    # ... and federated training from a shared init with the sign-flipper
+    "screen-multiround": dict(
+        strategies=SCREEN_STRATEGIES,
         clients=5,
         config={
             "num-server-rounds": 5,
@@ -140,7 +193,9 @@ def run_all(
     out: dict[str, dict[int, dict]] = {s: {} for s in strategies}
     for seed in seeds:
         for strategy in strategies:
-            name, _, reduce = strategy.partition("@")  # "aligned@median": strategy aligned, reduce median
+            # "aligned@median+distance": strategy aligned, reduce median, screen distance
+            base, _, screen = strategy.partition("+")
+            name, _, reduce = base.partition("@")
             cfg = {
                 **spec["config"],
                 **PRESET_DEFAULTS.get(preset, {}),
@@ -151,12 +206,13 @@ def run_all(
                 "min-nodes": clients,
                 "report": True,  # excess losses need every reply scored
                 **({"reduce": reduce} if reduce else {}),
+                **({"screen": screen} if screen else {}),
             }
             alpha = cfg.get("alpha", "") if cfg["partitioner"] == "dirichlet" else ""
             tag = f"{setting}-{preset}-{cfg['partitioner']}{alpha}"
-            run_dir = runs / tag / f"{strategy.replace('@', '-')}-s{seed}"
+            run_dir = runs / tag / f"{strategy.replace('@', '-').replace('+', '-')}-s{seed}"
             cfg["out-dir"] = str(run_dir.resolve())
-            if setting in ("oneshot", "robust", "widths-independent"):  # every strategy aggregates the same clients
+            if cfg["num-server-rounds"] == 1:  # one-shot: every strategy aggregates the same clients
                 cfg.setdefault("client-cache", str((runs / tag / "clients").resolve()))
             Settings.from_run_config(cfg)  # validate before spending time
             metrics = run_dir / "metrics.json"

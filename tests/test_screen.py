@@ -126,3 +126,24 @@ def test_krum_fedavg_records_the_replies_flowers_krum_left_out():
         KrumFedAvg(model=cfg, num_malicious_nodes=-1)
     with pytest.raises(ValueError, match="screen method"):
         Screen(method="bulyan")
+
+
+def test_screen_run_config_and_the_screening_tally():
+    from fedlmc.federated import Settings
+    from simulations.screen import detection
+
+    s = Settings.from_run_config({"strategy": "aligned", "screen": "krum", "malicious": 2, "reduce": "median"})
+    assert s.screen_options() == Screen(method="krum", malicious=2)
+    assert Settings.from_run_config({"strategy": "aligned"}).screen_options() is None
+    with pytest.raises(ValueError, match="screen"):
+        Settings.from_run_config({"strategy": "average", "screen": "distance"})
+    with pytest.raises(ValueError, match="screen"):
+        Settings.from_run_config({"strategy": "aligned", "screen": "bulyan"})
+
+    def rnd(out):
+        parts = {"11": 0, "12": 1, "13": 2, "14": 3, "15": 4}
+        return {"test_loss": 1.0, "test_acc": 0.5, "strategy": {"partitions": parts, "screen": {"excluded": out}}}
+
+    docs = {0: {"rounds": [{}, rnd([15]), rnd([12, 15])]}, 1: {"rounds": [{}, rnd([]), rnd([13])]}}
+    r = detection(docs, poisoned=4)
+    assert r["detection_rate"] == 2 / 4 and r["false_exclusion_rate"] == 2 / 16 and r["rounds"] == 4

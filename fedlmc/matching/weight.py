@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..averaging import interpolate
+from ..cpu import fitting_threads
 from ..options import Matching
 from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
 from ..train import evaluate, pick_device
@@ -407,8 +408,41 @@ def weight_matching(
     -------
     Transform
         ``info`` records each candidate's objective, which one won, the iterations, the objective after
-        each iteration and the seconds.
+        each iteration, the seconds and the torch threads it ran with: no more than the host's idle
+        cores (``fedlmc.cpu.fitting_threads``).
     """
+    with fitting_threads() as threads:  # no more torch threads than idle cores (a busy host)
+        T = _weight_matching(
+            model_a,
+            model_b,
+            matching,
+            keep_layernorm,
+            warm_start,
+            device,
+            guard_data,
+            guard_batches,
+            form,
+            residual_acts,
+            reuse,
+        )
+    T.info["threads"] = threads
+    return T
+
+
+def _weight_matching(
+    model_a,
+    model_b,
+    matching,
+    keep_layernorm,
+    warm_start,
+    device,
+    guard_data,
+    guard_batches,
+    form,
+    residual_acts,
+    reuse,
+) -> Transform:
+    """``weight_matching``'s work, with the threads it was given."""
     m = matching if matching is not None else Matching()
     t0 = time.time()
     canon = dict(

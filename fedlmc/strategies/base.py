@@ -123,6 +123,7 @@ class FedlmcStrategy(FedAvg):
         self.candidates: dict[str, nn.Module] = {}  # what a guard chose between this round (for the report)
         self.grid = None  # the round's grid (configure_train's): strategies that ask the clients more use it
         self._excluded: list[dict[str, Any]] = []
+        self._partitions: dict[str, int] = {}
         self._failures: list[dict[str, Any]] = []
         self.scale = scale if scale is not None else Scale()
         if self.scale.on_disk and not self.stored_replies:
@@ -348,6 +349,10 @@ class FedlmcStrategy(FedAvg):
         ok, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
         ok.sort(key=reply_order)
         self._failures = [{"node": m.metadata.src_node_id, "reason": str(m.error.reason)} for m in failed]
+        # who each node is (the partition its client declares), excluded replies included
+        self._partitions = {
+            str(m.metadata.src_node_id): p for m in ok for p in [declared_partition(m)] if p is not None
+        }
         log(
             INFO,
             "%s round %d: replies from nodes %s; failures from nodes %s",
@@ -425,6 +430,7 @@ class FedlmcStrategy(FedAvg):
             **fields,
             "excluded": self._excluded,
             "failures": self._failures,
+            **({"partitions": self._partitions} if self._partitions else {}),
         }
 
     def previous_model(self) -> Optional[nn.Module]:

@@ -1,0 +1,89 @@
+"""How many cores the heavy steps may use: the cores this process is allowed, less those other processes
+are busy on right now.
+
+torch's CPU kernels run in OpenMP thread teams whose threads spin-wait for each other at the end of
+every parallel region. On a host where other processes keep the cores busy, a team of two threads on
+two cores loses each region's last thread to the scheduler while the first spins, and alignment, made
+of many small parallel products, slows down far more than one large GEMM does. ``fitting_threads``
+runs a block with no more torch threads than there are idle cores (at least one), so a busy host
+slows an alignment about as much as it slows everything else.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+_SAMPLE: dict[str, float] = {"at": -1e9, "busy": 0.0}
+SAMPLE_SECONDS = 2.0  # a count of busy cores is reused this long
+
+
+def available_cores() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota when one is set."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def busy_cores(samples: int = 5, every: float = 0.002) -> float:
+    """Runnable threads of *other* processes now: the kernel's count of runnable tasks
+    (``/proc/loadavg``'s fourth field, which includes the thread asking), median of a few samples taken
+    ``every`` seconds apart, less this process's own runnable threads. 0 where it cannot be read."""
+    now = time.monotonic()
+    if now - _SAMPLE["at"] < SAMPLE_SECONDS:
+        return _SAMPLE["busy"]
+    counts = []
+    for k in range(samples):
+        try:
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]))
+        except (OSError, ValueError, IndexError):
+            return 0.0
+        if k + 1 < samples:
+            time.sleep(every)
+    busy = max(0.0, sorted(counts)[len(counts) // 2] - own_running())
+    _SAMPLE.update(at=now, busy=busy)
+    return busy
+
+
+def own_running() -> int:
+    """This process's threads that are runnable now (state R), the asking thread included."""
+    n = 0
+    try:
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                if (task / "stat").read_text().rsplit(") ", 1)[1][0] == "R":
+                    n += 1
+            except (OSError, IndexError):
+                pass
+    except OSError:
+        return 1
+    return max(1, n)
+
+
+def idle_cores() -> int:
+    """Cores of ``available_cores`` that no other process is busy on (at least one)."""
+    return max(1, available_cores() - round(busy_cores()))
+
+
+@contextmanager
+def fitting_threads() -> Iterator[int]:
+    """Inside the block, torch uses at most as many threads as there are idle cores (never more than it
+    was set to, at least one); restored after it. Yields the count in force. ``FEDLMC_FIT_THREADS=0``
+    in the environment turns it off."""
+    before = torch.get_num_threads()
+    if before > 1 and os.environ.get("FEDLMC_FIT_THREADS", "1") != "0":
+        torch.set_num_threads(min(before, idle_cores()))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

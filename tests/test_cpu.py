@@ -1,0 +1,60 @@
+"""Thread fitting on a busy host (``fedlmc.cpu``): busy cores are counted from the kernel's runnable
+tasks, and the heavy steps run with no more torch threads than there are idle cores."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import torch
+
+from fedlmc import cpu
+
+SPIN = "while True: pass"
+
+
+def test_busy_cores_counts_other_processes_runnable_threads(monkeypatch):
+    monkeypatch.setattr(cpu, "_SAMPLE", {"at": -1e9, "busy": 0.0})
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(3)]
+    try:
+        time.sleep(0.5)
+        busy = cpu.busy_cores(samples=9)
+        assert busy >= 2, busy  # three spinning processes on any number of cores: most are runnable now
+        assert cpu.idle_cores() == max(1, cpu.available_cores() - round(busy))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_fitting_threads_caps_torch_threads_at_the_idle_cores(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setattr(cpu, "available_cores", lambda: 4)
+        for busy, expected in ((0.0, 4), (1.0, 3), (3.0, 1), (9.0, 1)):
+            monkeypatch.setattr(cpu, "busy_cores", lambda busy=busy: busy)
+            with cpu.fitting_threads() as n:
+                assert n == expected == torch.get_num_threads()
+            assert torch.get_num_threads() == 4  # restored
+        monkeypatch.setenv("FEDLMC_FIT_THREADS", "0")  # off: torch's own setting
+        with cpu.fitting_threads() as n:
+            assert n == 4
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_weight_matching_records_the_threads_it_ran_with(monkeypatch):
+    from fedlmc.matching import weight_matching
+    from fedlmc.models import from_preset
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(cpu, "busy_cores", lambda: 8.0)
+        kw = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, image_size=8, patch_size=4)
+        T = weight_matching(from_preset("vit-tiny", **kw), from_preset("vit-tiny", **kw))
+        assert T.info["threads"] == 1 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
