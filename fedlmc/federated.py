@@ -198,6 +198,7 @@ class Settings:
             samples_per_message=self.samples_per_message,
             check_clients=self.check_clients,
             timeout=min(OnClients.timeout, self.round_timeout),
+            guard=self.guard,
         )
 
     def report_data(self, splits: Splits) -> Optional[Data]:

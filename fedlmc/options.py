@@ -206,6 +206,8 @@ class OnClients:
         Seconds a step's (or a check's) messages may take.
     loss_key : str, default "eval-loss"
         The metric that holds the loss in an evaluate reply (the guard reuses the ClientApp's evaluate).
+    guard : bool, default True
+        With no server-side guard: whether the clients score the do-no-harm guard's candidates.
     """
 
     clients_per_step: int = 4
@@ -215,6 +217,7 @@ class OnClients:
     min_clients: int = 1
     timeout: float = 300.0
     loss_key: str = "eval-loss"
+    guard: bool = True
 
     def __post_init__(self) -> None:
         if min(self.clients_per_step, self.check_clients) < 0:

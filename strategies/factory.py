@@ -65,7 +65,7 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
     if s.strategy == "refined":
         return RefinedFedAvg(**common, **aligned, refine=s.refinement(refine_half))
     # no server data: the clients compute the refinement's gradients and score the guard's candidates
-    clients = dict(aligned, guard_data=None, on_clients=s.on_clients(), client_guard=s.guard)
+    clients = dict(aligned, guard_data=None, on_clients=s.on_clients())
     if s.strategy == "aligned-clients":
         return AlignedFedAvg(**common, **clients, **screened)
     if s.strategy == "refined-clients":

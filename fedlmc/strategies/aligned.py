@@ -71,8 +71,6 @@ class AlignedFedAvg(FedlmcStrategy):
         With no ``guard_data`` / ``guard_fn``: the guard's candidates are scored by the round's clients
         on their held-out data (``evaluate`` messages their ClientApp answers; ``fedlmc.options.OnClients``
         says how many clients, the loss metric's key, the timeout).
-    client_guard : bool, default True
-        With ``on_clients`` and no server guard: whether the clients guard at all.
     screen : Screen, optional
         Screen the aligned replies (``fedlmc.options.Screen``): the outliers among them are excluded with
         the reason logged, and the round is merged again without them, with the same ``reduce``. The
@@ -98,12 +96,11 @@ class AlignedFedAvg(FedlmcStrategy):
         reduce: str = "mean",
         trim: float = 0.2,
         on_clients: Optional[OnClients] = None,
-        client_guard: bool = True,
         screen: Optional[Screen] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.on_clients, self.client_guard = on_clients, client_guard
+        self.on_clients = on_clients
         self.screen = screen
         self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
         if guard_fn is not None and guard_data is not None:
@@ -176,7 +173,7 @@ class AlignedFedAvg(FedlmcStrategy):
         if self.remote_record is not None:
             fields["refine_clients"] = self.remote_record
         on_server = self.guard_data is not None or self.guard_fn is not None
-        guarded = on_server or (self.on_clients is not None and self.client_guard)
+        guarded = on_server or (self.on_clients is not None and self.on_clients.guard)
         plain = self.plain(models, weights) if guarded or self.report_data is not None else None
         result = merged
         losses = None
