@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from .averaging import robust_state
 from .options import Screen
 
 StateDict = dict[str, torch.Tensor]
@@ -47,13 +48,14 @@ def squared_distances(states: Sequence[StateDict]) -> torch.Tensor:
 
 
 def median_distances(states: Sequence[StateDict]) -> torch.Tensor:
-    """(M,) each state dict's Euclidean distance to the coordinate-wise median of all of them."""
+    """(M,) each state dict's Euclidean distance to the coordinate-wise median of all of them
+    (``averaging.robust_state``)."""
+    med = robust_state(states, "median")
     d2 = torch.zeros(len(states), dtype=torch.float64)
-    for name in states[0]:
-        X = torch.stack([s[name].detach().reshape(-1).to(torch.float64) for s in states])
-        S, M = X.sort(dim=0).values, len(states)
-        med = S[M // 2] if M % 2 else (S[M // 2 - 1] + S[M // 2]) / 2
-        d2 += ((X - med) ** 2).sum(dim=1)
+    for name, m in med.items():
+        m = m.detach().to(torch.float64)
+        for i, s in enumerate(states):
+            d2[i] += float(((s[name].detach().to(torch.float64) - m) ** 2).sum())
     return d2.sqrt()
 
 

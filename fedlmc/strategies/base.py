@@ -8,7 +8,6 @@ global model's config attached to every message, reply validation (baselines inc
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedlmc.cpu import available_cores
 from fedlmc.ensemble import Ensemble
 from fedlmc.hf import HFAdapter, recognise
 from fedlmc.hf.adapter import key_mismatch
@@ -525,11 +525,11 @@ def loaded(model) -> nn.Module:
 
 @contextmanager
 def torch_threads(n: Optional[int]) -> Iterator[int]:
-    """torch's intra-op threads set to ``n`` (0: one per available core; None: unchanged) inside the
-    block, restored after it; yields the count in force."""
+    """torch's intra-op threads set to ``n`` (0: one per available core, ``cpu.available_cores``; None:
+    unchanged) inside the block, restored after it; yields the count in force."""
     before = torch.get_num_threads()
     if n == 0:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n = available_cores()
     if n is not None:
         torch.set_num_threads(n)
     try:
