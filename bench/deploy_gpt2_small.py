@@ -36,6 +36,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def deployment_env(d: Path, **settings: str) -> dict[str, str]:
+    """The environment ``deploy/start.sh`` (and ``stop.sh``) run with: the deployment in ``d``, 2 SuperNodes on
+    free loopback ports, this venv's binaries, and ``settings`` (MODE, DATABASE, ...) on top."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        "DIR": str(d),
+        "BIN": bin_dir,
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "N": "2",
+        "PORT": str(free_port()),
+        "NODE_PORT": str(free_port()),
+        "WIDTHS": "",
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        **settings,
+    }
+    env.pop("FEDLMC_DEPLOYMENT", None)  # the marker start.sh sets: never one inherited from another deployment
+    return env
+
+
 def role(args: str) -> str:
     for key in (
         "flower-superlink",
@@ -99,21 +119,12 @@ def main() -> None:
     p.add_argument("--burners", type=int, default=0, help="CPU-bound GEMM processes running beside the round")
     args = p.parse_args()
     d = Path(tempfile.mkdtemp(prefix="dep-g2s-", dir="/tmp"))
-    bin_dir = str(Path(sys.executable).parent)
-    env = {
-        **os.environ,
-        "DIR": str(d),
-        "BIN": bin_dir,
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "MODE": "insecure",
-        "N": "2",
-        "PORT": str(free_port()),
-        "NODE_PORT": str(free_port()),
-        "WIDTHS": "",
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "DATABASE": str(d / "state.db") if args.database == "sqlite" else "",
-        "SUPERLINK": args.superlink,
-    }
+    env = deployment_env(
+        d,
+        MODE="insecure",
+        DATABASE=str(d / "state.db") if args.database == "sqlite" else "",
+        SUPERLINK=args.superlink,
+    )
     out = d / "out"
     cfg = (
         f"preset='gpt2-small' vocab-size=50257 num-server-rounds=1 local-steps={args.local_steps} batch-size=2 "

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy_gpt2_small import Sampler, free_port
+from deploy_gpt2_small import Sampler, deployment_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -93,21 +93,7 @@ def summary(out: Path) -> dict:
 
 def trial(args, interrupt: bool) -> dict:
     d = Path(tempfile.mkdtemp(prefix="dep-persist-", dir="/tmp"))
-    bin_dir = str(Path(sys.executable).parent)
-    env = {
-        **os.environ,
-        "DIR": str(d),
-        "BIN": bin_dir,
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "MODE": "secure",
-        "N": "2",
-        "PORT": str(free_port()),
-        "NODE_PORT": str(free_port()),
-        "WIDTHS": "",
-        "DATABASE": str(d / "state.db"),
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-    }
-    env.pop("FEDLMC_DEPLOYMENT", None)
+    env = deployment_env(d, MODE="secure", DATABASE=str(d / "state.db"))
     out = d / "out"
     cfg = (
         f"preset='gpt2-small' vocab-size=50257 num-server-rounds=2 local-steps={args.local_steps} batch-size=2 "

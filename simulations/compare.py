@@ -36,6 +36,27 @@ SCREEN_STRATEGIES = [
     "multikrum",
 ]
 
+# 5 one-shot clients, independently started, the last one poisoned (shuffled labels)
+ROBUST: dict[str, Any] = {
+    "num-server-rounds": 1,
+    "independent-start": True,
+    "partitioner": "dirichlet",
+    "alpha": 0.5,
+    "local-epochs": 20.0,
+    "poison-partition": 4,
+    "poison": "labels",
+}
+# 5 rounds from a shared init, the last client a sign-flipper (×4)
+ROBUST_MULTIROUND: dict[str, Any] = {
+    "num-server-rounds": 5,
+    "independent-start": False,
+    "partitioner": "iid",
+    "local-epochs": 2.0,
+    "poison-partition": 4,
+    "poison": "sign-flip",
+    "poison-scale": 4.0,
+}
+
 SETTINGS: dict[str, dict[str, Any]] = {
     # one-shot model fusion: independent inits, one round of long local training, one aggregation
     "oneshot": dict(
@@ -66,75 +87,24 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "robust": dict(
         strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
         clients=5,
-        config={
-            "num-server-rounds": 1,
-            "independent-start": True,
-            "partitioner": "dirichlet",
-            "alpha": 0.5,
-            "local-epochs": 20.0,
-            "poison-partition": 4,
-            "poison": "labels",
-        },
+        config=ROBUST,
     ),
     # ... and federated training from a shared init with a sign-flipping attacker (scaled ×4: its
     # flipped update cancels the four honest ones in a plain mean)
     "robust-multiround": dict(
         strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
         clients=5,
-        config={
-            "num-server-rounds": 5,
-            "independent-start": False,
-            "partitioner": "iid",
-            "local-epochs": 2.0,
-            "poison-partition": 4,
-            "poison": "sign-flip",
-            "poison-scale": 4.0,
-        },
+        config=ROBUST_MULTIROUND,
     ),
     # screening modulo symmetries (simulations.screen): the robust settings with screened strategies
     # ("X+distance": strategy X with screen=distance) against Flower's raw Krum / Multi-Krum
-    "screen": dict(
-        strategies=SCREEN_STRATEGIES,
-        clients=5,
-        config={
-            "num-server-rounds": 1,
-            "independent-start": True,
-            "partitioner": "dirichlet",
-            "alpha": 0.5,
-            "local-epochs": 20.0,
-            "poison-partition": 4,
-            "poison": "labels",
-        },
-    ),
+    "screen": dict(strategies=SCREEN_STRATEGIES, clients=5, config=ROBUST),
     # ... independently started clients, one of them a sign-flipper (×4)
     "screen-flip": dict(
-        strategies=SCREEN_STRATEGIES,
-        clients=5,
-        config={
-            "num-server-rounds": 1,
-            "independent-start": True,
-            "partitioner": "dirichlet",
-            "alpha": 0.5,
-            "local-epochs": 20.0,
-            "poison-partition": 4,
-            "poison": "sign-flip",
-            "poison-scale": 4.0,
-        },
+        strategies=SCREEN_STRATEGIES, clients=5, config={**ROBUST, "poison": "sign-flip", "poison-scale": 4.0}
     ),
     # ... and federated training from a shared init with the sign-flipper
-    "screen-multiround": dict(
-        strategies=SCREEN_STRATEGIES,
-        clients=5,
-        config={
-            "num-server-rounds": 5,
-            "independent-start": False,
-            "partitioner": "iid",
-            "local-epochs": 2.0,
-            "poison-partition": 4,
-            "poison": "sign-flip",
-            "poison-scale": 4.0,
-        },
-    ),
+    "screen-multiround": dict(strategies=SCREEN_STRATEGIES, clients=5, config=ROBUST_MULTIROUND),
     # mixed widths: d, d/2, d/4 clients from one shared init (HeteroFL's home ground)
     "widths": dict(
         strategies=["slicing", "hetero-permuted", "hetero"],

@@ -412,75 +412,46 @@ def weight_matching(
         cores (``fedlmc.cpu.fitting_threads``).
     """
     with fitting_threads() as threads:  # no more torch threads than idle cores (a busy host)
-        T = _weight_matching(
-            model_a,
-            model_b,
-            matching,
-            keep_layernorm,
-            warm_start,
-            device,
-            guard_data,
-            guard_batches,
-            form,
-            residual_acts,
-            reuse,
+        m = matching if matching is not None else Matching()
+        t0 = time.time()
+        canon = dict(
+            norm="rmsnorm", norm_bias=False, norm_gain=False, norm_eps=model_a.config.norm_eps
+        )  # a lift rescales eps only
+        if model_a.config.replace(**canon) != model_b.config.replace(**canon):
+            raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
+        dev = pick_device(device) if device is None or isinstance(device, str) else device
+        dtype = m.dtype
+        if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32
+            dtype = torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
+        cfg = canonical_config(model_b.config)
+        F = fixed_side(model_a, cfg, dev, dtype, m.precision, reuse)
+        B = canonical_state(model_b, dev, dtype)
+        with section("anchor cross-covariances"):
+            P = Problem(F.A, B, cfg, m.precision, F)
+        Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
+        opts = dict(
+            residual=m.residual,
+            keep_layernorm=keep_layernorm,
+            gauge=m.gauge,
+            iterations=m.iterations,
+            M_extra=Mx,
+            extra_weight=1.0 if Mx is not None else 0.0,
+            candidates=m.ff_candidates,
+            tol=m.tol,
         )
+        found, info = _descents(P, warm_start, m.keep_identity, opts)
+        best = min(info["objective"], key=info["objective"].get)
+        if guard_data is not None and len(found) > 1:
+            losses = {
+                k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches)
+                for k, el in found.items()
+            }
+            info["midpoint_loss"] = losses
+            best = min(losses, key=losses.get)
+        info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
+        T = Transform({k: v.cpu() for k, v in found[best].items()}, info)
     T.info["threads"] = threads
     return T
-
-
-def _weight_matching(
-    model_a,
-    model_b,
-    matching,
-    keep_layernorm,
-    warm_start,
-    device,
-    guard_data,
-    guard_batches,
-    form,
-    residual_acts,
-    reuse,
-) -> Transform:
-    """``weight_matching``'s work, with the threads it was given."""
-    m = matching if matching is not None else Matching()
-    t0 = time.time()
-    canon = dict(
-        norm="rmsnorm", norm_bias=False, norm_gain=False, norm_eps=model_a.config.norm_eps
-    )  # a lift rescales eps only
-    if model_a.config.replace(**canon) != model_b.config.replace(**canon):
-        raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
-    dev = pick_device(device) if device is None or isinstance(device, str) else device
-    dtype = m.dtype
-    if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32
-        dtype = torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
-    cfg = canonical_config(model_b.config)
-    F = fixed_side(model_a, cfg, dev, dtype, m.precision, reuse)
-    B = canonical_state(model_b, dev, dtype)
-    with section("anchor cross-covariances"):
-        P = Problem(F.A, B, cfg, m.precision, F)
-    Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
-    opts = dict(
-        residual=m.residual,
-        keep_layernorm=keep_layernorm,
-        gauge=m.gauge,
-        iterations=m.iterations,
-        M_extra=Mx,
-        extra_weight=1.0 if Mx is not None else 0.0,
-        candidates=m.ff_candidates,
-        tol=m.tol,
-    )
-    found, info = _descents(P, warm_start, m.keep_identity, opts)
-    best = min(info["objective"], key=info["objective"].get)
-    if guard_data is not None and len(found) > 1:
-        losses = {
-            k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches)
-            for k, el in found.items()
-        }
-        info["midpoint_loss"] = losses
-        best = min(losses, key=losses.get)
-    info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
-    return Transform({k: v.cpu() for k, v in found[best].items()}, info)
 
 
 def fixed_side(
