@@ -279,7 +279,7 @@ class Scale:
         return self.spool or self.parallel
 
 
-SCREENS = ("distance", "krum")
+SCREENS = ("distance", "loss", "krum")
 
 
 @dataclass(frozen=True)
@@ -291,13 +291,15 @@ class Screen:
 
     Parameters
     ----------
-    method : {"distance", "krum"}, default "distance"
+    method : {"distance", "loss", "krum"}, default "distance"
         "distance": a robust z-score of each reply's distance to the coordinate-wise median of the
         aligned replies; replies above ``threshold`` are excluded (none, in a federation of honest
-        clients). "krum": Krum's score (the summed squared distances to each reply's M − f − 2 nearest
+        clients). "loss": the same robust z-score on each reply's loss on the guard's held-out data
+        (the strategy's ``guard_data`` or ``guard_fn``; a loss does not depend on how the reply's
+        neurons are arranged, so it needs no alignment). "krum": Krum's score (the summed squared distances to each reply's M − f − 2 nearest
         aligned replies) and the ``malicious`` highest scores excluded (Multi-Krum's selection).
     threshold : float, default 3.0
-        "distance": exclude a reply whose distance exceeds the median distance by this many robust
+        "distance" / "loss": exclude a reply whose distance (loss) exceeds the median by this many robust
         standard deviations (1.4826 × the median absolute deviation, at least 10 % of the median).
     malicious : int, default 1
         "krum": f, the number of poisoned clients assumed (and excluded every round).

@@ -14,7 +14,7 @@ state dicts: on aligned replies here, and on raw replies for Flower's ``Krum`` /
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -75,15 +75,27 @@ def multikrum_selection(D: torch.Tensor, malicious: int, select: int) -> list[in
     return sorted(int(i) for i in scores.argsort()[:select])
 
 
-def screen(states: Sequence[StateDict], options: Screen) -> Screening:
+def robust_outliers(values: torch.Tensor, threshold: float) -> tuple[torch.Tensor, list[int]]:
+    """Robust z-scores, (v − median v) / max(1.4826 MAD, 0.1 |median v|), and the indices above
+    ``threshold``, highest first: at most (M − 1) // 2 of them, so a majority is always kept."""
+    values = values.to(torch.float64)
+    centre = values.median()
+    spread = torch.maximum(1.4826 * (values - centre).abs().median(), 0.1 * centre.abs()).clamp_min(1e-12)
+    z = (values - centre) / spread
+    flagged = [i for i in z.argsort(descending=True).tolist() if z[i] > threshold][: (len(values) - 1) // 2]
+    return z, flagged
+
+
+def screen(states: Sequence[StateDict], options: Screen, losses: Optional[Sequence[float]] = None) -> Screening:
     """Score aligned replies (state dicts in one coordinate system) and name the outliers to exclude.
 
     "distance": each reply's distance to the coordinate-wise median; a reply is excluded when its robust
     z-score, (d − median d) / max(1.4826 MAD, 0.1 median d), exceeds ``options.threshold``. At most
-    (M − 1) // 2 replies are excluded (the farthest), so a majority is always kept. "krum": the
-    ``options.malicious`` replies with the highest Krum scores.
+    (M − 1) // 2 replies are excluded (the farthest), so a majority is always kept. "loss": the same
+    robust z-score on ``losses``, each reply's loss on held-out data (``states`` are not read). "krum":
+    the ``options.malicious`` replies with the highest Krum scores.
     """
-    M = len(states)
+    M = len(states) if losses is None else len(losses)
     if options.method == "krum":
         if M - options.malicious - 2 < 1:  # too few replies for Krum's score: exclude nothing
             return Screening("krum", [0.0] * M)
@@ -93,15 +105,18 @@ def screen(states: Sequence[StateDict], options: Screen) -> Screening:
         for i in worst:
             out.excluded[i] = f"Krum score {scores[i]:.4g} among the {options.malicious} highest of {M} aligned replies"
         return out
-    d = median_distances(states)
-    centre = d.median()
-    spread = torch.maximum(1.4826 * (d - centre).abs().median(), 0.1 * centre).clamp_min(1e-12)
-    z = (d - centre) / spread
-    out = Screening("distance", z.tolist())
-    flagged = [i for i in z.argsort(descending=True).tolist() if z[i] > options.threshold][: (M - 1) // 2]
+    if options.method == "loss":
+        if losses is None:
+            raise ValueError("the loss screen needs each reply's held-out loss (losses=...)")
+        values, what = torch.tensor([float(x) for x in losses], dtype=torch.float64), "held-out loss"
+    else:
+        values, what = median_distances(states), "aligned distance to the median"
+    z, flagged = robust_outliers(values, options.threshold)
+    centre = values.median()
+    out = Screening(options.method, z.tolist())
     for i in flagged:
         out.excluded[i] = (
-            f"aligned distance to the median {d[i]:.4g} is {z[i]:.1f} robust deviations above the others' "
+            f"{what} {values[i]:.4g} is {z[i]:.1f} robust deviations above the others' "
             f"(median {centre:.4g}; threshold {options.threshold:g})"
         )
     return out

@@ -31,6 +31,8 @@ SCREEN_STRATEGIES = [
     "aligned@median",
     "aligned+distance",
     "aligned@median+distance",
+    "aligned+loss",
+    "aligned@median+loss",
     "aligned+krum",
     "krum",
     "multikrum",

@@ -5,12 +5,13 @@
 Runs the comparison runner's screening settings (vit-tiny, 5 clients, partition 4 poisoned: shuffled
 labels or a ×4 sign flip; independently started one-shot clients, or 5 rounds from a shared init) for
 ``aligned@median`` (the robust aggregate, no screen), ``aligned+distance`` / ``aligned@median+distance``
-(the distance screen, then the mean / the median of the rest), ``aligned+krum`` (Krum's score among
+(the distance screen, then the mean / the median of the rest), ``aligned+loss`` /
+``aligned@median+loss`` (the loss screen on the server's guard split), ``aligned+krum`` (Krum's score among
 the aligned replies, f = 1) and Flower's ``krum`` / ``multikrum`` on the raw replies (f = 1; Krum keeps
 one reply, Multi-Krum all but f). For each: how often the poisoned client's reply was excluded
 (detection, per round), how often an honest one was (false exclusions, per honest reply and round),
 and the final test loss. Writes ``results/screen_<setting>.json`` and prints a table per setting.
-Finished runs are reused from ``--runs``.
+Finished runs are reused from ``--runs``; with ``--strategies``, the results file keeps its other rows.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         docs = run_all(setting, args.preset, args.seeds, strategies, spec["clients"], {}, Path(args.runs), args.timeout)
         poisoned = spec["config"]["poison-partition"]
         rows = {name: detection(by_seed, poisoned) for name, by_seed in docs.items()}
+        path = Path(args.out) / f"screen_{setting}.json"
+        if args.strategies and path.is_file():  # a few strategies re-run: keep the file's other rows
+            old = json.loads(path.read_text())
+            if old.get("seeds") == args.seeds and old.get("config") == spec["config"]:
+                rows = {**{k: v for k, v in old["rows"].items() if k not in rows}, **rows}
         doc = {
             "setting": setting,
             "preset": args.preset,
@@ -94,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             "config": spec["config"],
             "rows": rows,
         }
-        path = Path(args.out) / f"screen_{setting}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1))
         table = Table(title=f"{setting}, {args.preset}: {spec['config']}")

@@ -147,3 +147,38 @@ def test_screen_run_config_and_the_screening_tally():
     docs = {0: {"rounds": [{}, rnd([15]), rnd([12, 15])]}, 1: {"rounds": [{}, rnd([]), rnd([13])]}}
     r = detection(docs, poisoned=4)
     assert r["detection_rate"] == 2 / 4 and r["false_exclusion_rate"] == 2 / 16 and r["rounds"] == 4
+
+
+def test_loss_screen_excludes_the_reply_that_computes_worst():
+    """Screen(method="loss"): each reply's loss on the guard (here the squared gap to the base model's
+    outputs on fixed inputs, a function of what a reply computes, whatever its coordinates) and the
+    robust z-score over them; the attacker is excluded, no honest reply is, and without a guard's data
+    the strategy refuses the screen."""
+    base, replies = _federation(poisoned=True)
+    cfg = replies[0].config.to_dict()
+    previous = ArrayRecord(torch_state_dict={k: v.float() for k, v in base.state_dict().items()})
+    x = torch.randn(16, 1, 12, 12, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        target = base.float()(x)
+
+    def gap(arrays):
+        with torch.no_grad():
+            return float((model_from_arrays(arrays, strategy.global_config)(x) - target).pow(2).mean())
+
+    strategy = AlignedFedAvg(model=cfg, screen=Screen(method="loss"), guard_fn=gap)
+    msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
+    strategy.aggregate_replies(1, msgs, previous)
+    rec = strategy.history[-1]
+    assert rec["screen"]["method"] == "loss" and rec["screen"]["excluded"] == [POISONED + 1], rec["screen"]
+    assert "held-out loss" in rec["excluded"][0]["reason"]
+
+    honest = screen([], Screen(method="loss"), losses=[1.0, 1.1, 0.9, 1.05, 0.95])
+    assert honest.excluded == {} and len(honest.scores) == 5
+    with pytest.raises(ValueError, match="guard_data or guard_fn"):
+        AlignedFedAvg(model=cfg, screen=Screen(method="loss"))
+    from fedlmc.federated import Settings
+
+    assert Settings.from_run_config({"strategy": "aligned", "screen": "loss"}).screen_options().method == "loss"
+    for bad in ({"strategy": "aligned-clients"}, {"strategy": "aligned", "guard": False}):
+        with pytest.raises(ValueError, match="guard split"):
+            Settings.from_run_config({**bad, "screen": "loss"})

@@ -74,7 +74,8 @@ class AlignedFedAvg(FedlmcStrategy):
     screen : Screen, optional
         Screen the aligned replies (``fedlmc.options.Screen``): the outliers among them are excluded with
         the reason logged, and the round is merged again without them, with the same ``reduce``. The
-        screen holds the round's aligned replies in memory.
+        distance screens hold the round's aligned replies in memory; the loss screen scores each reply
+        on ``guard_data`` / ``guard_fn`` (one of them is then required).
     **kwargs
         ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
     """
@@ -110,6 +111,10 @@ class AlignedFedAvg(FedlmcStrategy):
         self.form, self.keep_layernorm = one_of(form, FORMS, "form"), keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
         self.device = device
+        if screen is not None and screen.method == "loss" and guard_fn is None and guard_data is None:
+            raise ValueError(
+                "Screen(method='loss') scores each reply on the guard's held-out data: pass guard_data or guard_fn"
+            )
 
     def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
@@ -239,9 +244,12 @@ class AlignedFedAvg(FedlmcStrategy):
         """Score the aligned replies (``fedlmc.screen``), exclude the outliers (in place), and return the
         round record's ``screen`` field: each node's score and the nodes excluded."""
         t0 = time.time()
-        states = [aligned_state(canonical(loaded(m)), T) for m, T in zip(models, transforms)]
-        found = screen_replies(states, self.screen)
-        del states
+        if self.screen.method == "loss":  # held-out losses: the same for a reply and its aligned self
+            found = screen_replies([], self.screen, losses=[self.guard_loss(loaded(m)) for m in models])
+        else:
+            states = [aligned_state(canonical(loaded(m)), T) for m, T in zip(models, transforms)]
+            found = screen_replies(states, self.screen)
+            del states
         nodes = list(self.round_nodes)
         for i, reason in sorted(found.excluded.items()):
             self.exclude(server_round, nodes[i], f"screen ({found.method}): {reason}")
