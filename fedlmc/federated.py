@@ -71,6 +71,7 @@ class Settings:
     width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
     iterations: int = 3  # universe iterations
     residual: str = "orthogonal"  # Matching.residual
+    min_gain: float = Matching.min_gain  # Matching.min_gain: keep the identity unless alignment gains more
     guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
     refine_steps: int = Refinement.steps  # Refinement.steps, at most: the refinement stops on its objective
     clients_per_step: int = OnClients.clients_per_step  # OnClients.clients_per_step (0: every client)
@@ -174,7 +175,7 @@ class Settings:
     def matching(self) -> Matching:
         """Weight matching's options (the permutation-only strategies match with permutations)."""
         residual = "permutation" if self.strategy in ("permuted", "hetero-permuted") else self.residual
-        return Matching(residual=residual)
+        return Matching(residual=residual, min_gain=self.min_gain)
 
     def scale(self) -> Scale:
         """Where a round's replies wait and who aligns them (aligned / refined strategies)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import inputs_for, perturbed
 
@@ -129,3 +130,29 @@ def test_the_streamed_average_is_the_average_of_the_aligned_models(record):
         max(float((got[k] - want[k]).abs().max()) for k in want),
         1e-12,
     )
+
+
+def test_min_gain_keeps_replies_from_the_global_model_and_still_aligns_planted_copies():
+    """Matching(min_gain): replies trained a little from the start model (small noise) keep the identity,
+    so the universe is their plain mean and stops after its second iteration; copies in other
+    coordinates (a planted symmetry) are still aligned, whatever min_gain below their gain."""
+    base = _base()
+    common = [_noisy(canonicalize(base), 0.01, 10 + s) for s in range(4)]
+    m = Matching(min_gain=0.3)  # at d 32 the gauges and the rotation fit ~20 % of a noisy reply's distance
+    merged, Ts = universe_merge(common, start=base, matching=m, iterations=5)
+    assert all(T.elements == {} for T in Ts) and Ts[0].info["universe_iterations"] == 2
+    mean = {k: sum(c.state_dict()[k] for c in common) / 4 for k in base.state_dict()}
+    assert max(float((merged.state_dict()[k] - v).abs().max()) for k, v in mean.items()) < 1e-12
+    _, plain = universe_merge(common, start=base, iterations=5)  # without min_gain the gauges fit the noise
+    assert all(T.elements for T in plain)
+
+    planted = [
+        _noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
+        for s in range(2)
+    ]
+    from fedlmc.matching import weight_matching
+
+    T = weight_matching(planted[0], planted[1], m)
+    assert T.elements and T.info["gain"] > 0.5 and T.info["chosen"] != "identity"
+    with pytest.raises(ValueError, match="min_gain"):
+        Matching(min_gain=1.0)

@@ -441,6 +441,12 @@ def weight_matching(
         )
         found, info = _descents(P, warm_start, m.keep_identity, opts)
         best = min(info["objective"], key=info["objective"].get)
+        obj = info["objective"]
+        if m.min_gain > 0 and "identity" in obj and best != "identity" and guard_data is None:
+            gain = 1.0 - obj[best] / max(obj["identity"], 1e-30)
+            info["gain"] = gain
+            if gain <= m.min_gain:  # the descent only fitted noise: nothing worth applying
+                best = "identity"
         if guard_data is not None and len(found) > 1:
             losses = {
                 k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches)
