@@ -18,7 +18,10 @@ Strategies on the same replies: ``fedavg`` (the weighted mean streamed over the 
 memory of about one model, its time the reference), ``aligned`` (``universe_merge`` in the server's
 process, one reply at a time, 3 iterations, torch's threads: every core), ``aligned-1thread`` (the
 same on one torch thread, the ServerApp's default ``threads = 1``) and ``aligned-parallel`` (the same
-with ``Scale(workers=0)``: one worker process per core, each on cores / workers threads). Each run is
+with ``Scale(workers=0)``: one worker process per core, each on cores / workers threads). A
+``+min-gain`` suffix matches with ``Matching(min_gain=0.1)`` (a reply keeps the identity unless its
+alignment removes more than 10 % of its distance to the universe); ``+once`` runs one universe
+iteration (e.g. ``--plan 64:common:aligned-parallel+min-gain+once``). Each run is
 its own process; the peak resident memory of the server process and of its whole process tree
 (workers included) is sampled every 50 ms, and a fixed float32 GEMM is timed in the same process as
 a reference for a busy machine.
@@ -41,12 +44,13 @@ from _results import PeakMemory, environment, gemm_seconds, write_results  # noq
 from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.averaging import streamed_mean
 from fedlmc.models import from_preset
-from fedlmc.options import Scale
+from fedlmc.options import Matching, Scale
 from fedlmc.replies import save_model, stored
 from fedlmc.symmetry import apply_transform, canonical, random_transform, rebuild
 from fedlmc.universe import universe_merge
 
 STRATEGIES = ("fedavg", "aligned", "aligned-parallel")
+MIN_GAIN = 0.1  # "+min-gain" strategies: Matching(min_gain=MIN_GAIN)
 
 
 def _model(layers: int, seed: int) -> torch.nn.Module:
@@ -101,23 +105,30 @@ def one_run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         if args.strategy == "fedavg":
             streamed_fedavg(paths)
-            its = None
+            its = identity = iterations = None
         else:
             if args.strategy == "aligned-1thread":  # the ServerApp's default (run_config threads = 1)
                 torch.set_num_threads(1)
+            # "aligned-parallel+min-gain": Matching(min_gain=MIN_GAIN); "+once": one universe iteration
+            base, *flags = args.strategy.split("+")
+            gain, iterations = "min-gain" in flags, 1 if "once" in flags else args.iterations
             scale = {
                 "aligned": Scale(spool=True),
                 "aligned-1thread": Scale(spool=True),
                 "aligned-parallel": Scale(workers=0, backend="process"),
                 "aligned-ray": Scale(workers=0, backend="ray", ray_address=args.ray_address),
-            }[args.strategy]
+            }[base]
+            matching = Matching(min_gain=MIN_GAIN if gain else 0.0)
             # common replies are LayerNorm models (kept so, as AlignedFedAvg does); independent ones were
             # written in canonical form under a random rotation of the residual stream
             keep = args.kind == "common"
-            _, Ts = universe_merge(replies, start=start, iterations=args.iterations, keep_layernorm=keep, scale=scale)
+            _, Ts = universe_merge(
+                replies, start=start, iterations=iterations, keep_layernorm=keep, scale=scale, matching=matching
+            )
             its = max(T.info.get("universe_iterations", 0) for T in Ts)
             excluded = [T.info["excluded"] for T in Ts if "excluded" in T.info]
             assert not excluded, excluded
+            identity = sum(not T.elements for T in Ts)
         secs = time.perf_counter() - t0
     model_gb = os.path.getsize(paths[0]) / 1e9
     return {
@@ -127,6 +138,8 @@ def one_run(args: argparse.Namespace) -> dict:
         "seconds": round(secs, 2),
         "seconds_per_reply": round(secs / args.models, 3),
         "universe_iterations": its,
+        "max_iterations": None if args.strategy == "fedavg" else iterations,
+        "identity_kept": identity,  # replies whose final transform is the identity (min_gain)
         "seconds_per_reply_iteration": round(secs / args.models / its, 3) if its else None,
         "peak_rss_gb": round(mem.peak / 1e9, 2),
         "peak_rss_tree_gb": round(mem.tree / 1e9, 2),
@@ -149,6 +162,8 @@ def plot(res: dict, path: Path) -> None:
         (("independent", "fedavg"), "C7:"),
         (("independent", "aligned"), "C3-"),
         (("independent", "aligned-parallel"), "C3--"),
+        (("common", "aligned-parallel+min-gain"), "C2-."),
+        (("independent", "aligned-parallel+min-gain"), "C1-."),
     ]:
         runs = sorted((r for r in res["runs"] if r["kind"] == kind and r["strategy"] == strategy), key=lambda r: r["M"])
         if not runs:
@@ -179,7 +194,16 @@ def table(res: dict) -> str:
     """The results as a markdown table (``--table``): one row per M and kind, a column per strategy."""
     strategies = [
         s
-        for s in ("fedavg", "aligned", "aligned-1thread", "aligned-parallel", "aligned-ray")
+        for s in (
+            "fedavg",
+            "aligned",
+            "aligned-1thread",
+            "aligned-parallel",
+            "aligned-ray",
+            "aligned+min-gain",
+            "aligned-parallel+min-gain",
+            "aligned-parallel+min-gain+once",
+        )
         if any(r["strategy"] == s for r in res["runs"])
     ]
     by = {(r["M"], r["kind"], r["strategy"]): r for r in res["runs"]}

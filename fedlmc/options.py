@@ -307,8 +307,9 @@ class Screen:
         aligned replies; replies above ``threshold`` are excluded (none, in a federation of honest
         clients). "loss": the same robust z-score on each reply's loss on the guard's held-out data
         (the strategy's ``guard_data`` or ``guard_fn``; a loss does not depend on how the reply's
-        neurons are arranged, so it needs no alignment). "krum": Krum's score (the summed squared distances to each reply's M − f − 2 nearest
-        aligned replies) and the ``malicious`` highest scores excluded (Multi-Krum's selection).
+        neurons are arranged, so it needs no alignment). "krum": Krum's score (the summed squared
+        distances to each reply's M − f − 2 nearest aligned replies) and the ``malicious`` highest scores
+        excluded (Multi-Krum's selection).
     threshold : float, default 3.0
         "distance" / "loss": exclude a reply whose distance (loss) exceeds the median by this many robust
         standard deviations (1.4826 × the median absolute deviation, at least 10 % of the median).
