@@ -141,6 +141,40 @@ def test_parallel_alignments_equal_the_sequential_path(tmp_path, record):
     assert not any(tmp_path.glob("round-*"))
 
 
+def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, record):
+    """Matching(min_gain) in the workers: replies that are the start model plus a little noise keep the
+    identity, the universe is their plain mean and stops after two iterations, as in the server's process."""
+    from fedlmc.symmetry import rebuild
+
+    base = _copies(1, noise=0.0)[0]
+    replies = []
+    for s in range(4):
+        g = torch.Generator().manual_seed(s)
+        sd = {
+            k: v + 0.01 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype)
+            for k, v in base.state_dict().items()
+        }
+        replies.append(rebuild(base, sd))
+    m = Matching(min_gain=0.3)
+    par, T_par = universe_merge(
+        replies,
+        start=base,
+        iterations=5,
+        matching=m,
+        scale=Scale(workers=2, backend="process", spool_dir=str(tmp_path)),
+    )
+    seq, T_seq = universe_merge(replies, start=base, iterations=5, matching=m)
+    assert all(T.elements == {} for T in T_par + T_seq)
+    assert T_par[0].info["universe_iterations"] == T_seq[0].info["universe_iterations"] == 2
+    mean = {k: sum(r.state_dict()[k] for r in replies) / 4 for k in base.state_dict()}
+    record(
+        "min_gain in workers: universe vs the plain mean",
+        max(float((par.state_dict()[k] - v).abs().max()) for k, v in mean.items()),
+        1e-12,
+    )
+    record("min_gain: workers vs sequential", _max_diff(seq, par), 1e-12)
+
+
 class CrashingModel(StoredModel):
     """A stored reply whose reading kills the worker process: once (a marker file remembers), or always."""
 
