@@ -92,7 +92,7 @@ class Settings:
     spool: bool = Scale.spool  # Scale.spool: replies wait on disk, memory-mapped (always with workers != 1)
     spool_dir: str = ""  # Scale.spool_dir ("": the system's temporary directory)
     ray_address: str = ""  # Scale.ray_address: align on this Ray cluster ("": local worker processes)
-    screen: str = "none"  # none | distance | loss | krum: Screen.method, the aligned strategies' screening of outliers
+    screen: str = "none"  # Screen.method (none | distance | loss | agreement | krum): screening of outlier replies
     screen_threshold: float = Screen.threshold  # Screen.threshold (distance: robust deviations)
     malicious: int = Screen.malicious  # Screen.malicious, and the krum / multikrum baselines' f
 
@@ -156,10 +156,10 @@ class Settings:
                     f"screen={self.screen!r} screens aligned replies: strategies permuted, aligned and "
                     f"aligned-clients (krum / multikrum are the raw-coordinate baselines), not {name!r}"
                 )
-            if self.screen == "loss" and (name == "aligned-clients" or not self.guard):
+            if self.screen in ("loss", "agreement") and (name == "aligned-clients" or not self.guard):
                 raise ValueError(
-                    "screen='loss' scores each reply on the server's guard split: strategies permuted and aligned "
-                    f"with guard=true, not {name!r}" + ("" if self.guard else " with guard=false")
+                    f"screen={self.screen!r} scores each reply on the server's guard split: strategies permuted "
+                    f"and aligned with guard=true, not {name!r}" + ("" if self.guard else " with guard=false")
                 )
         one_of(self.reduce, REDUCES, "reduce")
         one_of(self.screen, ("none", *SCREENS), "screen")

@@ -59,6 +59,17 @@ def median_distances(states: Sequence[StateDict]) -> torch.Tensor:
     return d2.sqrt()
 
 
+def agreement(predictions: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(M,) each reply's mean agreement with the others: the fraction of held-out inputs on which its
+    top-1 prediction equals another reply's, averaged over the others (``train.predictions``)."""
+    P = torch.stack([p.reshape(-1) for p in predictions])
+    M = P.shape[0]
+    if M < 2:
+        return torch.ones(M, dtype=torch.float64)
+    same = torch.stack([(P == P[i]).to(torch.float64).mean(dim=1) for i in range(M)])  # (M, M), diagonal 1
+    return (same.sum(dim=1) - 1) / (M - 1)
+
+
 def krum_scores(D: torch.Tensor, malicious: int) -> torch.Tensor:
     """Krum's score of each reply: the sum of its squared distances to its M − f − 2 nearest others."""
     M = D.shape[0]
@@ -86,16 +97,22 @@ def robust_outliers(values: torch.Tensor, threshold: float) -> tuple[torch.Tenso
     return z, flagged
 
 
-def screen(states: Sequence[StateDict], options: Screen, losses: Optional[Sequence[float]] = None) -> Screening:
+def screen(
+    states: Sequence[StateDict],
+    options: Screen,
+    losses: Optional[Sequence[float]] = None,
+    predictions: Optional[Sequence[torch.Tensor]] = None,
+) -> Screening:
     """Score aligned replies (state dicts in one coordinate system) and name the outliers to exclude.
 
     "distance": each reply's distance to the coordinate-wise median; a reply is excluded when its robust
     z-score, (d − median d) / max(1.4826 MAD, 0.1 median d), exceeds ``options.threshold``. At most
     (M − 1) // 2 replies are excluded (the farthest), so a majority is always kept. "loss": the same
-    robust z-score on ``losses``, each reply's loss on held-out data (``states`` are not read). "krum":
-    the ``options.malicious`` replies with the highest Krum scores.
+    robust z-score on ``losses``, each reply's loss on held-out data; "agreement": on each reply's
+    agreement with the others' ``predictions`` on held-out inputs, a low agreement being the outlier
+    (neither reads ``states``). "krum": the ``options.malicious`` replies with the highest Krum scores.
     """
-    M = len(states) if losses is None else len(losses)
+    M = len(next(x for x in (losses, predictions, states) if x is not None))
     if options.method == "krum":
         if M - options.malicious - 2 < 1:  # too few replies for Krum's score: exclude nothing
             return Screening("krum", [0.0] * M)
@@ -109,6 +126,18 @@ def screen(states: Sequence[StateDict], options: Screen, losses: Optional[Sequen
         if losses is None:
             raise ValueError("the loss screen needs each reply's held-out loss (losses=...)")
         values, what = torch.tensor([float(x) for x in losses], dtype=torch.float64), "held-out loss"
+    elif options.method == "agreement":
+        if predictions is None:
+            raise ValueError("the agreement screen needs each reply's held-out predictions (predictions=...)")
+        values = agreement(predictions)
+        z, flagged = robust_outliers(-values, options.threshold)  # the outlier agrees least
+        out = Screening("agreement", z.tolist())
+        for i in flagged:
+            out.excluded[i] = (
+                f"agrees with the others' predictions on {values[i]:.1%} of held-out inputs, {z[i]:.1f} robust "
+                f"deviations below the others' (median {values.median():.1%}; threshold {options.threshold:g})"
+            )
+        return out
     else:
         values, what = median_distances(states), "aligned distance to the median"
     z, flagged = robust_outliers(values, options.threshold)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -41,34 +41,57 @@ def _vocab_size(model: nn.Module) -> Optional[int]:
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module, data: Data, batch_size: int = 256, device: Optional[str] = None, max_batches: Optional[int] = None
-) -> dict[str, float]:
-    """Mean loss and accuracy over ``data`` (next-token accuracy for text), in eval mode. For text the
-    batch is capped so that one batch's logits stay under ``LOGITS_BUDGET`` numbers (256 windows of 1024
-    tokens over GPT-2's 50257-token vocabulary would be 52 GB)."""
+def _logits(
+    model: nn.Module, data: Data, batch_size: int, device: Optional[str], max_batches: Optional[int]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each batch's logits and targets, in eval mode (the model's mode restored after). For text the
+    batch is capped so that one batch's logits stay under ``LOGITS_BUDGET`` numbers."""
     dev = pick_device(device) if device is not None else next(model.parameters()).device
     vocab = _vocab_size(model)
     if isinstance(data, TokenData) and vocab:
         batch_size = max(1, min(batch_size, LOGITS_BUDGET // (data.block_size * vocab)))
     was = model.training
     model.eval()
+    try:
+        for i, (x, y) in enumerate(data.batches(batch_size)):
+            if max_batches is not None and i >= max_batches:
+                break
+            x, y = x.to(dev), y.to(dev)
+            if x.is_floating_point():
+                x = x.to(next(model.parameters()).dtype)
+            yield model(x), y
+    finally:
+        model.train(was)
+
+
+def evaluate(
+    model: nn.Module, data: Data, batch_size: int = 256, device: Optional[str] = None, max_batches: Optional[int] = None
+) -> dict[str, float]:
+    """Mean loss and accuracy over ``data`` (next-token accuracy for text), in eval mode. For text the
+    batch is capped so that one batch's logits stay under ``LOGITS_BUDGET`` numbers (256 windows of 1024
+    tokens over GPT-2's 50257-token vocabulary would be 52 GB)."""
     total, correct, n = 0.0, 0, 0
-    for i, (x, y) in enumerate(data.batches(batch_size)):
-        if max_batches is not None and i >= max_batches:
-            break
-        x, y = x.to(dev), y.to(dev)
-        if x.is_floating_point():
-            x = x.to(next(model.parameters()).dtype)
-        loss, c = loss_and_correct(model(x), y)
+    for logits, y in _logits(model, data, batch_size, device, max_batches):
+        loss, c = loss_and_correct(logits, y)
         k = y.numel()
         total += float(loss) * k
         correct += int(c)
         n += k
-    model.train(was)
     if n == 0:
         raise ValueError("evaluate() got an empty data set")
     return {"loss": total / n, "acc": correct / n}
+
+
+@torch.no_grad()
+def predictions(
+    model: nn.Module, data: Data, batch_size: int = 256, device: Optional[str] = None, max_batches: Optional[int] = None
+) -> torch.Tensor:
+    """The model's top-1 prediction for every example (every token, for text) of ``data``'s first
+    ``max_batches`` batches, flattened, on the CPU (labels are not read)."""
+    out = [logits.argmax(-1).reshape(-1).cpu() for logits, _ in _logits(model, data, batch_size, device, max_batches)]
+    if not out:
+        raise ValueError("predictions() got an empty data set")
+    return torch.cat(out)
 
 
 @dataclass

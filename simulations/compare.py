@@ -33,6 +33,8 @@ SCREEN_STRATEGIES = [
     "aligned@median+distance",
     "aligned+loss",
     "aligned@median+loss",
+    "aligned+agreement",
+    "aligned@median+agreement",
     "aligned+krum",
     "krum",
     "multikrum",

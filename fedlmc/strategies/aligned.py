@@ -33,6 +33,7 @@ from fedlmc.options import Matching, OnClients, Refinement, Screen, one_of
 from fedlmc.replies import StoredModel
 from fedlmc.screen import screen as screen_replies
 from fedlmc.symmetry import canonical, spec_for
+from fedlmc.train import predictions
 from fedlmc.universe import universe_merge
 
 from .base import FedlmcStrategy, loaded
@@ -75,7 +76,8 @@ class AlignedFedAvg(FedlmcStrategy):
         Screen the aligned replies (``fedlmc.options.Screen``): the outliers among them are excluded with
         the reason logged, and the round is merged again without them, with the same ``reduce``. The
         distance screens hold the round's aligned replies in memory; the loss screen scores each reply
-        on ``guard_data`` / ``guard_fn`` (one of them is then required).
+        on ``guard_data`` / ``guard_fn`` (one of them is then required), the agreement screen compares
+        their predictions on ``guard_data``'s inputs (then required).
     **kwargs
         ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
     """
@@ -115,6 +117,8 @@ class AlignedFedAvg(FedlmcStrategy):
             raise ValueError(
                 "Screen(method='loss') scores each reply on the guard's held-out data: pass guard_data or guard_fn"
             )
+        if screen is not None and screen.method == "agreement" and guard_data is None:
+            raise ValueError("Screen(method='agreement') compares the replies' predictions on guard_data: pass it")
 
     def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
@@ -246,6 +250,9 @@ class AlignedFedAvg(FedlmcStrategy):
         t0 = time.time()
         if self.screen.method == "loss":  # held-out losses: the same for a reply and its aligned self
             found = screen_replies([], self.screen, losses=[self.guard_loss(loaded(m)) for m in models])
+        elif self.screen.method == "agreement":  # top-1 predictions on the guard's inputs
+            preds = [predictions(loaded(m), self.guard_data, max_batches=self.guard_batches) for m in models]
+            found = screen_replies([], self.screen, predictions=preds)
         else:
             states = [aligned_state(canonical(loaded(m)), T) for m, T in zip(models, transforms)]
             found = screen_replies(states, self.screen)
