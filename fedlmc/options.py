@@ -309,10 +309,9 @@ class Screen:
         (the strategy's ``guard_data`` or ``guard_fn``; a loss does not depend on how the reply's
         neurons are arranged, so it needs no alignment). "agreement": the same robust z-score on how
         often each reply's top-1 prediction agrees with the others' on the guard's inputs (its labels
-        are not read; ``guard_data`` required), a reply that agrees least being the outlier.
-        "krum": Krum's score (the summed squared
-        distances to each reply's M − f − 2 nearest aligned replies) and the ``malicious`` highest scores
-        excluded (Multi-Krum's selection).
+        are not read; ``guard_data`` required), a reply that agrees least being the outlier. "krum":
+        Krum's score (the summed squared distances to each reply's M − f − 2 nearest aligned replies)
+        and the ``malicious`` highest scores excluded (Multi-Krum's selection).
     threshold : float, default 3.0
         "distance" / "loss" / "agreement": exclude a reply whose distance (loss) exceeds the median, or
         whose agreement falls below it, by this many robust standard deviations (1.4826 × the median

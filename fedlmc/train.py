@@ -64,6 +64,7 @@ def _logits(
         model.train(was)
 
 
+@torch.no_grad()
 def evaluate(
     model: nn.Module, data: Data, batch_size: int = 256, device: Optional[str] = None, max_batches: Optional[int] = None
 ) -> dict[str, float]:
