@@ -507,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             "local-steps",
             "clients-per-step",
             "refine-steps",
+            "min-gain",
         )
     )
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
