@@ -33,7 +33,19 @@ def residual_element(M: torch.Tensor, residual: str, keep_layernorm: bool) -> to
         return perm_matrix(assignment(M), M.dtype).to(M.device)
     if residual != "orthogonal":
         raise ValueError(f"residual must be 'orthogonal' or 'permutation', got {residual!r}")
-    return procrustes_fix_ones(M) if keep_layernorm else procrustes(M)
+    return procrustes_fix_ones(M) if keep_layernorm else ones_up(procrustes(M), M)
+
+
+def ones_up(O: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """``O`` with the all-ones direction u kept (O u = u) where O reverses it and ``tr(Oᵀ M)`` cannot
+    tell: a LayerNorm model's canonical form leaves u null in every tensor, so the Procrustes solution's
+    sign there is arbitrary and flips on rounding; fixing it makes the answer reproducible."""
+    d = M.shape[0]
+    u = torch.full((d,), d**-0.5, dtype=M.dtype, device=M.device)
+    Ou = O @ u
+    if float(Ou @ u) > -0.5 or float((M @ u).norm() + (M.T @ u).norm()) > 1e-6 * float(M.norm()):
+        return O
+    return O - 2 * torch.outer(Ou, u)  # O (I − 2uuᵀ): the same map on u⊥, and u ↦ −O u ≈ u
 
 
 def as_rows(t: torch.Tensor, axis: int) -> torch.Tensor:
@@ -227,8 +239,10 @@ def ff_step(
     spec: SymmetrySpec,
     current: Optional[Elements] = None,
     candidates: Optional[int] = None,
+    groups: Optional[list[Group]] = None,
 ) -> Elements:
-    """FF permutations of every layer by linear assignment on fc1 rows, fc1 bias and fc2 columns.
+    """FF permutations of every layer (or of ``groups``) by linear assignment on fc1 rows, fc1 bias and
+    fc2 columns.
     ``A_features``: each FF group's ``unit_features`` of A (fixed during a matching, so computed once).
     ``candidates``: solve on each neuron's best candidates only (``sparse_assignment``, starting from
     ``current``) for groups larger than 4 × candidates; None: the dense solver everywhere.
@@ -254,7 +268,7 @@ def ff_step(
 
     pending: list[tuple[str, Future]] = []
     with ThreadPoolExecutor(max_workers=1) as pool:
-        for g in spec.layer_groups("ff"):
+        for g in spec.layer_groups("ff") if groups is None else groups:
             with section("FF similarity products"):
                 FA = A_features[g.name]
                 S = similarity(FA, unit_features(B_res, g))

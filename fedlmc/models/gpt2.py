@@ -30,7 +30,8 @@ class GPT2(nn.Module):
         self.ln_f = make_norm(config)
         self.head = nn.Linear(config.d_model, config.vocab_size)
         init_weights(self)
-        nn.init.normal_(self.pos_emb, std=0.01)
+        if not self.pos_emb.is_meta:
+            nn.init.normal_(self.pos_emb, std=0.01)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

@@ -148,7 +148,10 @@ class Block(nn.Module):
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """GPT-2 style init: N(0, 0.02) weights, zero biases, unit norms."""
+    """GPT-2 style init: N(0, 0.02) weights, zero biases, unit norms (nothing on the meta device, where
+    a model is built to be filled: there it would only cost time)."""
+    if any(p.is_meta for p in module.parameters()):
+        return
     for m in module.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=std)

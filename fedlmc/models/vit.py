@@ -44,8 +44,9 @@ class ViT(nn.Module):
         self.ln_f = make_norm(config)
         self.head = nn.Linear(config.d_model, config.num_classes)
         init_weights(self)
-        nn.init.normal_(self.pos_emb, std=0.02)
-        nn.init.normal_(self.cls_token, std=0.02)
+        if not self.pos_emb.is_meta:
+            nn.init.normal_(self.pos_emb, std=0.02)
+            nn.init.normal_(self.cls_token, std=0.02)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         p = self.config.patch_size

@@ -51,7 +51,8 @@ def canonicalize(model: nn.Module) -> nn.Module:
         # every residual tensor, which is what lets matching treat it separately (keep_layernorm).
         for m in spec.writers() + spec.readers():
             t = sd[m.param]
-            sd[m.param] = t - t.mean(dim=m.axis, keepdim=True)  # C t along the axis, without a d×d product
+            mean = t.mean(dim=m.axis, keepdim=True)  # C t along the axis, without a d×d product
+            sd[m.param] = t - mean if t is src.get(m.param) else t.sub_(mean)  # a fold's fresh tensor: in place
     ref = next(model.parameters())
     sd = {k: v.to(ref.dtype, copy=True) if v is src.get(k) else v.to(ref.dtype) for k, v in sd.items()}
     return rebuild(model, sd, canonical_config(cfg), own=True)

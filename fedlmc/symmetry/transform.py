@@ -153,6 +153,17 @@ def within_blocks(perm: torch.Tensor, block: int) -> bool:
     return bool((perm // block == idx // block).all())
 
 
+def is_identity(element: torch.Tensor) -> bool:
+    """Whether a group element (in its kind's representation) is the identity: the index permutation
+    ``arange``, or identity matrices (one, or one per head)."""
+    if not element.is_floating_point():
+        return element.dim() == 1 and torch.equal(element, torch.arange(len(element), device=element.device))
+    if element.shape[-1] != element.shape[-2]:
+        return False
+    eye = torch.eye(element.shape[-1], dtype=element.dtype, device=element.device)
+    return torch.equal(element, eye.expand_as(element))
+
+
 def check_element(group: Group, element: torch.Tensor, relaxed: bool = False) -> None:
     """Raise a clear error unless ``element`` has its group kind's representation (module docstring)."""
     if group.kind == "permutation" and relaxed:
@@ -181,6 +192,8 @@ def act(sd: StateDict, group: Group, element: torch.Tensor, relaxed: bool = Fals
     Members whose tensor is absent from ``sd`` are skipped, so a partial state can be acted on.
     ``relaxed``: permutation elements are (differentiable) matrices P, acting as ``new = P old``."""
     check_element(group, element, relaxed)
+    if not relaxed and not element.requires_grad and is_identity(element):
+        return dict(sd)  # the identity acts as nothing: no copies
     if group.kind == "orthogonal":
         return _act_orthogonal(sd, group, element)
     out = dict(sd)
