@@ -13,7 +13,8 @@ from scipy.optimize import linear_sum_assignment
 
 import fedlmc.matching.weight as weight
 from fedlmc.matching import weight_matching
-from fedlmc.matching.certify import ROTATE_FIRST, certify, gram_row_max, rotation_size
+from fedlmc.matching.certify import ROTATE_FIRST, certify, certify_heads, circuit_gram, gram_row_max, rotation_size
+from fedlmc.matching.steps import circuit_distance, circuit_norm
 from fedlmc.models import from_preset
 from fedlmc.options import Matching
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform
@@ -99,6 +100,25 @@ def test_the_certificate_holds_for_near_copies_and_fails_for_strangers(dtype):
     assert not certify(FA, shuffled, gram)
 
 
+def test_rows_the_bound_leaves_open_are_settled_by_their_exact_rows():
+    """16 of 256 neurons in near-duplicate pairs (cosine 0.995): A's Gram bound cannot separate them,
+    their exact rows can (the rest are settled by the bound, so only those rows are computed); the
+    answer is the solver's."""
+    g = torch.Generator().manual_seed(0)
+    n, f = 256, 40
+    W = torch.randn(n, f, generator=g, dtype=torch.float64)
+    W = W / W.norm(dim=1, keepdim=True)
+    W[1:17:2] = W[0:16:2] + 0.1 * torch.randn(8, f, generator=g, dtype=torch.float64) / f**0.5
+    W = W / W.norm(dim=1, keepdim=True)
+    B = W + 0.0005 * torch.randn(n, f, generator=g, dtype=torch.float64)
+    asked = []
+    assert certify(W, B, lambda: gram_row_max(W), None, lambda: asked.append(1) or B)
+    assert asked == [1] and torch.equal(_optimal(W @ B.T), torch.arange(n))
+    swapped = B.clone()
+    swapped[[0, 1]] = B[[1, 0]]  # the near-duplicates' order is wrong: only their exact rows can tell
+    assert not certify(W, swapped, lambda: gram_row_max(W), None, lambda: swapped)
+
+
 def test_rotation_size_bounds_how_far_vectors_move():
     """``ε⊥ ‖v‖ + εᵤ |⟨v, u⟩|`` bounds ``‖(O − I)v‖`` (ε⊥ is exact enough below ``ROTATE_FIRST`` and
     above it otherwise), also when O flips the direction u that every tensor leaves null."""
@@ -120,6 +140,57 @@ def test_rotation_size_bounds_how_far_vectors_move():
         assert rotation_size(R @ flip, u)[1] == pytest.approx(2.0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    heads=st.integers(2, 12),
+    noise=st.sampled_from([0.0, 0.01, 0.05, 0.2, 0.5, 2.0]),
+    similar=st.booleans(),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+)
+def test_what_the_heads_certificate_certifies_is_the_optimal_head_assignment(seed, heads, noise, similar, dtype):
+    """Heads' QK and OV factors of A, and B's as A's moved by ``noise`` (``similar``: heads that nearly
+    repeat each other); whenever ``certify_heads`` says yes, the dense solver on the exact circuit
+    distances (``steps.circuit_distance``, float64) returns the identity."""
+    g = torch.Generator().manual_seed(seed)
+    dh, k = 4, 9
+
+    def factors():
+        X = torch.randn(heads, dh, k, generator=g, dtype=torch.float64)
+        if similar:
+            X[1:] = X[:1] + 0.2 * torch.randn(heads - 1, dh, k, generator=g, dtype=torch.float64)
+        return X
+
+    A = [factors() for _ in range(4)]  # X, Y of the QK circuit, then of the OV circuit
+    B = [x + noise * torch.randn(x.shape, generator=g, dtype=torch.float64) * x.std() for x in A]
+    circuits = [
+        (
+            A[i].to(dtype),
+            A[i + 1].to(dtype),
+            B[i].to(dtype),
+            B[i + 1].to(dtype),
+            circuit_gram(A[i].to(dtype), A[i + 1].to(dtype)),
+        )
+        for i in (0, 2)
+    ]
+    if certify_heads(circuits):
+        D = sum(
+            circuit_distance(A[i], A[i + 1], B[i], B[i + 1], circuit_norm(A[i], A[i + 1]), circuit_norm(B[i], B[i + 1]))
+            for i in (0, 2)
+        )
+        assert torch.equal(_optimal(-D), torch.arange(heads))
+
+
+def test_the_heads_certificate_holds_for_near_copies_and_fails_for_a_wrong_order():
+    g = torch.Generator().manual_seed(3)
+    A = [torch.randn(12, 16, 65, generator=g) for _ in range(4)]
+    near = [x + 0.02 * x.std() * torch.randn(x.shape, generator=g) for x in A]
+    grams = [circuit_gram(A[i], A[i + 1]) for i in (0, 2)]
+    assert certify_heads([(A[i], A[i + 1], near[i], near[i + 1], grams[i // 2]) for i in (0, 2)])
+    order = torch.roll(torch.arange(12), 1)
+    assert not certify_heads([(A[i], A[i + 1], near[i][order], near[i + 1][order], grams[i // 2]) for i in (0, 2)])
+
+
 def _gpt(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return canonicalize(
@@ -131,6 +202,7 @@ def _gpt(seed: int) -> torch.nn.Module:
 
 def _uncertified(monkeypatch):
     monkeypatch.setattr(weight, "certify", lambda *a, **k: False)
+    monkeypatch.setattr(weight, "certify_heads", lambda *a, **k: False)
 
 
 @pytest.mark.parametrize("case", ["common", "planted"])
@@ -154,14 +226,15 @@ def test_weight_matching_with_the_certificate_returns_what_it_returns_without(ca
     A, B = A.float(), B.float()
     m = Matching(precision=precision, ff_candidates=16)
     got = weight_matching(A, B, m)
-    steps = got.info["ff_steps"]
-    assert steps["certified"] >= (2 * steps["solved"] if case == "common" else 1)
-    if case == "common":
-        assert steps["solved"] == 0
+    for kind in ("ff_steps", "heads_steps"):
+        steps = got.info[kind]
+        assert steps["certified"] >= (2 * steps["solved"] if case == "common" else 1), kind
+        if case == "common":
+            assert steps["solved"] == 0, kind
     with monkeypatch.context() as mp:
         _uncertified(mp)
         full = weight_matching(A, B, m)
-    assert full.info["ff_steps"]["certified"] == 0
+    assert full.info["ff_steps"]["certified"] == full.info["heads_steps"]["certified"] == 0
     assert got.info["trace"] == full.info["trace"] and got.info["objective"] == full.info["objective"]
     assert set(got.elements) == set(full.elements)
     record(

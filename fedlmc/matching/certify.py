@@ -132,3 +132,43 @@ def certify(
         other = S.max(1).values
         tol = 4 * torch.finfo(FA.dtype).eps * (mine.abs() + other.abs())
         return bool((mine - other > tol).all())
+
+
+def circuit_gram(XA: torch.Tensor, YA: torch.Tensor) -> torch.Tensor:
+    """``⟨X_Aᵢᵀ Y_Aᵢ, X_Aⱼᵀ Y_Aⱼ⟩`` for all head pairs of one circuit kind (A's side of the heads
+    certificate, once per model A), as float64."""
+    return (torch.einsum("iak,jbk->ijab", XA, XA) * torch.einsum("iak,jbk->ijab", YA, YA)).sum((-1, -2)).double()
+
+
+# relative rounding the heads certificate allows its float32 products (their actual error is ~1e-6)
+HEADS_SLACK = 1e-5
+
+
+def certify_heads(circuits: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether the identity is the unique optimal head assignment of ``steps.head_distances`` (B's heads
+    in the order under test), without its H² circuit products.
+
+    ``circuits``: per circuit kind (QK, OV), ``(XA, YA, XB, YB, K)``: the heads' factors
+    ``(H, d_head, ·)`` of A and of B (residual map applied) and ``circuit_gram(XA, YA)``. The step
+    maximises ``Σ_c (2⟨C_Aᵢ, C_Bⱼ⟩ − ‖C_Bⱼ‖²) / mean_k ‖C_Ak‖²`` over assignments, and
+    ``⟨C_Aᵢ, C_Bⱼ⟩ ≤ K_ij + ‖C_Aᵢ‖ ‖C_Bⱼ − C_Aⱼ‖``: only the H own pairs are computed. Every product
+    is allowed a relative error ``HEADS_SLACK`` in the bounds' favour, and nothing is certified within
+    1e-4 of the scores' scale, far beyond the step's own rounding.
+    """
+    with section("heads certificate"):
+        own, bound = 0.0, 0.0
+        for XA, YA, XB, YB, K in circuits:
+            XB, YB = XB.to(XA.dtype), YB.to(XA.dtype)
+            inner = ((XA @ XB.transpose(1, 2)) * (YA @ YB.transpose(1, 2))).sum((-1, -2)).double()
+            nB = ((XB @ XB.transpose(1, 2)) * (YB @ YB.transpose(1, 2))).sum((-1, -2)).double()
+            nA = K.diagonal().clamp_min(0.0)
+            scale = nA.mean().clamp_min(1e-300)
+            # ‖C_Bⱼ − C_Aⱼ‖ and ⟨C_Aᵢ, C_Aⱼ⟩, rounded up
+            apart = ((nA + nB - 2 * inner).clamp_min(0.0) + 4 * HEADS_SLACK * (nA + nB)).sqrt()
+            gram = K + HEADS_SLACK * (nA[:, None] * nA[None, :]).sqrt()
+            own = own + (2 * inner - nB) / scale
+            bound = bound + (2 * (gram + nA.sqrt()[:, None] * apart[None, :]) - nB[None, :]) / scale
+        bound = bound.clone()
+        bound.fill_diagonal_(float("-inf"))
+        other = bound.max(1).values
+        return bool((own - other > 1e-4 * (own.abs() + other.abs() + 1.0)).all())

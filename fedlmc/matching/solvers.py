@@ -16,7 +16,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
-from ..symmetry import SymmetrySpec, ones_basis
+from ..symmetry import SymmetrySpec
 from .profile import section
 
 Elements = dict[str, torch.Tensor]
@@ -29,11 +29,23 @@ def procrustes(M: torch.Tensor) -> torch.Tensor:
 
 
 def procrustes_fix_ones(M: torch.Tensor) -> torch.Tensor:
-    """Procrustes restricted to ``O·1 = 1`` (square): identity on 1/√d, free on its complement."""
+    """Procrustes restricted to ``O·1 = 1`` (square): identity on 1/√d, free on its complement. In the
+    basis of the Householder reflection H that swaps 1/√d and e₁ (applied in O(d²), not as products)."""
     d = M.shape[0]
-    Q = ones_basis(d, M.dtype).to(M.device)
-    R = procrustes((Q.T @ M @ Q)[1:, 1:])
-    return Q @ torch.block_diag(torch.ones(1, 1, dtype=M.dtype, device=M.device), R) @ Q.T
+    v = torch.full((d,), d**-0.5, dtype=M.dtype, device=M.device)
+    v[0] -= 1.0  # H = I − 2vvᵀ/‖v‖² maps 1/√d to e₁ and back
+    if d == 1 or float(v @ v) == 0.0:
+        return torch.ones(1, 1, dtype=M.dtype, device=M.device) if d == 1 else procrustes(M)
+    w = v * (2.0 / (v @ v)) ** 0.5
+
+    def reflect(X: torch.Tensor) -> torch.Tensor:  # H X H, with H = I − w wᵀ
+        Xw, wX = X @ w, w @ X
+        return X - torch.outer(Xw, w) - torch.outer(w, wX) + (w @ Xw) * torch.outer(w, w)
+
+    X = torch.zeros_like(M)
+    X[0, 0] = 1.0
+    X[1:, 1:] = procrustes(reflect(M)[1:, 1:])
+    return reflect(X)
 
 
 def exact_elements(elements: dict[str, torch.Tensor], spec: SymmetrySpec, keep_ones: bool = False) -> Elements:

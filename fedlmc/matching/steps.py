@@ -172,13 +172,14 @@ def heads_step(
     spec: SymmetrySpec,
     norms: Optional[dict[str, tuple[dict, dict]]] = None,
     a_sides: Optional[dict] = None,
+    groups: Optional[list[Group]] = None,
 ) -> Elements:
-    """Head permutations of every layer from circuit distances (B already carries the residual map);
+    """Head permutations of every layer (or of ``groups``) from circuit distances (B already carries the residual map);
     ``norms``: each heads group's (A, B) ``circuit_norms``, when known; ``a_sides``: a cache of A's head
     factors (A is fixed through a matching). Under grouped-query attention
     KV heads are matched by their best matching of query heads, which gives the "within" element too."""
     out: Elements = {}
-    for g in spec.layer_groups("heads"):
+    for g in spec.layer_groups("heads") if groups is None else groups:
         within = spec.within_of(g.name)
         with section("head circuit distances"):
             if within is not None:

@@ -21,16 +21,19 @@ from ..cpu import fitting_threads
 from ..options import Matching
 from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
 from ..train import evaluate, pick_device
-from .certify import ROTATE_FIRST, certify, gram_row_max, rotation_size
+from .certify import ROTATE_FIRST, certify, certify_heads, circuit_gram, gram_row_max, rotation_size
 from .profile import section
 from .solvers import Elements, score_dtype
 from .steps import (
+    CIRCUITS,
     anchors,
     apply_elements,
     as_rows,
+    cached_side,
     circuit_norms,
     ff_step,
     gauge_step,
+    head_side,
     heads_step,
     residual_element,
     unit_features,
@@ -119,6 +122,14 @@ class Fixed:
             for part in ("ff", "rest")
         }
         self._gram_max: dict[str, torch.Tensor] = {}
+        self._circuit_gram: dict[str, torch.Tensor] = {}
+
+    def circuit_gram(self, gauge: str, XA: torch.Tensor, YA: torch.Tensor) -> torch.Tensor:
+        """``certify.circuit_gram`` of A's heads in gauge group ``gauge`` (computed once per A)."""
+        if gauge not in self._circuit_gram:
+            with section("heads certificate Gram"):
+                self._circuit_gram[gauge] = circuit_gram(XA, YA)
+        return self._circuit_gram[gauge]
 
     def gram_max(self, group: str) -> torch.Tensor:
         """``certify.gram_row_max`` of A's features in FF group ``group`` (computed once per A)."""
@@ -171,7 +182,9 @@ class Problem:
         self._last_cross: dict[str, tuple[list, Cross]] = {}  # per part: the elements it was computed for
         self.A_sides = F.A_sides
         self.ff_counts = {"certified": 0, "solved": 0}  # FF steps settled by the certificate / by a product
-        self.ff_trusted: set[str] = set()  # FF groups whose current permutation is an earlier answer
+        self.trusted: set[str] = set()  # permutation groups whose current element is an earlier answer
+        self.heads_counts = {"certified": 0, "solved": 0}
+        self._rotation: Optional[tuple[torch.Tensor, float, float]] = None
 
     def _anchor_setup(self, A: StateDict, B: StateDict, F: Fixed) -> None:
         """Per-tensor pieces of the objective for tensors outside the moving set, and (from the same
@@ -257,9 +270,8 @@ class Problem:
         identity under a large O, the first step of aligning a permuted model, would only fail."""
         F, spec = self.fixed, self.spec
         groups = spec.layer_groups("ff")
-        with section("FF certificate"):
-            ones = torch.full((O.shape[0],), O.shape[0] ** -0.5, dtype=torch.float64, device=O.device)
-            eps, eps_ones = rotation_size(O, ones)
+        eps, eps_ones = self.rotation_size(O)
+        ones = torch.full((O.shape[0],), O.shape[0] ** -0.5, dtype=torch.float64, device=O.device)
         rotated: dict[str, StateDict] = {}
 
         def rotated_ff(g) -> StateDict:
@@ -270,7 +282,7 @@ class Problem:
         out: Elements = {}
         for g in groups:
             perm = current.get(g.name)
-            if perm is None or (eps > ROTATE_FIRST and g.name not in self.ff_trusted):
+            if perm is None or (eps > ROTATE_FIRST and g.name not in self.trusted):
                 continue
             idx = perm.to(O.device)
             if eps <= ROTATE_FIRST:  # B's features as they are, and how far O moves each
@@ -289,7 +301,47 @@ class Problem:
             for g in todo:
                 B_ff.update(rotated_ff(g))
             out.update(ff_step(F.A_features, B_ff, spec, current, candidates, groups=todo))
-        self.ff_trusted.update(g.name for g in groups)  # every current permutation is now an answer
+        self.trusted.update(g.name for g in groups)  # every current permutation is now an answer
+        return out
+
+    def rotation_size(self, O: torch.Tensor) -> tuple[float, float]:
+        """``certify.rotation_size`` of O with u the all-ones direction (kept for the last O)."""
+        if self._rotation is None or self._rotation[0] is not O:
+            with section("FF certificate"):
+                ones = torch.full((O.shape[0],), O.shape[0] ** -0.5, dtype=torch.float64, device=O.device)
+                self._rotation = (O, *rotation_size(O, ones))
+        return self._rotation[1], self._rotation[2]
+
+    def heads_units(self, O: torch.Tensor, B_res: StateDict, current: Elements) -> Elements:
+        """The heads step on B under residual map O (``B_res``: B's attention tensors under it): every
+        layer whose current head permutation ``certify_heads`` proves optimal keeps it, the others are
+        solved (``steps.heads_step``). Tested as the FF step's layers are (``ff_units``); grouped-query
+        attention is always solved."""
+        spec, F = self.spec, self.fixed
+        near = self.rotation_size(O)[0] <= ROTATE_FIRST
+        out: Elements = {}
+        for g in spec.layer_groups("heads"):
+            perm = current.get(g.name)
+            if perm is None or spec.within_of(g.name) is not None or not (near or g.name in self.trusted):
+                continue
+            idx = perm.to(O.device)
+            circuits = []
+            for kind, (xs, ys) in CIRCUITS.items():
+                gauge = spec.gauges_of(g.name)[kind]
+                XA, YA = (
+                    cached_side(self.A_mov, gauge, xs, self.A_sides),
+                    cached_side(self.A_mov, gauge, ys, self.A_sides),
+                )
+                XB, YB = (head_side(B_res, gauge, fns).index_select(0, idx) for fns in (xs, ys))
+                circuits.append((XA, YA, XB, YB, F.circuit_gram(gauge.name, XA, YA)))
+            if certify_heads(circuits):
+                out[g.name] = perm
+        todo = [g for g in spec.layer_groups("heads") if g.name not in out]
+        self.heads_counts["certified"] += len(out)
+        self.heads_counts["solved"] += len(todo)
+        if todo:
+            out.update(heads_step(self.A_mov, B_res, spec, self.head_norms, self.A_sides, groups=todo))
+        self.trusted.update(g.name for g in spec.layer_groups("heads"))
         return out
 
     def _along(self, group, u: torch.Tensor) -> torch.Tensor:
@@ -413,7 +465,7 @@ def coordinate_descent(
         with section("apply residual map"):
             B_res = P.rotated(O, ff=False)
         # units given the residual map
-        elements.update(heads_step(P.A_mov, B_res, spec, P.head_norms, P.A_sides))
+        elements.update(P.heads_units(O, B_res, old))
         elements.update(P.ff_units(O, old, candidates))
         if gauge:
             with section("gauges"):
@@ -566,6 +618,7 @@ def weight_matching(
             best = min(losses, key=losses.get)
         info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
         info["ff_steps"] = dict(P.ff_counts)  # layers whose FF step the certificate settled, and solved ones
+        info["heads_steps"] = dict(P.heads_counts)
         T = Transform({k: v.cpu() for k, v in found[best].items()}, info)
     T.info["threads"] = threads
     return T
@@ -602,7 +655,9 @@ def _descents(
     el = identity_elements(P.cfg, dev, dtype)
     if warm_start is not None:
         el.update(warm_start.to(dtype=dtype, device=dev).elements)
-        P.ff_trusted.update(g.name for g in P.spec.layer_groups("ff") if g.name in warm_start.elements)
+        P.trusted.update(
+            g.name for kind in ("ff", "heads") for g in P.spec.layer_groups(kind) if g.name in warm_start.elements
+        )
     name = "warm" if warm_start is not None else "paper"
     d = coordinate_descent(P, el, **opts)
     info["iterations"][name], info["trace"][name] = d.iterations, d.trace
