@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--out", default="results/bench_load.json")
     args = p.parse_args()
     retain_freed_memory()
-    _, ca, b, _, _ = pair(12)
+    _, ca, b, *_ = pair(12)
     copies = [noisy_copy(args.universe_layers, s) for s in range(8)]
 
     def run_pair() -> int:
