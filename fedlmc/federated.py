@@ -92,7 +92,7 @@ class Settings:
     spool: bool = Scale.spool  # Scale.spool: replies wait on disk, memory-mapped (always with workers != 1)
     spool_dir: str = ""  # Scale.spool_dir ("": the system's temporary directory)
     ray_address: str = ""  # Scale.ray_address: align on this Ray cluster ("": local worker processes)
-    screen: str = "none"  # Screen.method (none | distance | loss | agreement | krum): screening of outlier replies
+    screen: str = "none"  # Screen.method (none | distance | loss | agreement | information | krum): outlier replies
     screen_threshold: float = Screen.threshold  # Screen.threshold (distance: robust deviations)
     malicious: int = Screen.malicious  # Screen.malicious, and the krum / multikrum baselines' f
 
@@ -156,7 +156,7 @@ class Settings:
                     f"screen={self.screen!r} screens aligned replies: strategies permuted, aligned and "
                     f"aligned-clients (krum / multikrum are the raw-coordinate baselines), not {name!r}"
                 )
-            if self.screen in ("loss", "agreement") and (name == "aligned-clients" or not self.guard):
+            if self.screen in ("loss", "agreement", "information") and (name == "aligned-clients" or not self.guard):
                 raise ValueError(
                     f"screen={self.screen!r} scores each reply on the server's guard split: strategies permuted "
                     f"and aligned with guard=true, not {name!r}" + ("" if self.guard else " with guard=false")

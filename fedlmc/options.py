@@ -290,7 +290,7 @@ class Scale:
         return self.spool or self.parallel
 
 
-SCREENS = ("distance", "loss", "agreement", "krum")
+SCREENS = ("distance", "loss", "agreement", "information", "krum")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ class Screening:
     method: str
     scores: list[float]
     excluded: dict[int, str] = field(default_factory=dict)
+    values: Optional[list[float]] = None  # the statistic the scores were computed from (distance, loss, ...)
 
 
 def squared_distances(states: Sequence[StateDict]) -> torch.Tensor:
@@ -68,6 +69,52 @@ def agreement(predictions: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.ones(M, dtype=torch.float64)
     same = torch.stack([(P == P[i]).to(torch.float64).mean(dim=1) for i in range(M)])  # (M, M), diagonal 1
     return (same.sum(dim=1) - 1) / (M - 1)
+
+
+def mutual_information(a: torch.Tensor, b: torch.Tensor, shuffles: int = 2) -> float:
+    """Normalised mutual information of two label sequences, adjusted for chance: ``(I − I₀) / (√(H(a)
+    H(b)) − I₀)``, clipped to [0, 1] (0 when either is constant), with I₀ the mutual information of a
+    with ``shuffles`` seeded shuffles of b. How much knowing one reply's predictions tells about the
+    other's, whatever the classes are called. The plug-in estimate of I alone is biased upwards by about
+    (classes²) / (2 · inputs); with many classes (a token vocabulary) it would be near H itself, which
+    the chance term removes. Counts only the label pairs that occur, so a 50k-token vocabulary is fine."""
+    a, b = a.reshape(-1).long(), b.reshape(-1).long()
+    n = len(a)
+    if n == 0:
+        return 0.0
+
+    def entropy(counts: torch.Tensor) -> torch.Tensor:
+        p = counts.to(torch.float64) / n
+        return -(p * p.log()).sum()
+
+    def joint(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return entropy(torch.unique(torch.stack([x, y]), dim=1, return_counts=True)[1])
+
+    ha, hb = entropy(torch.unique(a, return_counts=True)[1]), entropy(torch.unique(b, return_counts=True)[1])
+    if float(ha) <= 1e-12 or float(hb) <= 1e-12:
+        return 0.0
+    mi = ha + hb - joint(a, b)
+    g = torch.Generator().manual_seed(0)
+    chance = sum(ha + hb - joint(a, b[torch.randperm(n, generator=g)]) for _ in range(shuffles)) / max(shuffles, 1)
+    top = (ha * hb).sqrt()
+    if float(top - chance) <= 1e-12:
+        return 0.0
+    return float(((mi - chance) / (top - chance)).clamp(0.0, 1.0))
+
+
+def information(predictions: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(M,) each reply's mean chance-adjusted normalised mutual information with the others' top-1
+    predictions (``mutual_information``). Replies trained on different classes disagree on labels, but an honest
+    reply still sorts the inputs as the others do (it may call a 3 a 5, but it calls every 3 a 5);
+    one that learned nothing about the inputs' classes tells nothing about the others' predictions."""
+    M = len(predictions)
+    if M < 2:
+        return torch.ones(M, dtype=torch.float64)
+    I = torch.eye(M, dtype=torch.float64)
+    for i in range(M):
+        for j in range(i + 1, M):
+            I[i, j] = I[j, i] = mutual_information(predictions[i], predictions[j])
+    return (I.sum(dim=1) - 1) / (M - 1)
 
 
 def krum_scores(D: torch.Tensor, malicious: int) -> torch.Tensor:
@@ -126,23 +173,28 @@ def screen(
         if losses is None:
             raise ValueError("the loss screen needs each reply's held-out loss (losses=...)")
         values, what = torch.tensor([float(x) for x in losses], dtype=torch.float64), "held-out loss"
-    elif options.method == "agreement":
+    elif options.method in ("agreement", "information"):
         if predictions is None:
-            raise ValueError("the agreement screen needs each reply's held-out predictions (predictions=...)")
-        values = agreement(predictions)
-        z, flagged = robust_outliers(-values, options.threshold)  # the outlier agrees least
-        out = Screening("agreement", z.tolist())
+            raise ValueError(f"the {options.method} screen needs each reply's held-out predictions (predictions=...)")
+        values = (agreement if options.method == "agreement" else information)(predictions)
+        z, flagged = robust_outliers(-values, options.threshold)  # the outlier agrees (informs) least
+        out = Screening(options.method, z.tolist(), values=values.tolist())
+        what = (
+            "agrees with the others' predictions on {v:.1%} of held-out inputs"
+            if options.method == "agreement"
+            else "shares {v:.3f} normalised mutual information with the others' predictions"
+        )
         for i in flagged:
             out.excluded[i] = (
-                f"agrees with the others' predictions on {values[i]:.1%} of held-out inputs, {z[i]:.1f} robust "
-                f"deviations below the others' (median {values.median():.1%}; threshold {options.threshold:g})"
+                what.format(v=float(values[i])) + f", {z[i]:.1f} robust deviations below the others' (median "
+                f"{float(values.median()):.3g}; threshold {options.threshold:g})"
             )
         return out
     else:
         values, what = median_distances(states), "aligned distance to the median"
     z, flagged = robust_outliers(values, options.threshold)
     centre = values.median()
-    out = Screening(options.method, z.tolist())
+    out = Screening(options.method, z.tolist(), values=values.tolist())
     for i in flagged:
         out.excluded[i] = (
             f"{what} {values[i]:.4g} is {z[i]:.1f} robust deviations above the others' "

@@ -35,6 +35,8 @@ SCREEN_STRATEGIES = [
     "aligned@median+loss",
     "aligned+agreement",
     "aligned@median+agreement",
+    "aligned+information",
+    "aligned@median+information",
     "aligned+krum",
     "krum",
     "multikrum",

@@ -209,3 +209,39 @@ def test_agreement_screen_excludes_the_reply_whose_predictions_agree_least():
     assert agreement(P).tolist() == pytest.approx([(0.75 + 0.25) / 2, (0.75 + 0) / 2, (0.25 + 0) / 2])
     with pytest.raises(ValueError, match="guard_data"):
         AlignedFedAvg(model=cfg, screen=Screen(method="agreement"), guard_fn=lambda arrays: 0.0)
+
+
+def test_information_screen_excludes_the_reply_whose_predictions_tell_nothing_about_the_others():
+    """Screen(method="information"): honest replies that name the classes differently (each a relabelling
+    of one partition of the inputs, as clients trained on different classes do) share their
+    predictions' information, so none is excluded although they agree on few labels; a reply whose
+    predictions are unrelated to the inputs' classes is excluded, with the statistic in the reason and
+    the record; the agreement screen cannot tell them apart here."""
+    from fedlmc.screen import information, mutual_information
+
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randint(0, 10, (2000,), generator=g)
+    honest = []
+    for _ in range(4):  # each its own names for the classes, and a few mistakes
+        names = torch.randperm(10, generator=g)
+        p = names[truth]
+        wrong = torch.rand(2000, generator=g) < 0.1
+        honest.append(torch.where(wrong, torch.randint(0, 10, (2000,), generator=g), p))
+    noise = torch.randint(0, 10, (2000,), generator=g)  # learned nothing about the classes
+    preds = honest + [noise]
+    found = screen([], Screen(method="information"), predictions=preds)
+    assert list(found.excluded) == [4], found
+    assert "mutual information" in found.excluded[4] and found.values[4] < 0.05 < min(found.values[:4])
+    assert not screen([], Screen(method="agreement"), predictions=preds).excluded  # labels disagree throughout
+    assert not screen([], Screen(method="information"), predictions=honest).excluded
+    # the measure: a relabelling keeps all of it, independence none, a constant none
+    assert mutual_information(truth, (truth + 3) % 10) == pytest.approx(1.0)
+    assert abs(mutual_information(truth, noise)) < 0.01  # chance removed: the plug-in estimate alone is ~0.01
+    assert mutual_information(truth, torch.zeros_like(truth)) == 0.0
+    assert information([truth, truth]).tolist() == pytest.approx([1.0, 1.0])
+    tokens = torch.randint(0, 50257, (4096,), generator=g)  # a GPT-2 vocabulary: only the pairs that occur
+    assert mutual_information(tokens, tokens) == pytest.approx(1.0)
+    other = torch.randint(0, 50257, (4096,), generator=g)  # most tokens once: the plug-in I is near H, chance too
+    assert mutual_information(tokens, other) < 0.05
+    with pytest.raises(ValueError, match="guard_data"):
+        AlignedFedAvg(model=from_preset("vit-tiny", **KW).config.to_dict(), screen=Screen(method="information"))

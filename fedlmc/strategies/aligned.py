@@ -117,8 +117,10 @@ class AlignedFedAvg(FedlmcStrategy):
             raise ValueError(
                 "Screen(method='loss') scores each reply on the guard's held-out data: pass guard_data or guard_fn"
             )
-        if screen is not None and screen.method == "agreement" and guard_data is None:
-            raise ValueError("Screen(method='agreement') compares the replies' predictions on guard_data: pass it")
+        if screen is not None and screen.method in ("agreement", "information") and guard_data is None:
+            raise ValueError(
+                f"Screen(method={screen.method!r}) compares the replies' predictions on guard_data: pass it"
+            )
 
     def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
@@ -250,7 +252,7 @@ class AlignedFedAvg(FedlmcStrategy):
         t0 = time.time()
         if self.screen.method == "loss":  # held-out losses: the same for a reply and its aligned self
             found = screen_replies([], self.screen, losses=[self.guard_loss(loaded(m)) for m in models])
-        elif self.screen.method == "agreement":  # top-1 predictions on the guard's inputs
+        elif self.screen.method in ("agreement", "information"):  # top-1 predictions on the guard's inputs
             preds = [predictions(loaded(m), self.guard_data, max_batches=self.guard_batches) for m in models]
             found = screen_replies([], self.screen, predictions=preds)
         else:
@@ -264,6 +266,7 @@ class AlignedFedAvg(FedlmcStrategy):
         return {
             "method": found.method,
             "scores": {str(n): s for n, s in zip(nodes, found.scores)},
+            **({"values": {str(n): v for n, v in zip(nodes, found.values)}} if found.values is not None else {}),
             "excluded": [nodes[i] for i in sorted(found.excluded)],
             "seconds": time.time() - t0,
         }
