@@ -302,20 +302,24 @@ class Screen:
 
     Parameters
     ----------
-    method : {"distance", "loss", "agreement", "krum"}, default "distance"
+    method : {"distance", "loss", "agreement", "information", "krum"}, default "distance"
         "distance": a robust z-score of each reply's distance to the coordinate-wise median of the
         aligned replies; replies above ``threshold`` are excluded (none, in a federation of honest
         clients). "loss": the same robust z-score on each reply's loss on the guard's held-out data
         (the strategy's ``guard_data`` or ``guard_fn``; a loss does not depend on how the reply's
         neurons are arranged, so it needs no alignment). "agreement": the same robust z-score on how
         often each reply's top-1 prediction agrees with the others' on the guard's inputs (its labels
-        are not read; ``guard_data`` required), a reply that agrees least being the outlier. "krum":
+        are not read; ``guard_data`` required), a reply that agrees least being the outlier.
+        "information": the same on each reply's mean chance-adjusted normalised mutual information
+        with the others' top-1 predictions (``guard_data`` required): an honest client trained on
+        skewed labels may name a class wrongly, but it still sorts the inputs as the others do, and
+        the reply whose predictions tell least about the others' is the outlier. "krum":
         Krum's score (the summed squared distances to each reply's M − f − 2 nearest aligned replies)
         and the ``malicious`` highest scores excluded (Multi-Krum's selection).
     threshold : float, default 3.0
-        "distance" / "loss" / "agreement": exclude a reply whose distance (loss) exceeds the median, or
-        whose agreement falls below it, by this many robust standard deviations (1.4826 × the median
-        absolute deviation, at least 10 % of the median).
+        "distance" / "loss" / "agreement" / "information": exclude a reply whose distance (loss)
+        exceeds the median, or whose agreement (information) falls below it, by this many robust
+        standard deviations (1.4826 × the median absolute deviation, at least 10 % of the median).
     malicious : int, default 1
         "krum": f, the number of poisoned clients assumed (and excluded every round).
     """

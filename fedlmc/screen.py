@@ -156,8 +156,10 @@ def screen(
     z-score, (d − median d) / max(1.4826 MAD, 0.1 median d), exceeds ``options.threshold``. At most
     (M − 1) // 2 replies are excluded (the farthest), so a majority is always kept. "loss": the same
     robust z-score on ``losses``, each reply's loss on held-out data; "agreement": on each reply's
-    agreement with the others' ``predictions`` on held-out inputs, a low agreement being the outlier
-    (neither reads ``states``). "krum": the ``options.malicious`` replies with the highest Krum scores.
+    agreement with the others' ``predictions`` on held-out inputs, a low agreement being the outlier;
+    "information": on each reply's chance-adjusted mutual information with the others' ``predictions``
+    (``information``), a low one being the outlier (none of these three reads ``states``). "krum":
+    the ``options.malicious`` replies with the highest Krum scores.
     """
     M = len(next(x for x in (losses, predictions, states) if x is not None))
     if options.method == "krum":

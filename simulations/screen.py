@@ -7,7 +7,9 @@ labels or a ×4 sign flip; independently started one-shot clients, or 5 rounds f
 ``aligned@median`` (the robust aggregate, no screen), ``aligned+distance`` / ``aligned@median+distance``
 (the distance screen, then the mean / the median of the rest), ``aligned+loss`` /
 ``aligned@median+loss`` (the loss screen on the server's guard split), ``aligned+agreement`` /
-``aligned@median+agreement`` (the agreement screen on the guard split's inputs), ``aligned+krum`` (Krum's score among
+``aligned@median+agreement`` (the agreement screen on the guard split's inputs), ``aligned+information`` /
+``aligned@median+information`` (the mutual information of the replies' predictions on those inputs),
+``aligned+krum`` (Krum's score among
 the aligned replies, f = 1) and Flower's ``krum`` / ``multikrum`` on the raw replies (f = 1; Krum keeps
 one reply, Multi-Krum all but f). For each: how often the poisoned client's reply was excluded
 (detection, per round), how often an honest one was (false exclusions, per honest reply and round),

@@ -76,8 +76,8 @@ class AlignedFedAvg(FedlmcStrategy):
         Screen the aligned replies (``fedlmc.options.Screen``): the outliers among them are excluded with
         the reason logged, and the round is merged again without them, with the same ``reduce``. The
         distance screens hold the round's aligned replies in memory; the loss screen scores each reply
-        on ``guard_data`` / ``guard_fn`` (one of them is then required), the agreement screen compares
-        their predictions on ``guard_data``'s inputs (then required).
+        on ``guard_data`` / ``guard_fn`` (one of them is then required), the agreement and information
+        screens compare their predictions on ``guard_data``'s inputs (then required).
     **kwargs
         ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
     """
