@@ -15,12 +15,14 @@ one reply, Multi-Krum all but f). For each: how often the poisoned client's repl
 (detection, per round), how often an honest one was (false exclusions, per honest reply and round),
 and the final test loss. Writes ``results/screen_<setting>.json`` and prints a table per setting.
 Finished runs are reused from ``--runs``; with ``--strategies``, the results file keeps its other rows.
+``--table`` prints the results files' tables in Markdown (the results page's) and runs nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,51 @@ def detection(docs: dict[int, dict], poisoned: int) -> dict[str, Any]:
     }
 
 
+def processor() -> str:
+    """The CPU's model name (where the runs were measured)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+LABELS = {  # the results page's names for the strategies
+    "aligned@median": "aligned, median (no screen)",
+    "aligned+distance": "aligned + distance screen, mean",
+    "aligned@median+distance": "aligned + distance screen, median",
+    "aligned+loss": "aligned + loss screen, mean",
+    "aligned@median+loss": "aligned + loss screen, median",
+    "aligned+agreement": "aligned + agreement screen, mean",
+    "aligned@median+agreement": "aligned + agreement screen, median",
+    "aligned+information": "aligned + information screen, mean",
+    "aligned@median+information": "aligned + information screen, median",
+    "aligned+krum": "aligned + Krum screen (f = 1), mean",
+    "krum": "Flower's Krum, raw (keeps 1)",
+    "multikrum": "Flower's Multi-Krum, raw (keeps 4)",
+}
+
+
+def markdown(doc: dict) -> str:
+    """A results file's table in Markdown, one row per strategy (the results page's table)."""
+    rate = lambda x: "–" if x is None else f"{x:.0%}"  # noqa: E731
+    lines = [
+        "| strategy | poisoned client excluded | honest replies excluded | final test loss | acc | per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in doc["rows"].items():
+        per_seed = {str(k): v for k, v in r["per_seed"].items()}  # JSON's keys are strings
+        seeds = ", ".join(f"{per_seed[str(k)]['final_loss']:.3f}" for k in doc["seeds"] if str(k) in per_seed)
+        lines.append(
+            f"| {LABELS.get(name, name)} (`{name}`) | {rate(r['detection_rate'])} of {r['rounds']} rounds | "
+            f"{rate(r['false_exclusion_rate'])} of {r['honest_replies']} | {r['final_loss'][0]:.3f} ± "
+            f"{r['final_loss'][1]:.3f} | {r['final_acc'][0]:.3f} | {seeds} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", nargs="+", choices=SCREEN_SETTINGS, default=list(SCREEN_SETTINGS))
@@ -83,13 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="runs/compare")
     p.add_argument("--out", default="results")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--table", action="store_true", help="print the results files' tables in Markdown; run nothing")
     args = p.parse_args(argv)
+    if args.table:
+        for setting in args.settings:
+            print(markdown(json.loads((Path(args.out) / f"screen_{setting}.json").read_text())) + "\n")
+        return 0
     for setting in args.settings:
         spec = SETTINGS[setting]
         strategies = args.strategies or spec["strategies"]
         docs = run_all(setting, args.preset, args.seeds, strategies, spec["clients"], {}, Path(args.runs), args.timeout)
         poisoned = spec["config"]["poison-partition"]
-        rows = {name: detection(by_seed, poisoned) for name, by_seed in docs.items()}
+        rows = {name: {**detection(by_seed, poisoned), "processor": processor()} for name, by_seed in docs.items()}
         path = Path(args.out) / f"screen_{setting}.json"
         if args.strategies and path.is_file():  # a few strategies re-run: keep the file's other rows
             old = json.loads(path.read_text())

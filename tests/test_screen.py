@@ -147,6 +147,16 @@ def test_screen_run_config_and_the_screening_tally():
     docs = {0: {"rounds": [{}, rnd([15]), rnd([12, 15])]}, 1: {"rounds": [{}, rnd([]), rnd([13])]}}
     r = detection(docs, poisoned=4)
     assert r["detection_rate"] == 2 / 4 and r["false_exclusion_rate"] == 2 / 16 and r["rounds"] == 4
+    # the results page's table, from the results file
+    from simulations.screen import markdown
+
+    docs[0]["rounds"][-1] = {**rnd([12, 15]), "test_loss": 2.0}
+    r = detection(docs, poisoned=4)
+    table = markdown({"seeds": [0, 1], "rows": {"aligned+information": r}}).splitlines()
+    assert table[2] == (
+        "| aligned + information screen, mean (`aligned+information`) | 50% of 4 rounds | 12% of 16 | "
+        f"1.500 ± {r['final_loss'][1]:.3f} | 0.500 | 2.000, 1.000 |"
+    ), table
 
 
 def test_loss_screen_excludes_the_reply_that_computes_worst():
