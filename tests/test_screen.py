@@ -195,10 +195,12 @@ def test_loss_screen_excludes_the_reply_that_computes_worst():
                 Settings.from_run_config({**bad, "screen": method})
 
 
-def test_agreement_screen_excludes_the_reply_whose_predictions_agree_least():
-    """Screen(method="agreement"): each reply's top-1 predictions on the guard's inputs (labels unread),
-    its mean agreement with the others', and the robust z-score of a low agreement; the attacker is
-    excluded and no honest reply is; without guard_data the strategy refuses the screen."""
+@pytest.mark.parametrize("method", ["agreement", "information"])
+def test_agreement_screen_excludes_the_reply_whose_predictions_agree_least(method):
+    """Screen(method="agreement" / "information"): each reply's top-1 predictions on the guard's inputs
+    (labels unread), its mean agreement (mutual information) with the others', and the robust z-score
+    of a low one; the planted attacker among rotated and permuted honest replies is excluded and no
+    honest reply is; without guard_data the strategy refuses the screen."""
     from fedlmc.data import ArrayData
     from fedlmc.screen import agreement
 
@@ -207,18 +209,20 @@ def test_agreement_screen_excludes_the_reply_whose_predictions_agree_least():
     previous = ArrayRecord(torch_state_dict={k: v.float() for k, v in base.state_dict().items()})
     x = torch.randn(256, 1, 12, 12, generator=torch.Generator().manual_seed(5))
     guard = ArrayData(x, torch.full((256,), -1))  # labels that no loss could use: the screen never reads them
-    strategy = AlignedFedAvg(model=cfg, screen=Screen(method="agreement"), guard_data=guard, guard_batches=None)
+    strategy = AlignedFedAvg(model=cfg, screen=Screen(method=method), guard_data=guard, guard_batches=None)
     strategy.guard_loss = lambda model: 0.0  # the do-no-harm guard is not what this test is about
     msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
     strategy.aggregate_replies(1, msgs, previous)
     rec = strategy.history[-1]
-    assert rec["screen"]["method"] == "agreement" and rec["screen"]["excluded"] == [POISONED + 1], rec["screen"]
-    assert "agrees with the others' predictions" in rec["excluded"][0]["reason"]
+    assert rec["screen"]["method"] == method and rec["screen"]["excluded"] == [POISONED + 1], rec["screen"]
+    what = "agrees with the others' predictions" if method == "agreement" else "mutual information"
+    assert what in rec["excluded"][0]["reason"]
+    assert len(rec["screen"]["values"]) == len(replies)
 
     P = [torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2, 0]), torch.tensor([3, 3, 3, 3])]
     assert agreement(P).tolist() == pytest.approx([(0.75 + 0.25) / 2, (0.75 + 0) / 2, (0.25 + 0) / 2])
     with pytest.raises(ValueError, match="guard_data"):
-        AlignedFedAvg(model=cfg, screen=Screen(method="agreement"), guard_fn=lambda arrays: 0.0)
+        AlignedFedAvg(model=cfg, screen=Screen(method=method), guard_fn=lambda arrays: 0.0)
 
 
 def test_information_screen_excludes_the_reply_whose_predictions_tell_nothing_about_the_others():
