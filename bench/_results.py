@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from fedlmc.cpu import cpu_model
 from fedlmc.train import pick_device
 
 
@@ -21,20 +22,9 @@ def environment() -> dict:
         "device": str(pick_device()),
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
-        "processor": platform.processor() or _cpu_model(),
+        "processor": platform.processor() or cpu_model(),
         "torch": torch.__version__,
     }
-
-
-def _cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is empty on Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def write_results(path: str | Path, res: dict) -> Path:

@@ -12,6 +12,7 @@ slows an alignment about as much as it slows everything else.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,17 @@ import torch
 
 _SAMPLE: dict[str, float] = {"at": -1e9, "busy": 0.0}
 SAMPLE_SECONDS = 2.0  # a count of busy cores is reused this long
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else ``platform.processor()`` (empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def available_cores() -> int:

@@ -21,7 +21,7 @@ from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
-from .options import SCREENS, Matching, OnClients, Refinement, Scale, Screen, one_of
+from .options import PREDICTION_SCREENS, SCREENS, Matching, OnClients, Refinement, Scale, Screen, one_of
 from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
 
@@ -156,7 +156,7 @@ class Settings:
                     f"screen={self.screen!r} screens aligned replies: strategies permuted, aligned and "
                     f"aligned-clients (krum / multikrum are the raw-coordinate baselines), not {name!r}"
                 )
-            if self.screen in ("loss", "agreement", "information") and (name == "aligned-clients" or not self.guard):
+            if self.screen in ("loss", *PREDICTION_SCREENS) and (name == "aligned-clients" or not self.guard):
                 raise ValueError(
                     f"screen={self.screen!r} scores each reply on the server's guard split: strategies permuted "
                     f"and aligned with guard=true, not {name!r}" + ("" if self.guard else " with guard=false")

@@ -291,6 +291,7 @@ class Scale:
 
 
 SCREENS = ("distance", "loss", "agreement", "information", "krum")
+PREDICTION_SCREENS = ("agreement", "information")  # the screens that score replies by their predictions
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from .averaging import robust_state
-from .options import Screen
+from .options import PREDICTION_SCREENS, Screen
 
 StateDict = dict[str, torch.Tensor]
 
@@ -175,7 +175,7 @@ def screen(
         if losses is None:
             raise ValueError("the loss screen needs each reply's held-out loss (losses=...)")
         values, what = torch.tensor([float(x) for x in losses], dtype=torch.float64), "held-out loss"
-    elif options.method in ("agreement", "information"):
+    elif options.method in PREDICTION_SCREENS:
         if predictions is None:
             raise ValueError(f"the {options.method} screen needs each reply's held-out predictions (predictions=...)")
         values = (agreement if options.method == "agreement" else information)(predictions)

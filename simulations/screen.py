@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from fedlmc.cpu import cpu_model
 
 from .compare import SETTINGS, _mean_se, run_all
 
@@ -74,17 +75,6 @@ def detection(docs: dict[int, dict], poisoned: int) -> dict[str, Any]:
         "final_acc": _mean_se([d["final_acc"] for d in per_seed.values()]),
         "per_seed": per_seed,
     }
-
-
-def processor() -> str:
-    """The CPU's model name (where the runs were measured)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 LABELS = {  # the results page's names for the strategies
@@ -141,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         strategies = args.strategies or spec["strategies"]
         docs = run_all(setting, args.preset, args.seeds, strategies, spec["clients"], {}, Path(args.runs), args.timeout)
         poisoned = spec["config"]["poison-partition"]
-        rows = {name: {**detection(by_seed, poisoned), "processor": processor()} for name, by_seed in docs.items()}
+        rows = {name: {**detection(by_seed, poisoned), "processor": cpu_model()} for name, by_seed in docs.items()}
         path = Path(args.out) / f"screen_{setting}.json"
         if args.strategies and path.is_file():  # a few strategies re-run: keep the file's other rows
             old = json.loads(path.read_text())

@@ -29,7 +29,7 @@ from fedlmc.averaging import FORMS, REDUCES, aligned_state, merge, robust_merge,
 from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
-from fedlmc.options import Matching, OnClients, Refinement, Screen, one_of
+from fedlmc.options import PREDICTION_SCREENS, Matching, OnClients, Refinement, Screen, one_of
 from fedlmc.replies import StoredModel
 from fedlmc.screen import screen as screen_replies
 from fedlmc.symmetry import canonical, spec_for
@@ -117,7 +117,7 @@ class AlignedFedAvg(FedlmcStrategy):
             raise ValueError(
                 "Screen(method='loss') scores each reply on the guard's held-out data: pass guard_data or guard_fn"
             )
-        if screen is not None and screen.method in ("agreement", "information") and guard_data is None:
+        if screen is not None and screen.method in PREDICTION_SCREENS and guard_data is None:
             raise ValueError(
                 f"Screen(method={screen.method!r}) compares the replies' predictions on guard_data: pass it"
             )
@@ -252,7 +252,7 @@ class AlignedFedAvg(FedlmcStrategy):
         t0 = time.time()
         if self.screen.method == "loss":  # held-out losses: the same for a reply and its aligned self
             found = screen_replies([], self.screen, losses=[self.guard_loss(loaded(m)) for m in models])
-        elif self.screen.method in ("agreement", "information"):  # top-1 predictions on the guard's inputs
+        elif self.screen.method in PREDICTION_SCREENS:  # top-1 predictions on the guard's inputs
             preds = [predictions(loaded(m), self.guard_data, max_batches=self.guard_batches) for m in models]
             found = screen_replies([], self.screen, predictions=preds)
         else:
