@@ -4,7 +4,6 @@ aggregate nothing, and what it leaves behind when it crashes."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,8 +63,8 @@ def _settings(out: Path, **kw) -> Settings:
     )
 
 
-def test_rounds_that_aggregate_nothing_end_normally_with_the_initial_model():
-    out = Path(tempfile.mkdtemp(prefix="srv-"))
+def test_rounds_that_aggregate_nothing_end_normally_with_the_initial_model(tmp_path):
+    out = tmp_path
     s = _settings(out)
     grid = ScriptedGrid(reply=node_unavailable)
     doc = run_federation(grid, s)
@@ -114,8 +113,8 @@ def test_the_summary_table_says_what_each_round_did():
     assert "slicing (Δ +0.200)" in summary_table(doc)
 
 
-def test_a_crash_is_written_into_metrics_json():
-    out = Path(tempfile.mkdtemp(prefix="srv-"))
+def test_a_crash_is_written_into_metrics_json(tmp_path):
+    out = tmp_path
     grid = ScriptedGrid(fail=RuntimeError("the grid went away"))
     with pytest.raises(RuntimeError, match="went away"):
         serve(grid, _settings(out))  # what the ServerApp's main runs

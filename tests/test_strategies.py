@@ -301,7 +301,7 @@ def test_hetero_permuted_aligns_widths_with_permutations_only(record):
     assert gaps["orthogonal"] > 1e-1, gaps  # a rotated residual is beyond a permutation
 
 
-def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):
+def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch, tmp_path):
     """A narrow reply and a wide reply that is the narrow model padded and moved by a group element:
     the universe computes the narrow function, and the narrow node is sent a narrow model."""
     from fedlmc.strategies import HeteroWidthFedAvg
@@ -330,12 +330,9 @@ def test_hetero_width_strategy_aligns_and_projects(record, monkeypatch):
     # the per-client transforms (typed width maps included) survive a checkpoint, keyed by partition id:
     # a resumed server, whose nodes have new ids, asks them their partition and sends the narrow one
     # the same model from its first round on
-    import tempfile
-    from pathlib import Path
-
     from fedlmc.strategies.checkpoint import load_state, save_state
 
-    path = Path(tempfile.mkdtemp(prefix="ckpt-")) / "state"
+    path = tmp_path / "state"
     save_state(path, 1, arrays, strategy, {"rounds": []})
     state = load_state(path)
     resumed = HeteroWidthFedAvg(model=wide_cfg.to_dict())
