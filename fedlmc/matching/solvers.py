@@ -8,16 +8,19 @@ from __future__ import annotations
 import functools
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
 from ..symmetry import SymmetrySpec
 from .profile import section
+
+if TYPE_CHECKING:
+    from scipy.sparse import csr_matrix
+
+# scipy's solvers are imported where they are called: importing scipy.optimize takes about a second,
+# and a deployment's ClientApp (a new process per message) reaches this module without solving anything
 
 Elements = dict[str, torch.Tensor]
 
@@ -96,6 +99,8 @@ def assignment(score: torch.Tensor, maximize: bool = True) -> torch.Tensor:
 def dense_solve(score: np.ndarray, maximize: bool = True) -> torch.Tensor:
     """scipy's dense solver on a float64 array, as a permutation (no torch work before the answer, so
     it can run in a worker thread)."""
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(score, maximize=maximize)
     return _perm(rows, cols, len(rows))
 
@@ -146,11 +151,15 @@ def candidate_graph(score: torch.Tensor, candidates: int, current: Optional[torc
         rows, cols = mask.nonzero(as_tuple=True)
         vals = score[rows, cols].to("cpu", torch.float64)
         cost = (vals.max() - vals + 1.0).numpy()  # positive: the sparse solver reads 0 as "no edge"
+        from scipy.sparse import csr_matrix
+
         return csr_matrix((cost, (rows.cpu().numpy(), cols.cpu().numpy())), shape=(n, n))
 
 
 def solve_graph(graph: csr_matrix) -> torch.Tensor:
     """The minimum-cost full matching of a ``candidate_graph``, as a permutation."""
+    from scipy.sparse.csgraph import min_weight_full_bipartite_matching
+
     with section("assignment solves"):
         r, c = min_weight_full_bipartite_matching(graph)
     return _perm(r, c, graph.shape[0])

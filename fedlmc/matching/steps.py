@@ -7,8 +7,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
+import numpy as np
 import torch
-from scipy.sparse import csr_matrix
 
 from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, perm_matrix
 from ..symmetry.rope import rope_fit
@@ -262,7 +262,7 @@ def ff_step(
     def solve(job) -> torch.Tensor:
         if isinstance(job, torch.Tensor):
             return job
-        if isinstance(job, csr_matrix):
+        if not isinstance(job, np.ndarray):  # candidate_graph's sparse graph
             return solve_graph(job)
         with section("assignment solves"):
             return dense_solve(job)
