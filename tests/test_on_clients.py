@@ -349,3 +349,17 @@ def test_client_guard_counts_the_candidates_bytes():
 
     arrays = ArrayRecord(torch_state_dict={"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.float64)})
     assert record_nbytes(arrays) == 3 * 4 * 4 + 5 * 8
+
+
+def test_the_client_app_imports_no_assignment_solver():
+    """A deployment starts a ClientApp process for every message: its import must not pull in
+    scipy.optimize (about a second), which only the server's matching uses."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, clients.app; print(sorted(m for m in sys.modules if m.startswith('scipy.optimize')))"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
