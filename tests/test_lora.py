@@ -398,11 +398,10 @@ def test_lora_layout_from_config_and_keyed_arrays_reads_rank_and_alpha_patterns(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_lora_example_app_runs_with_flwr_run():
+def test_lora_example_app_runs_with_flwr_run_and_both_strategies():
     """examples/flowertune-gpt2 (PEFT LoRA on a locally pretrained HF GPT-2, FlowerTune's client) runs
-    2 rounds on 2 SuperNodes of the Ray simulation engine with LoraFedAvg: every reply of both rounds
-    aggregated, none excluded, and the global adapter learns. (Its FedAvg branch is Flower's FedAvg on
-    the same messages, the examples' other branch, which tests/test_simulation.py runs.)"""
+    2 rounds on 2 SuperNodes of the Ray simulation engine with Flower's FedAvg and with LoraFedAvg:
+    every reply of both rounds aggregated, none excluded, and the global adapter learns."""
     import shutil
 
     from test_simulation import _short_tmp, _stop_local_superlink, run_example
@@ -411,7 +410,7 @@ def test_lora_example_app_runs_with_flwr_run():
 
     home = _short_tmp("lora-")
     try:
-        for strategy, name in (("lora", "LoraFedAvg"),):
+        for strategy, name in (("fedavg", "FedAvg"), ("lora", "LoraFedAvg")):
             cfg = f"strategy='{strategy}' num-server-rounds=2 local-steps=10 base-steps=200"
             out = run_example("flowertune-gpt2", cfg, home)
             line = next(l for l in out.splitlines() if "flowertune-gpt2 result:" in l)
