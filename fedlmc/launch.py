@@ -9,7 +9,9 @@ run ended and exits non-zero unless it completed::
     python -m fedlmc.launch APP_DIR [SUPERLINK] [flwr run options...]
 
 A local SuperLink that ``flwr run`` started for this run (``flwr run .`` without a SuperLink of
-one's own) is stopped when the run ends. It sets what a run on a shared machine needs unless the
+one's own) is stopped when the run ends. The app is handed to ``flwr run`` as a copy of the files
+its FAB can hold (``staged_app``): Flower walks the whole app folder, a virtual environment inside it
+included, file by file, before it drops what ``.gitignore`` names. It sets what a run on a shared machine needs unless the
 environment says otherwise: no runtime dependency install by the SuperLink (it would fetch a CUDA
 torch), short Ray socket paths, telemetry off, Ray workers at normal priority. It is what ``make run``
 and the deployment tests use.
@@ -20,12 +22,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 RUN_ID = re.compile(r"run_id `?(\d+)`?")
 
@@ -107,10 +112,48 @@ def launch(args: list[str], timeout: Optional[float] = None) -> int:
         os.environ["RAY_TMPDIR"] = f"/tmp/ray-{os.getuid()}"
         Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     try:
-        return _run_and_check(args, timeout)
+        with staged_app(Path(args[0])) if args and (Path(args[0]) / "pyproject.toml").is_file() else _as_is() as app:
+            return _run_and_check([str(app), *args[1:]] if app is not None else args, timeout)
     finally:
         for pid in local_superlinks(home) - before:
             stop_tree(pid)
+
+
+@contextmanager
+def _as_is() -> Iterator[None]:
+    yield None
+
+
+@contextmanager
+def staged_app(app: Path) -> Iterator[Path]:
+    """A temporary folder holding the files of the Flower app in ``app`` that its FAB will hold, chosen
+    by Flower's own rules (``.gitignore``, the publish rules, ``fab-include`` / ``fab-exclude``), with
+    the folders ``.gitignore`` ignores skipped rather than walked. Removed when the block ends."""
+    import tomli
+    from flwr.cli.build import get_filtered_fab_paths
+    from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
+
+    app = app.expanduser().resolve()
+    ignore_file = app / ".gitignore"
+    ignored = build_pathspec(tuple(load_gitignore_patterns(ignore_file.read_bytes() if ignore_file.is_file() else b"")))
+    files: dict[str, Path] = {}
+    for folder, dirs, names in os.walk(app):
+        rel = Path(folder).relative_to(app)
+        dirs[:] = [d for d in dirs if not ignored.match_file((rel / d).as_posix() + "/")]
+        for name in names:
+            path = Path(folder) / name
+            if not path.is_symlink():  # Flower's walk skips them too
+                files[(rel / name).as_posix()] = path
+    files = filter_paths_for_publish(files)
+    keep = get_filtered_fab_paths(files, tomli.loads((app / "pyproject.toml").read_text()))
+    stage = Path(tempfile.mkdtemp(prefix="fedlmc-app-"))
+    try:
+        for rel in ["pyproject.toml", *keep]:
+            (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(files[rel], stage / rel)
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _submit(args: list[str], timeout: Optional[float]) -> tuple[int, Optional[int]]:
