@@ -11,10 +11,10 @@ run ended and exits non-zero unless it completed::
 A local SuperLink that ``flwr run`` started for this run (``flwr run .`` without a SuperLink of
 one's own) is stopped when the run ends. The app is handed to ``flwr run`` as a copy of the files
 its FAB can hold (``staged_app``): Flower walks the whole app folder, a virtual environment inside it
-included, file by file, before it drops what ``.gitignore`` names. It sets what a run on a shared machine needs unless the
-environment says otherwise: no runtime dependency install by the SuperLink (it would fetch a CUDA
-torch), short Ray socket paths, telemetry off, Ray workers at normal priority. It is what ``make run``
-and the deployment tests use.
+included, file by file, before it drops what ``.gitignore`` names. It sets what a run on a shared
+machine needs unless the environment says otherwise: no runtime dependency install by the SuperLink
+(it would fetch a CUDA torch), short Ray socket paths, telemetry off, Ray workers at normal
+priority. It is what ``make run`` and the deployment tests use.
 """
 
 from __future__ import annotations
