@@ -5,6 +5,7 @@ alignment checked; the client guard keeps the candidate with the lower client lo
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -13,6 +14,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 from torch.func import functional_call
 
 from fedlmc.data import ArrayData
@@ -363,3 +365,69 @@ def test_the_client_app_imports_no_assignment_solver():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+class _DelayedGrid(Grid):
+    """A Flower ``Grid`` whose node ``n`` answers ``delays[n]`` seconds after a message was pushed (None:
+    never), as a deployment's SuperLink would hand the replies out."""
+
+    def __init__(self, delays: dict[int, Optional[float]]) -> None:
+        self.delays, self.sent, self.pulls = delays, {}, 0
+
+    def set_run(self, run_id):
+        pass
+
+    @property
+    def run(self):
+        raise NotImplementedError
+
+    def create_message(self, *a, **k):
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return list(self.delays)
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            mid = str(uuid.uuid4())
+            m.metadata.__dict__["_message_id"] = mid
+            self.sent[mid] = (m, time.monotonic())
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        out = []
+        for mid in message_ids:
+            m, at = self.sent[mid]
+            delay = self.delays[m.metadata.dst_node_id]
+            if delay is not None and time.monotonic() >= at + delay:
+                reply = Message(RecordDict({"metrics": MetricRecord({"ok": 1.0})}), reply_to=m)
+                reply.metadata.__dict__["_src_node_id"] = m.metadata.dst_node_id
+                out.append(reply)
+                del self.sent[mid]
+        return out
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise AssertionError("exchange polls the grid itself")
+
+
+def test_exchange_collects_replies_soon_after_they_come_and_stops_at_the_timeout():
+    """A refinement step waits for its clients through ``exchange``: the replies are there within a
+    poll of their arrival (Flower's deployment grid looks every 3 s), a node that never answers is
+    given up after the timeout, and the polls stay few."""
+    from fedlmc.on_clients import POLL_MAX, exchange
+
+    grid = _DelayedGrid({1: 0.0, 2: 0.4, 3: None})
+    msgs = [Message(RecordDict(), dst_node_id=n, message_type=REFINE) for n in (1, 2, 3)]
+    t0 = time.monotonic()
+    replies = exchange(grid, msgs, timeout=2.0)
+    took = time.monotonic() - t0
+    assert sorted(int(r.metadata.src_node_id) for r in replies) == [1, 2]
+    assert 2.0 <= took < 2.0 + POLL_MAX, took  # node 3 given up at the timeout
+    assert grid.pulls <= 12, grid.pulls
+    grid = _DelayedGrid({1: 0.3, 2: 0.5})
+    t0 = time.monotonic()
+    replies = exchange(grid, [Message(RecordDict(), dst_node_id=n, message_type=REFINE) for n in (1, 2)], None)
+    assert len(replies) == 2 and time.monotonic() - t0 < 0.5 + POLL_MAX
