@@ -41,29 +41,16 @@ POLL_FIRST, POLL_MAX = 0.1, 1.0
 
 def exchange(grid, messages: list[Message], timeout: Optional[float]) -> list[Message]:
     """``grid.send_and_receive(messages, timeout=timeout)``: the replies that came within ``timeout``
-    seconds (None: all of them). On a Flower ``Grid`` it pushes the messages and pulls their replies
-    itself, ``POLL_FIRST`` to ``POLL_MAX`` seconds apart; any other grid (a test double) answers
-    through its own ``send_and_receive``."""
+    seconds (None: all of them). On a Flower ``Grid`` the replies are pulled ``POLL_FIRST`` to
+    ``POLL_MAX`` seconds apart (``strategies.base.ArrivalGrid``); any other grid (a test double)
+    answers through its own ``send_and_receive``."""
     from flwr.serverapp import Grid
 
-    if not isinstance(grid, Grid):
-        return list(grid.send_and_receive(messages, timeout=timeout))
-    pending = set(grid.push_messages(messages))
-    end = None if timeout is None else time.monotonic() + timeout
-    out: list[Message] = []
-    wait = POLL_FIRST
-    while pending:
-        got = list(grid.pull_messages(sorted(pending)))
-        for reply in got:
-            pending.discard(reply.metadata.reply_to_message_id)
-        out += got
-        left = None if end is None else end - time.monotonic()
-        if not pending or (left is not None and left <= 0):
-            break
-        if not got:
-            time.sleep(wait if left is None else min(wait, left))
-            wait = min(POLL_MAX, wait * 1.5)
-    return out
+    from .strategies.base import ArrivalGrid
+
+    if isinstance(grid, Grid):
+        grid = ArrivalGrid(grid, poll=POLL_FIRST, poll_max=POLL_MAX, one_at_a_time=False)
+    return list(grid.send_and_receive(messages, timeout=timeout))
 
 
 REFINE = f"{MessageType.QUERY}.refine"  # the message type of a refinement query (ClientApp: @app.query("refine"))
