@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -112,16 +112,12 @@ def launch(args: list[str], timeout: Optional[float] = None) -> int:
         os.environ["RAY_TMPDIR"] = f"/tmp/ray-{os.getuid()}"
         Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     try:
-        with staged_app(Path(args[0])) if args and (Path(args[0]) / "pyproject.toml").is_file() else _as_is() as app:
+        local_app = bool(args) and (Path(args[0]) / "pyproject.toml").is_file()
+        with staged_app(Path(args[0])) if local_app else nullcontext() as app:
             return _run_and_check([str(app), *args[1:]] if app is not None else args, timeout)
     finally:
         for pid in local_superlinks(home) - before:
             stop_tree(pid)
-
-
-@contextmanager
-def _as_is() -> Iterator[None]:
-    yield None
 
 
 @contextmanager
