@@ -156,10 +156,10 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
     states = [canonical_state(m, torch.device("cpu"), torch.float32) for m in (A, B)]
     cfg = canonical_config(B.config)
 
-    def run(snapshots=(), steps=18, **kw):
-        # rates high enough that the merge's loss goes up again within 18 steps (checked below)
+    def run(rates, snapshots=(), steps=18, **kw):
+        lr, perm_lr = rates
         opts = Options(
-            Learning(steps=steps, lr=1.0, perm_lr=10.0, batch_size=16, **kw), progress=False, snapshots=snapshots
+            Learning(steps=steps, lr=lr, perm_lr=perm_lr, batch_size=16, **kw), progress=False, snapshots=snapshots
         )
         return learn_alignments(
             states,
@@ -172,10 +172,17 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
             check_weights=[0.5, 0.5],
         )
 
-    full = run(check_every=3, patience=99, check_sigmas=0.0, snapshots=(3, 6, 9, 12, 15, 18))
-    assert sorted(full.checks) == [0, 3, 6, 9, 12, 15, 18] and len(full.trace) == 18
-    assert full.best_step == min(full.checks, key=lambda n: (full.checks[n], n))
-    assert 0 < full.best_step < 18  # neither the start nor the last step: the case that matters
+    # The case that matters is a best step that is neither the start nor the last check: rates high enough
+    # that the merge's loss goes up again within 18 steps. Where that happens depends on the processor's
+    # float32 arithmetic (these random-label batches give a wobbly descent), so the first of a few rates
+    # whose best check is inside the run is the one tested.
+    for rates in ((1.0, 10.0), (2.0, 20.0), (8.0, 80.0), (1.0, 40.0), (4.0, 40.0)):
+        full = run(rates, check_every=3, patience=99, check_sigmas=0.0, snapshots=(3, 6, 9, 12, 15, 18))
+        assert sorted(full.checks) == [0, 3, 6, 9, 12, 15, 18] and len(full.trace) == 18
+        assert full.best_step == min(full.checks, key=lambda n: (full.checks[n], n))
+        if 0 < full.best_step < 18:
+            break
+    assert 0 < full.best_step < 18, full.checks  # neither the start nor the last step
     for k, v in full.snapshots[full.best_step][1].items():  # the best step's elements, bit for bit
         assert torch.equal(full.elements[1][k], v), k
     # the start's score is the weight-matched merge's loss on the first batches, computed independently
@@ -190,7 +197,7 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
     # patience 1: the descent stops at the first check that does not improve on the best. With room for
     # 36 steps it must stop by step 18 (the full run's best came before its last check), on the same
     # trajectory as the full run
-    short = run(check_every=3, patience=1, check_sigmas=0.0, steps=36)
+    short = run(rates, check_every=3, patience=1, check_sigmas=0.0, steps=36)
     worse = [
         n for n in sorted(short.checks) if n and short.checks[n] >= min(v for m, v in short.checks.items() if m < n)
     ]
@@ -201,13 +208,13 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
     # an improvement must be significant: no check is 10⁶ standard errors better, so the start is kept
     # (the weight-matched permutations exactly, its residual map through the float32 latent) and the
     # descent stops after ``patience`` checks
-    strict = run(check_every=3, patience=2, check_sigmas=1e6)
+    strict = run(rates, check_every=3, patience=2, check_sigmas=1e6)
     assert strict.best_step == 0 and len(strict.trace) == 6 and sorted(strict.checks) == [0, 3, 6]
     for k, v in init.to(dtype=torch.float64).elements.items():
         got = strict.elements[1][k]
         assert torch.equal(got, v) if v.dtype == torch.long else torch.allclose(got, v, atol=1e-5), k
     # at the default 2 standard errors the kept step is one of the checks, and its elements are that step's
-    usual = run(check_every=3, patience=99, snapshots=(3, 6, 9, 12, 15, 18))
+    usual = run(rates, check_every=3, patience=99, snapshots=(3, 6, 9, 12, 15, 18))
     assert usual.best_step in usual.checks and usual.checks[usual.best_step] <= usual.checks[0]
     if usual.best_step:
         for k, v in usual.snapshots[usual.best_step][1].items():
