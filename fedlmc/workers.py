@@ -120,7 +120,8 @@ class AlignmentPool:
             if not chunks:
                 break
             outs = [str(folder / f"partial-{self._calls}-{attempt}-{k}.safetensors") for k in range(len(chunks))]
-            for chunk, result in zip(chunks, self._run(str(universe_file), chunks, options, outs, skip)):
+            results = self._run(str(universe_file), chunks, options, outs, skip, isolate=attempt > 0)
+            for chunk, result in zip(chunks, results):
                 if isinstance(result, BaseException):  # the worker died (or the task broke): each reply failed
                     errors.update({i: _reason(result) for i, *_ in chunk})
                     continue
@@ -135,8 +136,12 @@ class AlignmentPool:
         tries = 1 + self.scale.retries
         return done, {i: f"alignment failed {tries} times: {why}" for i, why in errors.items()}, acc
 
-    def _run(self, universe_file: str, chunks: list, options: dict, outs: list[str], skip: Optional[int]) -> list:
-        """Each chunk's result, or the exception that stopped it."""
+    def _run(
+        self, universe_file: str, chunks: list, options: dict, outs: list[str], skip: Optional[int], isolate: bool
+    ) -> list:
+        """Each chunk's result, or the exception that stopped it. ``isolate``: in the process pool, one task
+        at a time (a worker that dies breaks the whole pool, and every task still running in it fails
+        with it, so only a task run alone is known to have died of its own reply)."""
         args = [(universe_file, c, options, self.threads, o, skip) for c, o in zip(chunks, outs)]
         results: list = []
         if self.backend == "ray":
@@ -148,13 +153,15 @@ class AlignmentPool:
                 except Exception as e:  # noqa: BLE001 -- a dead worker or node
                     results.append(e)
             return results
-        for f in [self._executor().submit(align_chunk, *a) for a in args]:
-            try:
-                results.append(f.result())
-            except BaseException as e:  # noqa: BLE001 -- a dead worker breaks the pool: a new one next time
-                results.append(e)
-        if any(isinstance(r, BrokenProcessPool) for r in results):
-            self._reset()
+        batches = [[a] for a in args] if isolate else [args]
+        for batch in batches:
+            for f in [self._executor().submit(align_chunk, *a) for a in batch]:
+                try:
+                    results.append(f.result())
+                except BaseException as e:  # noqa: BLE001 -- a dead worker breaks the pool: a new one next time
+                    results.append(e)
+            if any(isinstance(r, BrokenProcessPool) for r in results[-len(batch) :]):
+                self._reset()
         return results
 
     def _executor(self) -> ProcessPoolExecutor:

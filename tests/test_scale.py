@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,14 @@ class CrashingModel(StoredModel):
         return super().load()
 
 
+class SlowModel(StoredModel):
+    """A stored reply that takes two seconds to read: its task is still running when another one dies."""
+
+    def load(self):
+        time.sleep(2.0)
+        return super().load()
+
+
 def test_parallel_dead_worker_is_retried_once_then_excluded(tmp_path, record):
     models = _copies(4)
     m = Matching(keep_identity=False)
@@ -203,8 +212,11 @@ def test_parallel_dead_worker_is_retried_once_then_excluded(tmp_path, record):
         Path(handles[2].path + ".crashed").write_text("always")
         always = list(handles)
         always[2] = CrashingModel(handles[2].path, handles[2].config)
+        # a reply whose task runs beside the dying one, on every try: it must not go down with it
+        always[3] = SlowModel(handles[3].path, handles[3].config)
         got, Ts = universe_merge(always, iterations=1, matching=m, scale=scale)
         assert "worker died" in Ts[2].info["excluded"] and "failed 2 times" in Ts[2].info["excluded"]
+        assert [i for i, T in enumerate(Ts) if "excluded" in T.info] == [2]
         ref, _ = universe_merge([models[i] for i in (0, 1, 3)], iterations=1, matching=m)
         record("a worker died twice: the universe without that reply", _max_diff(ref, got), 1e-10)
 
