@@ -89,12 +89,27 @@ def kill_tree(pid: int) -> None:
     signal_all(process_tree(pid), signal.SIGKILL)
 
 
-def stop_tree(pid: int) -> None:
-    """Stop ``pid`` and every process below it (SuperExec, simulation, ClientApp processes)."""
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def stop_tree(pid: int, grace: float = 1.0) -> None:
+    """Stop ``pid`` and every process below it (SuperExec, simulation, ClientApp processes): SIGTERM,
+    then SIGKILL for whatever is still there after ``grace`` seconds."""
     tree = process_tree(pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         signal_all(tree, sig)
-        time.sleep(1)
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            tree = [p for p in tree if _alive(p)]
+            if not tree:
+                return
+            time.sleep(0.05)
 
 
 def launch(args: list[str], timeout: Optional[float] = None) -> int:

@@ -29,7 +29,7 @@ from fedlmc.strategies import (
 from fedlmc.strategies.records import config_record  # noqa: E402
 
 pytestmark = pytest.mark.slow
-EXAMPLES = 100  # × 8–14 replies each: over 1,000 replies per strategy
+EXAMPLES = 50  # × 8–14 replies each: over 500 replies per strategy
 BROKEN = [
     "drop key",
     "rename key",
@@ -164,4 +164,4 @@ def test_aggregate_train_survives_anything(name, caplog):
         from_config(cfg).load_state_dict(sd, strict=True)
 
     run()
-    assert counted["replies"] >= 1000
+    assert counted["replies"] >= 8 * EXAMPLES

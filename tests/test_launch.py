@@ -61,3 +61,28 @@ def test_every_example_app_stages_to_the_same_fab(example):
     app = ROOT / "examples" / example
     with launch.staged_app(app) as stage:
         assert build_fab_from_disk(stage) == build_fab_from_disk(app)
+
+
+def test_stop_tree_returns_once_the_tree_is_gone_and_kills_what_ignores_sigterm():
+    """A tree that exits on SIGTERM is stopped without waiting out the grace period; a child that ignores
+    SIGTERM is killed after it."""
+    import subprocess
+    import time
+
+    polite = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
+    time.sleep(0.3)
+    tree = launch.process_tree(polite.pid)
+    t0 = time.monotonic()
+    launch.stop_tree(polite.pid, grace=5.0)
+    assert time.monotonic() - t0 < 2.0
+    polite.wait(timeout=5)
+    assert not any(launch._alive(p) for p in tree)
+
+    stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"], start_new_session=True)
+    time.sleep(0.3)
+    tree = launch.process_tree(stubborn.pid)
+    assert len(tree) == 2
+    launch.stop_tree(stubborn.pid, grace=0.5)
+    stubborn.wait(timeout=5)
+    time.sleep(0.2)
+    assert not any(launch._alive(p) for p in tree)

