@@ -69,9 +69,14 @@ def test_stop_tree_returns_once_the_tree_is_gone_and_kills_what_ignores_sigterm(
     import subprocess
     import time
 
+    def started(proc: subprocess.Popen) -> list[int]:
+        end = time.monotonic() + 10  # a busy machine may take a while to start the shell's child
+        while len(launch.process_tree(proc.pid)) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        return launch.process_tree(proc.pid)
+
     polite = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
-    time.sleep(0.3)
-    tree = launch.process_tree(polite.pid)
+    tree = started(polite)
     t0 = time.monotonic()
     launch.stop_tree(polite.pid, grace=5.0)
     assert time.monotonic() - t0 < 2.0
@@ -79,8 +84,7 @@ def test_stop_tree_returns_once_the_tree_is_gone_and_kills_what_ignores_sigterm(
     assert not any(launch._alive(p) for p in tree)
 
     stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"], start_new_session=True)
-    time.sleep(0.3)
-    tree = launch.process_tree(stubborn.pid)
+    tree = started(stubborn)
     assert len(tree) == 2
     launch.stop_tree(stubborn.pid, grace=0.5)
     stubborn.wait(timeout=5)
