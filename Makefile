@@ -46,8 +46,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # Everything (what CI runs: .ci/run): lint, the fast suite and the slow tests (real Ray simulations,
-# deployments, training, the main job's claim on seed 0). 27 minutes on a 2-core machine beside one
-# other CPU-bound process.
+# deployments, training, the main job's claim on seed 0). 23-27 minutes of tests on a 2-core machine
+# beside one other CPU-bound process.
 test: lint
 	$(BIN)/python -m pytest -q --durations=15
 
