@@ -232,7 +232,6 @@ def test_the_main_job_shows_alignment_beating_fedavg():
         "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}",
     }
     launch = [os.sys.executable, "-m", "fedlmc.launch", "."]
-    losses = {}
     try:
         out = home / "s0"
         proc = subprocess.run(  # make run's command
@@ -254,7 +253,7 @@ def test_the_main_job_shows_alignment_beating_fedavg():
         assert "finished" in json.loads((out / "metrics.json").read_text())
         assert "fedlmc: results in" in proc.stdout and "aggregation s" in proc.stdout  # the table reaches the terminal
         assert local_superlinks(home) == set()  # the local SuperLink this run started was stopped
-        losses[0] = {name: row["test_loss"] for name, row in summary["strategies"].items()}
+        loss = {name: row["test_loss"] for name, row in summary["strategies"].items()}
         # a ServerApp that crashes (here: an unknown preset) is a failed run, although `flwr run` exits 0
         bad = home / "bad"
         proc = subprocess.run(
@@ -268,7 +267,6 @@ def test_the_main_job_shows_alignment_beating_fedavg():
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "finished:failed" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "no-such-preset" in json.loads((bad / "metrics.json").read_text())["error"]
-        loss = losses[0]
         assert loss["aligned"] < loss["average"] - MAIN_JOB_MARGIN, loss
         assert loss["refined"] < loss["aligned"] + 0.02, loss
     finally:
