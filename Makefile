@@ -46,10 +46,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # Everything (what CI runs: .ci/run): lint, the fast suite and the slow tests (real Ray simulations,
-# deployments, training, the main job's claim on seed 0). 23-27 minutes of tests on a 2-core machine
-# beside one other CPU-bound process.
+# deployments, training, the main job's claim on seed 0), in two pytest-xdist workers: the deployments
+# and simulations spend much of their time waiting on processes and polls, which the other worker fills.
+# 15 minutes of tests on an idle 2-core machine (one worker: 30).
 test: lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 
 # The everyday suite (no test marked slow): exactness, matching on tiny models, strategies on crafted
 # replies, data. At most 5 minutes on 2 cores.

@@ -14,6 +14,13 @@ import torch
 MEASURED: list[tuple[str, float, float]] = []
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+# pytest-xdist (`make test` runs two workers): `flwr run` starts its local SuperLink on fixed ports
+# (Flower's 39091 and 39093); each worker gets its own pair, so two workers' simulations never meet.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw"):
+    _base = 39191 + 10 * int(_WORKER[2:])
+    os.environ["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(_base)
+    os.environ["FLWR_LOCAL_CONTROL_API_PORT"] = str(_base + 2)
 # One torch thread: on a 2-core machine that is busy with anything else, two OpenMP threads spin-wait
 # for each other and the fast suite goes from ~20 s to over 10 minutes (measured; see the CI note in
 # README "Development"). FEDLMC_TEST_THREADS overrides it.
