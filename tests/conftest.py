@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -14,13 +16,31 @@ import torch
 MEASURED: list[tuple[str, float, float]] = []
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-# pytest-xdist (`make test` runs two workers): `flwr run` starts its local SuperLink on fixed ports
-# (Flower's 39091 and 39093); each worker gets its own pair, so two workers' simulations never meet.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _WORKER.startswith("gw"):
-    _base = 39191 + 10 * int(_WORKER[2:])
-    os.environ["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(_base)
-    os.environ["FLWR_LOCAL_CONTROL_API_PORT"] = str(_base + 2)
+
+
+def _unused_ports(n: int, low: int = 20000, high: int = 32768) -> list[int]:
+    """``n`` distinct ports that nothing on this machine listens on now, drawn below Linux's ephemeral
+    range (where outgoing connections take theirs)."""
+    rng, ports = random.Random(), []
+    while len(ports) < n:
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+# `flwr run` starts its local SuperLink on fixed ports (Flower's 39091 and 39093) and runs on any
+# SuperLink already answering there. Each pytest process (each of `make test`'s two pytest-xdist
+# workers) takes two unused ports instead, so two workers never share one, and two checkouts testing at
+# once only if they draw the same port (1 in 12,768).
+_http, _control = _unused_ports(2)
+os.environ["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(_http)
+os.environ["FLWR_LOCAL_CONTROL_API_PORT"] = str(_control)
 # One torch thread: on a 2-core machine that is busy with anything else, two OpenMP threads spin-wait
 # for each other and the fast suite goes from ~20 s to over 10 minutes (measured; see the CI note in
 # README "Development"). FEDLMC_TEST_THREADS overrides it.
