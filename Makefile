@@ -48,7 +48,7 @@ lint: $(STAMP)
 # Everything (what CI runs: .ci/run): lint, the fast suite and the slow tests (real Ray simulations,
 # deployments, training, the main job's claim on seed 0), in two pytest-xdist workers: the deployments
 # and simulations spend much of their time waiting on processes and polls, which the other worker fills.
-# On a 2-core machine: 15 minutes of tests idle, 19 beside one other CPU-bound process (one worker: 23-27).
+# On a 2-core machine: 15 minutes of tests idle, 17-21 beside one other CPU-bound process (one worker: 23-27).
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 
