@@ -18,12 +18,12 @@ MEASURED: list[tuple[str, float, float]] = []
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 
-def _unused_ports(n: int, low: int = 20000, high: int = 32768) -> list[int]:
+def _unused_ports(n: int, slot: int, low: int = 20000, high: int = 32768) -> list[int]:
     """``n`` distinct ports that nothing on this machine listens on now, drawn below Linux's ephemeral
-    range (where outgoing connections take theirs)."""
+    range (where outgoing connections take theirs), all ≡ ``slot`` (mod 16)."""
     rng, ports = random.Random(), []
     while len(ports) < n:
-        port = rng.randrange(low, high)
+        port = rng.randrange(low, high) // 16 * 16 + slot % 16
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -35,10 +35,10 @@ def _unused_ports(n: int, low: int = 20000, high: int = 32768) -> list[int]:
 
 
 # `flwr run` starts its local SuperLink on fixed ports (Flower's 39091 and 39093) and runs on any
-# SuperLink already answering there. Each pytest process (each of `make test`'s two pytest-xdist
-# workers) takes two unused ports instead, so two workers never share one, and two checkouts testing at
-# once only if they draw the same port (1 in 12,768).
-_http, _control = _unused_ports(2)
+# SuperLink already answering there. Each pytest process takes two unused ports instead, pytest-xdist's
+# worker gw<i> (`make test` runs two) from ports ≡ i (mod 16): two workers never draw the same port, and
+# two checkouts testing at once only if they draw the same one of about 800.
+_http, _control = _unused_ports(2, slot=int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0))
 os.environ["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(_http)
 os.environ["FLWR_LOCAL_CONTROL_API_PORT"] = str(_control)
 # One torch thread: on a 2-core machine that is busy with anything else, two OpenMP threads spin-wait
