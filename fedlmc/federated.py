@@ -41,6 +41,8 @@ STRATEGIES = (
 )
 # strategies whose refinement and guard run on the clients (no server data)
 ON_CLIENTS = ("aligned-clients", "refined-clients")
+# strategies that can screen their replies (``screen``): the weight-matched ones and the refinements after them
+SCREENED = ("permuted", "aligned", "aligned-clients", "refined", "refined-clients")
 
 
 @dataclass
@@ -151,15 +153,15 @@ class Settings:
                     f"reduce={self.reduce!r} applies to strategies average, permuted, aligned and aligned-clients, "
                     f"not {name!r}"
                 )
-            if self.screen != "none" and name not in ("permuted", "aligned", "aligned-clients"):
+            if self.screen != "none" and name not in SCREENED:
                 raise ValueError(
-                    f"screen={self.screen!r} screens aligned replies: strategies permuted, aligned and "
-                    f"aligned-clients (krum / multikrum are the raw-coordinate baselines), not {name!r}"
+                    f"screen={self.screen!r} screens aligned replies: strategies {', '.join(SCREENED)} "
+                    f"(krum / multikrum are the raw-coordinate baselines), not {name!r}"
                 )
-            if self.screen in ("loss", *PREDICTION_SCREENS) and (name == "aligned-clients" or not self.guard):
+            if self.screen in ("loss", *PREDICTION_SCREENS) and (name in ON_CLIENTS or not self.guard):
                 raise ValueError(
-                    f"screen={self.screen!r} scores each reply on the server's guard split: strategies permuted "
-                    f"and aligned with guard=true, not {name!r}" + ("" if self.guard else " with guard=false")
+                    f"screen={self.screen!r} scores each reply on the server's guard split: strategies permuted, "
+                    f"aligned and refined with guard=true, not {name!r}" + ("" if self.guard else " with guard=false")
                 )
         one_of(self.reduce, REDUCES, "reduce")
         one_of(self.screen, ("none", *SCREENS), "screen")

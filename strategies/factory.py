@@ -18,8 +18,8 @@ from fedlmc.strategies import (
 def build_strategy(s: Settings, model_config, splits, model: Any = None):
     """``average`` | ``permuted`` | ``aligned`` | ``aligned-clients`` | ``refined`` | ``refined-clients`` |
     ``hetero`` | ``hetero-permuted`` | ``hetero-refined`` | ``slicing`` | ``krum`` | ``multikrum`` for the
-    run's settings (``screen`` screens the aligned strategies' replies; ``krum`` / ``multikrum`` are Flower's
-    raw-coordinate Krum and Multi-Krum, f = ``malicious``).
+    run's settings (``screen`` screens the aligned and refined strategies' replies; ``krum`` / ``multikrum``
+    are Flower's raw-coordinate Krum and Multi-Krum, f = ``malicious``).
 
     The server's validation split is cut in two: the refinement learns on one half, the do-no-harm
     guard judges on the other (so the guard never scores a model on data it was refined on). The
@@ -63,13 +63,13 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
     if s.strategy in ("aligned", "permuted"):
         return AlignedFedAvg(**common, **aligned, **screened)
     if s.strategy == "refined":
-        return RefinedFedAvg(**common, **aligned, refine=s.refinement(refine_half))
+        return RefinedFedAvg(**common, **aligned, screen=s.screen_options(), refine=s.refinement(refine_half))
     # no server data: the clients compute the refinement's gradients and score the guard's candidates
     clients = dict(aligned, guard_data=None, on_clients=s.on_clients())
     if s.strategy == "aligned-clients":
         return AlignedFedAvg(**common, **clients, **screened)
     if s.strategy == "refined-clients":
-        return RefinedFedAvg(**common, **clients, refine=s.refinement(None))
+        return RefinedFedAvg(**common, **clients, screen=s.screen_options(), refine=s.refinement(None))
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = s.refinement(refine_half) if s.strategy == "hetero-refined" else None
         return HeteroWidthFedAvg(

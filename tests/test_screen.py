@@ -112,6 +112,59 @@ def test_aligned_fedavg_screen_excludes_the_outlier_and_merges_the_rest():
         assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 
+@pytest.mark.parametrize("where", ["server", "clients"])
+def test_refined_fedavg_screen_excludes_the_outlier_and_refines_on_the_rest(where, monkeypatch):
+    """RefinedFedAvg(screen=...) screens the weight-matched replies, then refines on the ones it kept
+    only: the refinement's transforms are the honest replies', and with the refinement on the clients
+    only the honest clients are asked."""
+    from test_strategies import _labelled
+
+    from fedlmc.options import OnClients, Refinement
+    from fedlmc.strategies import RefinedFedAvg
+    from fedlmc.strategies import aligned as aligned_module
+
+    base, replies = _federation(poisoned=True)
+    cfg = replies[0].config.to_dict()
+    previous = ArrayRecord(torch_state_dict={k: v.float() for k, v in base.state_dict().items()})
+    data = _labelled(base.float())
+    asked = []
+
+    class Remote:  # the clients' losses, computed here on `data` (records who the strategy asks)
+        def __init__(self, grid, nodes, *args, **kwargs):
+            asked.append(list(nodes))
+
+        def record(self):
+            return {}
+
+    merged_with = []
+    real_merge = aligned_module.universe_merge
+
+    def spy(models, weights, start, **kw):
+        merged_with.append((len(models), kw.get("refine") is not None))
+        if kw.get("refine") is not None and where == "clients":
+            kw["refine"] = Refinement(data=data, steps=4)
+        return real_merge(models, weights, start, **kw)
+
+    monkeypatch.setattr(aligned_module, "universe_merge", spy)
+    monkeypatch.setattr(aligned_module, "ClientLosses", Remote)
+    if where == "server":
+        strategy = RefinedFedAvg(model=cfg, screen=Screen(), refine=Refinement(data=data, steps=4))
+    else:
+        strategy = RefinedFedAvg(
+            model=cfg, screen=Screen(), refine=Refinement(steps=4), on_clients=OnClients(guard=False)
+        )
+        strategy.grid = object()
+    msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
+    strategy.aggregate_replies(1, msgs, previous)
+    rec = strategy.history[-1]
+    assert rec["screen"]["excluded"] == [POISONED + 1], rec["screen"]
+    assert [e["node"] for e in rec["excluded"]] == [POISONED + 1]
+    # weight matching on all five to screen, then the refinement on the four honest replies
+    assert merged_with == [(5, False), (4, True)], merged_with
+    assert "refine_steps_run" in rec and len(rec["moved"]) == POISONED
+    assert asked == ([[1, 2, 3, 4]] if where == "clients" else []), asked
+
+
 def test_krum_fedavg_records_the_replies_flowers_krum_left_out():
     base, replies = _federation(poisoned=True)
     cfg = replies[0].config.to_dict()
@@ -135,8 +188,11 @@ def test_screen_run_config_and_the_screening_tally():
     s = Settings.from_run_config({"strategy": "aligned", "screen": "krum", "malicious": 2, "reduce": "median"})
     assert s.screen_options() == Screen(method="krum", malicious=2)
     assert Settings.from_run_config({"strategy": "aligned"}).screen_options() is None
-    with pytest.raises(ValueError, match="screen"):
-        Settings.from_run_config({"strategy": "average", "screen": "distance"})
+    for name in ("refined", "refined-clients", "permuted", "aligned-clients"):
+        assert Settings.from_run_config({"strategy": name, "screen": "distance"}).screen_options() == Screen()
+    for name in ("average", "hetero", "slicing", "krum"):
+        with pytest.raises(ValueError, match="screen"):
+            Settings.from_run_config({"strategy": name, "screen": "distance"})
     with pytest.raises(ValueError, match="screen"):
         Settings.from_run_config({"strategy": "aligned", "screen": "bulyan"})
 
@@ -190,7 +246,12 @@ def test_loss_screen_excludes_the_reply_that_computes_worst():
 
     for method in ("loss", "agreement"):
         assert Settings.from_run_config({"strategy": "aligned", "screen": method}).screen_options().method == method
-        for bad in ({"strategy": "aligned-clients"}, {"strategy": "aligned", "guard": False}):
+        assert Settings.from_run_config({"strategy": "refined", "screen": method}).screen_options().method == method
+        for bad in (
+            {"strategy": "aligned-clients"},
+            {"strategy": "refined-clients"},
+            {"strategy": "aligned", "guard": False},
+        ):
             with pytest.raises(ValueError, match="guard split"):
                 Settings.from_run_config({**bad, "screen": method})
 

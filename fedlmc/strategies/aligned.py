@@ -122,8 +122,15 @@ class AlignedFedAvg(FedlmcStrategy):
                 f"Screen(method={screen.method!r}) compares the replies' predictions on guard_data: pass it"
             )
 
+    refines = False  # RefinedFedAvg: the final alignment learns more than the screen's weight matching
+
     def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
+        return self.weight_matched(models, weights, start)
+
+    def weight_matched(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
+        """The universe by weight matching alone: ``AlignedFedAvg``'s merge, and the coordinates in which
+        a screen compares the replies."""
         return universe_merge(
             models,
             weights,
@@ -162,10 +169,11 @@ class AlignedFedAvg(FedlmcStrategy):
         self.candidates = {}
         self.server_round, self.remote_record = server_round, None
         start = self.start_for(models)
-        merged, transforms = self.align(models, weights, start)
+        # a screen compares the weight-matched replies; a refinement then learns on the ones it kept
+        merged, transforms = (self.weight_matched if self.screen else self.align)(models, weights, start)
         self._drop_failed(server_round, replies, models, weights, transforms)
         screened = self._screen(server_round, replies, models, weights, transforms) if self.screen else None
-        if screened is not None and screened["excluded"]:  # merged again without the outliers
+        if screened is not None and (screened["excluded"] or self.refines):  # merged again without the outliers
             merged, transforms = self.align(models, weights, start)
             self._drop_failed(server_round, replies, models, weights, transforms)
         fields: dict[str, Any] = {
@@ -303,6 +311,9 @@ class RefinedFedAvg(AlignedFedAvg):
         stopping rule (``fedlmc.options.Refinement``).
     on_clients : OnClients, optional
         Where the gradients and the checks' losses come from when the server has no data.
+    screen : Screen, optional
+        As in ``AlignedFedAvg``: the screen compares the weight-matched replies, and the refinement then
+        learns on the replies it kept only (with ``on_clients``, only their clients are asked).
     **kwargs
         ``AlignedFedAvg``'s parameters (``reduce`` must stay "mean": refinement learns weighted means).
     """
@@ -321,6 +332,8 @@ class RefinedFedAvg(AlignedFedAvg):
                 "fedlmc.on_clients.answer)"
             )
         self.refine = refine
+
+    refines = True
 
     def align(self, models, weights, start):
         remote = None
