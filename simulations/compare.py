@@ -40,6 +40,11 @@ SCREEN_STRATEGIES = [
     "aligned+krum",
     "krum",
     "multikrum",
+    # the screens before a refinement: on the server's data, and on the clients' (no server data)
+    "refined",
+    "refined+distance",
+    "refined+information",
+    "refined-clients+distance",
 ]
 
 # 5 one-shot clients, independently started, the last one poisoned (shuffled labels)

@@ -9,9 +9,11 @@ labels or a ×4 sign flip; independently started one-shot clients, or 5 rounds f
 ``aligned@median+loss`` (the loss screen on the server's guard split), ``aligned+agreement`` /
 ``aligned@median+agreement`` (the agreement screen on the guard split's inputs), ``aligned+information`` /
 ``aligned@median+information`` (the mutual information of the replies' predictions on those inputs),
-``aligned+krum`` (Krum's score among
-the aligned replies, f = 1) and Flower's ``krum`` / ``multikrum`` on the raw replies (f = 1; Krum keeps
-one reply, Multi-Krum all but f). For each: how often the poisoned client's reply was excluded
+``aligned+krum`` (Krum's score among the aligned replies, f = 1), Flower's ``krum`` / ``multikrum`` on
+the raw replies (f = 1; Krum keeps one reply, Multi-Krum all but f), and the screens before a
+refinement: ``refined`` (no screen), ``refined+distance`` / ``refined+information`` (the screen, then the
+refinement on the server's data, kept replies only) and ``refined-clients+distance`` (the refinement
+computed by the kept clients). For each: how often the poisoned client's reply was excluded
 (detection, per round), how often an honest one was (false exclusions, per honest reply and round),
 and the final test loss. Writes ``results/screen_<setting>.json`` and prints a table per setting.
 Finished runs are reused from ``--runs``; with ``--strategies``, the results file keeps its other rows.
@@ -90,6 +92,10 @@ LABELS = {  # the results page's names for the strategies
     "aligned+krum": "aligned + Krum screen (f = 1), mean",
     "krum": "Flower's Krum, raw (keeps 1)",
     "multikrum": "Flower's Multi-Krum, raw (keeps 4)",
+    "refined": "refined (no screen)",
+    "refined+distance": "distance screen, then refined",
+    "refined+information": "information screen, then refined",
+    "refined-clients+distance": "distance screen, then refined on the clients (no server data)",
 }
 
 
