@@ -173,7 +173,7 @@ class AlignedFedAvg(FedlmcStrategy):
         merged, transforms = (self.weight_matched if self.screen else self.align)(models, weights, start)
         self._drop_failed(server_round, replies, models, weights, transforms)
         screened = self._screen(server_round, replies, models, weights, transforms) if self.screen else None
-        if screened is not None and (screened["excluded"] or self.refines):  # merged again without the outliers
+        if screened is not None and (screened["excluded"] or self.refines):  # without the outliers, or refined
             merged, transforms = self.align(models, weights, start)
             self._drop_failed(server_round, replies, models, weights, transforms)
         fields: dict[str, Any] = {
@@ -318,6 +318,8 @@ class RefinedFedAvg(AlignedFedAvg):
         ``AlignedFedAvg``'s parameters (``reduce`` must stay "mean": refinement learns weighted means).
     """
 
+    refines = True
+
     def __init__(self, *, refine: Refinement, on_clients: Optional[OnClients] = None, **kwargs: Any) -> None:
         super().__init__(on_clients=on_clients, **kwargs)
         if self.reduce != "mean":
@@ -332,8 +334,6 @@ class RefinedFedAvg(AlignedFedAvg):
                 "fedlmc.on_clients.answer)"
             )
         self.refine = refine
-
-    refines = True
 
     def align(self, models, weights, start):
         remote = None
