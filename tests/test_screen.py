@@ -129,7 +129,7 @@ def test_refined_fedavg_screen_excludes_the_outlier_and_refines_on_the_rest(wher
     data = _labelled(base.float())
     asked = []
 
-    class Remote:  # the clients' losses, computed here on `data` (records who the strategy asks)
+    class Remote:  # records which clients the strategy asks (the spy below refines on `data` instead)
         def __init__(self, grid, nodes, *args, **kwargs):
             asked.append(list(nodes))
 
