@@ -59,17 +59,18 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
         return KrumFedAvg(
             **common, num_malicious_nodes=s.malicious, num_nodes_to_select=1 if s.strategy == "krum" else None
         )
-    screened = dict(robust, screen=s.screen_options())
+    screen = s.screen_options()
+    screened = dict(robust, screen=screen)
     if s.strategy in ("aligned", "permuted"):
         return AlignedFedAvg(**common, **aligned, **screened)
     if s.strategy == "refined":
-        return RefinedFedAvg(**common, **aligned, screen=s.screen_options(), refine=s.refinement(refine_half))
+        return RefinedFedAvg(**common, **aligned, screen=screen, refine=s.refinement(refine_half))
     # no server data: the clients compute the refinement's gradients and score the guard's candidates
     clients = dict(aligned, guard_data=None, on_clients=s.on_clients())
     if s.strategy == "aligned-clients":
         return AlignedFedAvg(**common, **clients, **screened)
     if s.strategy == "refined-clients":
-        return RefinedFedAvg(**common, **clients, screen=s.screen_options(), refine=s.refinement(None))
+        return RefinedFedAvg(**common, **clients, screen=screen, refine=s.refinement(None))
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = s.refinement(refine_half) if s.strategy == "hetero-refined" else None
         return HeteroWidthFedAvg(
