@@ -10,6 +10,7 @@ import pytest
 import tomllib
 
 from fedlmc.federated import Settings
+from fedlmc.options import Screen
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,3 +174,8 @@ def test_run_config_sets_how_the_refinement_stops():
             2,
             2.0,
         ) and default.data is not None
+    # the run_config's screen reaches the refined strategies as it does the aligned ones
+    for strategy, method in (("refined", "information"), ("refined-clients", "distance"), ("aligned", "distance")):
+        cfg = {"strategy": strategy, "preset": "vit-digits", "screen": method}
+        got = build_strategy(Settings.from_run_config(cfg), model.config.to_dict(), load("digits"))
+        assert got.screen == Screen(method=method), strategy
