@@ -10,7 +10,8 @@ round), matched with ``Matching(min_gain=0.1)`` (it keeps the identity).
 Each run records its seconds, iterations, the objective after every iteration, the chosen elements'
 objective with float32 products ("objective_exact", computed after the timed run) and a profile (where
 the time went); "exact" runs the dense assignment solver and float32 products everywhere (the
-reference for the fast path); "rtol-1e-3" stops on the previous, tighter tolerance. Runs with
+reference for the fast path); "independent-float32" the default starts with float32 products
+everywhere (the reference for the CPU's fast products at the same solver); "rtol-1e-3" stops on the previous, tighter tolerance. Runs with
 ``fedlmc.allocator.retain_freed_memory`` as the ServerApp does (``--default-allocator``: without).
 """
 
@@ -37,6 +38,7 @@ CONFIGS = {  # name: (which B, weight_matching options)
         "independent",
         {"keep_identity": False, "ff_candidates": None, "precision": "exact"},
     ),
+    "independent-float32": ("independent", {"precision": "exact"}),
     "independent-paper-init-rtol-1e-3": ("independent", {"keep_identity": False, "tol": 1e-3}),
     "planted": ("planted", {}),
     "common": ("common", {"min_gain": 0.1}),

@@ -23,7 +23,7 @@ import torch
 
 RESIDUALS = ("orthogonal", "permutation")
 GAUGES = ("orthogonal", "invertible", None)
-PRECISIONS = ("auto", "exact", "bfloat16")
+PRECISIONS = ("auto", "exact", "bfloat16", "int8")
 SCHEDULES = ("constant", "cosine")
 RELAXATIONS = ("ste", "sinkhorn")
 
@@ -66,9 +66,11 @@ class Matching:
     ff_candidates : int or None, default 64
         FF groups of more than 4 × ``ff_candidates`` neurons are assigned on each neuron's
         ``ff_candidates`` best partners (a sparse assignment); None solves every group densely.
-    precision : {"auto", "exact", "bfloat16"}, default "auto"
-        The dtype of the large per-iteration products: bfloat16 factors for float32 problems on CPUs
-        with native bfloat16 ("auto"), or always exact / always bfloat16.
+    precision : {"auto", "exact", "bfloat16", "int8"}, default "auto"
+        The dtype of the large per-iteration products of float32 problems on the CPU. "auto": bfloat16
+        factors on CPUs with native bfloat16 dot products; else, on CPUs with native int8 dot products
+        (AVX512-VNNI, AVX-VNNI), the FF similarity scores as int8 products of row-scaled codes; else
+        exact. "exact", "bfloat16", "int8": always that (int8 on the CPU only; GPUs compute exactly).
     dtype : torch.dtype or None, default None
         The problem's dtype: None picks float64 below 20M parameters, float32 above.
     residual_data : data set or None, default None

@@ -206,7 +206,7 @@ def _uncertified(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["common", "planted"])
-@pytest.mark.parametrize("precision", ["auto", "bfloat16"])
+@pytest.mark.parametrize("precision", ["auto", "bfloat16", "int8"])
 def test_weight_matching_with_the_certificate_returns_what_it_returns_without(case, precision, monkeypatch, record):
     """A reply trained a little from A (the common round) and a planted copy of A: the certificate
     settles FF steps (the common one's every step, the planted one's after the first), and the

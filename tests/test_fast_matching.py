@@ -9,7 +9,8 @@ from conftest import perturbed
 from scipy.optimize import linear_sum_assignment
 
 from fedlmc.matching import weight_matching
-from fedlmc.matching.solvers import sparse_assignment
+from fedlmc.matching.solvers import Int8Rows, sparse_assignment
+from fedlmc.matching.steps import similarity
 from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.models import from_preset
 from fedlmc.options import Matching
@@ -110,14 +111,15 @@ def test_the_identity_is_the_do_no_harm_candidate_and_a_shared_init_stays_put():
     assert all(torch.equal(v, torch.arange(len(v))) for k, v in T2.elements.items() if k.startswith(("ff.", "heads.")))
 
 
-def test_the_fast_path_finds_the_exact_paths_permutations_on_a_planted_model():
-    """bfloat16 factors, sampled candidate thresholds, the looser default tolerance and the gauges-only
-    finish (the speed path at gpt2-small size) against float32 products, the dense solver and a tight
-    tolerance: the same permutations, residual maps within float32 Procrustes noise, objectives within
-    the bfloat16 factors' rounding."""
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_the_fast_path_finds_the_exact_paths_permutations_on_a_planted_model_at_either_fast_precision(precision):
+    """bfloat16 factors or int8 FF scores, sampled candidate thresholds, the looser default tolerance
+    and the gauges-only finish (the speed path at gpt2-small size) against float32 products, the
+    dense solver and a tight tolerance: the same permutations, residual maps within float32 Procrustes
+    noise, objectives within the fast factors' rounding."""
     A, B = _wide_pair(3)
     A, B = A.float(), B.float()
-    fast = weight_matching(A, B, Matching(precision="bfloat16", ff_candidates=16))  # 256 FF neurons: the candidate path
+    fast = weight_matching(A, B, Matching(precision=precision, ff_candidates=16))  # 256 FF neurons: candidates
     exact = weight_matching(A, B, Matching(precision="exact", ff_candidates=None, tol=1e-6, iterations=30))
     perms = [k for k, v in exact.elements.items() if not v.is_floating_point()]
     assert any(k.startswith("ff.") for k in perms)
@@ -125,6 +127,56 @@ def test_the_fast_path_finds_the_exact_paths_permutations_on_a_planted_model():
     assert (fast["residual"] - exact["residual"]).abs().max() < 1e-2
     f, e = fast.info["objective"][fast.info["chosen"]], exact.info["objective"][exact.info["chosen"]]
     assert f == pytest.approx(e, rel=1e-2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_int8_rows_scores_are_the_float32_product_within_their_rounding(seed):
+    """``Int8Rows`` scores of rows at very different scales: exact int32 sums of the codes, scaled once
+    (so within 1e-6 of the dequantised rows' product), and within 2 % (Frobenius) of the float32
+    product, as the docstring says; the int32 sum's overflow is refused."""
+    g = torch.Generator().manual_seed(seed)
+    FA = torch.randn(300, 257, generator=g) * torch.logspace(-3, 2, 300)[:, None]
+    FB = torch.randn(200, 257, generator=g) * torch.logspace(1, -2, 200)[:, None]
+    qa, qb = Int8Rows(FA), Int8Rows(FB)
+    S = qa.scores(qb)
+    assert S.dtype == torch.float32 and S.shape == (300, 200)
+    dequantised = (qa.codes.double() * qa.scale.double()) @ (qb.codes.double() * qb.scale.double()).T
+    assert torch.allclose(S.double(), dequantised, rtol=1e-6, atol=0)
+    exact = FA.double() @ FB.double().T
+    relative = (S.double() - exact).norm(dim=1) / exact.norm(dim=1)  # per row: the rows' scales differ by 10⁵
+    assert relative.max() < 0.02
+    assert torch.equal(similarity(qa, FB), S)
+    with pytest.raises(ValueError, match="overflow"):
+        Int8Rows(torch.ones(2, 2**31 // 127**2 + 1))
+
+
+def test_auto_precision_takes_int8_scores_only_on_a_cpu_with_int8_but_no_bfloat16_dot_products(monkeypatch):
+    """Precision "auto": bfloat16 factors where the CPU has native bfloat16; int8 FF scores where it has native
+    int8 dot products only; float32 otherwise; never for float64 problems or small FF groups. The
+    problem built by "auto" then holds A's FF features as ``Int8Rows`` and matches as "int8" does."""
+    from fedlmc.matching import solvers
+    from fedlmc.matching.weight import Fixed
+
+    cpu = torch.device("cpu")
+    for bf16, int8, fast, scores in [(True, True, torch.bfloat16, False), (False, True, torch.float32, True),
+                                     (False, False, torch.float32, False)]:  # fmt: skip
+        monkeypatch.setattr(solvers, "_native_bf16", lambda bf16=bf16: bf16)
+        monkeypatch.setattr(solvers, "_native_int8", lambda int8=int8: int8)
+        assert solvers.score_dtype(torch.float32, cpu, 1024) == fast
+        assert solvers.int8_scores(torch.float32, cpu, 1024) is scores
+        assert not solvers.int8_scores(torch.float64, cpu, 1024) and not solvers.int8_scores(torch.float32, cpu, 512)
+    monkeypatch.setattr(solvers, "int8_scores", lambda *a: True)  # a small model standing in for a large one
+    monkeypatch.setattr("fedlmc.matching.weight.int8_scores", lambda *a: True)
+    A, B = _wide_pair(3)
+    A, B = A.float(), B.float()
+    F = Fixed(canonical_state(A, torch.device("cpu"), torch.float32), canonical_config(A.config), "auto")
+    assert F.int8 and F.fast == torch.float32
+    groups = F.spec.layer_groups("ff")
+    coded = F.score_features(groups)
+    assert len(coded) == len(groups) == 2 and all(isinstance(v, Int8Rows) for v in coded.values())
+    auto = weight_matching(A, B, Matching())
+    int8 = weight_matching(A, B, Matching(precision="int8"))
+    assert all(torch.equal(auto[k], int8[k]) for k in int8.elements)
 
 
 def test_precision_is_checked():

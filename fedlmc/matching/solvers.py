@@ -1,7 +1,8 @@
 """The solvers every matching method shares: linear assignment (dense, sparse on candidate edges,
 many at once in a thread pool, blocks of units), orthogonal Procrustes, the Sylvester equation of
 invertible gauges, exact group elements from learned latents, and the precision of the large products
-(native bfloat16 on CPUs that have it). Nothing here reads a symmetry spec's parameters."""
+(native bfloat16 on CPUs that have it, else int8 FF scores where the CPU has int8 dot products).
+Nothing here reads a symmetry spec's parameters."""
 
 from __future__ import annotations
 
@@ -204,14 +205,32 @@ def _sylvester(P: torch.Tensor, S: torch.Tensor, C: torch.Tensor, ridge: float =
     return Up @ Gt @ Us.transpose(1, 2)
 
 
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 @functools.cache
 def _native_bf16() -> bool:
     """Whether this CPU has native bfloat16 dot products (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+@functools.cache
+def _native_int8() -> bool:
+    """Whether this CPU has native int8 dot products (AVX512-VNNI or AVX-VNNI) and torch multiplies
+    int8 matrices on it (``torch._int_mm``)."""
+    flags = _cpu_flags()
+    if " avx512_vnni" not in flags and " avx_vnni" not in flags:
+        return False
+    try:
+        a = torch.ones(32, 32, dtype=torch.int8)
+        return bool((torch._int_mm(a, a) == 32).all())
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def score_dtype(dtype: torch.dtype, device: torch.device, size: int) -> torch.dtype:
@@ -221,3 +240,29 @@ def score_dtype(dtype: torch.dtype, device: torch.device, size: int) -> torch.dt
     if dtype == torch.float32 and device.type == "cpu" and size >= 1024 and _native_bf16():
         return torch.bfloat16
     return dtype
+
+
+def int8_scores(dtype: torch.dtype, device: torch.device, size: int) -> bool:
+    """Whether the FF similarity scores are int8 products (``Int8Rows``): for float32 problems of
+    ``size`` ≥ 1024 on a CPU with native int8 but no native bfloat16 dot products (there float32
+    products would be the alternative, three times slower)."""
+    return dtype == torch.float32 and device.type == "cpu" and size >= 1024 and not _native_bf16() and _native_int8()
+
+
+class Int8Rows:
+    """A matrix's rows as int8 codes and a float32 scale per row (``row ≈ scale · code``, the largest
+    entry of each row coded as ±127), for similarity scores ``F_A F_Bᵀ`` as one int8 product
+    accumulated exactly in int32 (``torch._int_mm``) and scaled once. Each factor is rounded to about
+    0.4 % of its row's largest entry; the errors average out over a row's length, so a score is off by
+    about 1 % of a typical score, which decides only between near-ties."""
+
+    def __init__(self, F: torch.Tensor) -> None:
+        if F.shape[1] > 2**31 // 127**2:
+            raise ValueError(f"rows of {F.shape[1]} entries could overflow an int32 sum of int8 products")
+        F = F.float()
+        self.scale = (F.abs().amax(1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        self.codes = torch.round(F / self.scale).to(torch.int8)
+
+    def scores(self, other: "Int8Rows") -> torch.Tensor:
+        """``self · otherᵀ`` in float32."""
+        return torch._int_mm(self.codes, other.codes.T).float().mul_(self.scale).mul_(other.scale.T)

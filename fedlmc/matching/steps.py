@@ -5,7 +5,7 @@ permutations (by gauge-invariant circuit distances), intra-head gauges and FF pe
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ from ..symmetry.rope import rope_fit
 from .profile import section
 from .solvers import (
     Elements,
+    Int8Rows,
     _obvious,
     _sylvester,
     assignment,
@@ -228,14 +229,17 @@ def unit_features(sd: StateDict, group: Group) -> torch.Tensor:
     return torch.cat([sd[m.param].movedim(m.axis, 0).reshape(group.size, -1) for m in group.members], dim=1)
 
 
-def similarity(FA: torch.Tensor, FB: torch.Tensor) -> torch.Tensor:
+def similarity(FA: Union[torch.Tensor, Int8Rows], FB: torch.Tensor) -> torch.Tensor:
     """``FA FBᵀ``, the FF neurons' similarity scores, in the features' dtype (``score_dtype``: products
-    of bfloat16 factors accumulate in float32 and are rounded once; the solvers read any float dtype)."""
+    of bfloat16 factors accumulate in float32 and are rounded once; the solvers read any float dtype),
+    or, for A's features as ``Int8Rows``, an int8 product with B's features coded the same way."""
+    if isinstance(FA, Int8Rows):
+        return FA.scores(Int8Rows(FB))
     return FA @ FB.to(FA.dtype).T
 
 
 def ff_step(
-    A_features: dict[str, torch.Tensor],
+    A_features: dict[str, Union[torch.Tensor, Int8Rows]],
     B_res: StateDict,
     spec: SymmetrySpec,
     current: Optional[Elements] = None,
@@ -244,7 +248,8 @@ def ff_step(
 ) -> Elements:
     """FF permutations of every layer (or of ``groups``) by linear assignment on fc1 rows, fc1 bias and
     fc2 columns.
-    ``A_features``: each FF group's ``unit_features`` of A (fixed during a matching, so computed once).
+    ``A_features``: each FF group's ``unit_features`` of A (fixed during a matching, so computed once),
+    or their ``Int8Rows`` for int8 scores.
     ``candidates``: solve on each neuron's best candidates only (``sparse_assignment``, starting from
     ``current``) for groups larger than 4 × candidates; None: the dense solver everywhere.
 

@@ -18,12 +18,12 @@ import torch.nn as nn
 
 from ..averaging import interpolate
 from ..cpu import fitting_threads
-from ..options import Matching
+from ..options import PRECISIONS, Matching
 from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
 from ..train import evaluate, pick_device
 from .certify import ROTATE_FIRST, certify, certify_heads, circuit_gram, gram_row_max, rotation_size
 from .profile import section
-from .solvers import Elements, score_dtype
+from .solvers import Elements, Int8Rows, int8_scores, score_dtype
 from .steps import (
     CIRCUITS,
     anchors,
@@ -66,9 +66,6 @@ class Cross:
         return Cross(self.constant + other.constant, self.G + other.G, self.M + other.M)
 
 
-PRECISIONS = ("auto", "exact", "bfloat16")
-
-
 class Fixed:
     """What a matching computes from model A alone (A stays fixed while B is aligned to it): the moving
     and anchor tensors, their norms and fast-dtype copies, A's FF features, head circuit norms and head
@@ -91,11 +88,18 @@ class Fixed:
         ff = self.spec.layer_groups("ff")
         ref = next(iter(A.values()))
         self.dtype = ref.dtype
+        size = max((g.size for g in ff), default=0)
         self.fast = {
-            "auto": score_dtype(ref.dtype, ref.device, max((g.size for g in ff), default=0)),
+            "auto": score_dtype(ref.dtype, ref.device, size),
             "exact": ref.dtype,
             "bfloat16": torch.bfloat16,
+            "int8": ref.dtype,
         }[precision]
+        # the FF similarity scores as int8 products (``solvers.Int8Rows``; on the CPU only)
+        self.int8 = ref.device.type == "cpu" and (
+            precision == "int8" or (precision == "auto" and int8_scores(ref.dtype, ref.device, size))
+        )
+        self._a_int8: dict[str, Int8Rows] = {}
         rows = [as_rows(A[m.param], m.axis) for m in self.anchor_members]
         self.anchor_rows = [(a.to(self.fast), sq_norm(a)) for a in rows]
         self.a_norms = {k: sq_norm(a).clamp_min(1e-30) for k, a in self.A_mov.items()}
@@ -137,6 +141,17 @@ class Fixed:
             self._gram_max[group] = gram_row_max(self.A_features[group])
         return self._gram_max[group]
 
+    def score_features(self, groups) -> dict:
+        """A's FF features of ``groups`` as the FF step multiplies them: ``A_features``, or their
+        ``Int8Rows`` (coded once per A) where the scores are int8 products."""
+        if not self.int8:
+            return self.A_features
+        for g in groups:
+            if g.name not in self._a_int8:
+                with section("FF similarity products"):
+                    self._a_int8[g.name] = Int8Rows(self.A_features[g.name])
+        return self._a_int8
+
     def fits(self, A: StateDict, precision: str) -> bool:
         """Whether this was built from the same tensors (same device and dtype) and precision."""
         return precision == self.precision and all(self.A.get(k) is v for k, v in A.items())
@@ -159,9 +174,14 @@ class Problem:
     121.1034; on the planted pair 0.0088 vs 0.0074: this CPU's bfloat16 dot products round with a
     slight bias), far below the stopping tolerance; scores keep ~3 significant digits, which only
     decide between near-ties.
+    On a CPU without native bfloat16 but with native int8 dot products, "auto" keeps every product in
+    float32 except the FF similarity scores, which it takes as int8 products of row-scaled codes
+    (``solvers.Int8Rows``): they only rank partners for the
+    assignment, and the objective, the certificate and every continuous step stay in float32.
     ``precision``: "auto" (as above), "exact" (every product in the problem's dtype: the reference the
-    bench compares with) or "bfloat16" (bfloat16 factors anywhere, e.g. to test the fast path on a
-    small model). ``fixed``: A's side when already built (it must fit A and ``precision``).
+    bench compares with), "bfloat16" (bfloat16 factors anywhere, e.g. to test the fast path on a
+    small model) or "int8" (int8 FF scores on the CPU, the rest exact). ``fixed``: A's side when
+    already built (it must fit A and ``precision``).
     """
 
     def __init__(self, A: StateDict, B: StateDict, cfg, precision: str = "auto", fixed: Optional[Fixed] = None) -> None:
@@ -300,7 +320,7 @@ class Problem:
             B_ff: StateDict = {}
             for g in todo:
                 B_ff.update(rotated_ff(g))
-            out.update(ff_step(F.A_features, B_ff, spec, current, candidates, groups=todo))
+            out.update(ff_step(F.score_features(todo), B_ff, spec, current, candidates, groups=todo))
         self.trusted.update(g.name for g in groups)  # every current permutation is now an answer
         return out
 
