@@ -21,7 +21,9 @@ same on one torch thread, the ServerApp's default ``threads = 1``) and ``aligned
 with ``Scale(workers=0)``: one worker process per core, each on cores / workers threads). A
 ``+min-gain`` suffix matches with ``Matching(min_gain=0.1)`` (a reply keeps the identity unless its
 alignment removes more than 10 % of its distance to the universe); ``+once`` runs one universe
-iteration (e.g. ``--plan 64:common:aligned-parallel+min-gain+once``). Each run is
+iteration (e.g. ``--plan 64:common:aligned-parallel+min-gain+once``); ``+float32`` keeps every
+product of weight matching in float32 (``Matching(precision="exact")``, the reference for the CPU's
+fast products: bfloat16 factors, or int8 FF scores). Each run is
 its own process; the peak resident memory of the server process and of its whole process tree
 (workers included) is sampled every 50 ms, and a fixed float32 GEMM is timed in the same process as
 a reference for a busy machine.
@@ -109,7 +111,8 @@ def one_run(args: argparse.Namespace) -> dict:
         else:
             if args.strategy == "aligned-1thread":  # the ServerApp's default (run_config threads = 1)
                 torch.set_num_threads(1)
-            # "aligned-parallel+min-gain": Matching(min_gain=MIN_GAIN); "+once": one universe iteration
+            # "aligned-parallel+min-gain": Matching(min_gain=MIN_GAIN); "+once": one universe iteration;
+            # "+float32": float32 products everywhere
             base, *flags = args.strategy.split("+")
             gain, iterations = "min-gain" in flags, 1 if "once" in flags else args.iterations
             scale = {
@@ -118,7 +121,7 @@ def one_run(args: argparse.Namespace) -> dict:
                 "aligned-parallel": Scale(workers=0, backend="process"),
                 "aligned-ray": Scale(workers=0, backend="ray", ray_address=args.ray_address),
             }[base]
-            matching = Matching(min_gain=MIN_GAIN if gain else 0.0)
+            matching = Matching(min_gain=MIN_GAIN if gain else 0.0, precision="exact" if "float32" in flags else "auto")
             # common replies are LayerNorm models (kept so, as AlignedFedAvg does); independent ones were
             # written in canonical form under a random rotation of the residual stream
             keep = args.kind == "common"
@@ -203,6 +206,8 @@ def table(res: dict) -> str:
             "aligned+min-gain",
             "aligned-parallel+min-gain",
             "aligned-parallel+min-gain+once",
+            "aligned+min-gain+float32",
+            "aligned-parallel+min-gain+float32",
         )
         if any(r["strategy"] == s for r in res["runs"])
     ]

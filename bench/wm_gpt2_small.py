@@ -11,8 +11,9 @@ Each run records its seconds, iterations, the objective after every iteration, t
 objective with float32 products ("objective_exact", computed after the timed run) and a profile (where
 the time went); "exact" runs the dense assignment solver and float32 products everywhere (the
 reference for the fast path); "independent-float32" the default starts with float32 products
-everywhere (the reference for the CPU's fast products at the same solver); "rtol-1e-3" stops on the previous, tighter tolerance. Runs with
-``fedlmc.allocator.retain_freed_memory`` as the ServerApp does (``--default-allocator``: without).
+everywhere (the reference for the CPU's fast products at the same solver); "rtol-1e-3" stops on the
+previous, tighter tolerance. Runs with ``fedlmc.allocator.retain_freed_memory`` as the ServerApp does
+(``--default-allocator``: without).
 """
 
 from __future__ import annotations

@@ -21,7 +21,17 @@ from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
-from .options import PREDICTION_SCREENS, SCREENS, Matching, OnClients, Refinement, Scale, Screen, one_of
+from .options import (
+    PREDICTION_SCREENS,
+    SCREENS,
+    UNIVERSE_STARTS,
+    Matching,
+    OnClients,
+    Refinement,
+    Scale,
+    Screen,
+    one_of,
+)
 from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
 
@@ -72,6 +82,7 @@ class Settings:
     independent_start: bool = True  # round 1: every client starts from its own seed (one-shot / fusion)
     width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
     iterations: int = 3  # universe iterations
+    universe_start: str = "previous"  # AlignedFedAvg.universe_start: previous | mean (replies trained from it)
     residual: str = "orthogonal"  # Matching.residual
     min_gain: float = Matching.min_gain  # Matching.min_gain: keep the identity unless alignment gains more
     guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
@@ -163,7 +174,13 @@ class Settings:
                     f"screen={self.screen!r} scores each reply on the server's guard split: strategies permuted, "
                     f"aligned and refined with guard=true, not {name!r}" + ("" if self.guard else " with guard=false")
                 )
+            if self.universe_start != "previous" and name not in SCREENED:
+                raise ValueError(
+                    f"universe-start={self.universe_start!r} is where the aligned and refined strategies' universe "
+                    f"starts: strategies {', '.join(SCREENED)}, not {name!r}"
+                )
         one_of(self.reduce, REDUCES, "reduce")
+        one_of(self.universe_start, UNIVERSE_STARTS, "universe-start")
         one_of(self.screen, ("none", *SCREENS), "screen")
         self.screen_options()
         one_of(self.partitioner, SCHEMES, "partitioner")

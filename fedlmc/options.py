@@ -26,6 +26,7 @@ GAUGES = ("orthogonal", "invertible", None)
 PRECISIONS = ("auto", "exact", "bfloat16", "int8")
 SCHEDULES = ("constant", "cosine")
 RELAXATIONS = ("ste", "sinkhorn")
+UNIVERSE_STARTS = ("previous", "mean")  # AlignedFedAvg.universe_start: the previous global model, or the replies' mean
 
 
 def one_of(value: Any, allowed: Iterable[Any], what: str) -> Any:

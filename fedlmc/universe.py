@@ -219,7 +219,7 @@ def members(
 def universe_merge(
     models: Sequence[Model],
     weights: Optional[Sequence[float]] = None,
-    start: Optional[nn.Module] = None,
+    start: Union[nn.Module, str, None] = None,
     *,
     matching: Optional[Matching] = None,
     refine: Optional[Refinement] = None,
@@ -259,8 +259,11 @@ def universe_merge(
         The fedlmc models to merge.
     weights : sequence of float or None
         Non-negative merge weights (e.g. example counts); default uniform.
-    start : nn.Module or None
-        The model the universe starts from (e.g. the previous global model); default the ``anchor``.
+    start : nn.Module, "mean" or None
+        The model the universe starts from: a model (e.g. the previous global model); "mean", the
+        models' plain weighted mean (streamed: FedAvg's aggregate), or None, the ``anchor``. For replies
+        trained a little from one global model with ``Matching(min_gain=...)``, "mean" ends the merge
+        after one iteration: every reply keeps the identity, so the universe stays where it started.
     matching : Matching or None
         Weight matching's knobs; default ``Matching()``. ``matching.residual_data`` adds residual
         activations on a few batches to every residual step.
@@ -313,7 +316,9 @@ def universe_merge(
     one_of(reduce, REDUCES, "reduce")
     if reduce != "mean" and (refine is not None or form != "factored"):
         raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, no refinement")
-    mem = members(models, weights, start, keep_layernorm)
+    if isinstance(start, str):
+        one_of(start, ("mean",), "start")
+    mem = members(models, weights, None if isinstance(start, str) else start, keep_layernorm)
     if reduce != "mean" and mem.hetero:
         raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
     align = dict(matching=m, keep_layernorm=keep_layernorm, device=device)
@@ -333,7 +338,7 @@ def universe_merge(
 
 def _merge(
     mem: Members,
-    start: Optional[nn.Module],
+    start: Union[nn.Module, str, None],
     anchor: str,
     align: dict,
     refine: Optional[Refinement],
@@ -348,7 +353,9 @@ def _merge(
 ) -> tuple[nn.Module, list[Transform]]:
     """``universe_merge`` on prepared members (``align``: weight matching's options)."""
     keep_layernorm, first = align["keep_layernorm"], None
-    if start is not None:
+    if isinstance(start, str):  # "mean": the replies' plain weighted mean, streamed (in canonical form)
+        universe = mem.merge([Transform() for _ in mem.models])
+    elif start is not None:
         universe = pad(start, mem.shape, attn_scale=mem.attn_scale) if mem.hetero else start
     else:
         universe = None

@@ -46,6 +46,7 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
     aligned = dict(
         matching=s.matching(),
         iterations=s.iterations,
+        universe_start=s.universe_start,
         form=s.form,
         keep_layernorm=s.keep_layernorm,
         device=s.device or None,

@@ -144,7 +144,8 @@ def test_parallel_alignments_equal_the_sequential_path(tmp_path, record):
 
 def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, record):
     """Matching(min_gain) in the workers: replies that are the start model plus a little noise keep the
-    identity, the universe is their plain mean and stops after two iterations, as in the server's process."""
+    identity, the universe is their plain mean and stops after two iterations, as in the server's process
+    (after one from that mean, ``start="mean"``)."""
     from fedlmc.symmetry import rebuild
 
     base = _copies(1, noise=0.0)[0]
@@ -167,6 +168,15 @@ def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, re
     seq, T_seq = universe_merge(replies, start=base, iterations=5, matching=m)
     assert all(T.elements == {} for T in T_par + T_seq)
     assert T_par[0].info["universe_iterations"] == T_seq[0].info["universe_iterations"] == 2
+    par_mean, T_mean = universe_merge(  # from the plain mean, one iteration settles it
+        replies,
+        start="mean",
+        iterations=5,
+        matching=m,
+        scale=Scale(workers=2, backend="process", spool_dir=str(tmp_path)),
+    )
+    assert all(T.elements == {} for T in T_mean) and T_mean[0].info["universe_iterations"] == 1
+    record("min_gain in workers from the mean vs from the start", _max_diff(par_mean, par), 1e-12)
     mean = {k: sum(r.state_dict()[k] for r in replies) / 4 for k in base.state_dict()}
     record(
         "min_gain in workers: universe vs the plain mean",

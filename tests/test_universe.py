@@ -134,7 +134,8 @@ def test_the_streamed_average_is_the_average_of_the_aligned_models(record):
 
 def test_min_gain_keeps_replies_from_the_global_model_and_still_aligns_planted_copies():
     """Matching(min_gain): replies trained a little from the start model (small noise) keep the identity,
-    so the universe is their plain mean and stops after its second iteration; copies in other
+    so the universe is their plain mean and stops after its second iteration (after its first when it
+    starts from that mean, ``start="mean"``); copies in other
     coordinates (a planted symmetry) are still aligned, whatever min_gain below their gain."""
     base = _base()
     common = [_noisy(canonicalize(base), 0.01, 10 + s) for s in range(4)]
@@ -145,6 +146,12 @@ def test_min_gain_keeps_replies_from_the_global_model_and_still_aligns_planted_c
     assert max(float((merged.state_dict()[k] - v).abs().max()) for k, v in mean.items()) < 1e-12
     _, plain = universe_merge(common, start=base, iterations=5)  # without min_gain the gauges fit the noise
     assert all(T.elements for T in plain)
+
+    from_mean, Ts_mean = universe_merge(common, start="mean", matching=m, iterations=5)  # one iteration does
+    assert all(T.elements == {} for T in Ts_mean) and Ts_mean[0].info["universe_iterations"] == 1
+    assert max(float((from_mean.state_dict()[k] - v).abs().max()) for k, v in mean.items()) < 1e-12
+    with pytest.raises(ValueError, match="start"):
+        universe_merge(common, start="median")
 
     planted = [
         _noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from logging import INFO
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from fedlmc.averaging import FORMS, REDUCES, aligned_state, merge, robust_merge,
 from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
-from fedlmc.options import PREDICTION_SCREENS, Matching, OnClients, Refinement, Screen, one_of
+from fedlmc.options import PREDICTION_SCREENS, UNIVERSE_STARTS, Matching, OnClients, Refinement, Screen, one_of
 from fedlmc.replies import StoredModel
 from fedlmc.screen import screen as screen_replies
 from fedlmc.symmetry import canonical, spec_for
@@ -49,6 +49,11 @@ class AlignedFedAvg(FedlmcStrategy):
         the permutation-only peers' method.
     iterations : int, default 3
         Universe iterations per round.
+    universe_start : {"previous", "mean"}, default "previous"
+        Where the universe starts when the replies were trained from the previous global model
+        (``start_for``; otherwise it starts from a reply): that model, or the replies' plain weighted
+        mean (FedAvg's aggregate, streamed). With ``Matching(min_gain=...)`` and replies trained a little
+        from the global model, "mean" settles the round in one universe iteration instead of two.
     form : {"factored", "circuit"}, default "factored"
     keep_layernorm : bool, default True
         The global model stays an ordinary LayerNorm model.
@@ -90,6 +95,7 @@ class AlignedFedAvg(FedlmcStrategy):
         *,
         matching: Optional[Matching] = None,
         iterations: int = 3,
+        universe_start: str = "previous",
         form: str = "factored",
         keep_layernorm: bool = True,
         guard_data=None,
@@ -112,6 +118,7 @@ class AlignedFedAvg(FedlmcStrategy):
         self.matching = matching if matching is not None else Matching()
         self.form, self.keep_layernorm = one_of(form, FORMS, "form"), keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
+        self.universe_start = one_of(universe_start, UNIVERSE_STARTS, "universe_start")
         self.device = device
         if screen is not None and screen.method == "loss" and guard_fn is None and guard_data is None:
             raise ValueError(
@@ -124,11 +131,11 @@ class AlignedFedAvg(FedlmcStrategy):
 
     refines = False  # RefinedFedAvg: the final alignment learns more than the screen's weight matching
 
-    def align(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
+    def align(self, models: list[nn.Module], weights: list[float], start: Union[nn.Module, str, None]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
         return self.weight_matched(models, weights, start)
 
-    def weight_matched(self, models: list[nn.Module], weights: list[float], start: Optional[nn.Module]):
+    def weight_matched(self, models: list[nn.Module], weights: list[float], start: Union[nn.Module, str, None]):
         """The universe by weight matching alone: ``AlignedFedAvg``'s merge, and the coordinates in which
         a screen compares the replies."""
         return universe_merge(
@@ -168,7 +175,8 @@ class AlignedFedAvg(FedlmcStrategy):
         self.round_nodes = [int(m.metadata.src_node_id) for m in replies]
         self.candidates = {}
         self.server_round, self.remote_record = server_round, None
-        start = self.start_for(models)
+        previous = self.start_for(models)
+        start = "mean" if previous is not None and self.universe_start == "mean" else previous
         # a screen compares the weight-matched replies; a refinement then learns on the ones it kept
         merged, transforms = (self.weight_matched if self.screen else self.align)(models, weights, start)
         self._drop_failed(server_round, replies, models, weights, transforms)
@@ -179,7 +187,7 @@ class AlignedFedAvg(FedlmcStrategy):
         fields: dict[str, Any] = {
             "align_seconds": time.time() - t0,
             "kept": "aligned",
-            "start": "previous" if start is not None else "reply",
+            "start": "reply" if start is None else self.universe_start,
             "moved": [transform_distance(T, spec_for(merged)) for T in transforms],
         }
         if screened is not None:
