@@ -23,7 +23,8 @@ with ``Scale(workers=0)``: one worker process per core, each on cores / workers 
 alignment removes more than 10 % of its distance to the universe); ``+once`` runs one universe
 iteration (e.g. ``--plan 64:common:aligned-parallel+min-gain+once``); ``+float32`` keeps every
 product of weight matching in float32 (``Matching(precision="exact")``, the reference for the CPU's
-fast products: bfloat16 factors, or int8 FF scores). Each run is
+fast products: bfloat16 factors, or int8 FF scores); ``+from-mean`` starts the common replies' universe
+at their plain mean instead of G (``universe_start="mean"``). Each run is
 its own process; the peak resident memory of the server process and of its whole process tree
 (workers included) is sampled every 50 ms, and a fixed float32 GEMM is timed in the same process as
 a reference for a busy machine.
@@ -125,6 +126,8 @@ def one_run(args: argparse.Namespace) -> dict:
             # common replies are LayerNorm models (kept so, as AlignedFedAvg does); independent ones were
             # written in canonical form under a random rotation of the residual stream
             keep = args.kind == "common"
+            if "from-mean" in flags:  # the replies' plain mean instead of G (AlignedFedAvg(universe_start="mean"))
+                start = "mean"
             _, Ts = universe_merge(
                 replies, start=start, iterations=iterations, keep_layernorm=keep, scale=scale, matching=matching
             )
@@ -167,6 +170,7 @@ def plot(res: dict, path: Path) -> None:
         (("independent", "aligned-parallel"), "C3--"),
         (("common", "aligned-parallel+min-gain"), "C2-."),
         (("independent", "aligned-parallel+min-gain"), "C1-."),
+        (("common", "aligned-parallel+min-gain+from-mean"), "C4-."),
     ]:
         runs = sorted((r for r in res["runs"] if r["kind"] == kind and r["strategy"] == strategy), key=lambda r: r["M"])
         if not runs:
@@ -208,6 +212,8 @@ def table(res: dict) -> str:
             "aligned-parallel+min-gain+once",
             "aligned+min-gain+float32",
             "aligned-parallel+min-gain+float32",
+            "aligned+min-gain+from-mean",
+            "aligned-parallel+min-gain+from-mean",
         )
         if any(r["strategy"] == s for r in res["runs"])
     ]
