@@ -46,7 +46,6 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
     aligned = dict(
         matching=s.matching(),
         iterations=s.iterations,
-        universe_start=s.universe_start,
         form=s.form,
         keep_layernorm=s.keep_layernorm,
         device=s.device or None,
@@ -62,16 +61,19 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
         )
     screen = s.screen_options()
     screened = dict(robust, screen=screen)
+    clients = dict(aligned, guard_data=None, on_clients=s.on_clients())  # no server data: the clients'
+    universe = None
     if s.strategy in ("aligned", "permuted"):
-        return AlignedFedAvg(**common, **aligned, **screened)
-    if s.strategy == "refined":
-        return RefinedFedAvg(**common, **aligned, screen=screen, refine=s.refinement(refine_half))
-    # no server data: the clients compute the refinement's gradients and score the guard's candidates
-    clients = dict(aligned, guard_data=None, on_clients=s.on_clients())
-    if s.strategy == "aligned-clients":
-        return AlignedFedAvg(**common, **clients, **screened)
-    if s.strategy == "refined-clients":
-        return RefinedFedAvg(**common, **clients, screen=screen, refine=s.refinement(None))
+        universe = AlignedFedAvg(**common, **aligned, **screened)
+    elif s.strategy == "refined":
+        universe = RefinedFedAvg(**common, **aligned, screen=screen, refine=s.refinement(refine_half))
+    elif s.strategy == "aligned-clients":  # the clients score the guard's candidates
+        universe = AlignedFedAvg(**common, **clients, **screened)
+    elif s.strategy == "refined-clients":  # the clients compute the refinement's gradients and checks
+        universe = RefinedFedAvg(**common, **clients, screen=screen, refine=s.refinement(None))
+    if universe is not None:
+        universe.universe_start = s.universe_start
+        return universe
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = s.refinement(refine_half) if s.strategy == "hetero-refined" else None
         return HeteroWidthFedAvg(

@@ -219,7 +219,8 @@ def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_tr
 
     merged = {}
     for start in ("previous", "mean"):
-        strategy = AlignedFedAvg(model=base.config.to_dict(), universe_start=start, matching=Matching(min_gain=0.5))
+        strategy = AlignedFedAvg(model=base.config.to_dict(), matching=Matching(min_gain=0.5))
+        strategy.universe_start = start
         strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
         seen = []
         merge = strategy.align
@@ -235,7 +236,8 @@ def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_tr
     strategy.aggregate_train(2, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
     assert strategy.history[1]["start"] == "reply"
     with pytest.raises(ValueError, match="universe_start"):
-        AlignedFedAvg(model=base.config.to_dict(), universe_start="median")
+        strategy.universe_start = "median"
+    assert AlignedFedAvg(model=base.config.to_dict()).universe_start == "previous"
 
 
 def test_guard_keeps_plain_average_when_alignment_is_worse():

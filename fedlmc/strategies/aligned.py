@@ -49,11 +49,6 @@ class AlignedFedAvg(FedlmcStrategy):
         the permutation-only peers' method.
     iterations : int, default 3
         Universe iterations per round.
-    universe_start : {"previous", "mean"}, default "previous"
-        Where the universe starts when the replies were trained from the previous global model
-        (``start_for``; otherwise it starts from a reply): that model, or the replies' plain weighted
-        mean (FedAvg's aggregate, streamed). With ``Matching(min_gain=...)`` and replies trained a little
-        from the global model, "mean" settles the round in one universe iteration instead of two.
     form : {"factored", "circuit"}, default "factored"
     keep_layernorm : bool, default True
         The global model stays an ordinary LayerNorm model.
@@ -85,6 +80,15 @@ class AlignedFedAvg(FedlmcStrategy):
         screens compare their predictions on ``guard_data``'s inputs (then required).
     **kwargs
         ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
+
+    Attributes
+    ----------
+    universe_start : {"previous", "mean"}, default "previous"
+        Where the universe starts when the replies were trained from the previous global model
+        (``start_for``; otherwise it starts from a reply): that model, or the replies' plain weighted
+        mean (FedAvg's aggregate, streamed). With ``Matching(min_gain=...)`` and replies trained a little
+        from the global model, "mean" settles the round in one universe iteration instead of two. Set
+        it on the strategy (``strategy.universe_start = "mean"``; run_config ``universe-start``).
     """
 
     needs_architecture = True
@@ -95,7 +99,6 @@ class AlignedFedAvg(FedlmcStrategy):
         *,
         matching: Optional[Matching] = None,
         iterations: int = 3,
-        universe_start: str = "previous",
         form: str = "factored",
         keep_layernorm: bool = True,
         guard_data=None,
@@ -118,7 +121,7 @@ class AlignedFedAvg(FedlmcStrategy):
         self.matching = matching if matching is not None else Matching()
         self.form, self.keep_layernorm = one_of(form, FORMS, "form"), keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
-        self.universe_start = one_of(universe_start, UNIVERSE_STARTS, "universe_start")
+        self.universe_start = "previous"
         self.device = device
         if screen is not None and screen.method == "loss" and guard_fn is None and guard_data is None:
             raise ValueError(
@@ -130,6 +133,14 @@ class AlignedFedAvg(FedlmcStrategy):
             )
 
     refines = False  # RefinedFedAvg: the final alignment learns more than the screen's weight matching
+
+    @property
+    def universe_start(self) -> str:
+        return self._universe_start
+
+    @universe_start.setter
+    def universe_start(self, value: str) -> None:
+        self._universe_start = one_of(value, UNIVERSE_STARTS, "universe_start")
 
     def align(self, models: list[nn.Module], weights: list[float], start: Union[nn.Module, str, None]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
