@@ -168,6 +168,9 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
         env = _env(d, MODE=mode, N="3", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
         subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
         pids = [int(x) for x in (d / "pids").read_text().split()]
+        for i in range(3):  # every node registered before round 1 samples (min-nodes=2 would start without one)
+            node_log = d / f"supernode{i}.log"
+            assert _wait_for(node_log, "SuperNode ID:", 120), node_log.read_text(errors="replace")[-2000:]
         out, log = d / "out", d / "run.log"
         run = subprocess.Popen(
             [
