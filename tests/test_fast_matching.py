@@ -235,3 +235,22 @@ def test_a_universe_iteration_builds_the_fixed_models_side_once_and_changes_noth
     a, b = canonical_state(A, cpu, torch.float64), canonical_state(B, cpu, torch.float64)
     direct = sum(float((a[k] - b[k]).pow(2).sum() / a[k].pow(2).sum()) for k in a if a[k].pow(2).sum() > 0)
     assert Problem(a, b, canonical_config(B.config)).objective({}) == pytest.approx(direct, rel=1e-10)
+
+
+def test_the_performance_page_gives_the_precision_benchs_barriers():
+    """The performance page's trained-pair barriers at each precision are the results file's, and the
+    fast precisions stay within 0.02 of float32's there."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = json.loads((root / "results" / "bench_precision_quality_gpt2-tiny.json").read_text())
+    page = (root / "docs" / "performance.md").read_text()
+    (pair,) = doc["pairs"]
+    got = {q: f"{v['barrier']:.3f}" for q, v in pair["precisions"].items()}
+    claim = (
+        f"barrier of {got['int8']} with int8 scores, {got['exact']} with float32 products and {got['bfloat16']} "
+        "with\n  bfloat16 ones"
+    )
+    assert claim in page, got
+    assert max(doc["max_abs_barrier_minus_exact"].values()) < 0.02
