@@ -244,8 +244,8 @@ def score_dtype(dtype: torch.dtype, device: torch.device, size: int) -> torch.dt
 
 def int8_scores(dtype: torch.dtype, device: torch.device, size: int) -> bool:
     """Whether the FF similarity scores are int8 products (``Int8Rows``): for float32 problems of
-    ``size`` ≥ 1024 on a CPU with native int8 but no native bfloat16 dot products (there float32
-    products would be the alternative, three times slower)."""
+    ``size`` ≥ 1024 on a CPU with native int8 but no native bfloat16 dot products (where the
+    alternative is a slower float32 product)."""
     return dtype == torch.float32 and device.type == "cpu" and size >= 1024 and not _native_bf16() and _native_int8()
 
 

@@ -176,8 +176,8 @@ class Problem:
     decide between near-ties.
     On a CPU without native bfloat16 but with native int8 dot products, "auto" keeps every product in
     float32 except the FF similarity scores, which it takes as int8 products of row-scaled codes
-    (``solvers.Int8Rows``): they only rank partners for the
-    assignment, and the objective, the certificate and every continuous step stay in float32.
+    (``solvers.Int8Rows``): they only rank partners for the assignment, and the objective, the
+    certificate and every continuous step stay in float32.
     ``precision``: "auto" (as above), "exact" (every product in the problem's dtype: the reference the
     bench compares with), "bfloat16" (bfloat16 factors anywhere, e.g. to test the fast path on a
     small model) or "int8" (int8 FF scores on the CPU, the rest exact). ``fixed``: A's side when
