@@ -61,7 +61,7 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
         )
     screen = s.screen_options()
     screened = dict(robust, screen=screen)
-    clients = dict(aligned, guard_data=None, on_clients=s.on_clients())  # no server data: the clients'
+    clients = dict(aligned, guard_data=None, on_clients=s.on_clients())  # the *-clients: no server data
     universe = None
     if s.strategy in ("aligned", "permuted"):
         universe = AlignedFedAvg(**common, **aligned, **screened)
