@@ -24,7 +24,11 @@ alignment removes more than 10 % of its distance to the universe); ``+once`` run
 iteration (e.g. ``--plan 64:common:aligned-parallel+min-gain+once``); ``+float32`` keeps every
 product of weight matching in float32 (``Matching(precision="exact")``, the reference for the CPU's
 fast products: bfloat16 factors, or int8 FF scores); ``+from-mean`` starts the common replies' universe
-at their plain mean instead of G (``universe_start="mean"``). Each run is
+at their plain mean instead of G (``universe_start="mean"``), streamed from the files; ``+at-arrival``
+starts it at the mean summed as the replies arrive (``universe.ArrivingMean``, what the strategy does
+with replies on disk): each reply is read once, canonicalised and added before the round's clock starts,
+and that work is reported apart (``arrival_seconds``: a stand-in for the reply coming off the network,
+its file read from disk, plus the sum). Each run is
 its own process; the peak resident memory of the server process and of its whole process tree
 (workers included) is sampled every 50 ms, and a fixed float32 GEMM is timed in the same process as
 a reference for a busy machine.
@@ -50,7 +54,7 @@ from fedlmc.models import from_preset
 from fedlmc.options import Matching, Scale
 from fedlmc.replies import save_model, stored
 from fedlmc.symmetry import apply_transform, canonical, random_transform, rebuild
-from fedlmc.universe import universe_merge
+from fedlmc.universe import ArrivingMean, universe_merge
 
 STRATEGIES = ("fedavg", "aligned", "aligned-parallel")
 MIN_GAIN = 0.1  # "+min-gain" strategies: Matching(min_gain=MIN_GAIN)
@@ -104,6 +108,7 @@ def one_run(args: argparse.Namespace) -> dict:
     start = stored(folder / "global.safetensors").load() if args.kind == "common" else None
     gemm = gemm_seconds()
     release_freed_memory()
+    arrival_seconds = None
     with PeakMemory(every=0.05) as mem:
         t0 = time.perf_counter()
         if args.strategy == "fedavg":
@@ -128,6 +133,14 @@ def one_run(args: argparse.Namespace) -> dict:
             keep = args.kind == "common"
             if "from-mean" in flags:  # the replies' plain mean instead of G (strategy.universe_start = "mean")
                 start = "mean"
+            if "at-arrival" in flags:  # that mean summed as the replies arrive: not on the round's clock
+                t_arrival = time.perf_counter()
+                arriving, w = ArrivingMean(), 1.0 / len(replies)
+                for r in replies:
+                    arriving.add(r.path, r.load(), w)
+                start = arriving.model_for({r.path: w for r in replies})
+                arrival_seconds = time.perf_counter() - t_arrival
+                t0 += arrival_seconds
             _, Ts = universe_merge(
                 replies, start=start, iterations=iterations, keep_layernorm=keep, scale=scale, matching=matching
             )
@@ -143,6 +156,7 @@ def one_run(args: argparse.Namespace) -> dict:
         "strategy": args.strategy,
         "seconds": round(secs, 2),
         "seconds_per_reply": round(secs / args.models, 3),
+        "arrival_seconds": None if arrival_seconds is None else round(arrival_seconds, 2),
         "universe_iterations": its,
         "max_iterations": None if args.strategy == "fedavg" else iterations,
         "identity_kept": identity,  # replies whose final transform is the identity (min_gain)
@@ -171,6 +185,7 @@ def plot(res: dict, path: Path) -> None:
         (("common", "aligned-parallel+min-gain"), "C2-."),
         (("independent", "aligned-parallel+min-gain"), "C1-."),
         (("common", "aligned-parallel+min-gain+from-mean"), "C4-."),
+        (("common", "aligned-parallel+min-gain+at-arrival"), "C5-."),
     ]:
         runs = sorted((r for r in res["runs"] if r["kind"] == kind and r["strategy"] == strategy), key=lambda r: r["M"])
         if not runs:
@@ -214,6 +229,7 @@ def table(res: dict) -> str:
             "aligned-parallel+min-gain+float32",
             "aligned+min-gain+from-mean",
             "aligned-parallel+min-gain+from-mean",
+            "aligned-parallel+min-gain+at-arrival",
         )
         if any(r["strategy"] == s for r in res["runs"])
     ]
@@ -230,7 +246,8 @@ def table(res: dict) -> str:
                     continue
                 per = f" ({r['seconds_per_reply_iteration']:.2f})" if r.get("seconds_per_reply_iteration") else ""
                 tree = f", tree {r['peak_rss_tree_gb']:.1f}" if r["peak_rss_tree_gb"] > r["peak_rss_gb"] + 0.05 else ""
-                cells.append(f"{r['seconds']:.1f}{per} / {r['peak_rss_gb']:.2f}{tree}")
+                arrival = f" + {r['arrival_seconds']:.0f} at arrival" if r.get("arrival_seconds") else ""
+                cells.append(f"{r['seconds']:.1f}{per}{arrival} / {r['peak_rss_gb']:.2f}{tree}")
             refs = [by[(M, kind, s)]["gemm_seconds"] for s in strategies if (M, kind, s) in by]
             cells.append(f"{min(refs):.2f}–{max(refs):.2f}")
             lines.append("| " + " | ".join(cells) + " |")

@@ -51,18 +51,21 @@ def aligned_state(model: nn.Module, T) -> StateDict:
 
 class RunningSum:
     """``Σ w_m θ_m`` built one state dict at a time (a streamed weighted mean holds the sum and one
-    model, whatever M is); ``add`` sums in the order given, ``mean()`` divides by the weights added."""
+    model, whatever M is); ``add`` sums in the order given, ``mean()`` divides by the weights added.
+    ``dtype``: sum in this dtype (e.g. float64, so that the order of the terms hardly shows), else in
+    each tensor's own."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: Optional[torch.dtype] = None) -> None:
         self.state: Optional[StateDict] = None
         self.weight = 0.0
+        self.dtype = dtype
 
     def add(self, state: StateDict, w: float) -> None:
         if self.state is None:
-            self.state = {k: v * w for k, v in state.items()}
+            self.state = {k: v.to(self.dtype or v.dtype) * w for k, v in state.items()}
         else:
             for k, v in state.items():
-                self.state[k].add_(v, alpha=w)
+                self.state[k].add_(v.to(self.state[k].dtype), alpha=w)
         self.weight += w
 
     def add_sum(self, state: StateDict, weight: float) -> None:

@@ -19,6 +19,7 @@ from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
 from .matching.profile import section
 from .matching.refine import dirichlet_refine
+from .models import from_config
 from .options import Matching, Refinement, Scale, one_of
 from .replies import ReplyError, ReplyStore, StoredModel, save_model
 from .symmetry import (
@@ -174,6 +175,49 @@ class Members:
                 T = lift_residual(self.own(i, T), m.config.d_model)
             out.append(Transform(T.elements, T.info, WidthMap(dict(self.shape), self.attn_scale, m.config)))
         return out
+
+
+class ArrivingMean:
+    """The replies' plain weighted mean in canonical form, summed as they arrive (while each is in memory
+    anyway): a universe that starts at it (``universe_merge(start=...)``) needs no pass over the
+    replies' files for its start. The sum is kept in float64, so the order the replies arrive in moves
+    the mean by at most a float32 rounding; ``model_for`` gives the mean only for exactly the replies
+    summed, with their weights (a reply excluded later needs the streamed mean of the others)."""
+
+    def __init__(self) -> None:
+        self.acc = RunningSum(torch.float64)
+        self.weights: dict[str, float] = {}
+        self.config = None
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.broken = False  # a reply of another shape arrived: its mean would be a padded one
+        self._model: Optional[nn.Module] = None
+
+    def add(self, key: str, model: nn.Module, weight: float) -> None:
+        """Add ``model`` (a reply, in memory) under ``key`` (its file) with ``weight``."""
+        canon = canonical(model)
+        if self.config is not None and not same_shape([self.config, canon.config]):
+            self.broken = True
+        if self.broken:
+            return
+        state = aligned_state(canon, Transform())
+        self.config = canon.config
+        self.dtypes = {k: v.dtype for k, v in state.items()}
+        self.acc.add(state, weight)
+        self.weights[key] = weight
+
+    def model_for(self, weights: dict[str, float]) -> Optional[nn.Module]:
+        """The mean as a model, if ``weights`` (file → weight) are exactly the replies summed; else None."""
+        if self.broken or not self.weights or weights != self.weights:
+            return None
+        if self._model is None:
+            total = self.acc.weight
+            state = {k: (v / total).to(self.dtypes[k]) for k, v in self.acc.state.items()}
+            self.acc.state = None  # the float64 sum: two models' memory, given back before the merge
+            with torch.device("meta"):
+                model = from_config(self.config)
+            model.load_state_dict(state, assign=True)
+            self._model = model.eval()
+        return self._model
 
 
 def members(

@@ -18,7 +18,7 @@ from fedlmc.matching import weight_matching
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Scale
 from fedlmc.replies import ReplyError, ReplyStore, StoredModel, mmap_state, save_model, stored, sweep
-from fedlmc.symmetry import apply_transform, canonicalize, random_transform
+from fedlmc.symmetry import Transform, apply_transform, canonicalize, random_transform
 from fedlmc.universe import universe_merge
 from fedlmc.workers import AlignmentPool
 
@@ -432,3 +432,68 @@ def test_mmap_replies_on_disk_are_refused_by_strategies_that_hold_them_in_memory
         with pytest.raises(ValueError, match="AlignedFedAvg and RefinedFedAvg"):
             cls(scale=Scale(spool=True))
     ReportingFedAvg(scale=Scale())  # the default (in memory) is every strategy's
+
+
+def test_mmap_arriving_mean_is_the_streamed_mean_of_exactly_the_replies_summed(tmp_path, record):
+    """``ArrivingMean``: the canonical replies' weighted mean summed as they arrive equals the mean a
+    universe streams from their files; the order they arrive in hardly shows (a float64 sum); it is
+    given only for exactly the replies summed, with their weights, and never across two shapes."""
+    from fedlmc.universe import ArrivingMean, members
+
+    models = [m.float() for m in _copies(3, noise=0.2)]
+    weights = [1.0, 2.0, 5.0]
+    with ReplyStore(tmp_path) as store:
+        handles = [store.put(m) for m in models]
+        streamed = members(handles, weights, None, False).merge([Transform() for _ in handles])
+        means = []
+        for order in ((0, 1, 2), (2, 0, 1)):
+            arriving = ArrivingMean()
+            for i in order:
+                arriving.add(handles[i].path, models[i], weights[i])
+            exact = {h.path: w for h, w in zip(handles, weights)}
+            assert arriving.model_for({**exact, handles[0].path: 3.0}) is None  # another weight
+            assert arriving.model_for({h.path: w for h, w in zip(handles[1:], weights[1:])}) is None  # fewer
+            means.append(arriving.model_for(exact))
+        record("the mean summed as the replies arrived vs streamed from files", _max_diff(means[0], streamed), 1e-6)
+        record("the mean summed in two arrival orders", _max_diff(means[0], means[1]), 1e-6)
+        wider = from_preset("gpt2-tiny", n_layer=2, d_model=48, n_head=4, d_ff=64, vocab_size=40)
+        arriving = ArrivingMean()
+        arriving.add(handles[0].path, models[0], 1.0)
+        arriving.add("wider", wider, 1.0)
+        assert arriving.model_for({handles[0].path: 1.0, "wider": 1.0}) is None
+
+
+def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_path, record, monkeypatch):
+    """``universe_start = "mean"`` on replies written to disk as they arrive: the start (the replies'
+    mean) and ``start_for``'s cosines are computed while each reply is in memory, so the round reads each
+    reply's file once (its one universe iteration) instead of three times, and merges the same model."""
+    from flwr.app import ArrayRecord
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_strategies import _near_copies, _planted_clients
+
+    from fedlmc.strategies import AlignedFedAvg
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):  # messages outside Flower's runtime
+        monkeypatch.setattr(TaskIdentity, attr, value)
+    base, _ = _planted_clients(1)
+    near = _near_copies(base, n=3)  # replies trained a little from the global model
+    loads = []
+    real_load = StoredModel.load
+    monkeypatch.setattr(StoredModel, "load", lambda self: loads.append(self.path) or real_load(self))
+    results = {}
+    for name, scale in (("memory", None), ("disk", Scale(spool=True, spool_dir=str(tmp_path)))):
+        strategy = AlignedFedAvg(
+            model=base.config.to_dict(), scale=scale, matching=Matching(min_gain=0.5), fraction_evaluate=0.0
+        )
+        strategy.universe_start = "mean"
+        loads.clear()
+        result = strategy.start(
+            grid=ReplyingGrid(near), initial_arrays=ArrayRecord(torch_state_dict=base.state_dict()), num_rounds=1
+        )
+        results[name] = result.arrays.to_torch_state_dict()
+        assert strategy.history[-1]["start"] == "mean" and strategy.history[-1]["excluded"] == []
+        if scale is not None:
+            assert len(loads) == len(near) == len(set(loads)), f"the replies' files were read {len(loads)} times"
+    diff = max(float((results["disk"][k] - v).abs().max()) for k, v in results["memory"].items())
+    record("universe from the mean summed as replies arrived vs streamed in memory", diff, 1e-6)
+    assert not any(tmp_path.glob("round-*"))

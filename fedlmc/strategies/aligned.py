@@ -34,7 +34,7 @@ from fedlmc.replies import StoredModel
 from fedlmc.screen import screen as screen_replies
 from fedlmc.symmetry import canonical, spec_for
 from fedlmc.train import predictions
-from fedlmc.universe import universe_merge
+from fedlmc.universe import ArrivingMean, universe_merge
 
 from .base import FedlmcStrategy, loaded
 
@@ -86,9 +86,12 @@ class AlignedFedAvg(FedlmcStrategy):
     universe_start : {"previous", "mean"}, default "previous"
         Where the universe starts when the replies were trained from the previous global model
         (``start_for``; otherwise it starts from a reply): that model, or the replies' plain weighted
-        mean (FedAvg's aggregate, streamed). With ``Matching(min_gain=...)`` and replies trained a little
-        from the global model, "mean" settles the round in one universe iteration instead of two. Set
-        it on the strategy (``strategy.universe_start = "mean"``; run_config ``universe-start``).
+        mean (FedAvg's aggregate). With ``Matching(min_gain=...)`` and replies trained a little from the
+        global model, "mean" settles the round in one universe iteration instead of two. With replies on
+        disk (``Scale(spool=True)`` or workers) the mean is summed as the replies arrive, while each is
+        in memory anyway (``fedlmc.universe.ArrivingMean``), so the merge reads every reply's file once
+        only; otherwise it is streamed at the merge. Set it on the strategy
+        (``strategy.universe_start = "mean"``; run_config ``universe-start``).
     """
 
     needs_architecture = True
@@ -122,6 +125,7 @@ class AlignedFedAvg(FedlmcStrategy):
         self.form, self.keep_layernorm = one_of(form, FORMS, "form"), keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
         self.universe_start = "previous"
+        self._arriving: Optional[ArrivingMean] = None  # this round's replies' mean, summed as they arrive
         self.device = device
         if screen is not None and screen.method == "loss" and guard_fn is None and guard_data is None:
             raise ValueError(
@@ -142,6 +146,30 @@ class AlignedFedAvg(FedlmcStrategy):
     def universe_start(self, value: str) -> None:
         self._universe_start = one_of(value, UNIVERSE_STARTS, "universe_start")
 
+    def on_arrival(self, handle: StoredModel, model: nn.Module, weight: float) -> None:
+        """Also adds the reply to the round's ``ArrivingMean`` when the universe may start at the mean."""
+        super().on_arrival(handle, model, weight)
+        if self.universe_start == "mean":
+            if self._arriving is None:
+                self._arriving = ArrivingMean()
+            self._arriving.add(handle.path, model, weight)
+
+    def _close_store(self) -> None:
+        super()._close_store()
+        self._arriving = None
+
+    def start_model(self, models: list, weights: list[float], start: Union[nn.Module, str, None]):
+        """``start``, with "mean" replaced by the mean summed as the replies arrived when it holds exactly
+        ``models`` with ``weights`` (a screen or a failed alignment may have dropped some: then "mean",
+        streamed by the merge)."""
+        if not (isinstance(start, str) and start == "mean") or self._arriving is None:
+            return start
+        paths = {m.path: w for m, w in zip(models, weights) if isinstance(m, StoredModel)}
+        mean = self._arriving.model_for(paths) if len(paths) == len(models) else None
+        if mean is not None:
+            log(INFO, "%s: the universe starts at the replies' mean, summed as they arrived", type(self).__name__)
+        return start if mean is None else mean
+
     def align(self, models: list[nn.Module], weights: list[float], start: Union[nn.Module, str, None]):
         """The aligned aggregate and each reply's transform (subclasses change how)."""
         return self.weight_matched(models, weights, start)
@@ -152,7 +180,7 @@ class AlignedFedAvg(FedlmcStrategy):
         return universe_merge(
             models,
             weights,
-            start,
+            self.start_model(models, weights, start),
             matching=self.matching,
             iterations=self.iterations,
             form=self.form,
@@ -370,7 +398,7 @@ class RefinedFedAvg(AlignedFedAvg):
             return universe_merge(
                 models,
                 weights,
-                start,
+                self.start_model(models, weights, start),
                 matching=self.matching,
                 refine=refine_split(self.refine) if remote is None else replace(self.refine, data=remote),
                 iterations=self.iterations,

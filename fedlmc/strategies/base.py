@@ -133,6 +133,8 @@ class FedlmcStrategy(FedAvg):
             )
         self.store: Optional[ReplyStore] = None  # this round's replies on disk (with ``scale.on_disk``)
         self._arrived: dict[tuple, Any] = {}  # arrival_key → (model, weight) or the reason, read as it arrived
+        self._cosines: dict[str, float] = {}  # a stored reply's file → its weight_cosine with the global model
+        self._previous_for_arrivals: Optional[tuple[ArrayRecord, nn.Module]] = None
         self._norm_of, self._norm = None, None  # the global model whose norm ``_reference_norm`` holds
 
     def _config_of(self, model: Any, fallback: str) -> Optional[dict[str, Any]]:
@@ -225,17 +227,27 @@ class FedlmcStrategy(FedAvg):
         if self.store is None or msg.has_error() or msg.metadata.message_type != MessageType.TRAIN:
             return msg
         try:
-            self._arrived[arrival_key(msg)] = self.read_reply(msg, self._reference_norm())
+            self._arrived[arrival_key(msg)] = self.read_reply(msg, self._reference_norm(), seen=self.on_arrival)
         except (InvalidReply, ReplyError) as e:
             self._arrived[arrival_key(msg)] = str(e)
         if self.arrayrecord_key in msg.content:
             del msg.content[self.arrayrecord_key]
         return msg
 
+    def on_arrival(self, handle: StoredModel, model: nn.Module, weight: float) -> None:
+        """What is computed from a reply while it is in memory, as it arrives (everything else reads it
+        back from its file ``handle``): its ``weight_cosine`` with the global model, for ``start_for``."""
+        if self._previous is None or self.global_config is None:
+            return
+        if self._previous_for_arrivals is None or self._previous_for_arrivals[0] is not self._previous:
+            self._previous_for_arrivals = (self._previous, self.model_of(self._previous))
+        self._cosines[handle.path] = weight_cosine(model, self._previous_for_arrivals[1])
+
     def _close_store(self) -> None:
         if self.store is not None:
             self.store.close()  # the round's files: nothing is left on disk after a round
             self.store, self._arrived = None, {}
+        self._cosines, self._previous_for_arrivals = {}, None
 
     def check_architecture(self, arrays: ArrayRecord) -> None:
         """A model the strategy cannot align is an error before the first round (naming the fix), not a
@@ -397,9 +409,10 @@ class FedlmcStrategy(FedAvg):
             self._norm_of, self._norm = self._previous, sum(float(t.double().pow(2).sum()) for t in arrays) ** 0.5
         return self._norm
 
-    def read_reply(self, msg: Message, ref_norm: Optional[float]) -> tuple[Any, float]:
+    def read_reply(self, msg: Message, ref_norm: Optional[float], seen=None) -> tuple[Any, float]:
         """A reply's model (written to this round's store when there is one: then its ``StoredModel``)
-        and weight; ``InvalidReply`` / ``ReplyError`` with the reason."""
+        and weight; ``InvalidReply`` / ``ReplyError`` with the reason. ``seen(handle, model, weight)``
+        is called once a stored reply is written, while its model is still in memory."""
         cfg, sd, w = check_reply(
             msg.content,
             arrays_key=self.arrayrecord_key,
@@ -413,8 +426,13 @@ class FedlmcStrategy(FedAvg):
         model = from_config(cfg)
         model.load_state_dict({k: v.float() for k, v in sd.items()})
         del sd
+        if self.store is None:
+            return model.eval(), w
         # with a store, the reply waits on disk and is read back (memory-mapped) when needed
-        return (self.store.put(model, f"node-{msg.metadata.src_node_id}") if self.store else model.eval()), w
+        handle = self.store.put(model, f"node-{msg.metadata.src_node_id}")
+        if seen is not None:
+            seen(handle, model.eval(), w)
+        return handle, w
 
     def exclude(self, server_round: int, node: int, reason: str) -> None:
         """Leave a node's reply out of this round, with one log line and a record naming the reason."""
@@ -447,8 +465,14 @@ class FedlmcStrategy(FedAvg):
         previous = self.previous_model()
         if previous is None or not models:
             return None
-        cosines = sorted(weight_cosine(loaded(m), previous) for m in models)
+        cosines = sorted(self._cosine(m, previous) for m in models)
         return previous if cosines[len(cosines) // 2] >= DESCENT_COSINE else None
+
+    def _cosine(self, model: Any, previous: nn.Module) -> float:
+        """``weight_cosine`` of a reply with the global model: as computed when it arrived, else now."""
+        if isinstance(model, StoredModel) and model.path in self._cosines:
+            return self._cosines[model.path]
+        return weight_cosine(loaded(model), previous)
 
     def loss(self, model: nn.Module, data, batches: Optional[int]) -> float:
         return float(evaluate(model, data, max_batches=batches)["loss"])
