@@ -95,6 +95,27 @@ def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     assert min(trace) == pytest.approx(direct, rel=1e-6)
 
 
+@pytest.mark.parametrize("groups", [("residual", "heads", "qk", "ov", "ff"), ("residual", "heads")])
+def test_the_rest_objective_from_distances_equals_the_cross_covariances_one(groups, record):
+    """``Problem.rest_value`` (the descent's last objective, from ``‖A − T(B)‖²`` directly) is the
+    cross-covariances' value of the same elements, for random group elements (invertible gauges, which
+    change B's norms, too), in float64."""
+    A, B = _wide_pair(4)
+    cpu = torch.device("cpu")
+    P = Problem(
+        canonical_state(A, cpu, torch.float64), canonical_state(B, cpu, torch.float64), canonical_config(B.config)
+    )
+    els = dict(random_transform(A, seed=5, groups=groups).elements)
+    O = els["residual"]
+    direct, cross = P.rest_value(els, P.rotated(O, ff=False)), P.cross(els, "rest").value(O)
+    record(
+        f"rest objective: distances vs cross-covariances ({len(groups)} kinds of element)",
+        abs(direct - cross) / abs(cross),
+        1e-10,
+    )
+    assert direct > 0
+
+
 def test_the_identity_is_the_do_no_harm_candidate_and_a_shared_init_stays_put():
     A, B = _wide_pair(2)
     T = weight_matching(A, B)  # B is A scrambled: the identity transform is hopeless

@@ -280,6 +280,17 @@ class Problem:
         self._last_cross[part] = (key, out)
         return out
 
+    def rest_value(self, elements: Elements, B_rest: StateDict) -> Optional[float]:
+        """``cross(elements, "rest").value(O)`` as the distances themselves, ``Σ ‖A − T(B)‖² / ‖A‖²``
+        over the tensors outside the FF members, from ``B_rest = rotated(O, ff=False)``: one elementwise
+        pass where the cross-covariances cost a matrix product per tensor (a single, fixed O needs no
+        products). None when B's tensors were rounded to a faster dtype (the distances would carry it)."""
+        if self.fast != self.dtype:
+            return None
+        F = self.fixed
+        TB = apply_elements(B_rest, self.cfg, {g: elements[g] for g in F.part_groups["rest"] if g in elements})
+        return float(sum(sq_norm(self.A_mov[k] - b) / F.a_norms[k] for k, b in TB.items()))
+
     def ff_units(self, O: torch.Tensor, current: Elements, candidates: Optional[int]) -> Elements:
         """The FF step under residual map O from ``current``: every layer whose current permutation the
         certificate proves optimal keeps it (``certify``: no similarity product), the others are solved
@@ -516,15 +527,21 @@ def _finish(
 ) -> Descent:
     """The last, continuous step of a descent whose permutations have settled: gauges refitted to the
     new residual map (the permutations would not move, so the FF part of the objective is ``X_ff``'s),
-    and the objective of the result."""
+    and the objective of the result (the rest's part from the distances themselves: the residual map
+    is final, so no cross-covariance is needed)."""
+    O, rest = elements["residual"], None
     if gauge:
         with section("gauges"):
-            B_heads = apply_elements(P.rotated(elements["residual"], ff=False), P.cfg, elements, ("heads", "qheads"))
+            B_rest = P.rotated(O, ff=False)
+            B_heads = apply_elements(B_rest, P.cfg, elements, ("heads", "qheads"))
             elements.update(gauge_step(P.A_mov, B_heads, P.spec, gauge, P.A_sides))
-    with section("residual cross-covariances"):
-        value = (X_ff + P.cross(elements, "rest")).value(elements["residual"]) + P.anchor_objective(
-            elements["residual"]
-        )
+        with section("objective"):
+            rest = P.rest_value(elements, B_rest)
+        del B_rest, B_heads
+    if rest is None:
+        with section("residual cross-covariances"):
+            rest = P.cross(elements, "rest").value(O)
+    value = X_ff.value(O) + rest + P.anchor_objective(O)
     if value > trace[-1]:
         return Descent(old, it, trace + [value], trace[-1])
     return Descent(elements, it, trace + [value], value)
