@@ -52,7 +52,7 @@ from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.averaging import streamed_mean
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Scale
-from fedlmc.replies import save_model, stored
+from fedlmc.replies import read_ahead, save_model, stored
 from fedlmc.symmetry import apply_transform, canonical, random_transform, rebuild
 from fedlmc.universe import ArrivingMean, universe_merge
 
@@ -95,8 +95,8 @@ def make_replies(kind: str, count: int, layers: int, folder: Path) -> list[str]:
 
 
 def streamed_fedavg(paths: list[str]) -> torch.nn.Module:
-    """FedAvg over files: a running weighted sum, one reply at a time."""
-    return streamed_mean((stored(p).load() for p in paths), [1.0 / len(paths)] * len(paths))
+    """FedAvg over files: a running weighted sum, one reply at a time (the next one prefetched)."""
+    return streamed_mean(read_ahead([stored(p) for p in paths]), [1.0 / len(paths)] * len(paths))
 
 
 def one_run(args: argparse.Namespace) -> dict:

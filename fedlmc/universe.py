@@ -106,6 +106,12 @@ class Members:
             self.exclude(i, str(e))
             return None
 
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Start reading these models' files into the page cache (stored models: ``StoredModel.prefetch``)."""
+        for i in indices:
+            if isinstance(self.models[i], StoredModel):
+                self.models[i].prefetch()
+
     def own(self, i: int, T: Transform) -> Transform:
         """Model i's transform as a map of its zero-padded self (its ones-lift composed in)."""
         U = self.lifts[i] if self.lifts is not None else None
@@ -153,7 +159,9 @@ class Members:
         otherwise not fit these allocations and grow the peak (``allocator.release_freed_memory``)."""
         release_freed_memory()
         acc, first = RunningSum(), None
-        for i in self.live:
+        live = self.live
+        for n, i in enumerate(live):
+            self.prefetch(live[n + 1 : n + 2])
             model = self.load(i)
             if model is None:  # unreadable now: the mean is over the others
                 continue
@@ -210,9 +218,10 @@ class ArrivingMean:
         if self.broken or not self.weights or weights != self.weights:
             return None
         if self._model is None:
-            total = self.acc.weight
-            state = {k: (v / total).to(self.dtypes[k]) for k, v in self.acc.state.items()}
-            self.acc.state = None  # the float64 sum: two models' memory, given back before the merge
+            total, acc = self.acc.weight, self.acc.state
+            # tensor by tensor, each float64 sum let go as it is converted: the peak stays the sum's
+            state = {k: (acc.pop(k) / total).to(self.dtypes[k]) for k in list(acc)}
+            self.acc.state = None
             with torch.device("meta"):
                 model = from_config(self.config)
             model.load_state_dict(state, assign=True)
@@ -523,7 +532,9 @@ def _align_here(
     reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
     acc = RunningSum() if streamed else None
     weights = list(mem.weights)  # as they are now (an exclusion below rescales mem.weights; the mean divides)
-    for i in mem.live:
+    live = mem.live
+    for n, i in enumerate(live):
+        mem.prefetch([j for j in live[n + 1 : n + 2] if j in todo or streamed])  # read while i is aligned
         m = mem.load(i) if i in todo or streamed else None
         if m is None:
             continue

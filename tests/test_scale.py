@@ -497,3 +497,41 @@ def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_pa
     diff = max(float((results["disk"][k] - v).abs().max()) for k, v in results["memory"].items())
     record("universe from the mean summed as replies arrived vs streamed in memory", diff, 1e-6)
     assert not any(tmp_path.glob("round-*"))
+
+
+def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatch):
+    """Reading a reply from disk overlaps the work on the one before: the universe's alignments (in this
+    process and in a worker's chunk) and its streamed average ask for the next reply's file to be read
+    ahead before loading it; a file that is not there is left alone."""
+    import fedlmc.replies as replies
+    from fedlmc.workers import align_chunk
+
+    events = []
+    monkeypatch.setattr(replies, "prefetch", lambda path: events.append(("prefetch", str(path))))
+    real_load = StoredModel.load
+    monkeypatch.setattr(StoredModel, "load", lambda self: events.append(("load", self.path)) or real_load(self))
+    models = _copies(4, noise=0.2)
+    with ReplyStore(tmp_path) as store:
+        handles = [store.put(m) for m in models]
+        universe = store.put(models[0], "universe")
+        for run in (
+            lambda: universe_merge(handles, start=models[0], iterations=1),
+            lambda: universe_merge(handles, start="mean", iterations=1),  # the mean's streamed pass first
+            lambda: align_chunk(
+                universe.path,
+                [(i, h, None, 0.25) for i, h in enumerate(handles)],
+                {},
+                1,
+                str(tmp_path / "p.safetensors"),
+                None,
+            ),
+        ):
+            events.clear()
+            run()
+            loads = [p for kind, p in events if kind == "load" and p != universe.path]
+            assert loads[:4] == [h.path for h in handles]
+            for later in loads[1:4]:  # each reply after the first was asked for before it was read
+                asked, read = events.index(("prefetch", later)), events.index(("load", later))
+                assert asked < read
+    monkeypatch.undo()
+    replies.prefetch(tmp_path / "missing.safetensors")  # nothing to read: no error
