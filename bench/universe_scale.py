@@ -52,7 +52,7 @@ from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.averaging import streamed_mean
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Scale
-from fedlmc.replies import read_ahead, save_model, stored
+from fedlmc.replies import save_model, stored
 from fedlmc.symmetry import apply_transform, canonical, random_transform, rebuild
 from fedlmc.universe import ArrivingMean, universe_merge
 
@@ -95,8 +95,8 @@ def make_replies(kind: str, count: int, layers: int, folder: Path) -> list[str]:
 
 
 def streamed_fedavg(paths: list[str]) -> torch.nn.Module:
-    """FedAvg over files: a running weighted sum, one reply at a time (the next one prefetched)."""
-    return streamed_mean(read_ahead([stored(p) for p in paths]), [1.0 / len(paths)] * len(paths))
+    """FedAvg over files: a running weighted sum, one reply at a time."""
+    return streamed_mean((stored(p).load() for p in paths), [1.0 / len(paths)] * len(paths))
 
 
 def one_run(args: argparse.Namespace) -> dict:
@@ -114,6 +114,7 @@ def one_run(args: argparse.Namespace) -> dict:
         if args.strategy == "fedavg":
             streamed_fedavg(paths)
             its = identity = iterations = None
+            matched = []
         else:
             if args.strategy == "aligned-1thread":  # the ServerApp's default (run_config threads = 1)
                 torch.set_num_threads(1)
@@ -148,6 +149,7 @@ def one_run(args: argparse.Namespace) -> dict:
             excluded = [T.info["excluded"] for T in Ts if "excluded" in T.info]
             assert not excluded, excluded
             identity = sum(not T.elements for T in Ts)
+            matched = sorted(T.info["seconds"] for T in Ts if "seconds" in T.info)  # each last weight matching
         secs = time.perf_counter() - t0
     model_gb = os.path.getsize(paths[0]) / 1e9
     return {
@@ -160,6 +162,9 @@ def one_run(args: argparse.Namespace) -> dict:
         "universe_iterations": its,
         "max_iterations": None if args.strategy == "fedavg" else iterations,
         "identity_kept": identity,  # replies whose final transform is the identity (min_gain)
+        # one reply's last weight matching, in the process that ran it (median over the replies; a worker's
+        # first reply of an iteration also builds what matching computes from the universe alone)
+        "matching_seconds_median": round(matched[len(matched) // 2], 2) if matched else None,
         "seconds_per_reply_iteration": round(secs / args.models / its, 3) if its else None,
         "peak_rss_gb": round(mem.peak / 1e9, 2),
         "peak_rss_tree_gb": round(mem.tree / 1e9, 2),

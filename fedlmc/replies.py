@@ -19,11 +19,10 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -100,10 +99,6 @@ class StoredModel:
     path: str
     config: TransformerConfig
 
-    def prefetch(self) -> None:
-        """Start reading the file into the page cache in the background (``prefetch``)."""
-        prefetch(self.path)
-
     def load(self) -> nn.Module:
         """The model, on a memory map of the file (``mmap_state``); ``ReplyError`` if it cannot be read."""
         try:
@@ -116,39 +111,6 @@ class StoredModel:
         except Exception as e:  # noqa: BLE001 -- a missing, truncated or foreign file: say which and why
             raise ReplyError(f"could not read {Path(self.path).name}: {type(e).__name__}: {e}") from e
         return model.eval()
-
-
-def prefetch(path: Union[str, Path]) -> None:
-    """Ask the kernel to read the file at ``path`` into the page cache, in a background thread
-    (``posix_fadvise(WILLNEED)``), and return at once: a loop over stored replies prefetches the next
-    one while it works on the current one, so that reading a reply from disk overlaps the work instead
-    of adding to it. A file that cannot be opened, or a system without ``posix_fadvise``, is left alone
-    (reading it will say why). ``FEDLMC_PREFETCH=0`` in the environment turns it off."""
-    if not hasattr(os, "posix_fadvise") or os.environ.get("FEDLMC_PREFETCH", "1") == "0":
-        return
-
-    def advise() -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    threading.Thread(target=advise, name="fedlmc-prefetch", daemon=True).start()
-
-
-def read_ahead(models: Sequence[Any]) -> Iterator[nn.Module]:
-    """The models one after the other, each ``StoredModel`` read from its file (``load``) while the next
-    one's file is prefetched."""
-    for i, m in enumerate(models):
-        if i + 1 < len(models) and isinstance(models[i + 1], StoredModel):
-            models[i + 1].prefetch()
-        yield m.load() if isinstance(m, StoredModel) else m
 
 
 def save_model(path: Union[str, Path], model: nn.Module, meta: Optional[dict[str, Any]] = None) -> StoredModel:

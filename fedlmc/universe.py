@@ -106,12 +106,6 @@ class Members:
             self.exclude(i, str(e))
             return None
 
-    def prefetch(self, indices: Sequence[int]) -> None:
-        """Start reading these models' files into the page cache (stored models: ``StoredModel.prefetch``)."""
-        for i in indices:
-            if isinstance(self.models[i], StoredModel):
-                self.models[i].prefetch()
-
     def own(self, i: int, T: Transform) -> Transform:
         """Model i's transform as a map of its zero-padded self (its ones-lift composed in)."""
         U = self.lifts[i] if self.lifts is not None else None
@@ -159,9 +153,7 @@ class Members:
         otherwise not fit these allocations and grow the peak (``allocator.release_freed_memory``)."""
         release_freed_memory()
         acc, first = RunningSum(), None
-        live = self.live
-        for n, i in enumerate(live):
-            self.prefetch(live[n + 1 : n + 2])
+        for i in self.live:
             model = self.load(i)
             if model is None:  # unreadable now: the mean is over the others
                 continue
@@ -532,9 +524,7 @@ def _align_here(
     reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
     acc = RunningSum() if streamed else None
     weights = list(mem.weights)  # as they are now (an exclusion below rescales mem.weights; the mean divides)
-    live = mem.live
-    for n, i in enumerate(live):
-        mem.prefetch([j for j in live[n + 1 : n + 2] if j in todo or streamed])  # read while i is aligned
+    for i in mem.live:
         m = mem.load(i) if i in todo or streamed else None
         if m is None:
             continue

@@ -52,9 +52,7 @@ def align_chunk(
         _CACHE.update(file=universe_file, universe=stored(universe_file).load(), reuse={})
     universe, reuse, acc = _CACHE["universe"], _CACHE["reuse"], RunningSum()
     done, failed = {}, {}
-    for n, (i, source, warm, w) in enumerate(items):
-        if n + 1 < len(items):  # the next reply's file is read from disk while this one is aligned
-            items[n + 1][1].prefetch()
+    for i, source, warm, w in items:
         try:
             model = canonical(source.load())
             T = Transform() if i == skip else weight_matching(universe, model, warm_start=warm, reuse=reuse, **options)

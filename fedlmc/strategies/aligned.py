@@ -30,7 +30,7 @@ from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
 from fedlmc.options import PREDICTION_SCREENS, UNIVERSE_STARTS, Matching, OnClients, Refinement, Screen, one_of
-from fedlmc.replies import StoredModel, read_ahead
+from fedlmc.replies import StoredModel
 from fedlmc.screen import screen as screen_replies
 from fedlmc.symmetry import canonical, spec_for
 from fedlmc.train import predictions
@@ -199,7 +199,7 @@ class AlignedFedAvg(FedlmcStrategy):
         total = sum(weights)
         if not any(isinstance(m, StoredModel) for m in models):
             return merge(models, [w / total for w in weights])
-        return streamed_mean(read_ahead(models), [w / total for w in weights])
+        return streamed_mean((loaded(m) for m in models), [w / total for w in weights])
 
     def require_grid(self):
         if self.grid is None:
