@@ -191,6 +191,7 @@ def plot(res: dict, path: Path) -> None:
         (("independent", "aligned-parallel+min-gain"), "C1-."),
         (("common", "aligned-parallel+min-gain+from-mean"), "C4-."),
         (("common", "aligned-parallel+min-gain+at-arrival"), "C5-."),
+        (("common", "aligned+min-gain+at-arrival"), "C5:"),
     ]:
         runs = sorted((r for r in res["runs"] if r["kind"] == kind and r["strategy"] == strategy), key=lambda r: r["M"])
         if not runs:
@@ -234,6 +235,8 @@ def table(res: dict) -> str:
             "aligned-parallel+min-gain+float32",
             "aligned+min-gain+from-mean",
             "aligned-parallel+min-gain+from-mean",
+            "aligned+min-gain+at-arrival",
+            "aligned-1thread+min-gain+at-arrival",
             "aligned-parallel+min-gain+at-arrival",
         )
         if any(r["strategy"] == s for r in res["runs"])
@@ -350,6 +353,12 @@ def summarise(res: dict) -> None:
         ("aligned", "aligned-parallel", "parallel_speedup"),
         ("aligned-1thread", "aligned-parallel", "parallel_speedup_over_1thread"),
         ("aligned+min-gain", "aligned-parallel+min-gain", "parallel_speedup_min_gain"),
+        ("aligned+min-gain+at-arrival", "aligned-parallel+min-gain+at-arrival", "parallel_speedup_at_arrival"),
+        (
+            "aligned-1thread+min-gain+at-arrival",
+            "aligned-parallel+min-gain+at-arrival",
+            "parallel_speedup_at_arrival_over_1thread",
+        ),
     ):
         both = [k for k in by if k[2] == seq_name and (k[0], k[1], par_name) in by]
         if both:

@@ -497,3 +497,21 @@ def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_pa
     diff = max(float((results["disk"][k] - v).abs().max()) for k, v in results["memory"].items())
     record("universe from the mean summed as replies arrived vs streamed in memory", diff, 1e-6)
     assert not any(tmp_path.glob("round-*"))
+
+
+def test_mmap_performance_page_gives_the_arrival_benchs_round_of_64():
+    """The performance page's M = 64 rounds from the mean (summed as the replies arrive, and streamed)
+    are the results file's, and that round kept the identity for every reply in one iteration."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "results" / "bench_universe_scale_at_arrival.json").read_text())
+    runs = {(r["M"], r["strategy"]): r for r in res["runs"]}
+    at, streamed = (runs[(64, f"aligned-parallel+min-gain+{s}")] for s in ("at-arrival", "from-mean"))
+    page = (root / "docs" / "performance.md").read_text()
+    claim = (
+        f"M = 64: {at['seconds']:.0f} s a round with two workers once the last reply is in, against "
+        f"{streamed['seconds']:.0f} s"
+    )
+    assert claim in page
+    assert at["universe_iterations"] == 1 and at["identity_kept"] == 64 and at["arrival_seconds"] > 0
