@@ -195,8 +195,8 @@ class ArrivingMean:
     def add(self, key: str, model: nn.Module, weight: float) -> None:
         """Add ``model`` (a reply, in memory) under ``key`` (its file) with ``weight``."""
         canon = canonical(model)
-        if self.config is not None and not same_shape([self.config, canon.config]):
-            self.broken = True
+        if self._model is not None or (self.config is not None and not same_shape([self.config, canon.config])):
+            self.broken = True  # another shape, or a reply after the mean was taken: no mean to give
         if self.broken:
             return
         state = aligned_state(canon, Transform())

@@ -456,6 +456,8 @@ def test_mmap_arriving_mean_is_the_streamed_mean_of_exactly_the_replies_summed(t
             means.append(arriving.model_for(exact))
         record("the mean summed as the replies arrived vs streamed from files", _max_diff(means[0], streamed), 1e-6)
         record("the mean summed in two arrival orders", _max_diff(means[0], means[1]), 1e-6)
+        arriving.add("late", models[0], 1.0)  # after the mean was taken: no mean for anything now
+        assert arriving.model_for({**exact, "late": 1.0}) is None and arriving.model_for(exact) is None
         wider = from_preset("gpt2-tiny", n_layer=2, d_model=48, n_head=4, d_ff=64, vocab_size=40)
         arriving = ArrivingMean()
         arriving.add(handles[0].path, models[0], 1.0)
