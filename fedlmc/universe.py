@@ -194,14 +194,16 @@ class ArrivingMean:
 
     def add(self, key: str, model: nn.Module, weight: float) -> None:
         """Add ``model`` (a reply, in memory) under ``key`` (its file) with ``weight``."""
+        if self._model is not None or self.broken:
+            self.broken = True  # a reply after the mean was taken: no mean to give
+            return
         canon = canonical(model)
-        if self._model is not None or (self.config is not None and not same_shape([self.config, canon.config])):
-            self.broken = True  # another shape, or a reply after the mean was taken: no mean to give
-        if self.broken:
+        if self.config is not None and not same_shape([self.config, canon.config]):
+            self.broken = True  # another shape: no mean to give
             return
         state = aligned_state(canon, Transform())
-        self.config = canon.config
-        self.dtypes = {k: v.dtype for k, v in state.items()}
+        if self.config is None:
+            self.config, self.dtypes = canon.config, {k: v.dtype for k, v in state.items()}
         self.acc.add(state, weight)
         self.weights[key] = weight
 
