@@ -132,7 +132,7 @@ def one_run(args: argparse.Namespace) -> dict:
             # common replies are LayerNorm models (kept so, as AlignedFedAvg does); independent ones were
             # written in canonical form under a random rotation of the residual stream
             keep = args.kind == "common"
-            if "from-mean" in flags:  # the replies' plain mean instead of G (AlignedFedAvg(universe_start="mean"))
+            if "from-mean" in flags:  # the replies' plain mean instead of G (strategy.universe_start = "mean")
                 start = "mean"
             if "at-arrival" in flags:  # that mean summed as the replies arrive: not on the round's clock
                 t_arrival = time.perf_counter()

@@ -50,7 +50,6 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
         keep_layernorm=s.keep_layernorm,
         device=s.device or None,
         scale=s.scale(),
-        universe_start=s.universe_start,
         **guard,
     )
     robust = dict(reduce=s.reduce, trim=s.trim)
@@ -73,6 +72,7 @@ def build_strategy(s: Settings, model_config, splits, model: Any = None):
     elif s.strategy == "refined-clients":  # the clients compute the refinement's gradients and checks
         universe = RefinedFedAvg(**common, **clients, screen=screen, refine=s.refinement(None))
     if universe is not None:
+        universe.universe_start = s.universe_start
         return universe
     if s.strategy in ("hetero", "hetero-permuted", "hetero-refined"):
         refine = s.refinement(refine_half) if s.strategy == "hetero-refined" else None

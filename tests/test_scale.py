@@ -485,12 +485,9 @@ def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_pa
     results = {}
     for name, scale in (("memory", None), ("disk", Scale(spool=True, spool_dir=str(tmp_path)))):
         strategy = AlignedFedAvg(
-            model=base.config.to_dict(),
-            scale=scale,
-            matching=Matching(min_gain=0.5),
-            universe_start="mean",
-            fraction_evaluate=0.0,
+            model=base.config.to_dict(), scale=scale, matching=Matching(min_gain=0.5), fraction_evaluate=0.0
         )
+        strategy.universe_start = "mean"
         loads.clear()
         result = strategy.start(
             grid=ReplyingGrid(near), initial_arrays=ArrayRecord(torch_state_dict=base.state_dict()), num_rounds=1

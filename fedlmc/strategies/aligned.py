@@ -78,6 +78,11 @@ class AlignedFedAvg(FedlmcStrategy):
         distance screens hold the round's aligned replies in memory; the loss screen scores each reply
         on ``guard_data`` / ``guard_fn`` (one of them is then required), the agreement and information
         screens compare their predictions on ``guard_data``'s inputs (then required).
+    **kwargs
+        ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
+
+    Attributes
+    ----------
     universe_start : {"previous", "mean"}, default "previous"
         Where the universe starts when the replies were trained from the previous global model
         (``start_for``; otherwise it starts from a reply): that model, or the replies' plain weighted
@@ -85,11 +90,8 @@ class AlignedFedAvg(FedlmcStrategy):
         global model, "mean" settles the round in one universe iteration instead of two. With replies on
         disk (``Scale(spool=True)`` or workers) the mean is summed as the replies arrive, while each is
         in memory anyway (``fedlmc.universe.ArrivingMean``), so the merge reads every reply's file once
-        only; otherwise it is streamed at the merge. run_config ``universe-start``; also an attribute
-        that may be changed between rounds.
-    **kwargs
-        ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
-
+        only; otherwise it is streamed at the merge. Set it on the strategy
+        (``strategy.universe_start = "mean"``; run_config ``universe-start``).
     """
 
     needs_architecture = True
@@ -110,7 +112,6 @@ class AlignedFedAvg(FedlmcStrategy):
         trim: float = 0.2,
         on_clients: Optional[OnClients] = None,
         screen: Optional[Screen] = None,
-        universe_start: str = "previous",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -123,7 +124,7 @@ class AlignedFedAvg(FedlmcStrategy):
         self.matching = matching if matching is not None else Matching()
         self.form, self.keep_layernorm = one_of(form, FORMS, "form"), keep_layernorm
         self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
-        self.universe_start = universe_start
+        self.universe_start = "previous"
         self._arriving: Optional[ArrivingMean] = None  # this round's replies' mean, summed as they arrive
         self.device = device
         if screen is not None and screen.method == "loss" and guard_fn is None and guard_data is None:
