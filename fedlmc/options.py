@@ -295,6 +295,7 @@ class Scale:
 
 SCREENS = ("distance", "loss", "agreement", "information", "krum")
 PREDICTION_SCREENS = ("agreement", "information")  # the screens that score replies by their predictions
+RAW_SCREENS = ("loss", *PREDICTION_SCREENS)  # the screens that score replies as they came (no alignment)
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,16 @@ class Members:
         return out
 
 
+@dataclass
+class Aligned:
+    """A universe and each model's transform into it, from an earlier ``universe_merge`` of the same
+    models (of one shape, factored form): as ``universe_merge``'s ``start``, the merge skips its weight
+    matching (a refinement starts from these transforms)."""
+
+    universe: nn.Module
+    transforms: list[Transform]
+
+
 class ArrivingMean:
     """The replies' plain weighted mean in canonical form, summed as they arrive (while each is in memory
     anyway): a universe that starts at it (``universe_merge(start=...)``) needs no pass over the
@@ -266,7 +276,7 @@ def members(
 def universe_merge(
     models: Sequence[Model],
     weights: Optional[Sequence[float]] = None,
-    start: Union[nn.Module, str, None] = None,
+    start: Union[nn.Module, str, Aligned, None] = None,
     *,
     matching: Optional[Matching] = None,
     refine: Optional[Refinement] = None,
@@ -306,9 +316,11 @@ def universe_merge(
         The fedlmc models to merge.
     weights : sequence of float or None
         Non-negative merge weights (e.g. example counts); default uniform.
-    start : nn.Module, "mean" or None
+    start : nn.Module, "mean", Aligned or None
         The model the universe starts from: a model (e.g. the previous global model); "mean", the
-        models' plain weighted mean (streamed: FedAvg's aggregate), or None, the ``anchor``. For replies
+        models' plain weighted mean (streamed: FedAvg's aggregate); an ``Aligned``, a universe these
+        models are already aligned to (the iterations are skipped: e.g. a screen's weight-matched
+        universe, refined when the screen excluded nobody), or None, the ``anchor``. For replies
         trained a little from one global model with ``Matching(min_gain=...)``, "mean" ends the merge
         after one iteration: every reply keeps the identity, so the universe stays where it started.
     matching : Matching or None
@@ -365,17 +377,26 @@ def universe_merge(
         raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, no refinement")
     if isinstance(start, str):
         one_of(start, ("mean",), "start")
+    aligned = start.transforms if isinstance(start, Aligned) else None
+    if isinstance(start, Aligned):
+        if len(start.transforms) != len(models):
+            raise ValueError(f"Aligned: one transform per model, got {len(start.transforms)} for {len(models)}")
+        start = start.universe
     mem = members(models, weights, None if isinstance(start, str) else start, keep_layernorm)
+    if aligned is not None and mem.hetero:
+        raise ValueError("Aligned: models of one shape (a mixed-width universe is padded anew)")
     if reduce != "mean" and mem.hetero:
         raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
     align = dict(matching=m, keep_layernorm=keep_layernorm, device=device)
     sc = scale if scale is not None else Scale()
-    parallel = sc.parallel and not mem.hetero and m.residual_data is None
-    if sc.parallel and not parallel:
+    parallel = sc.parallel and not mem.hetero and m.residual_data is None and aligned is None
+    if sc.parallel and not parallel and aligned is None:
         log(INFO, "universe: aligning in this process (workers take same-shape models without residual data)")
     if not parallel:
         with fitting_threads():  # no more torch threads than idle cores (a busy host)
-            return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress)
+            return _merge(
+                mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress, aligned=aligned
+            )
     with ReplyStore(sc.spool_dir) as store, AlignmentPool(sc) as pool:
         if not all(isinstance(x, StoredModel) for x in models):  # the workers read the models from files
             on_disk = [x if isinstance(x, StoredModel) else store.put(x) for x in models]
@@ -397,10 +418,13 @@ def _merge(
     progress: bool,
     pool: Optional[AlignmentPool] = None,
     store: Optional[ReplyStore] = None,
+    aligned: Optional[Sequence[Transform]] = None,
 ) -> tuple[nn.Module, list[Transform]]:
     """``universe_merge`` on prepared members (``align``: weight matching's options)."""
     keep_layernorm, first = align["keep_layernorm"], None
-    if isinstance(start, str):  # "mean": the replies' plain weighted mean, streamed (in canonical form)
+    if aligned is not None:  # already weight-matched into ``start``
+        universe, transforms = canonical(start), list(aligned)
+    elif isinstance(start, str):  # "mean": the replies' plain weighted mean, streamed (in canonical form)
         universe = mem.merge([Transform() for _ in mem.models])
     elif start is not None:
         universe = pad(start, mem.shape, attn_scale=mem.attn_scale) if mem.hetero else start
@@ -409,9 +433,10 @@ def _merge(
         while universe is None:  # an anchor that cannot be read is excluded, and the next one taken
             first = anchor_index(mem, anchor, align)
             universe = mem.load(first)
-    universe, transforms = _iterate(
-        canonical(universe), mem, iterations, tol, reduce, trim, progress, align, first, pool, store
-    )
+    if aligned is None:
+        universe, transforms = _iterate(
+            canonical(universe), mem, iterations, tol, reduce, trim, progress, align, first, pool, store
+        )
     live = mem.live
     if refine is not None and len(live) > 1:
         refined = dirichlet_refine(

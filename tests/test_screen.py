@@ -18,7 +18,7 @@ from fedlmc.screen import krum_scores, multikrum_selection, screen, squared_dist
 from fedlmc.strategies import AlignedFedAvg, KrumFedAvg
 from fedlmc.strategies.records import model_from_arrays
 from fedlmc.symmetry import apply_transform, canonical, canonicalize, random_transform, to_layernorm
-from fedlmc.universe import universe_merge
+from fedlmc.universe import Aligned, universe_merge
 
 KW = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
 POISONED = 4  # the index of the poisoned reply
@@ -165,6 +165,38 @@ def test_refined_fedavg_screen_excludes_the_outlier_and_refines_on_the_rest(wher
     assert asked == ([[1, 2, 3, 4]] if where == "clients" else []), asked
 
 
+def test_refined_fedavg_refines_from_the_screens_weight_matching_when_nobody_is_excluded(monkeypatch):
+    """A distance screen that excludes nobody hands its weight matching to the refinement: the round
+    weight-matches each reply once (not twice), and its aggregate is the unscreened RefinedFedAvg's."""
+    from test_strategies import _labelled
+
+    from fedlmc.matching import weight as weight_module
+    from fedlmc.options import Refinement
+    from fedlmc.strategies import RefinedFedAvg
+
+    base, replies = _federation(poisoned=False)
+    cfg = replies[0].config.to_dict()
+    previous = ArrayRecord(torch_state_dict={k: v.float() for k, v in base.state_dict().items()})
+    data = _labelled(base.float())
+    matchings = []
+    real = weight_module.weight_matching
+    spy = lambda *a, **kw: matchings.append(1) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr("fedlmc.universe.weight_matching", spy)
+    out = {}
+    for name, screen_ in (("screened", Screen()), ("plain", None)):
+        strategy = RefinedFedAvg(model=cfg, screen=screen_, refine=Refinement(data=data, steps=4), iterations=2)
+        msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
+        matchings.clear()
+        arrays, _ = strategy.aggregate_replies(1, msgs, previous)
+        rec = strategy.history[-1]
+        if screen_ is not None:
+            assert rec["screen"]["excluded"] == [] and "refine_steps_run" in rec, rec
+        out[name] = (model_from_arrays(arrays, strategy.global_config).state_dict(), len(matchings))
+    (screened, n_screened), (plain, n_plain) = out["screened"], out["plain"]
+    assert n_screened == n_plain > 0, (n_screened, n_plain)
+    assert max(float((screened[k] - v).abs().max()) for k, v in plain.items()) < 1e-5
+
+
 def test_krum_fedavg_records_the_replies_flowers_krum_left_out():
     base, replies = _federation(poisoned=True)
     cfg = replies[0].config.to_dict()
@@ -215,7 +247,7 @@ def test_screen_run_config_and_the_screening_tally():
     ), table
 
 
-def test_loss_screen_excludes_the_reply_that_computes_worst():
+def test_loss_screen_excludes_the_reply_that_computes_worst(monkeypatch):
     """Screen(method="loss"): each reply's loss on the guard (here the squared gap to the base model's
     outputs on fixed inputs, a function of what a reply computes, whatever its coordinates) and the
     robust z-score over them; the attacker is excluded, no honest reply is, and without a guard's data
@@ -231,12 +263,21 @@ def test_loss_screen_excludes_the_reply_that_computes_worst():
         with torch.no_grad():
             return float((model_from_arrays(arrays, strategy.global_config)(x) - target).pow(2).mean())
 
+    from fedlmc.strategies import aligned as aligned_module
+
+    merged_with = []
+    real_merge = aligned_module.universe_merge
+    spy = lambda models, *a, **kw: merged_with.append(len(models)) or real_merge(models, *a, **kw)  # noqa: E731
+    monkeypatch.setattr(aligned_module, "universe_merge", spy)
     strategy = AlignedFedAvg(model=cfg, screen=Screen(method="loss"), guard_fn=gap)
     msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
     strategy.aggregate_replies(1, msgs, previous)
     rec = strategy.history[-1]
     assert rec["screen"]["method"] == "loss" and rec["screen"]["excluded"] == [POISONED + 1], rec["screen"]
     assert "held-out loss" in rec["excluded"][0]["reason"]
+    # scored as the replies came: one alignment, of the replies kept
+    assert merged_with == [POISONED], merged_with
+    assert len(rec["moved"]) == POISONED
 
     honest = screen([], Screen(method="loss"), losses=[1.0, 1.1, 0.9, 1.05, 0.95])
     assert honest.excluded == {} and len(honest.scores) == 5
@@ -343,3 +384,17 @@ def test_screen_results_page_shows_the_results_files_tables():
         assert screened["detection_rate"] == 1.0 and screened["false_exclusion_rate"] == 0.0
         for seed, r in screened["per_seed"].items():
             assert r["final_loss"] < median["per_seed"][seed]["final_loss"], (setting, seed)
+
+
+def test_universe_merge_from_an_earlier_merges_alignment_skips_the_matching(monkeypatch):
+    """``universe_merge(start=Aligned(universe, transforms))``: the universe an earlier merge returned, with
+    its transforms, and no weight matching; a transform per model missing is refused."""
+    _, replies = _federation(poisoned=False, n=3)
+    universe, transforms = universe_merge(replies, keep_layernorm=True, iterations=2)
+    monkeypatch.setattr("fedlmc.universe.weight_matching", lambda *a, **kw: pytest.fail("matched again"))
+    again, same = universe_merge(replies, start=Aligned(universe, transforms), keep_layernorm=True)
+    a, b = universe.state_dict(), again.state_dict()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-12
+    assert all(s is t for s, t in zip(same, transforms))
+    with pytest.raises(ValueError, match="one transform per model"):
+        universe_merge(replies, start=Aligned(universe, transforms[:2]))

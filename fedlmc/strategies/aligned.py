@@ -29,12 +29,21 @@ from fedlmc.averaging import FORMS, REDUCES, aligned_state, merge, robust_merge,
 from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
-from fedlmc.options import PREDICTION_SCREENS, UNIVERSE_STARTS, Matching, OnClients, Refinement, Screen, one_of
+from fedlmc.options import (
+    PREDICTION_SCREENS,
+    RAW_SCREENS,
+    UNIVERSE_STARTS,
+    Matching,
+    OnClients,
+    Refinement,
+    Screen,
+    one_of,
+)
 from fedlmc.replies import StoredModel
 from fedlmc.screen import screen as screen_replies
 from fedlmc.symmetry import canonical, spec_for
 from fedlmc.train import predictions
-from fedlmc.universe import ArrivingMean, universe_merge
+from fedlmc.universe import Aligned, ArrivingMean, universe_merge
 
 from .base import FedlmcStrategy, loaded
 
@@ -73,11 +82,13 @@ class AlignedFedAvg(FedlmcStrategy):
         on their held-out data (``evaluate`` messages their ClientApp answers; ``fedlmc.options.OnClients``
         says how many clients, the loss metric's key, the timeout).
     screen : Screen, optional
-        Screen the aligned replies (``fedlmc.options.Screen``): the outliers among them are excluded with
-        the reason logged, and the round is merged again without them, with the same ``reduce``. The
-        distance screens hold the round's aligned replies in memory; the loss screen scores each reply
-        on ``guard_data`` / ``guard_fn`` (one of them is then required), the agreement and information
-        screens compare their predictions on ``guard_data``'s inputs (then required).
+        Screen the replies (``fedlmc.options.Screen``): the outliers among them are excluded with the
+        reason logged, and the rest are merged with the same ``reduce``. The distance screens compare
+        the weight-matched replies (holding the round's aligned replies in memory), and the round is
+        merged again without the outliers; the loss screen scores each reply on ``guard_data`` /
+        ``guard_fn`` (one of them is then required), the agreement and information screens compare
+        their predictions on ``guard_data``'s inputs (then required): these score the replies as they
+        came, before the one alignment of the replies they keep.
     **kwargs
         ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
 
@@ -170,9 +181,16 @@ class AlignedFedAvg(FedlmcStrategy):
             log(INFO, "%s: the universe starts at the replies' mean, summed as they arrived", type(self).__name__)
         return start if mean is None else mean
 
-    def align(self, models: list[nn.Module], weights: list[float], start: Union[nn.Module, str, None]):
-        """The aligned aggregate and each reply's transform (subclasses change how)."""
-        return self.weight_matched(models, weights, start)
+    def align(
+        self,
+        models: list[nn.Module],
+        weights: list[float],
+        start: Union[nn.Module, str, None],
+        matched: Optional[tuple[nn.Module, list]] = None,
+    ):
+        """The aligned aggregate and each reply's transform (subclasses change how). ``matched``: these
+        very replies' weight-matched universe (factored) and transforms, from the screen's merge."""
+        return matched if matched is not None else self.weight_matched(models, weights, start)
 
     def weight_matched(self, models: list[nn.Module], weights: list[float], start: Union[nn.Module, str, None]):
         """The universe by weight matching alone: ``AlignedFedAvg``'s merge, and the coordinates in which
@@ -216,11 +234,21 @@ class AlignedFedAvg(FedlmcStrategy):
         self.server_round, self.remote_record = server_round, None
         previous = self.start_for(models)
         start = "mean" if previous is not None and self.universe_start == "mean" else previous
-        # a screen compares the weight-matched replies; a refinement then learns on the ones it kept
-        merged, transforms = (self.weight_matched if self.screen else self.align)(models, weights, start)
-        self._drop_failed(server_round, replies, models, weights, transforms)
-        screened = self._screen(server_round, replies, models, weights, transforms) if self.screen else None
-        if screened is not None and (screened["excluded"] or self.refines):  # without the outliers, or refined
+        screened = None
+        if self.screen is not None and self.screen.method in RAW_SCREENS:  # the replies as they came: screen first
+            screened = self._screen(server_round, replies, models, weights, None)
+            merged, transforms = self.align(models, weights, start)
+            self._drop_failed(server_round, replies, models, weights, transforms)
+        elif self.screen is not None:  # a distance screen compares the weight-matched replies
+            merged, transforms = self.weight_matched(models, weights, start)
+            self._drop_failed(server_round, replies, models, weights, transforms)
+            screened = self._screen(server_round, replies, models, weights, transforms)
+            if screened["excluded"] or self.refines:  # merged again without the outliers, or refined
+                # nobody excluded: the refinement starts from the screen's universe, not a second matching
+                reuse = not screened["excluded"] and self.form == "factored"
+                merged, transforms = self.align(models, weights, start, (merged, transforms) if reuse else None)
+                self._drop_failed(server_round, replies, models, weights, transforms)
+        else:
             merged, transforms = self.align(models, weights, start)
             self._drop_failed(server_round, replies, models, weights, transforms)
         fields: dict[str, Any] = {
@@ -296,14 +324,17 @@ class AlignedFedAvg(FedlmcStrategy):
             self._drop(gone, replies, models, weights, transforms)
 
     def _drop(self, gone, replies, models, weights, transforms) -> None:
-        """Leave the replies at indices ``gone`` out of the round, in place."""
+        """Leave the replies at indices ``gone`` out of the round, in place (``transforms``: None before
+        the alignment)."""
         keep = [i for i in range(len(models)) if i not in gone]
         for seq in (replies, models, weights, transforms, self.round_nodes):
-            seq[:] = [seq[i] for i in keep]
+            if seq is not None:
+                seq[:] = [seq[i] for i in keep]
 
     def _screen(self, server_round, replies, models, weights, transforms) -> dict[str, Any]:
-        """Score the aligned replies (``fedlmc.screen``), exclude the outliers (in place), and return the
-        round record's ``screen`` field: each node's score and the nodes excluded."""
+        """Score the replies (``fedlmc.screen``; a distance screen: aligned by ``transforms``, the others as
+        they came), exclude the outliers (in place), and return the round record's ``screen`` field:
+        each node's score and the nodes excluded."""
         t0 = time.time()
         if self.screen.method == "loss":  # held-out losses: the same for a reply and its aligned self
             found = screen_replies([], self.screen, losses=[self.guard_loss(loaded(m)) for m in models])
@@ -359,8 +390,9 @@ class RefinedFedAvg(AlignedFedAvg):
     on_clients : OnClients, optional
         Where the gradients and the checks' losses come from when the server has no data.
     screen : Screen, optional
-        As in ``AlignedFedAvg``: the screen compares the weight-matched replies, and the refinement then
-        learns on the replies it kept only (with ``on_clients``, only their clients are asked).
+        As in ``AlignedFedAvg``: the refinement learns on the replies the screen kept only (with
+        ``on_clients``, only their clients are asked). After a distance screen that excluded nobody it
+        starts from the screen's weight matching (no second one).
     **kwargs
         ``AlignedFedAvg``'s parameters (``reduce`` must stay "mean": refinement learns weighted means).
     """
@@ -382,7 +414,7 @@ class RefinedFedAvg(AlignedFedAvg):
             )
         self.refine = refine
 
-    def align(self, models, weights, start):
+    def align(self, models, weights, start, matched=None):
         remote = None
         if self.refine.data is None:
             remote = ClientLosses(
@@ -398,7 +430,7 @@ class RefinedFedAvg(AlignedFedAvg):
             return universe_merge(
                 models,
                 weights,
-                self.start_model(models, weights, start),
+                self.start_model(models, weights, start) if matched is None else Aligned(*matched),
                 matching=self.matching,
                 refine=refine_split(self.refine) if remote is None else replace(self.refine, data=remote),
                 iterations=self.iterations,
