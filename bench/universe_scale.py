@@ -113,7 +113,7 @@ def one_run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         if args.strategy == "fedavg":
             streamed_fedavg(paths)
-            its = identity = iterations = None
+            its = identity = iterations = gave_up = None
             matched = []
         else:
             if args.strategy == "aligned-1thread":  # the ServerApp's default (run_config threads = 1)
@@ -149,6 +149,7 @@ def one_run(args: argparse.Namespace) -> dict:
             excluded = [T.info["excluded"] for T in Ts if "excluded" in T.info]
             assert not excluded, excluded
             identity = sum(not T.elements for T in Ts)
+            gave_up = sum("gave_up" in T.info for T in Ts)  # descents stopped far below min_gain's gain
             matched = sorted(T.info["seconds"] for T in Ts if "seconds" in T.info)  # each last weight matching
         secs = time.perf_counter() - t0
     model_gb = os.path.getsize(paths[0]) / 1e9
@@ -162,6 +163,7 @@ def one_run(args: argparse.Namespace) -> dict:
         "universe_iterations": its,
         "max_iterations": None if args.strategy == "fedavg" else iterations,
         "identity_kept": identity,  # replies whose final transform is the identity (min_gain)
+        "gave_up": gave_up,
         # one reply's last weight matching, in the process that ran it (median over the replies; a worker's
         # first reply of an iteration also builds what matching computes from the universe alone)
         "matching_seconds_median": round(matched[len(matched) // 2], 2) if matched else None,

@@ -161,5 +161,33 @@ def test_min_gain_keeps_replies_from_the_global_model_and_still_aligns_planted_c
 
     T = weight_matching(planted[0], planted[1], m)
     assert T.elements and T.info["gain"] > 0.5 and T.info["chosen"] != "identity"
+    assert "gave_up" not in T.info
     with pytest.raises(ValueError, match="min_gain"):
         Matching(min_gain=1.0)
+
+
+def test_min_gain_descent_gives_up_once_settled_far_from_the_gain_it_needs(monkeypatch):
+    """With ``min_gain`` the descent stops after an iteration that left every permutation as it was and
+    gained less than half of ``min_gain``: a noisy copy of A keeps the identity after one iteration, as
+    the descent run to its end decides too; copies in other coordinates never give up."""
+    from fedlmc.matching import weight as weight_module
+    from fedlmc.matching import weight_matching
+
+    base = _base()
+    m = Matching(min_gain=0.4)  # at d 32 one iteration gains ~17 % of a noisy copy's distance
+    real = weight_module.coordinate_descent
+    for s in range(3):
+        reply = _noisy(canonicalize(base), 0.01, 10 + s)
+        T = weight_matching(base, reply, m)
+        assert T.info["gave_up"] == "paper" and T.info["iterations"]["paper"] == 1, T.info
+        assert T.info["chosen"] == "identity" and T.elements == {}
+        monkeypatch.setattr(weight_module, "coordinate_descent", lambda P, el, give_up=None, **kw: real(P, el, **kw))
+        full = weight_matching(base, reply, m)
+        monkeypatch.setattr(weight_module, "coordinate_descent", real)
+        assert full.info["chosen"] == "identity" and full.info["iterations"]["paper"] > 1, full.info
+        assert full.info["gain"] <= m.min_gain and "gave_up" not in full.info
+        # half the gain asked is more than the one iteration found, and less than the whole descent's
+        assert T.info["gain"] < m.min_gain / 2
+    planted = apply_transform(base, random_transform(base, seed=3, groups=["residual", "heads", "ff"]))
+    T = weight_matching(base, _noisy(planted, 1e-3, 3), m)
+    assert "gave_up" not in T.info and T.info["chosen"] != "identity"

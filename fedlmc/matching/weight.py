@@ -444,6 +444,7 @@ class Descent:
     iterations: int
     trace: list[float]
     objective: Optional[float]
+    gave_up: bool = False  # stopped above ``give_up``: the caller keeps the identity
 
 
 def coordinate_descent(
@@ -458,6 +459,7 @@ def coordinate_descent(
     extra_weight: float = 0.0,
     tol: float = 2e-3,
     candidates: Optional[int] = None,
+    give_up: Optional[float] = None,
 ) -> "Descent":
     """Alternate the four steps from ``elements`` until nothing changes, the objective improves by less
     than ``tol`` (relative) plus 1e-5 per tensor in an iteration, or ``iterations`` iterations are done.
@@ -472,7 +474,11 @@ def coordinate_descent(
     steps read), and the cross-covariance of A with U(B) (``Problem.cross``), which gives both the
     objective for every O and the next residual step's matrix (units commute with the residual map).
     ``M_extra`` (e.g. residual activations) is mixed into every residual step with ``extra_weight``.
-    ``candidates``: see ``steps.ff_step``.
+    ``candidates``: see ``steps.ff_step``. ``give_up``: an objective that the caller will not take the
+    descent's result above (``Matching.min_gain`` keeps the identity there) put at half the required
+    gain: once an iteration leaves the permutations as they were and ends above it, the descent stops
+    (only continuous steps are left, and their first iteration gained less than half of what the
+    identity asks).
     """
     spec = P.spec
     still = 1e-6 if P.M_anchor.dtype == torch.float64 else 1e-4  # float32 Procrustes jitters at ~1e-6
@@ -512,6 +518,8 @@ def coordinate_descent(
             if value > trace[-1]:  # the last step made things worse: keep the previous elements
                 return Descent(old, it, trace + [value], trace[-1])
             return Descent(elements, it, trace + [value], value)
+        if give_up is not None and settled and value > give_up and (not trace or value <= trace[-1]):
+            return Descent(elements, it, trace + [value], value, gave_up=True)
         trace.append(value)
     return Descent(elements, it, trace, trace[-1] if trace else None)
 
@@ -638,6 +646,9 @@ def weight_matching(
             candidates=m.ff_candidates,
             tol=m.tol,
         )
+        if m.min_gain > 0 and m.keep_identity and guard_data is None:  # the identity unless the gain is enough
+            with section("objective"):
+                opts["give_up"] = (1.0 - m.min_gain / 2) * P.objective({})
         found, info = _descents(P, warm_start, m.keep_identity, opts)
         best = min(info["objective"], key=info["objective"].get)
         obj = info["objective"]
@@ -698,6 +709,8 @@ def _descents(
     name = "warm" if warm_start is not None else "paper"
     d = coordinate_descent(P, el, **opts)
     info["iterations"][name], info["trace"][name] = d.iterations, d.trace
+    if d.gave_up:
+        info["gave_up"] = name
     found[name], info["objective"][name] = d.elements, d.objective
     if keep_identity:
         with section("objective"):
