@@ -28,7 +28,9 @@ at their plain mean instead of G (``universe_start="mean"``), streamed from the 
 starts it at the mean summed as the replies arrive (``universe.ArrivingMean``, what the strategy does
 with replies on disk): each reply is read once, canonicalised and added before the round's clock starts,
 and that work is reported apart (``arrival_seconds``: a stand-in for the reply coming off the network,
-its file read from disk, plus the sum). Each run is
+its file read from disk, plus the sum); ``+no-give-up`` (in-process strategies only) runs every
+descent to its end under ``min_gain`` instead of stopping once it is settled far from the gain it
+needs (the reference for that rule). Each run is
 its own process; the peak resident memory of the server process and of its whole process tree
 (workers included) is sampled every 50 ms, and a fixed float32 GEMM is timed in the same process as
 a reference for a busy machine.
@@ -132,6 +134,13 @@ def one_run(args: argparse.Namespace) -> dict:
             # common replies are LayerNorm models (kept so, as AlignedFedAvg does); independent ones were
             # written in canonical form under a random rotation of the residual stream
             keep = args.kind == "common"
+            if "no-give-up" in flags:  # the descent run to its end under min_gain (the reference for give_up)
+                if base != "aligned" and base != "aligned-1thread":
+                    raise SystemExit("+no-give-up patches this process's weight matching: in-process strategies only")
+                import fedlmc.matching.weight as weight_module
+
+                descent = weight_module.coordinate_descent
+                weight_module.coordinate_descent = lambda P, el, give_up=None, **kw: descent(P, el, **kw)
             if "from-mean" in flags:  # the replies' plain mean instead of G (strategy.universe_start = "mean")
                 start = "mean"
             if "at-arrival" in flags:  # that mean summed as the replies arrive: not on the round's clock

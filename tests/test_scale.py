@@ -517,3 +517,25 @@ def test_mmap_performance_page_gives_the_arrival_benchs_round_of_64():
     )
     assert claim in page
     assert at["universe_iterations"] == 1 and at["identity_kept"] == 64 and at["arrival_seconds"] > 0
+
+
+def test_mmap_performance_page_gives_the_give_up_benchs_figures():
+    """The performance page's M = 8 comparison of descents that give up and descents run to their end
+    is the results file's, every reply of the giving-up runs gave up and kept the identity, and none
+    of the reference's did."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "results" / "bench_universe_scale_give_up.json").read_text())
+    runs = {(r["M"], r["strategy"]): r for r in res["runs"]}
+    give_up, to_end = (runs[(8, f"aligned+min-gain+at-arrival{s}")] for s in ("", "+no-give-up"))
+    page = (root / "docs" / "performance.md").read_text()
+    claim = (
+        f"{give_up['matching_seconds_median']:.2f} s instead of {to_end['matching_seconds_median']:.2f} s**, "
+        f"and the round {give_up['seconds']:.1f} s instead of {to_end['seconds']:.1f} s"
+    )
+    assert claim in " ".join(page.split()), claim
+    assert give_up["matching_seconds_median"] < to_end["matching_seconds_median"]
+    for r in runs.values():
+        if r["strategy"] != "fedavg":
+            assert r["identity_kept"] == r["M"] and r["gave_up"] == (0 if "no-give-up" in r["strategy"] else r["M"])
