@@ -501,16 +501,20 @@ def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_pa
     assert not any(tmp_path.glob("round-*"))
 
 
-def test_mmap_performance_page_gives_the_arrival_benchs_round_of_64():
-    """The performance page's M = 64 rounds from the mean (summed as the replies arrive, and streamed)
-    are the results file's, and that round kept the identity for every reply in one iteration."""
+def _scale_bench(name: str) -> tuple[dict, str]:
+    """A scale bench's runs by (M, strategy), and the performance page's text."""
     import json
 
     root = Path(__file__).resolve().parents[1]
-    res = json.loads((root / "results" / "bench_universe_scale_at_arrival.json").read_text())
-    runs = {(r["M"], r["strategy"]): r for r in res["runs"]}
+    res = json.loads((root / "results" / f"{name}.json").read_text())
+    return {(r["M"], r["strategy"]): r for r in res["runs"]}, (root / "docs" / "performance.md").read_text()
+
+
+def test_mmap_performance_page_gives_the_arrival_benchs_round_of_64():
+    """The performance page's M = 64 rounds from the mean (summed as the replies arrive, and streamed)
+    are the results file's, and that round kept the identity for every reply in one iteration."""
+    runs, page = _scale_bench("bench_universe_scale_at_arrival")
     at, streamed = (runs[(64, f"aligned-parallel+min-gain+{s}")] for s in ("at-arrival", "from-mean"))
-    page = (root / "docs" / "performance.md").read_text()
     claim = (
         f"M = 64: {at['seconds']:.0f} s a round with two workers once the last reply is in, against "
         f"{streamed['seconds']:.0f} s"
@@ -523,13 +527,8 @@ def test_mmap_performance_page_gives_the_give_up_benchs_figures():
     """The performance page's M = 8 comparison of descents that give up and descents run to their end
     is the results file's, every reply of the giving-up runs gave up and kept the identity, and none
     of the reference's did."""
-    import json
-
-    root = Path(__file__).resolve().parents[1]
-    res = json.loads((root / "results" / "bench_universe_scale_give_up.json").read_text())
-    runs = {(r["M"], r["strategy"]): r for r in res["runs"]}
+    runs, page = _scale_bench("bench_universe_scale_give_up")
     give_up, to_end = (runs[(8, f"aligned+min-gain+at-arrival{s}")] for s in ("", "+no-give-up"))
-    page = (root / "docs" / "performance.md").read_text()
     claim = (
         f"{give_up['matching_seconds_median']:.2f} s instead of {to_end['matching_seconds_median']:.2f} s**, "
         f"and the round {give_up['seconds']:.1f} s instead of {to_end['seconds']:.1f} s"
