@@ -135,7 +135,7 @@ def one_run(args: argparse.Namespace) -> dict:
             # written in canonical form under a random rotation of the residual stream
             keep = args.kind == "common"
             if "no-give-up" in flags:  # the descent run to its end under min_gain (the reference for give_up)
-                if base != "aligned" and base != "aligned-1thread":
+                if base not in ("aligned", "aligned-1thread"):
                     raise SystemExit("+no-give-up patches this process's weight matching: in-process strategies only")
                 import fedlmc.matching.weight as weight_module
 

@@ -377,11 +377,11 @@ def universe_merge(
         raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, no refinement")
     if isinstance(start, str):
         one_of(start, ("mean",), "start")
-    aligned = start.transforms if isinstance(start, Aligned) else None
+    aligned = None
     if isinstance(start, Aligned):
         if len(start.transforms) != len(models):
             raise ValueError(f"Aligned: one transform per model, got {len(start.transforms)} for {len(models)}")
-        start = start.universe
+        aligned, start = start.transforms, start.universe
     mem = members(models, weights, None if isinstance(start, str) else start, keep_layernorm)
     if aligned is not None and mem.hetero:
         raise ValueError("Aligned: models of one shape (a mixed-width universe is padded anew)")

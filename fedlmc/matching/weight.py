@@ -518,7 +518,7 @@ def coordinate_descent(
             if value > trace[-1]:  # the last step made things worse: keep the previous elements
                 return Descent(old, it, trace + [value], trace[-1])
             return Descent(elements, it, trace + [value], value)
-        if give_up is not None and settled and value > give_up and (not trace or value <= trace[-1]):
+        if give_up is not None and settled and value > give_up:
             return Descent(elements, it, trace + [value], value, gave_up=True)
         trace.append(value)
     return Descent(elements, it, trace, trace[-1] if trace else None)

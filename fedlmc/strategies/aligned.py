@@ -234,12 +234,12 @@ class AlignedFedAvg(FedlmcStrategy):
         self.server_round, self.remote_record = server_round, None
         previous = self.start_for(models)
         start = "mean" if previous is not None and self.universe_start == "mean" else previous
-        screened = None
-        if self.screen is not None and self.screen.method in RAW_SCREENS:  # the replies as they came: screen first
-            screened = self._screen(server_round, replies, models, weights, None)
+        raw = self.screen is not None and self.screen.method in RAW_SCREENS  # the replies as they came
+        screened = self._screen(server_round, replies, models, weights, None) if raw else None
+        if self.screen is None or raw:
             merged, transforms = self.align(models, weights, start)
             self._drop_failed(server_round, replies, models, weights, transforms)
-        elif self.screen is not None:  # a distance screen compares the weight-matched replies
+        else:  # a distance screen compares the weight-matched replies
             merged, transforms = self.weight_matched(models, weights, start)
             self._drop_failed(server_round, replies, models, weights, transforms)
             screened = self._screen(server_round, replies, models, weights, transforms)
@@ -248,9 +248,6 @@ class AlignedFedAvg(FedlmcStrategy):
                 reuse = not screened["excluded"] and self.form == "factored"
                 merged, transforms = self.align(models, weights, start, (merged, transforms) if reuse else None)
                 self._drop_failed(server_round, replies, models, weights, transforms)
-        else:
-            merged, transforms = self.align(models, weights, start)
-            self._drop_failed(server_round, replies, models, weights, transforms)
         fields: dict[str, Any] = {
             "align_seconds": time.time() - t0,
             "kept": "aligned",
