@@ -119,6 +119,27 @@ def test_rows_the_bound_leaves_open_are_settled_by_their_exact_rows():
     assert not certify(W, swapped, lambda: gram_row_max(W), None, lambda: swapped)
 
 
+@pytest.mark.parametrize("n", [1, 2, 255, 256, 257, 700])
+def test_gram_row_max_from_the_upper_triangle_equals_the_whole_products(n):
+    """The Gram matrix's off-diagonal row maxima from blocks of its upper triangle are the whole
+    product's, whichever block a row's maximum lies in (above, below or beside the diagonal), with
+    duplicated rows and a row whose every inner product is negative."""
+    g = torch.Generator().manual_seed(n)
+    FA = torch.randn(n, 24, generator=g, dtype=torch.float64)
+    if n > 3:
+        FA[n - 1] = FA[0]  # a row's maximum in the last block's columns, the other's in the first
+        FA[n // 2] = -FA[1:].sum(0) / n**0.5
+    K = FA @ FA.T
+    K.fill_diagonal_(float("-inf"))
+    whole = K.max(1).values
+    got = gram_row_max(FA)
+    assert got.shape == (n,)
+    if n == 1:
+        assert torch.isinf(got).all() and (got < 0).all()
+    else:
+        assert torch.allclose(got, whole + 2 * torch.finfo(torch.float64).eps * whole.abs(), rtol=1e-12, atol=1e-12)
+
+
 def test_rotation_size_bounds_how_far_vectors_move():
     """``ε⊥ ‖v‖ + εᵤ |⟨v, u⟩|`` bounds ``‖(O − I)v‖`` (ε⊥ is exact enough below ``ROTATE_FIRST`` and
     above it otherwise), also when O flips the direction u that every tensor leaves null."""
