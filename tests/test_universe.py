@@ -191,3 +191,24 @@ def test_min_gain_descent_gives_up_once_settled_far_from_the_gain_it_needs(monke
     planted = apply_transform(base, random_transform(base, seed=3, groups=["residual", "heads", "ff"]))
     T = weight_matching(base, _noisy(planted, 1e-3, 3), m)
     assert "gave_up" not in T.info and T.info["chosen"] != "identity"
+
+
+def test_a_descent_that_gives_up_skips_the_cross_covariances_only_a_further_iteration_reads(monkeypatch):
+    """Giving up, the descent takes its last value from the distances themselves: the cross-covariances
+    are computed once (for the identity), not again after the gauge step, and the value is the one the
+    cross-covariances give."""
+    from fedlmc.matching import weight as weight_module
+    from fedlmc.matching import weight_matching
+
+    base = _base()
+    reply = _noisy(canonicalize(base), 0.01, 10)
+    crosses, real = [], weight_module._crosses
+    monkeypatch.setattr(weight_module, "_crosses", lambda P, el: crosses.append(1) or real(P, el))
+    T = weight_matching(base, reply, Matching(min_gain=0.4))
+    assert T.info["gave_up"] == "paper" and crosses == [1], (T.info, crosses)
+    monkeypatch.setattr(weight_module, "_settled_value", lambda *a: None)  # the value from the crosses
+    crosses.clear()
+    ref = weight_matching(base, reply, Matching(min_gain=0.4))
+    assert ref.info["gave_up"] == "paper" and crosses == [1, 1]
+    got, want = T.info["trace"]["paper"][-1], ref.info["trace"]["paper"][-1]
+    assert abs(got - want) <= 1e-9 * want, (got, want)

@@ -248,10 +248,11 @@ class Problem:
         if part not in ("ff", "rest"):
             raise ValueError(f"part must be 'ff' or 'rest', not {part!r}")
         units = {k: v for k, v in elements.items() if k != "residual"}
-        identity = all(_is_identity(v) for v in units.values())
+        F, axis = self.fixed, self.fixed.axis
+        # only the part's groups act on its tensors: the identity's cross while those are the identity
+        identity = all(_is_identity(units[g]) for g in F.part_groups[part] if g in units)
         if identity and part in self._identity_cross:
             return self._identity_cross[part]
-        F, axis = self.fixed, self.fixed.axis
         key = [units.get(g) for g in F.part_groups[part]]  # only these groups act on the part's tensors
         last = self._last_cross.get(part)
         if last is not None and all(_same(x, y) for x, y in zip(last[0], key)):
@@ -511,17 +512,51 @@ def coordinate_descent(
         if trace and not _changed(old, elements, still):  # a fixed point: keep the elements whose objective is known
             return Descent(old, it, trace, trace[-1])
         settled = all(torch.equal(old[k], v) for k, v in elements.items() if not v.is_floating_point() and k in old)
+        limit = give_up if settled else None
+        if limit is not None:  # it may give up here: its value first, without the cross-covariances
+            value = _settled_value(P, elements, O, B_res)
+            end = None if value is None else _ending(trace, value, old, elements, it, tol, floor, limit)
+            if end is not None:
+                return end
         with section("residual cross-covariances"):
             X_ff, X = _crosses(P, elements)
         value = X.value(O) + P.anchor_objective(O)
-        if trace and trace[-1] - value < tol * abs(value) + floor:
-            if value > trace[-1]:  # the last step made things worse: keep the previous elements
-                return Descent(old, it, trace + [value], trace[-1])
-            return Descent(elements, it, trace + [value], value)
-        if give_up is not None and settled and value > give_up:
-            return Descent(elements, it, trace + [value], value, gave_up=True)
+        end = _ending(trace, value, old, elements, it, tol, floor, limit)
+        if end is not None:
+            return end
         trace.append(value)
     return Descent(elements, it, trace, trace[-1] if trace else None)
+
+
+def _ending(
+    trace: list[float],
+    value: float,
+    old: Elements,
+    elements: Elements,
+    it: int,
+    tol: float,
+    floor: float,
+    give_up: Optional[float],
+) -> Optional["Descent"]:
+    """How a descent ends at an iteration of this ``value``, or None if it goes on: on too small a gain
+    (with the previous elements if the last step made things worse), or giving up above ``give_up``."""
+    if trace and trace[-1] - value < tol * abs(value) + floor:
+        if value > trace[-1]:  # the last step made things worse: keep the previous elements
+            return Descent(old, it, trace + [value], trace[-1])
+        return Descent(elements, it, trace + [value], value)
+    if give_up is not None and value > give_up:
+        return Descent(elements, it, trace + [value], value, gave_up=True)
+    return None
+
+
+def _settled_value(P: Problem, elements: Elements, O: torch.Tensor, B_res: StateDict) -> Optional[float]:
+    """The objective of ``elements`` whose permutations are those of the last crosses (so the FF part's
+    ``Cross`` is at hand), the rest's part from the distances themselves (``Problem.rest_value``): the
+    value a descent that may stop needs, without the rest's cross-covariances (a product per tensor)
+    that only a further iteration would read. None where ``rest_value`` gives none."""
+    with section("objective"):
+        rest = P.rest_value(elements, B_res)
+        return None if rest is None else P.cross(elements, "ff").value(O) + rest + P.anchor_objective(O)
 
 
 def _crosses(P: Problem, elements: Elements) -> tuple[Cross, Cross]:
