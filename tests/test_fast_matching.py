@@ -116,6 +116,30 @@ def test_the_rest_objective_from_distances_equals_the_cross_covariances_one(grou
     assert direct > 0
 
 
+def test_a_parts_cross_covariances_are_the_identitys_while_its_own_groups_are_the_identity():
+    """The FF part's ``Cross`` depends on the FF permutations only: with those the identity and the
+    head permutations and gauges moved, ``Problem.cross`` returns the identity's (no new products), and
+    its value is the one computed afresh; the rest's part, which the gauges act on, is computed anew."""
+    A, B = _wide_pair(4)
+    cpu = torch.device("cpu")
+    P = Problem(
+        canonical_state(A, cpu, torch.float64), canonical_state(B, cpu, torch.float64), canonical_config(B.config)
+    )
+    P.objective({})  # the identity's crosses, as weight matching computes them first
+    identity = {part: P._identity_cross[part] for part in ("ff", "rest")}
+    els = dict(random_transform(A, seed=5, groups=("residual", "heads", "qk", "ov")).elements)
+    els.update({g.name: torch.arange(g.size) for g in P.spec.layer_groups("ff")})
+    O = els["residual"]
+    assert P.cross(els, "ff") is identity["ff"]
+    assert P.cross(els, "rest") is not identity["rest"]
+    fresh = Problem(
+        canonical_state(A, cpu, torch.float64), canonical_state(B, cpu, torch.float64), canonical_config(B.config)
+    )
+    permuted_ff = dict(els, **{g.name: torch.arange(g.size).flip(0) for g in P.spec.layer_groups("ff")})
+    fresh.cross(permuted_ff, "ff")  # another FF permutation first, so the identity's is computed anew below
+    assert fresh.cross(els, "ff").value(O) == pytest.approx(identity["ff"].value(O), rel=1e-12)
+
+
 def test_the_identity_is_the_do_no_harm_candidate_and_a_shared_init_stays_put():
     A, B = _wide_pair(2)
     T = weight_matching(A, B)  # B is A scrambled: the identity transform is hopeless
