@@ -127,8 +127,11 @@ def test_gram_row_max_from_the_upper_triangle_equals_the_whole_products(n):
     g = torch.Generator().manual_seed(n)
     FA = torch.randn(n, 24, generator=g, dtype=torch.float64)
     if n > 3:
+        FA[:, 0] = FA[:, 0].abs() + 1.0
+        FA[0] *= 10.0
         FA[n - 1] = FA[0]  # a row's maximum in the last block's columns, the other's in the first
-        FA[n // 2] = -FA[1:].sum(0) / n**0.5
+        FA[n // 2] = 0.0
+        FA[n // 2, 0] = -1.0  # every inner product of this row is negative
     K = FA @ FA.T
     K.fill_diagonal_(float("-inf"))
     whole = K.max(1).values
@@ -136,8 +139,10 @@ def test_gram_row_max_from_the_upper_triangle_equals_the_whole_products(n):
     assert got.shape == (n,)
     if n == 1:
         assert torch.isinf(got).all() and (got < 0).all()
-    else:
-        assert torch.allclose(got, whole + 2 * torch.finfo(torch.float64).eps * whole.abs(), rtol=1e-12, atol=1e-12)
+        return
+    assert torch.allclose(got, whole + 2 * torch.finfo(torch.float64).eps * whole.abs(), rtol=1e-12, atol=1e-12)
+    if n > 3:
+        assert whole[n // 2] < 0 and torch.allclose(whole[[0, n - 1]], (FA[0] @ FA[0]).expand(2), rtol=1e-12)
 
 
 def test_rotation_size_bounds_how_far_vectors_move():

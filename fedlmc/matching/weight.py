@@ -513,7 +513,8 @@ def coordinate_descent(
             return Descent(old, it, trace, trace[-1])
         settled = all(torch.equal(old[k], v) for k, v in elements.items() if not v.is_floating_point() and k in old)
         limit = give_up if settled else None
-        if limit is not None:  # it may give up here: its value first, without the cross-covariances
+        if limit is not None and (not trace or trace[-1] > limit):  # it may give up here: its value first,
+            # without the cross-covariances (a descent already below the limit goes on, or stops on its gain)
             value = _settled_value(P, elements, O, B_res)
             end = None if value is None else _ending(trace, value, old, elements, it, tol, floor, limit)
             if end is not None:
