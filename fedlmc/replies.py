@@ -22,7 +22,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -89,6 +89,32 @@ def mmap_state(path: Union[str, Path]) -> tuple[dict[str, torch.Tensor], dict[st
         t = torch.from_numpy(raw[base + begin : base + end].view(np_dtype)) if end > begin else torch.empty(0)
         out[name] = t.view(torch_dtype).reshape(info["shape"]) if end > begin else torch.zeros(info["shape"])
     return out, meta
+
+
+def prefetch(path: Union[str, Path]) -> None:
+    """Ask the kernel to read the file at ``path`` into the page cache in the background
+    (``posix_fadvise`` WILLNEED), and return at once: the next reply's pages then come from disk while
+    the current one is aligned, not when its tensors are first touched. Nothing where the call does not
+    exist (Windows, macOS) or the file cannot be opened (its ``load()`` will say why)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prefetch_next(models: Sequence[Any], k: int) -> None:
+    """``prefetch`` the file of ``models[k]`` when it is a ``StoredModel`` (k past the end: nothing)."""
+    if 0 <= k < len(models) and isinstance(models[k], StoredModel):
+        prefetch(models[k].path)
 
 
 @dataclass(frozen=True)

@@ -538,3 +538,43 @@ def test_mmap_performance_page_gives_the_give_up_benchs_figures():
     for r in runs.values():
         if r["strategy"] != "fedavg":
             assert r["identity_kept"] == r["M"] and r["gave_up"] == (0 if "no-give-up" in r["strategy"] else r["M"])
+
+
+def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatch):
+    """Each pass over stored replies (the server's alignments, a worker's chunk, the streamed mean) asks
+    the kernel for the next reply's file before reading the current one's, so its pages come from disk
+    while the current one is aligned; ``prefetch`` advises WILLNEED and survives a missing file."""
+    import fedlmc.replies as replies
+    import fedlmc.workers as workers
+    from fedlmc.workers import align_chunk
+
+    paths = [save_model(tmp_path / f"r{i}.safetensors", m).path for i, m in enumerate(_copies(4))]
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(replies, "prefetch", lambda path: events.append(("prefetch", str(path))))
+    real_load = StoredModel.load
+    monkeypatch.setattr(StoredModel, "load", lambda self: events.append(("load", self.path)) or real_load(self))
+
+    def one_ahead(files: list[str]) -> list[tuple[str, str]]:  # each read after the next one was asked for
+        out = []
+        for k, f in enumerate(files):
+            out += ([("prefetch", files[k + 1])] if k + 1 < len(files) else []) + [("load", f)]
+        return out
+
+    universe_merge([stored(p) for p in paths], iterations=1, matching=Matching(keep_identity=False))
+    assert events == [("load", paths[0])] + one_ahead(paths), events  # the anchor, then the iteration's pass
+    events.clear()
+    universe_merge([stored(p) for p in paths], start="mean", iterations=1, matching=Matching(keep_identity=False))
+    assert events == one_ahead(paths) * 2, events  # the streamed mean, then the iteration's pass
+    events.clear()
+    items = [(i, stored(p), None, 0.25) for i, p in enumerate(paths[:3])]
+    out = str(tmp_path / "sum.safetensors")
+    monkeypatch.setattr(workers, "_CACHE", {})  # a worker that has not read this universe yet
+    align_chunk(paths[3], items, {"matching": Matching(keep_identity=False)}, 0, out, None)
+    assert events == [("load", paths[3])] + one_ahead(paths[:3]), events  # the universe, then the chunk
+    monkeypatch.undo()
+    if hasattr(os, "posix_fadvise"):
+        advised = []
+        monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: advised.append(advice))
+        replies.prefetch(paths[0])
+        assert advised == [os.POSIX_FADV_WILLNEED]
+    replies.prefetch(tmp_path / "missing.safetensors")  # nothing to read: no error (load() will say why)
