@@ -535,6 +535,14 @@ def test_mmap_performance_page_gives_the_give_up_benchs_figures():
     )
     assert claim in " ".join(page.split()), claim
     assert give_up["matching_seconds_median"] < to_end["matching_seconds_median"]
+    at_64 = ("aligned-parallel+min-gain+at-arrival", give_up["strategy"], "fedavg")
+    workers, here, fedavg = (runs[(64, s)] for s in at_64)
+    claim = (
+        f"M = 64: {workers['seconds']:.1f} s a round with two workers** once the last reply is in "
+        f"({workers['seconds_per_reply_iteration']:.2f} s per reply, {workers['seconds'] / fedavg['seconds']:.1f} "
+        f"times FedAvg's {fedavg['seconds']:.1f} s on the same files), {here['seconds']:.1f} s in the server's process"
+    )
+    assert claim in " ".join(page.split()), claim
     for r in runs.values():
         if r["strategy"] != "fedavg":
             assert r["identity_kept"] == r["M"] and r["gave_up"] == (0 if "no-give-up" in r["strategy"] else r["M"])
