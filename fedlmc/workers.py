@@ -52,8 +52,9 @@ def align_chunk(
         _CACHE.update(file=universe_file, universe=stored(universe_file).load(), reuse={})
     universe, reuse, acc = _CACHE["universe"], _CACHE["reuse"], RunningSum()
     done, failed = {}, {}
+    sources = [item[1] for item in items]
     for k, (i, source, warm, w) in enumerate(items):
-        prefetch_next([item[1] for item in items], k + 1)  # read from disk while this one is aligned
+        prefetch_next(sources, k + 1)  # read from disk while this one is aligned
         try:
             model = canonical(source.load())
             T = Transform() if i == skip else weight_matching(universe, model, warm_start=warm, reuse=reuse, **options)
