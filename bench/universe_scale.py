@@ -54,7 +54,7 @@ from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.averaging import streamed_mean
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Scale
-from fedlmc.replies import prefetch, save_model, stored
+from fedlmc.replies import read_ahead, save_model, stored
 from fedlmc.symmetry import apply_transform, canonical, random_transform, rebuild
 from fedlmc.universe import ArrivingMean, universe_merge
 
@@ -100,13 +100,8 @@ def streamed_fedavg(paths: list[str]) -> torch.nn.Module:
     """FedAvg over files: a running weighted sum, one reply at a time (the next file read ahead, as the
     universe's passes read theirs)."""
 
-    def replies():
-        for k, path in enumerate(paths):
-            if k + 1 < len(paths):
-                prefetch(paths[k + 1])
-            yield stored(path).load()
-
-    return streamed_mean(replies(), [1.0 / len(paths)] * len(paths))
+    replies = read_ahead([stored(p) for p in paths], lambda reply: reply)
+    return streamed_mean((reply.load() for reply in replies), [1.0 / len(paths)] * len(paths))
 
 
 def one_run(args: argparse.Namespace) -> dict:

@@ -22,7 +22,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from .models import from_config
 from .models.layers import TransformerConfig
 
+T = TypeVar("T")
 OWNER = "owner.json"  # in every store: the pid that owns it (stale once that process is gone)
 _DTYPES = {  # safetensors dtype → (numpy dtype to map the bytes with, torch dtype to view them as)
     "F64": (np.float64, torch.float64),
@@ -111,10 +112,16 @@ def prefetch(path: Union[str, Path]) -> None:
         os.close(fd)
 
 
-def prefetch_next(models: Sequence[Any], k: int) -> None:
-    """``prefetch`` the file of ``models[k]`` when it is a ``StoredModel`` (k past the end: nothing)."""
-    if 0 <= k < len(models) and isinstance(models[k], StoredModel):
-        prefetch(models[k].path)
+def read_ahead(items: Sequence[T], model_of: Callable[[T], Any]) -> Iterator[T]:
+    """Yield ``items`` in order; before each, hand the next item's model (``model_of`` of it) to
+    ``prefetch`` when it is a ``StoredModel``, so a pass over stored replies reads the next file from
+    disk while it works on the current one."""
+    for k, item in enumerate(items):
+        if k + 1 < len(items):
+            upcoming = model_of(items[k + 1])
+            if isinstance(upcoming, StoredModel):
+                prefetch(upcoming.path)
+        yield item
 
 
 @dataclass(frozen=True)

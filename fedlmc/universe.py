@@ -21,7 +21,7 @@ from .matching.profile import section
 from .matching.refine import dirichlet_refine
 from .models import from_config
 from .options import Matching, Refinement, Scale, one_of
-from .replies import ReplyError, ReplyStore, StoredModel, prefetch_next, save_model
+from .replies import ReplyError, ReplyStore, StoredModel, read_ahead, save_model
 from .symmetry import (
     Transform,
     WidthMap,
@@ -153,10 +153,7 @@ class Members:
         otherwise not fit these allocations and grow the peak (``allocator.release_freed_memory``)."""
         release_freed_memory()
         acc, first = RunningSum(), None
-        live = self.live
-        for n, i in enumerate(live):
-            if n + 1 < len(live):
-                prefetch_next(self.models, live[n + 1])
+        for i in read_ahead(self.live, lambda j: self.models[j]):
             model = self.load(i)
             if model is None:  # unreadable now: the mean is over the others
                 continue
@@ -554,10 +551,7 @@ def _align_here(
     reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
     acc = RunningSum() if streamed else None
     weights = list(mem.weights)  # as they are now (an exclusion below rescales mem.weights; the mean divides)
-    live = mem.live
-    for n, i in enumerate(live):
-        if n + 1 < len(live):  # the next model's file read from disk while this one is aligned
-            prefetch_next(mem.models, live[n + 1])
+    for i in read_ahead(mem.live, lambda j: mem.models[j]):  # the next file read while this one is aligned
         m = mem.load(i) if i in todo or streamed else None
         if m is None:
             continue

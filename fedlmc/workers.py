@@ -30,7 +30,7 @@ from .averaging import RunningSum, aligned_state
 from .cpu import available_cores
 from .matching import weight_matching
 from .options import Scale
-from .replies import StoredModel, mmap_state, prefetch_next, stored, write_state
+from .replies import StoredModel, mmap_state, read_ahead, stored, write_state
 from .symmetry import Transform, canonical
 
 _CACHE: dict[str, Any] = {}  # in a worker: the universe it last read, and what matching built from it
@@ -52,9 +52,7 @@ def align_chunk(
         _CACHE.update(file=universe_file, universe=stored(universe_file).load(), reuse={})
     universe, reuse, acc = _CACHE["universe"], _CACHE["reuse"], RunningSum()
     done, failed = {}, {}
-    sources = [item[1] for item in items]
-    for k, (i, source, warm, w) in enumerate(items):
-        prefetch_next(sources, k + 1)  # read from disk while this one is aligned
+    for i, source, warm, w in read_ahead(items, lambda item: item[1]):  # the next file read while this one is aligned
         try:
             model = canonical(source.load())
             T = Transform() if i == skip else weight_matching(universe, model, warm_start=warm, reuse=reuse, **options)
