@@ -36,13 +36,18 @@ def interpolation_curve(
     interpolate: Optional[Callable[[nn.Module, nn.Module, float], nn.Module]] = None,
     batch_size: int = 256,
     max_batches: Optional[int] = None,
+    device: Union[str, torch.device, None] = None,
 ) -> Curve:
     """Evaluate the interpolated model at every λ. ``interpolate`` defaults to ``fedlmc.averaging.interpolate``
-    (plain weight averaging for two LayerNorm models); pass e.g. ``partial(interpolate, form="circuit")``."""
+    (plain weight averaging for two LayerNorm models); pass e.g. ``partial(interpolate, form="circuit")``.
+    ``device``: where each interpolated model is evaluated (it is moved there); default, where it was built."""
     interpolate = interpolate or interpolate_models
     losses, accs = [], []
     for lam in lambdas:
-        ev = evaluate(interpolate(model_a, model_b, float(lam)), data, batch_size, max_batches=max_batches)
+        model = interpolate(model_a, model_b, float(lam))
+        if device is not None:
+            model = model.to(device)
+        ev = evaluate(model, data, batch_size, max_batches=max_batches)
         losses.append(ev["loss"])
         accs.append(ev["acc"])
     return Curve([float(l) for l in lambdas], losses, accs)

@@ -50,7 +50,9 @@ def trained(
     from .train import train_config_for, train_preset
 
     cfg = train_config_for(preset, seed, **over)
-    parts: list[Any] = [preset, splits.name, splits.meta.get("source"), cfg.__dict__]
+    # keep_best named only when set, so the caches of models trained without it keep their names
+    kept = {k: v for k, v in cfg.__dict__.items() if k != "keep_best" or v}
+    parts: list[Any] = [preset, splits.name, splits.meta.get("source"), kept]
     if model_overrides:  # only when given, so earlier caches keep their names
         parts.append(model_overrides)
     key = json.dumps(parts, sort_keys=True, default=str)

@@ -17,6 +17,7 @@ from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .matching import activation_matching, learned_matching, residual_activation_cross, weight_matching
 from .options import Learning, Matching
 from .symmetry import Transform, apply_transform, canonicalize
+from .train import pick_device
 
 
 def _wm(residual: str = "orthogonal", keep_layernorm: bool = False) -> Callable:
@@ -90,9 +91,12 @@ def pair_curves(
     learned_steps: int = 300,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    device: Optional[str] = None,
 ) -> dict[str, dict]:
-    """Every method's interpolation curve for one pair (reusing weight matching as learned's init)."""
+    """Every method's interpolation curve for one pair (reusing weight matching as learned's init).
+    The curves are evaluated on ``device`` (default: CUDA when present, else the CPU)."""
     ctx: dict = {"learned_steps": learned_steps, "progress": progress}
+    dev = pick_device(device)
     out: dict[str, dict] = {}
     ca, cb = canonicalize(a), canonicalize(b)
     order = sorted(methods, key=lambda k: k.startswith("learned"))  # learned needs wm-orth-factored first
@@ -102,13 +106,17 @@ def pair_curves(
         label, build, form, keep = METHODS[key]
         t0 = time.time()
         if build is None:
-            curve = interpolation_curve(a, b, splits.test)
+            curve = interpolation_curve(a, b, splits.test, device=dev)
         else:
             T: Transform = ctx.get(key) or build(a, b, splits, ctx)
             ctx[key] = T
             aligned = apply_transform(cb, T)
             curve = interpolation_curve(
-                ca, aligned, splits.test, interpolate=partial(interpolate, form=form, keep_layernorm=keep)
+                ca,
+                aligned,
+                splits.test,
+                interpolate=partial(interpolate, form=form, keep_layernorm=keep),
+                device=dev,
             )
         secs = time.time() - t0
         if key in methods:

@@ -108,6 +108,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     eval_every: int = 0  # steps; 0 = only at the end
+    keep_best: bool = False  # with val and eval_every: end with the weights of the best validation loss
     device: Optional[str] = None
 
     def total_steps(self, data: Data) -> int:
@@ -180,6 +181,7 @@ def train(
     gen = torch.Generator().manual_seed(cfg.seed)
     hist: dict[str, Any] = {"train_loss": [], "evals": [], "steps": total}
     t0, step, running = time.time(), 0, None
+    best: Optional[tuple[dict, dict]] = None  # keep_best: the best evaluation and its weights
     with _progress(progress) as bar:
         task = bar.add_task(desc, total=total, info="")
         while step < total:
@@ -193,14 +195,16 @@ def train(
                 opt.step()
                 sched.step()
                 step += 1
-                lv = float(loss.detach())
+                # the running loss stays on the device: reading it every step would wait for the GPU
+                lv = loss.detach()
                 running = lv if running is None else 0.95 * running + 0.05 * lv
                 if step % 50 == 0 or step == total:
-                    hist["train_loss"].append((step, lv))
-                    bar.update(task, completed=step, info=f"loss {running:.3f}")
+                    hist["train_loss"].append((step, float(lv)))
+                    bar.update(task, completed=step, info=f"loss {float(running):.3f}")
                 if val is not None and cfg.eval_every and step % cfg.eval_every == 0 and step < total:
                     ev = {"step": step, **evaluate(model, val)}
                     hist["evals"].append(ev)
+                    best = _keep(model, ev, best) if cfg.keep_best else best
                     if on_eval:
                         on_eval(step, ev)
                 if step >= total:
@@ -210,9 +214,20 @@ def train(
         hist["evals"].append(ev)
         if on_eval:
             on_eval(step, ev)
+        if cfg.keep_best and best is not None and best[0]["loss"] < ev["loss"]:  # early stopping
+            model.load_state_dict(best[1])
+        if cfg.keep_best:
+            hist["best"] = min(hist["evals"], key=lambda e: e["loss"])
     hist["seconds"] = time.time() - t0
     model.eval()
     return hist
+
+
+def _keep(model: nn.Module, ev: dict, best: Optional[tuple[dict, dict]]) -> Optional[tuple[dict, dict]]:
+    """``best`` updated with ``ev`` (an evaluation of ``model`` now) if its loss is lower: the weights copied."""
+    if best is None or ev["loss"] < best[0]["loss"]:
+        return ev, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return best
 
 
 def train_config_for(preset: str, seed: int = 0, **overrides: Any) -> TrainConfig:
@@ -265,4 +280,6 @@ def train_preset(
     hist["test"] = evaluate(model, splits.test)
     hist["train_config"] = asdict(cfg)
     model.meta.update(test=hist["test"], seconds=hist["seconds"], steps=hist["steps"])
+    if "best" in hist:  # keep_best: the validation evaluation whose weights were kept
+        model.meta["best"] = hist["best"]
     return model, hist

@@ -3,6 +3,7 @@ averaged there, optionally refined (Dirichlet), and projected back to each clien
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -10,7 +11,6 @@ from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
-from flwr.supercore import log
 
 from .allocator import release_freed_memory
 from .averaging import FORMS, REDUCES, RunningSum, aligned_state, merge, robust_merge
@@ -46,6 +46,9 @@ from .widths import (
     unpad,
 )
 from .workers import AlignmentPool
+
+# Flower's own logger (its `flwr.supercore.log`), without importing Flower: the library runs without it
+log = logging.getLogger("flwr").log
 
 Model = Union[nn.Module, StoredModel]
 

@@ -84,6 +84,26 @@ def leftovers() -> dict[int, str]:
     return found
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--emulate-cuda",
+        action="store_true",
+        help="run every test on a CUDA device emulated on the CPU (tests/fake_cuda.py): device-placement bugs",
+    )
+
+
+@pytest.fixture(autouse=True)
+def emulated_cuda(request):
+    """With ``--emulate-cuda`` (and no real GPU), every test runs as if a GPU were present."""
+    if not request.config.getoption("--emulate-cuda") or torch.cuda.is_available():
+        yield
+        return
+    from fake_cuda import fake_cuda
+
+    with fake_cuda():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def no_process_left():
     """Fail a test that leaves a runtime process behind (after a grace period for processes on their way

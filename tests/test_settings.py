@@ -85,7 +85,7 @@ def test_client_cache_keeps_a_tied_hf_client(tmp_path):
     again = fresh_client_model(s, 0, cfg)
     cached_first_round(again, data, s, _round(0, 3))
     assert again.lm_head.weight is again.transformer.wte.weight  # still tied after loading
-    assert torch.equal(again.lm_head.weight, first.lm_head.weight)
+    assert torch.equal(again.lm_head.weight.cpu(), first.lm_head.weight.cpu())  # (trained on the GPU if any)
 
 
 def test_client_cache_trains_a_one_shot_client_once(tmp_path):
@@ -102,15 +102,15 @@ def test_client_cache_trains_a_one_shot_client_once(tmp_path):
     first = fresh_client_model(s, 0, cfg)
     start = {k: v.clone() for k, v in first.state_dict().items()}
     assert cached_first_round(first, data, s, _round(0, 7)) is not None
-    assert any(not torch.equal(start[k], v) for k, v in first.state_dict().items())  # it trained
+    assert any(not torch.equal(start[k], v.cpu()) for k, v in first.state_dict().items())  # it trained
     refined = ExperimentSettings.from_run_config({**s.to_run_config(), "strategy": "refined"})
     again = fresh_client_model(refined, 0, cfg)
     cached_first_round(again, data, refined, _round(0, 7))
-    assert all(torch.equal(first.state_dict()[k], v) for k, v in again.state_dict().items())
+    assert all(torch.equal(first.state_dict()[k].cpu(), v.cpu()) for k, v in again.state_dict().items())
     other = ExperimentSettings.from_run_config({**s.to_run_config(), "lr": 0.01})
     third = fresh_client_model(other, 0, cfg)
     cached_first_round(third, data, other, _round(0, 7))
-    assert any(not torch.equal(first.state_dict()[k], v) for k, v in third.state_dict().items())
+    assert any(not torch.equal(first.state_dict()[k].cpu(), v.cpu()) for k, v in third.state_dict().items())
     assert len(list(tmp_path.iterdir())) == 2
 
 

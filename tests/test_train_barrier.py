@@ -12,6 +12,7 @@ from fedlmc.averaging import interpolate
 from fedlmc.barrier import Curve, barrier, interpolation_curve, plot_curves
 from fedlmc.cli import build_parser, main
 from fedlmc.data import load
+from fedlmc.data.base import ArrayData
 from fedlmc.models import PRESETS, from_preset, preset_config
 from fedlmc.train import TrainConfig, evaluate, model_for_data, train
 
@@ -67,6 +68,26 @@ def test_training_is_seeded_and_learns(digits):
     a, b, c = run(0, 1)[0], run(0, 1)[0], run(1, 1)[0]
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert not torch.equal(a.head.weight, c.head.weight)
+
+
+def test_keep_best_ends_with_the_weights_of_the_best_validation_loss(digits):
+    """Early stopping: a model that overfits 40 examples ends with the weights of its best validation
+    evaluation (whose loss it reproduces), not its last; without ``keep_best`` it keeps the last."""
+    few = ArrayData(digits.train.x[:40], digits.train.y[:40])
+
+    def run(keep_best):
+        m = model_for_data("vit-digits", digits, 0)
+        cfg = TrainConfig(steps=200, lr=3e-3, batch_size=20, eval_every=20, keep_best=keep_best)
+        return m, train(m, few, cfg, val=digits.val, progress=False)
+
+    m, hist = run(True)
+    losses = [e["loss"] for e in hist["evals"]]
+    assert hist["best"]["loss"] == min(losses) and hist["best"]["step"] < hist["evals"][-1]["step"]
+    assert losses[-1] > min(losses) + 0.1  # it did overfit: the last weights are not the best
+    assert abs(evaluate(m, digits.val)["loss"] - min(losses)) < 1e-5
+    plain, plain_hist = run(False)
+    assert "best" not in plain_hist
+    assert abs(evaluate(plain, digits.val)["loss"] - plain_hist["evals"][-1]["loss"]) < 1e-5
 
 
 def test_barrier_definition():

@@ -416,7 +416,7 @@ def sq_norm(t: torch.Tensor) -> torch.Tensor:
 def _same(x: Optional[torch.Tensor], y: Optional[torch.Tensor]) -> bool:
     if x is None or y is None:
         return x is y
-    return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+    return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y.to(x.device))
 
 
 def _is_identity(el: torch.Tensor) -> bool:
@@ -431,7 +431,7 @@ def _changed(old: Elements, new: Elements, tol: float = 1e-6) -> bool:
         o = old.get(k)
         if o is None or o.shape != v.shape:
             return True
-        if (o.double() - v.double()).abs().max() > tol:  # a moved index differs by ≥ 1
+        if (o.double() - v.to(o.device).double()).abs().max() > tol:  # a moved index differs by ≥ 1
             return True
     return False
 
@@ -511,7 +511,12 @@ def coordinate_descent(
                 elements.update(gauge_step(P.A_mov, B_heads, spec, gauge, P.A_sides))
         if trace and not _changed(old, elements, still):  # a fixed point: keep the elements whose objective is known
             return Descent(old, it, trace, trace[-1])
-        settled = all(torch.equal(old[k], v) for k, v in elements.items() if not v.is_floating_point() and k in old)
+        # (a solved permutation comes from the CPU's assignment solver, the identity from the device)
+        settled = all(
+            torch.equal(old[k], v.to(old[k].device))
+            for k, v in elements.items()
+            if not v.is_floating_point() and k in old
+        )
         limit = give_up if settled else None
         if limit is not None and (not trace or trace[-1] > limit):  # it may give up here: its value first,
             # without the cross-covariances (a descent already below the limit goes on, or stops on its gain)
