@@ -15,7 +15,7 @@ Steps, in this order, inside one deadline (``--budget`` seconds; each step gets 
 3. ``tests``: the everyday suite (``pytest -m "not slow"``) with CUDA visible, ``tests/test_cuda.py``
    included: every path that picks a device picks the GPU. A module that cannot be collected (the
    machine lacks Flower, say) is listed, and the rest run.
-4. ``bench``: ``bench/wm_gpt2_small.py`` (a GPT-2-small pair: independent, planted, common) and
+4. ``bench``: ``bench/wm_gpt2_small.py`` (GPT-2-small pairs: independent, planted, common) and
    ``bench/universe_scale.py`` at M = 8 (common replies: FedAvg, aligned, aligned with ``min_gain``).
 
 Usage: ``python bench/gpu_check.py [--steps 5000] [--only reference,paper,tests,bench] [--out results/gpu]``.
@@ -275,7 +275,9 @@ def main() -> int:
         py = sys.executable
         res["bench"] = {
             "wm_gpt2_small": run(
-                [py, "bench/wm_gpt2_small.py", "--out", str(out / "bench_wm_gpt2_small.json")], (left() - 30) / 2
+                [py, "bench/wm_gpt2_small.py", "--configs", "independent", "planted", "common"]
+                + ["--out", str(out / "bench_wm_gpt2_small.json")],
+                (left() - 30) / 2,
             )
         }
         write()
