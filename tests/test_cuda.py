@@ -100,3 +100,35 @@ def test_cuda_universe_merge_equals_the_cpus():
         assert len(transforms) == 3
     loss = {dev: evaluate(merged.float(), data, device="cpu")["loss"] for dev, (merged, _) in out.items()}
     assert abs(loss["cuda"] - loss["cpu"]) < 1e-3 * loss["cpu"], loss
+
+
+def test_cuda_weight_matching_multiplies_at_full_precision_whatever_the_caller_allows(monkeypatch):
+    """A caller that allows TF32 (common in GPU training code) gets weight matching's products at full
+    float32 precision all the same (its objective subtracts nearly equal sums), and its setting back."""
+    import fedlmc.matching.weight as weight_module
+
+    seen = []
+    descent = weight_module.coordinate_descent
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return descent(*args, **kwargs)
+
+    monkeypatch.setattr(weight_module, "coordinate_descent", spy)
+    was = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        weight_matching(make("gpt2", 0), make("gpt2", 1), device="cuda")
+        assert seen == ["highest"] and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(was)
+
+
+def test_cuda_squared_norms_are_accumulated_in_float64():
+    """``sq_norm`` on the device sums in float64, as on the CPU (the objective's norms)."""
+    from fedlmc.matching.weight import sq_norm
+
+    t = torch.randn(50_000, 64, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    exact = float(t.double().pow(2).sum())
+    on = sq_norm(t.to("cuda"))
+    assert on.dtype == torch.float64 and abs(float(on) - exact) / exact < 1e-12

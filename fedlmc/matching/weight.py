@@ -9,6 +9,7 @@ Procrustes, FF neurons by assignment.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -401,12 +402,24 @@ def _orthogonal(G: torch.Tensor) -> bool:
     return bool(((G.transpose(-1, -2) @ G - eye).abs().max() < (1e-10 if G.dtype == torch.float64 else 1e-5)))
 
 
+@contextlib.contextmanager
+def full_precision_products():
+    """float32 matrix products at full precision (no TF32 or bfloat16 passes) inside, as they were after."""
+    was = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(was)
+
+
 def sq_norm(t: torch.Tensor) -> torch.Tensor:
     """``‖t‖²`` (Frobenius), a float64 scalar. On the CPU: BLAS dot products of 16k-element pieces summed
     in float64 (3× faster than ``t.pow(2).sum()`` on a 50k × 768 embedding, no temporary, as accurate:
     one dot over all of it would be off by ~1e-4, ``vector_norm`` by ~1e-3)."""
     if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64):
-        return t.float().pow(2).sum().double() if t.dtype != torch.float64 else t.pow(2).sum()
+        # accumulated in float64, as on the CPU: the objective subtracts sums of this size
+        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.float64)
@@ -659,7 +672,10 @@ def weight_matching(
         each iteration, the seconds and the torch threads it ran with: no more than the host's idle
         cores (``fedlmc.cpu.fitting_threads``).
     """
-    with fitting_threads() as threads:  # no more torch threads than idle cores (a busy host)
+    # full float32 products even where the caller allows TF32 (``set_float32_matmul_precision("high")``,
+    # common in GPU training code): the objective is a difference of nearly equal sums, so TF32's
+    # 10-bit products would swamp the gains that ``min_gain`` and the descent's tolerance compare
+    with fitting_threads() as threads, full_precision_products():
         m = matching if matching is not None else Matching()
         t0 = time.time()
         canon = dict(
