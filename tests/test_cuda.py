@@ -132,3 +132,41 @@ def test_cuda_squared_norms_are_accumulated_in_float64():
     exact = float(t.double().pow(2).sum())
     on = sq_norm(t.to("cuda"))
     assert on.dtype == torch.float64 and abs(float(on) - exact) / exact < 1e-12
+
+
+def test_cuda_results_page_gives_the_gpu_checks_figures():
+    """The results page's GPU section is ``make gpu-check``'s files: the reference, the training, the
+    universe bench and the test counts."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = " ".join((root / "docs/results.md").read_text().split())
+    check = json.loads((root / "results/gpu/gpu_check.json").read_text())
+    runs = {r["strategy"]: r for r in json.loads((root / "results/gpu/bench_universe_scale.json").read_text())["runs"]}
+    flops, trained, tests = check["reference"]["tflops"], check["paper"]["trained"], check["tests"]
+    losses = sorted(s["test"]["loss"] for s in trained["seeds"].values())
+    fedavg, aligned, gain = runs["fedavg"], runs["aligned"], runs["aligned+min-gain"]
+    weight_matching_paths = [t for t in tests["failed_tests"] if not any(m in t for m in FLOWER_SIDE)]
+    claims = [
+        f"{flops['float32']} TFLOP/s in float32, {flops['bfloat16']} in bfloat16",
+        f"{trained['step_ms_alone']} ms a training step alone; 3 seeds × {trained['steps']} steps at once in "
+        f"{trained['wall_seconds']:.0f} s",
+        f"test loss {losses[0]:.2f}–{losses[-1]:.2f}",
+        f"FedAvg {fedavg['seconds']} s; aligned {aligned['seconds']:.1f} s ({aligned['universe_iterations']} "
+        f"iterations, {aligned['seconds_per_reply_iteration']:.2f} s per reply-iteration, "
+        f"{aligned['fedavg_ratio']:.0f} × FedAvg); peak {aligned['peak_rss_gb']} GB = "
+        f"{aligned['peak_rss_in_models']} models",
+        f"{gain['seconds']:.1f} s, and no reply kept the identity",
+        f"{tests['passed']} passed, {tests['failed']} failed, {tests['errors']} collection errors",
+        f"{len(weight_matching_paths)} failures are in the paths that call weight matching",
+        f"{tests['failed'] - len(weight_matching_paths)} elsewhere: tests of partitioning",
+    ]
+    for claim in claims:
+        assert claim in page, claim
+    assert gain["identity_kept"] == 0 and check["device"]["name"] == "NVIDIA H200"
+    assert "weight_matching" in check["paper"]["error"]  # the stop the page names
+
+
+# the modules whose failures on the GPU machine the page attributes to its missing Flower, not to a device
+FLOWER_SIDE = ("test_data.py", "test_partition_text.py", "test_api.py", "test_settings.py", "test_superlink.py")

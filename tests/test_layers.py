@@ -73,3 +73,23 @@ def test_the_cycle_finder_finds_cycles():
 def test_fedlmc_has_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert not cycle, "import cycle: " + " → ".join(cycle)
+
+
+def test_the_core_imports_without_flower():
+    """Symmetries, matching, universes, training and the paper's reproduction import with Flower (and
+    Ray) unavailable, as on a GPU machine that has only torch's stack: ``make gpu-check`` runs there."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('flwr', 'flwr_datasets', 'ray'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import fedlmc.symmetry, fedlmc.matching, fedlmc.universe, fedlmc.train, fedlmc.reproduce, fedlmc.commands\n"
+        "import flwr\n"  # the blocker works: this line must fail
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "ImportError: blocked flwr" in proc.stderr and proc.stderr.count("blocked") == 1, proc.stderr
