@@ -134,6 +134,15 @@ def test_cuda_squared_norms_are_accumulated_in_float64():
     assert on.dtype == torch.float64 and abs(float(on) - exact) / exact < 1e-12
 
 
+def test_cuda_server_aggregates_planted_replies_with_the_aligned_strategy(record):
+    """A ServerApp on a GPU machine: ``AlignedFedAvg`` aligns 3 planted replies there and returns
+    Flower arrays (on the CPU) of the planted model (the strategy test, run on the device)."""
+    pytest.importorskip("flwr")
+    from test_strategies import test_planted_replies_aggregate_to_the_model
+
+    test_planted_replies_aggregate_to_the_model(record)
+
+
 def test_cuda_results_page_gives_the_gpu_checks_figures():
     """The results page's GPU section is ``make gpu-check``'s files: the reference, the training, the
     universe bench and the test counts."""
