@@ -7,7 +7,9 @@ reports ``cuda:0`` as its device. Every torch call is checked as CUDA would chec
 mixes such tensors with CPU tensors (other than 0-d ones, which CUDA takes as scalars) raises, as
 does ``.numpy()`` of a "CUDA" tensor. Indexing with CPU indices and ``copy_`` across devices are
 allowed, as they are on CUDA. The values are the CPU's, so results are checked like the real thing's;
-only what a real device adds (kernels, its float32 products, its memory) is not emulated.
+what a real device adds (kernels, its float32 products, its memory, autocast on CUDA) is not emulated:
+under ``pytest --emulate-cuda`` the Hugging Face Llama round trip of ``tests/test_hf.py`` differs,
+which it does not on a GPU.
 """
 
 from __future__ import annotations
