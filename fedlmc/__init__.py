@@ -1,8 +1,8 @@
 """fedlmc: federated learning of Transformers, merged modulo their symmetries.
 
 Symmetries, matching, universes and training import no Flower (``tests/test_layers.py``: a GPU
-machine with only torch's stack runs them); ``fedlmc.strategies`` and the apps in ``strategies/``, ``clients/`` and
-``simulations/`` build on Flower.
+machine with only torch's stack runs them); ``fedlmc.strategies`` and the apps in ``strategies/``,
+``clients/`` and ``simulations/`` build on Flower.
 """
 
 from .io import load, read_meta, save
