@@ -72,10 +72,15 @@ def gemm_reference(n: int = 8192, repeats: int = 10) -> dict:
     return {"gemm_n": n, "tflops": out}
 
 
+def _env() -> dict:
+    """The environment of a step's process: this checkout importable (no install needed)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 def run(cmd: list[str], timeout: float) -> dict:
     """A step's command: its exit code, seconds and the tail of its output."""
     t0 = time.time()
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = _env()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, timeout), env=env)
         code, out = proc.returncode, proc.stdout + proc.stderr
@@ -92,7 +97,7 @@ def run(cmd: list[str], timeout: float) -> dict:
 def start_tests(workers: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider"]
     cmd += ["--continue-on-collection-errors", "-rA", "-n", str(workers), "--dist", "worksteal"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = _env()
     env["OMP_NUM_THREADS"] = "2"  # each worker's torch threads, beside the other workers and the training
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -144,16 +149,17 @@ def step_seconds(splits, trial: int = 40) -> float:
     """Seconds per training step of one model on this device (after a warm-up), TF32 as in training."""
     from fedlmc.train import TrainConfig, model_for_data, train
 
+    was = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     model = model_for_data(PRESET, splits, 99, **ARCH)
     train(model, splits.train, TrainConfig(steps=10, batch_size=64), progress=False)  # warm-up
     hist = train(model, splits.train, TrainConfig(steps=trial, batch_size=64), progress=False)
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision(was)
     return hist["seconds"] / trial
 
 
 def train_seeds(steps: int) -> tuple[list[subprocess.Popen], float]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = _env()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--train-seed", str(s), "--steps", str(steps)],
