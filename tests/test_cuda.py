@@ -173,6 +173,13 @@ def test_cuda_results_page_gives_the_gpu_checks_figures():
     ]
     for claim in claims:
         assert claim in page, claim
+    performance = " ".join((root / "docs/performance.md").read_text().split())
+    claim = (
+        f"took {aligned['seconds']:.1f} s a round ({aligned['universe_iterations']} iterations, "
+        f"{aligned['seconds_per_reply_iteration']:.2f} s per reply-iteration, {aligned['fedavg_ratio']:.0f} × "
+        f"FedAvg's {fedavg['seconds']} s on the same files), peak {aligned['peak_rss_gb']} GB"
+    )
+    assert claim in performance, claim
     assert gain["identity_kept"] == 0 and check["device"]["name"] == "NVIDIA H200"
     assert "weight_matching" in check["paper"]["error"]  # the stop the page names
 
