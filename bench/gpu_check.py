@@ -3,7 +3,8 @@ speed benches on a CUDA device, written as JSON under ``--out`` with the device'
 
 Steps, in this order, inside one deadline (``--budget`` seconds; each step gets what is left):
 
-1. ``reference``: a fixed 8192² GEMM in float32 and bfloat16 (TFLOP/s), the yardstick for the timings.
+1. ``reference``: a fixed 8192² GEMM in float32 and bfloat16 (TFLOP/s), the yardstick for the timings,
+   and the error of a float32 cross-covariance against float64 at weight matching's precision.
 2. ``paper``: the paper's GPT-2 setting at its size (6 layers, d 256, 4 heads, d_ff 1024, block 256;
    Tiny Shakespeare, character level: no tokenizer ships offline). Three seeds train at once, one
    process each (TF32 matrix products), for ``--steps`` steps, or fewer when a timed trial says the
@@ -46,10 +47,34 @@ UNTIL = {"eval_every": 100, "keep_best": True}
 
 
 def device() -> dict:
+    """The device, torch, and what decides the precision of float32 products there."""
+    precision = {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        **{k: os.environ[k] for k in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE") if k in os.environ},
+    }
     if not torch.cuda.is_available():
-        return {"name": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads()}
+        return {"name": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(), **precision}
     p = torch.cuda.get_device_properties(0)
-    return {"name": p.name, "memory_gb": round(p.total_memory / 2**30, 1), "torch": torch.__version__}
+    return {"name": p.name, "memory_gb": round(p.total_memory / 2**30, 1), "torch": torch.__version__, **precision}
+
+
+def product_error(k: int = 50_257, d: int = 768, device: str = "cuda") -> dict:
+    """Relative error of a float32 cross-covariance ``AᵀB`` (k × d factors, GPT-2's embedding) and of
+    its trace against float64, at the precision weight matching runs with: the size of the sums its
+    objective subtracts (a common reply's gain is ~2 % of an objective ~1e-4 of those sums)."""
+    from fedlmc.matching.weight import full_precision_products
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(k, d, generator=g)
+    a, b = a.to(device), (a + 0.02 * torch.randn(k, d, generator=g)).to(device)
+    exact = a.double().T @ b.double()
+    with full_precision_products():
+        c = (a.T @ b).double()
+    return {
+        "k": k,
+        "max_relative": float((c - exact).abs().max() / exact.abs().max()),
+        "trace_relative": float((c.trace() - exact.trace()).abs() / exact.trace().abs()),
+    }
 
 
 def gemm_reference(n: int = 8192, repeats: int = 10) -> dict:
@@ -233,7 +258,9 @@ def main() -> int:
         (out / "gpu_check.json").write_text(json.dumps(res, indent=2, default=str))
 
     if "reference" in steps_wanted:
-        res["reference"] = gemm_reference()
+        res["reference"] = (
+            {**gemm_reference(), "float32_product_error": product_error()} if torch.cuda.is_available() else {}
+        )
         print(f"gpu-check: reference {res['reference']}", flush=True)
         write()
     tests_proc = None
