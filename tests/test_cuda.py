@@ -134,6 +134,24 @@ def test_cuda_squared_norms_are_accumulated_in_float64():
     assert on.dtype == torch.float64 and abs(float(on) - exact) / exact < 1e-12
 
 
+def test_cuda_pair_curves_of_models_trained_on_the_device():
+    """The GPU check's paper step in miniature: two models trained on the device (early stopping), then
+    vanilla, weight-matching and learned curves evaluated there; alignment lowers the barrier."""
+    from fedlmc.data import load
+    from fedlmc.reproduce import pair_curves
+    from fedlmc.train import train_preset
+
+    splits = load("shakespeare", block_size=32, seed=0)
+    shape = dict(n_layer=2, d_model=32, d_ff=64)
+    models = [
+        train_preset("gpt2-tiny", splits, s, False, shape, steps=30, eval_every=10, keep_best=True)[0] for s in (0, 1)
+    ]
+    assert all(next(m.parameters()).is_cuda and "best" in m.meta for m in models)
+    out = pair_curves(*models, splits, ["vanilla", "wm-orth-factored", "learned"], learned_steps=5, progress=False)
+    assert out["wm-orth-factored"]["barrier"] < out["vanilla"]["barrier"]
+    assert out["learned"]["barrier"] < out["vanilla"]["barrier"]
+
+
 def test_cuda_server_aggregates_planted_replies_with_the_aligned_strategy(record):
     """A ServerApp on a GPU machine: ``AlignedFedAvg`` aligns 3 planted replies there and returns
     Flower arrays (on the CPU) of the planted model (the strategy test, run on the device)."""
