@@ -30,9 +30,12 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -291,12 +294,9 @@ def main() -> int:
             if failed_seeds:  # not retrained here: that would take the rest of the budget
                 raise RuntimeError(f"seeds {failed_seeds} did not finish training")
             res["paper"] = barriers(steps, args.learned_steps, trained)
-        except Exception as e:  # the rest of the check still runs; the JSON says what broke
-            import traceback
-
+        except Exception:  # the rest of the check still runs; the JSON says what broke
             res["paper"]["error"] = traceback.format_exc()
             print(res["paper"]["error"], flush=True)
-            del e
         print(f"gpu-check: paper {json.dumps(res['paper'].get('barriers'))}", flush=True)
         write()
     if "tests" in steps_wanted:
@@ -315,11 +315,15 @@ def main() -> int:
         }
         write()
         plan = "8:common:fedavg,8:common:aligned,8:common:aligned+min-gain"
-        res["bench"]["universe_scale"] = run(
-            [py, "bench/universe_scale.py", "--plan", plan, "--dir", "/tmp/fedlmc-scale", "--timeout", "300"]
-            + ["--out", str(out / "bench_universe_scale.json")],
-            left() - 10,
-        )
+        replies = tempfile.mkdtemp(prefix="fedlmc-scale-")  # 8 replies of 0.65 GB, removed after
+        try:
+            res["bench"]["universe_scale"] = run(
+                [py, "bench/universe_scale.py", "--plan", plan, "--dir", replies, "--timeout", "300"]
+                + ["--out", str(out / "bench_universe_scale.json")],
+                left() - 10,
+            )
+        finally:
+            shutil.rmtree(replies, ignore_errors=True)
         write()
     print(f"gpu-check: wrote {out / 'gpu_check.json'}")
     failed = res.get("tests", {}).get("failed", 0)
