@@ -166,6 +166,8 @@ def train(
     on_eval: Optional[Callable[[int, dict], None]] = None,
 ) -> dict[str, Any]:
     """Train ``model`` in place on ``data``; returns a history (losses, evaluations, seconds)."""
+    if cfg.keep_best and (val is None or not cfg.eval_every):
+        raise ValueError("keep_best keeps the best of the evaluations: give val and eval_every")
     dev = pick_device(cfg.device)
     model.to(dev).train()
     total = cfg.total_steps(data)

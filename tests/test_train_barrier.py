@@ -85,6 +85,8 @@ def test_keep_best_ends_with_the_weights_of_the_best_validation_loss(digits):
     assert hist["best"]["loss"] == min(losses) and hist["best"]["step"] < hist["evals"][-1]["step"]
     assert losses[-1] > min(losses) + 0.1  # it did overfit: the last weights are not the best
     assert abs(evaluate(m, digits.val)["loss"] - min(losses)) < 1e-5
+    with pytest.raises(ValueError, match="give val and eval_every"):
+        train(m, few, TrainConfig(steps=1, keep_best=True), progress=False)
     plain, plain_hist = run(False)
     assert "best" not in plain_hist
     assert abs(evaluate(plain, digits.val)["loss"] - plain_hist["evals"][-1]["loss"]) < 1e-5
