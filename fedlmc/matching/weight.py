@@ -52,19 +52,27 @@ def canonical_state(model: nn.Module, device: torch.device, dtype: torch.dtype) 
 @dataclass
 class Cross:
     """The moving tensors' part of the objective as a function of the residual map, for fixed unit
-    elements U: ``value(O) = constant − 2⟨G, O⟩`` (from ``‖A − U(B)Oᵀ‖² = ‖A‖² + ‖U(B)‖² − 2⟨AᵀU(B), O⟩``
-    per residual-indexed block, O orthogonal), and ``M = Σ_blocks (1/rows) AᵀU(B)``, the next residual
-    step's matrix. One pass over the tensors gives all three."""
+    elements U: ``value(O) = constant + 2⟨G, I − O⟩`` (from ``‖A − U(B)Oᵀ‖² = ‖A − U(B)‖² + 2⟨AᵀU(B),
+    I − O⟩`` per residual-indexed block, O orthogonal), and ``M = Σ_blocks (1/rows) AᵀU(B)``, the next
+    residual step's matrix. ``constant``, the value at O = I, comes from the distances themselves, so
+    the products' rounding enters only through how the value moves with O: near the identity (a reply
+    trained from the model it is aligned to, where ``Matching.min_gain`` compares gains of a few
+    percent) the value is as exact as the distances, whatever the fast dtype of the products."""
 
     constant: float
     G: torch.Tensor
     M: torch.Tensor
 
     def value(self, O: Optional[torch.Tensor]) -> float:
-        return self.constant - 2 * float((self.G * O).sum() if O is not None else self.G.trace())
+        return self.constant + (2 * float((self.G * _from_identity(O)).sum()) if O is not None else 0.0)
 
     def __add__(self, other: "Cross") -> "Cross":
         return Cross(self.constant + other.constant, self.G + other.G, self.M + other.M)
+
+
+def _from_identity(O: torch.Tensor) -> torch.Tensor:
+    """``I − O``, formed exactly (near the identity, ``tr G − ⟨G, O⟩`` would subtract two nearly equal sums)."""
+    return torch.eye(O.shape[0], dtype=O.dtype, device=O.device) - O
 
 
 class Fixed:
@@ -169,12 +177,12 @@ class Problem:
     Precision: the per-iteration products (B's tensors under the residual map, the FF similarity
     scores, the cross-covariances) multiply factors held in ``self.fast`` (``solvers.score_dtype``:
     bfloat16 for float32 problems on a CPU with native bfloat16, else the problem's dtype) and
-    accumulate in float32; residual map and gauges are solved in the problem's dtype. Rounding the
-    factors makes errors that mostly average out over each product's length: on the gpt2-small-shaped
-    bench pairs the objective is off by ~1e-5 per tensor against float32 products (121.1035 vs
-    121.1034; on the planted pair 0.0088 vs 0.0074: this CPU's bfloat16 dot products round with a
-    slight bias), far below the stopping tolerance; scores keep ~3 significant digits, which only
-    decide between near-ties.
+    accumulate in float32; residual map and gauges are solved in the problem's dtype. The objective
+    at the identity residual map comes from the distances themselves (``Cross``), so the factors'
+    rounding enters only through how the objective moves with O: a reply near A (trained from it)
+    gets the gain that ``Matching.min_gain`` compares about as exactly as with float32 products
+    (docs/performance.md), where cross-covariances of rounded factors alone subtract nearly equal
+    sums. Scores keep ~3 significant digits, which only decide between near-ties.
     On a CPU without native bfloat16 but with native int8 dot products, "auto" keeps every product in
     float32 except the FF similarity scores, which it takes as int8 products of row-scaled codes
     (``solvers.Int8Rows``): they only rank partners for the assignment, and the objective, the
@@ -194,7 +202,6 @@ class Problem:
         self.anchor_members, self.moving_members = F.anchor_members, F.moving_members
         self.dtype, self.fast = F.dtype, F.fast
         self._anchor_setup(A, B, F)
-        self._b_norms = {k: sq_norm(b) for k, b in self.B_mov.items()}  # kept by permutations, orthogonal gauges
         self.head_norms = {g: (nA, circuit_norms(B, self.spec, g)) for g, nA in F.head_norms.items()}
         self.A_fast = F.A_fast
         self.B_fast = {k: v.to(self.fast) for k, v in self.B_mov.items()}
@@ -217,16 +224,18 @@ class Problem:
         for m, (a, sq) in zip(self.anchor_members, F.anchor_rows):
             b, na = as_rows(B[m.param], m.axis), sq.clamp_min(1e-30)
             cross = (a.T @ b.to(self.fast)).to(self.dtype)  # embeddings, output heads: 50k rows
-            self._anchor_terms.append((cross, float((sq + sq_norm(b)) / na), na))
+            # the value at O = I from the distance itself (see ``Cross``)
+            self._anchor_terms.append((cross, float(sq_dist(A[m.param], B[m.param]) / na), na))
             self.M_anchor = self.M_anchor + cross / a.shape[0]
         self._constant = float(sum(sq_norm(A[k] - B[k]) / na for k, na in F.untouched.items()))
 
     def anchor_objective(self, O: Optional[torch.Tensor]) -> float:
         """The anchors' and untouched tensors' part of the objective under residual map ``O``."""
         if O is None:
-            O = torch.eye(self.cfg.d_model, dtype=self.M_anchor.dtype, device=self.M_anchor.device)
+            return self._constant + sum(const for _, const, _ in self._anchor_terms)
+        step = _from_identity(O)
         return self._constant + sum(
-            const - 2 * float((cross * O).sum() / na) for cross, const, na in self._anchor_terms
+            const + 2 * float((cross * step).sum() / na) for cross, const, na in self._anchor_terms
         )
 
     def objective(self, elements: Elements) -> float:
@@ -259,21 +268,20 @@ class Problem:
         if last is not None and all(_same(x, y) for x, y in zip(last[0], key)):
             return last[1]
         keys = [k for k in self.A_mov if (k in F.ff_params) == (part == "ff")]
-        UB = apply_elements({k: self.B_fast[k] for k in keys if k in axis}, self.cfg, units)
-        small = apply_elements({k: self.B_mov[k] for k in keys if k not in axis}, self.cfg, units)
-        stretched = {
-            k for g, el in units.items() if g in F.gauge_params and not _orthogonal(el) for k in F.gauge_params[g]
-        }  # invertible gauges change B's norms
+        # U(B) in the problem's dtype (its distance to A), its products in the fast one; only the
+        # part's groups that are not the identity act (the others leave B's tensors as they are)
+        acting = {g: units[g] for g in F.part_groups[part] if g in units and not _is_identity(units[g])}
+        UB = {k: self.B_mov[k] for k in keys}
+        UB = apply_elements(UB, self.cfg, acting) if acting else UB
         constant, G, M = 0.0, torch.zeros_like(self.M_anchor), torch.zeros_like(self.M_anchor)
         for k in keys:
-            a, na = self.A_mov[k], F.a_norms[k]
+            a, na, b = self.A_mov[k], F.a_norms[k], UB[k]
+            constant += float(sq_dist(a, b) / na)  # the value at O = I (see ``Cross``)
             if k not in axis:  # no residual axis (biases of units): O does not act on it
-                constant += float((a - small[k]).pow(2).sum() / na)
                 continue
-            b, ar = UB[k], as_rows(self.A_fast[k], axis[k])
-            C = (ar.T @ as_rows(b, axis[k])).to(self.dtype)
-            nb = b.to(self.dtype).pow(2).sum() if k in stretched else self._b_norms[k]
-            constant += float((na + nb) / na)
+            fast = self.B_fast[k] if b is self.B_mov[k] else b.to(self.fast)
+            ar = as_rows(self.A_fast[k], axis[k])
+            C = (ar.T @ as_rows(fast, axis[k])).to(self.dtype)
             G += C / na
             M += C / ar.shape[0]
         out = Cross(constant, G, M)
@@ -397,11 +405,6 @@ class Problem:
             return apply_elements(src, self.cfg, {"residual": O.to(self.fast)})
 
 
-def _orthogonal(G: torch.Tensor) -> bool:
-    eye = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
-    return bool(((G.transpose(-1, -2) @ G - eye).abs().max() < (1e-10 if G.dtype == torch.float64 else 1e-5)))
-
-
 @contextlib.contextmanager
 def full_precision_products():
     """float32 matrix products at full precision (no TF32 or bfloat16 passes) inside, as they were after."""
@@ -411,6 +414,21 @@ def full_precision_products():
         yield
     finally:
         torch.set_float32_matmul_precision(was)
+
+
+def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``‖a − b‖²``, a float64 scalar. On the CPU the difference is formed a piece at a time in one
+    buffer and each piece's squares summed by a BLAS dot, the pieces' sums in float64 (a sum of
+    squares subtracts nothing: ~1e-6 relative, against ~1e-4 the gains of ``Matching.min_gain`` ask)."""
+    if a.device.type != "cpu" or a.dtype not in (torch.float32, torch.float64):
+        return torch.linalg.vector_norm(a - b, dtype=torch.float64).square()
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    buf = torch.empty(min(fa.numel(), 1 << 18), dtype=fa.dtype)
+    sums = []
+    for x, y in zip(fa.split(len(buf)), fb.split(len(buf))):
+        d = torch.sub(x, y, out=buf[: len(x)])
+        sums.append(torch.dot(d, d))
+    return torch.stack(sums).double().sum() if sums else torch.zeros((), dtype=torch.float64)
 
 
 def sq_norm(t: torch.Tensor) -> torch.Tensor:
