@@ -340,3 +340,25 @@ def test_the_performance_page_gives_the_precision_benchs_barriers():
     )
     assert claim in page, got
     assert max(doc["max_abs_barrier_minus_exact"].values()) < 0.02
+
+
+def test_the_performance_page_gives_the_min_gain_precision_benchs_gains():
+    """The performance page's gains at each precision are the results file's, and there the fast
+    products move no gain by more than 0.001 (a tenth of a point) nor any reply's choice."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = json.loads((root / "results" / "bench_min_gain_precision.json").read_text())
+    page = " ".join((root / "docs" / "performance.md").read_text().split())
+    gains, s = doc["summary"]["gains"], doc["summary"]
+    span = {p: f"{100 * min(g):.2f}–{100 * max(g):.2f} %" for p, g in gains.items()}
+    claim = (
+        f"The gains are {span['auto']} with bfloat16 products and {span['exact']} with float32 ones "
+        f"(largest difference {100 * s['max_gain_difference']:.3f} points)"
+    )
+    assert claim in page, claim
+    secs = s["median_seconds"]
+    assert f"took {secs['auto']:.1f} s against {secs['exact']:.1f} s" in page
+    assert s["max_gain_difference"] < 1e-3 and s["max_identity_relative_difference"] < 1e-6 and s["same_choice"]
+    assert all(r[p]["gain"] < doc["min_gain"] for r in doc["replies"] for p in ("auto", "exact"))
