@@ -52,6 +52,7 @@ from _results import PeakMemory, environment, gemm_seconds, write_results  # noq
 
 from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.averaging import streamed_mean
+from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Scale
 from fedlmc.replies import read_ahead, save_model, stored
@@ -114,7 +115,7 @@ def one_run(args: argparse.Namespace) -> dict:
     gemm = gemm_seconds()
     release_freed_memory()
     arrival_seconds = None
-    with PeakMemory(every=0.05) as mem:
+    with PeakMemory(every=0.05) as mem, profiling() as prof:
         t0 = time.perf_counter()
         if args.strategy == "fedavg":
             streamed_fedavg(paths)
@@ -187,6 +188,9 @@ def one_run(args: argparse.Namespace) -> dict:
         "gemm_seconds": round(gemm, 3),
         "threads": torch.get_num_threads(),
         "load_average": os.getloadavg()[0],
+        # where the server process's time went (``fedlmc.matching.profile`` sections, nested; a worker's
+        # own sections stay in its process)
+        "profile_seconds": prof,
     }
 
 

@@ -66,7 +66,10 @@ class Canonical(Sequence):
 
     def __getitem__(self, i: int) -> nn.Module:  # type: ignore[override]
         kept = self._kept[i]
-        return kept if kept is not None else canonical(self.models[i].load())
+        if kept is not None:
+            return kept
+        with section("reading replies and canonical form"):  # a memory map's pages are read when touched
+            return canonical(self.models[i].load())
 
 
 @dataclass
