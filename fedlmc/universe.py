@@ -50,6 +50,10 @@ from .workers import AlignmentPool
 # Flower's own logger (its `flwr.supercore.log`), without importing Flower: the library runs without it
 log = logging.getLogger("flwr").log
 
+# a universe iteration that runs longer than this many seconds reports its progress (each such stretch
+# of its alignments, and its end), even without ``progress``: a round of many large replies takes minutes
+PROGRESS_EVERY = 10.0
+
 Model = Union[nn.Module, StoredModel]
 
 
@@ -356,7 +360,9 @@ def universe_merge(
     device : str or None
         Where matching and refinement run: CUDA when present, else CPU.
     progress : bool, default False
-        Log each universe iteration (how far it moved, seconds).
+        Log each universe iteration (how far it moved, seconds). Without it, an iteration that takes
+        more than ``PROGRESS_EVERY`` seconds (10) still logs how many models it has aligned every 10 s
+        (aligning in this process) and its end.
     scale : Scale or None
         ``Scale(workers=n)`` aligns each iteration's models in ``n`` worker processes (or Ray tasks),
         the models read from their files there (models in memory are written to a temporary store
@@ -518,14 +524,14 @@ def _iterate(
             for i, T in done.items():
                 transforms[i] = T
         else:
-            acc = _align_here(universe, mem, todo, warm, transforms, align, streamed)
+            acc = _align_here(universe, mem, todo, warm, transforms, align, streamed, it + 1)
         with section("universe averages"):
             new = (
                 rebuild(universe, acc.mean(), own=True) if streamed else mem.merge(transforms, reduce=reduce, trim=trim)
             )
             moved = _relative_change(universe, new)
         universe = new
-        if progress:
+        if progress or time.time() - t0 > PROGRESS_EVERY:
             log(
                 INFO,
                 "universe iteration %d: %d models aligned, moved %.2e, %.1f s",
@@ -549,14 +555,18 @@ def _align_here(
     transforms: list[Transform],
     align: dict,
     streamed: bool,
+    iteration: int = 1,
 ) -> Optional[RunningSum]:
     """One iteration's alignments in this process, one model at a time (each read when its turn comes);
-    ``streamed``: each aligned model is added to the returned weighted sum while it is at hand."""
+    ``streamed``: each aligned model is added to the returned weighted sum while it is at hand. Every
+    ``PROGRESS_EVERY`` seconds it logs how many of ``todo`` are aligned (universe iteration ``iteration``)."""
     residual_data = align["matching"].residual_data
     states = residual_states(universe, residual_data) if residual_data is not None else None
     reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
     acc = RunningSum() if streamed else None
     weights = list(mem.weights)  # as they are now (an exclusion below rescales mem.weights; the mean divides)
+    t0 = last = time.time()
+    done = 0
     for i in read_ahead(mem.live, lambda j: mem.models[j]):  # the next file read while this one is aligned
         m = mem.load(i) if i in todo or streamed else None
         if m is None:
@@ -566,6 +576,17 @@ def _align_here(
                 residual_activation_cross(universe, m, residual_data, states_a=states) if states is not None else None
             )
             transforms[i] = weight_matching(universe, m, warm_start=warm[i], residual_acts=acts, reuse=reuse, **align)
+            done += 1
+            if time.time() - last > PROGRESS_EVERY and done < len(todo):
+                last = time.time()
+                log(
+                    INFO,
+                    "universe iteration %d: %d of %d models aligned, %.0f s",
+                    iteration,
+                    done,
+                    len(todo),
+                    last - t0,
+                )
         if streamed:
             with section("universe averages"):
                 acc.add(aligned_state(m, transforms[i]), weights[i])

@@ -212,3 +212,42 @@ def test_a_descent_that_gives_up_skips_the_cross_covariances_only_a_further_iter
     assert ref.info["gave_up"] == "paper" and crosses == [1, 1]
     got, want = T.info["trace"]["paper"][-1], ref.info["trace"]["paper"][-1]
     assert abs(got - want) <= 1e-9 * want, (got, want)
+
+
+def test_a_long_universe_iteration_reports_its_progress_without_being_asked(monkeypatch):
+    """An iteration longer than ``PROGRESS_EVERY`` seconds logs how many models it has aligned, and its
+    end, on Flower's logger; a short one says nothing unless ``progress`` is asked for."""
+    import logging
+
+    import fedlmc.universe as universe_module
+
+    base = _base()
+    copies = [
+        _noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
+        for s in range(4)
+    ]
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("flwr")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        universe_merge(copies, iterations=1)  # short iterations: quiet
+        assert not [x for x in lines if x.startswith("universe iteration")]
+        monkeypatch.setattr(universe_module, "PROGRESS_EVERY", 0.0)  # every iteration is "long"
+        universe_merge(copies, iterations=1)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    # the universe starts as one of the 4 copies: 3 to align; a line after each but the last, then the end
+    progress = [x for x in lines if x.startswith("universe iteration 1:")]
+    assert [x.split(",")[0] for x in progress] == [
+        "universe iteration 1: 1 of 3 models aligned",
+        "universe iteration 1: 2 of 3 models aligned",
+        "universe iteration 1: 3 models aligned",
+    ]
