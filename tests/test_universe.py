@@ -202,16 +202,22 @@ def test_a_descent_that_gives_up_skips_the_cross_covariances_only_a_further_iter
 
     base = _base()
     reply = _noisy(canonicalize(base), 0.01, 10)
-    crosses, real = [], weight_module._crosses
+    crosses, real, real_settled = [], weight_module._crosses, weight_module._settled_value
     monkeypatch.setattr(weight_module, "_crosses", lambda P, el: crosses.append(1) or real(P, el))
     T = weight_matching(base, reply, Matching(min_gain=0.4))
     assert T.info["gave_up"] == "paper" and crosses == [1], (T.info, crosses)
-    monkeypatch.setattr(weight_module, "_settled_value", lambda *a: None)  # the value from the crosses
+    monkeypatch.setattr(weight_module, "_settled_value", lambda *a, **k: None)  # the value from the crosses
     crosses.clear()
     ref = weight_matching(base, reply, Matching(min_gain=0.4))
     assert ref.info["gave_up"] == "paper" and crosses == [1, 1]
     got, want = T.info["trace"]["paper"][-1], ref.info["trace"]["paper"][-1]
     assert abs(got - want) <= 1e-9 * want, (got, want)
+    # with bfloat16 products too: the rest rotated in the problem's dtype, so its distances are exact
+    monkeypatch.setattr(weight_module, "_settled_value", real_settled)
+    crosses.clear()
+    fast = weight_matching(base, reply, Matching(min_gain=0.4, precision="bfloat16"))
+    assert fast.info["gave_up"] == "paper" and crosses == [1], (fast.info, crosses)
+    assert abs(fast.info["trace"]["paper"][-1] - got) <= 1e-2 * got
 
 
 def test_a_long_universe_iteration_reports_its_progress_without_being_asked(monkeypatch):

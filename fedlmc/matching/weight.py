@@ -243,13 +243,25 @@ class Problem:
         O = elements.get("residual")
         return self.anchor_objective(O) + (self.cross(elements, "ff") + self.cross(elements, "rest")).value(O)
 
-    def rotated(self, O: torch.Tensor, ff: bool = True) -> StateDict:
+    def rotated(self, O: torch.Tensor, ff: bool = True, exact: bool = False) -> StateDict:
         """B's moving tensors under the residual map ``O``: FF members (read by the FF scores) in the
         fast dtype, the rest (read by the head and gauge steps) back in the problem's dtype; ``ff=False``:
-        the rest only."""
-        src = self.B_fast if ff else {k: v for k, v in self.B_fast.items() if k not in self.fixed.ff_params}
+        the rest only. ``exact``: the rest rotated in the problem's dtype (not from the fast copy), so
+        that ``rest_value`` can take the distances from it."""
+        ffp = self.fixed.ff_params
+        src = {k: v for k, v in (self.B_mov if exact else self.B_fast).items() if k not in ffp}
+        if exact and self.fast != self.dtype:
+            out = apply_elements(src, self.cfg, {"residual": O})
+            if ff:
+                fast = apply_elements(
+                    {k: v for k, v in self.B_fast.items() if k in ffp}, self.cfg, {"residual": O.to(self.fast)}
+                )
+                out.update(fast)
+            return out
+        if ff:
+            src.update({k: v for k, v in self.B_fast.items() if k in ffp})
         out = apply_elements(src, self.cfg, {"residual": O.to(self.fast)})
-        return {k: v if k in self.fixed.ff_params else v.to(self.dtype) for k, v in out.items()}
+        return {k: v if k in ffp else v.to(self.dtype) for k, v in out.items()}
 
     def cross(self, elements: Elements, part: str) -> Cross:
         """``Cross`` of A with U(B), U the unit elements (any residual element is ignored), over the
@@ -290,16 +302,17 @@ class Problem:
         self._last_cross[part] = (key, out)
         return out
 
-    def rest_value(self, elements: Elements, B_rest: StateDict) -> Optional[float]:
+    def rest_value(self, elements: Elements, B_rest: StateDict, exact: bool = False) -> Optional[float]:
         """``cross(elements, "rest").value(O)`` as the distances themselves, ``Σ ‖A − T(B)‖² / ‖A‖²``
-        over the tensors outside the FF members, from ``B_rest = rotated(O, ff=False)``: one elementwise
-        pass where the cross-covariances cost a matrix product per tensor (a single, fixed O needs no
-        products). None when B's tensors were rounded to a faster dtype (the distances would carry it)."""
-        if self.fast != self.dtype:
+        over the tensors outside the FF members, from ``B_rest = rotated(O, ff=False, exact)``: one
+        elementwise pass where the cross-covariances cost a matrix product per tensor (a single, fixed O
+        needs no products). None when B's tensors were rounded to a faster dtype (not ``exact``: the
+        distances would carry the rounding)."""
+        if self.fast != self.dtype and not exact:
             return None
         F = self.fixed
         TB = apply_elements(B_rest, self.cfg, {g: elements[g] for g in F.part_groups["rest"] if g in elements})
-        return float(sum(sq_norm(self.A_mov[k] - b) / F.a_norms[k] for k, b in TB.items()))
+        return float(sum(sq_dist(self.A_mov[k], b) / F.a_norms[k] for k, b in TB.items()))
 
     def ff_units(self, O: torch.Tensor, current: Elements, candidates: Optional[int]) -> Elements:
         """The FF step under residual map O from ``current``: every layer whose current permutation the
@@ -531,8 +544,8 @@ def coordinate_descent(
             O = elements["residual"] = residual_element(M, residual, keep_layernorm)
         if trace and settled and trace[-1] - X.value(O) - P.anchor_objective(O) < tol * trace[-1] + floor:
             return _finish(P, elements, old, X_ff, trace, it, gauge)
-        with section("apply residual map"):
-            B_res = P.rotated(O, ff=False)
+        with section("apply residual map"):  # exact where the descent may give up (its value from the distances)
+            B_res = P.rotated(O, ff=False, exact=give_up is not None)
         # units given the residual map
         elements.update(P.heads_units(O, B_res, old))
         elements.update(P.ff_units(O, old, candidates))
@@ -551,7 +564,7 @@ def coordinate_descent(
         limit = give_up if settled else None
         if limit is not None and (not trace or trace[-1] > limit):  # it may give up here: its value first,
             # without the cross-covariances (a descent already below the limit goes on, or stops on its gain)
-            value = _settled_value(P, elements, O, B_res)
+            value = _settled_value(P, elements, O, B_res, exact=True)
             end = None if value is None else _ending(trace, value, old, elements, it, tol, floor, limit)
             if end is not None:
                 return end
@@ -586,13 +599,15 @@ def _ending(
     return None
 
 
-def _settled_value(P: Problem, elements: Elements, O: torch.Tensor, B_res: StateDict) -> Optional[float]:
+def _settled_value(
+    P: Problem, elements: Elements, O: torch.Tensor, B_res: StateDict, exact: bool = False
+) -> Optional[float]:
     """The objective of ``elements`` whose permutations are those of the last crosses (so the FF part's
     ``Cross`` is at hand), the rest's part from the distances themselves (``Problem.rest_value``): the
     value a descent that may stop needs, without the rest's cross-covariances (a product per tensor)
     that only a further iteration would read. None where ``rest_value`` gives none."""
     with section("objective"):
-        rest = P.rest_value(elements, B_res)
+        rest = P.rest_value(elements, B_res, exact)
         return None if rest is None else P.cross(elements, "ff").value(O) + rest + P.anchor_objective(O)
 
 
@@ -612,11 +627,11 @@ def _finish(
     O, rest = elements["residual"], None
     if gauge:
         with section("gauges"):
-            B_rest = P.rotated(O, ff=False)
+            B_rest = P.rotated(O, ff=False, exact=True)
             B_heads = apply_elements(B_rest, P.cfg, elements, ("heads", "qheads"))
             elements.update(gauge_step(P.A_mov, B_heads, P.spec, gauge, P.A_sides))
         with section("objective"):
-            rest = P.rest_value(elements, B_rest)
+            rest = P.rest_value(elements, B_rest, exact=True)
         del B_rest, B_heads
     if rest is None:
         with section("residual cross-covariances"):
