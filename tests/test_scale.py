@@ -598,3 +598,30 @@ def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatc
         replies.prefetch(paths[0])
         assert advised == [os.POSIX_FADV_WILLNEED]
     replies.prefetch(tmp_path / "missing.safetensors")  # nothing to read: no error (load() will say why)
+
+
+def test_mmap_performance_page_gives_the_amd_round_of_64():
+    """The performance page's M = 64 round on the AMD VM is the results file's (the workers' round the
+    median of 3 runs), every reply kept the identity, and the server held no more than ~6 models."""
+    runs, page = _scale_bench("bench_universe_scale_amd")
+    workers, here, fedavg = (
+        runs[(64, s)] for s in ("aligned-parallel+min-gain+at-arrival", "aligned+min-gain+at-arrival", "fedavg")
+    )
+    page = " ".join(page.split())
+    claim = (
+        f"M = 64: {workers['seconds']:.1f} s a round with two workers once the last reply is in** (median of 3, "
+        f"{workers['seconds_per_reply_iteration']:.2f} s per reply, {workers['seconds'] / fedavg['seconds']:.1f} times "
+        f"FedAvg's {fedavg['seconds']:.1f} s on the same files), {here['seconds']:.1f} s in the server's process"
+    )
+    assert claim in page, claim
+    assert sorted(r["seconds"] for r in workers["repeats"])[1] == workers["seconds"]
+    assert f"{workers['seconds']:.0f} s on the AMD VM (median of 3" in page
+    results_page = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
+    assert (
+        f"{workers['seconds']:.1f} s with 2 workers once the last reply is in (median of 3; "
+        f"+{workers['arrival_seconds']:.0f} s of arrival work), {here['seconds']:.1f} s in-process, FedAvg "
+        f"{fedavg['seconds']:.1f} s"
+    ) in results_page
+    for r in (workers, here):
+        assert r["identity_kept"] == r["gave_up"] == 64 and r["universe_iterations"] == 1
+        assert r["peak_rss_in_models"] <= 6.5
