@@ -227,7 +227,7 @@ class Problem:
             # the value at O = I from the distance itself (see ``Cross``)
             self._anchor_terms.append((cross, float(sq_dist(A[m.param], B[m.param]) / na), na))
             self.M_anchor = self.M_anchor + cross / a.shape[0]
-        self._constant = float(sum(sq_norm(A[k] - B[k]) / na for k, na in F.untouched.items()))
+        self._constant = float(sum(sq_dist(A[k], B[k]) / na for k, na in F.untouched.items()))
 
     def anchor_objective(self, O: Optional[torch.Tensor]) -> float:
         """The anchors' and untouched tensors' part of the objective under residual map ``O``."""
