@@ -360,5 +360,7 @@ def test_the_performance_page_gives_the_min_gain_precision_benchs_gains():
     assert claim in page, claim
     secs = s["median_seconds"]
     assert f"took {secs['auto']:.1f} s against {secs['exact']:.1f} s" in page
+    results_page = (root / "docs" / "results.md").read_text()
+    assert f"gains within {100 * s['max_gain_difference']:.3f} points of float32's" in results_page
     assert s["max_gain_difference"] < 1e-3 and s["max_identity_relative_difference"] < 1e-6 and s["same_choice"]
     assert all(r[p]["gain"] < doc["min_gain"] for r in doc["replies"] for p in ("auto", "exact"))
