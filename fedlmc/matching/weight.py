@@ -249,19 +249,15 @@ class Problem:
         the rest only. ``exact``: the rest rotated in the problem's dtype (not from the fast copy), so
         that ``rest_value`` can take the distances from it."""
         ffp = self.fixed.ff_params
-        src = {k: v for k, v in (self.B_mov if exact else self.B_fast).items() if k not in ffp}
-        if exact and self.fast != self.dtype:
-            out = apply_elements(src, self.cfg, {"residual": O})
-            if ff:
-                fast = apply_elements(
-                    {k: v for k, v in self.B_fast.items() if k in ffp}, self.cfg, {"residual": O.to(self.fast)}
-                )
-                out.update(fast)
-            return out
+        out = {}
         if ff:
-            src.update({k: v for k, v in self.B_fast.items() if k in ffp})
-        out = apply_elements(src, self.cfg, {"residual": O.to(self.fast)})
-        return {k: v if k in ffp else v.to(self.dtype) for k, v in out.items()}
+            out = apply_elements(
+                {k: v for k, v in self.B_fast.items() if k in ffp}, self.cfg, {"residual": O.to(self.fast)}
+            )
+        rest = {k: v for k, v in (self.B_mov if exact else self.B_fast).items() if k not in ffp}
+        rest = apply_elements(rest, self.cfg, {"residual": O if exact else O.to(self.fast)})
+        out.update({k: v.to(self.dtype) for k, v in rest.items()})
+        return out
 
     def cross(self, elements: Elements, part: str) -> Cross:
         """``Cross`` of A with U(B), U the unit elements (any residual element is ignored), over the
@@ -272,7 +268,8 @@ class Problem:
         units = {k: v for k, v in elements.items() if k != "residual"}
         F, axis = self.fixed, self.fixed.axis
         # only the part's groups act on its tensors: the identity's cross while those are the identity
-        identity = all(_is_identity(units[g]) for g in F.part_groups[part] if g in units)
+        acting = {g: units[g] for g in F.part_groups[part] if g in units and not _is_identity(units[g])}
+        identity = not acting
         if identity and part in self._identity_cross:
             return self._identity_cross[part]
         key = [units.get(g) for g in F.part_groups[part]]  # only these groups act on the part's tensors
@@ -282,7 +279,6 @@ class Problem:
         keys = [k for k in self.A_mov if (k in F.ff_params) == (part == "ff")]
         # U(B) in the problem's dtype (its distance to A), its products in the fast one; only the
         # part's groups that are not the identity act (the others leave B's tensors as they are)
-        acting = {g: units[g] for g in F.part_groups[part] if g in units and not _is_identity(units[g])}
         UB = {k: self.B_mov[k] for k in keys}
         UB = apply_elements(UB, self.cfg, acting) if acting else UB
         constant, G, M = 0.0, torch.zeros_like(self.M_anchor), torch.zeros_like(self.M_anchor)
