@@ -560,7 +560,7 @@ def coordinate_descent(
         limit = give_up if settled else None
         if limit is not None and (not trace or trace[-1] > limit):  # it may give up here: its value first,
             # without the cross-covariances (a descent already below the limit goes on, or stops on its gain)
-            value = _settled_value(P, elements, O, B_res, exact=True)
+            value = _settled_value(P, elements, O, B_res)
             end = None if value is None else _ending(trace, value, old, elements, it, tol, floor, limit)
             if end is not None:
                 return end
@@ -595,15 +595,14 @@ def _ending(
     return None
 
 
-def _settled_value(
-    P: Problem, elements: Elements, O: torch.Tensor, B_res: StateDict, exact: bool = False
-) -> Optional[float]:
+def _settled_value(P: Problem, elements: Elements, O: torch.Tensor, B_res: StateDict) -> Optional[float]:
     """The objective of ``elements`` whose permutations are those of the last crosses (so the FF part's
-    ``Cross`` is at hand), the rest's part from the distances themselves (``Problem.rest_value``): the
-    value a descent that may stop needs, without the rest's cross-covariances (a product per tensor)
-    that only a further iteration would read. None where ``rest_value`` gives none."""
+    ``Cross`` is at hand), the rest's part from the distances themselves (``Problem.rest_value`` of
+    ``B_res = rotated(O, ff=False, exact=True)``): the value a descent that may stop needs, without the
+    rest's cross-covariances (a product per tensor) that only a further iteration would read. None where
+    ``rest_value`` gives none."""
     with section("objective"):
-        rest = P.rest_value(elements, B_res, exact)
+        rest = P.rest_value(elements, B_res, exact=True)
         return None if rest is None else P.cross(elements, "ff").value(O) + rest + P.anchor_objective(O)
 
 
