@@ -75,6 +75,8 @@ def main() -> None:
                 "gain": 1.0 - obj["paper"] / obj["identity"],
                 "gave_up": "gave_up" in T.info,
                 "chosen": T.info["chosen"],
+                # parts whose cross-covariances were AᵀA + Aᵀ(B − A), the difference an int8 product
+                "difference_products": T.info.get("difference_products", []),
             }
         res["replies"].append(row)
         print(

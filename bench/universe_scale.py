@@ -23,7 +23,9 @@ with ``Scale(workers=0)``: one worker process per core, each on cores / workers 
 alignment removes more than 10 % of its distance to the universe); ``+once`` runs one universe
 iteration (e.g. ``--plan 64:common:aligned-parallel+min-gain+once``); ``+float32`` keeps every
 product of weight matching in float32 (``Matching(precision="exact")``, the reference for the CPU's
-fast products: bfloat16 factors, or int8 FF scores); ``+from-mean`` starts the common replies' universe
+fast products: bfloat16 factors, or int8 FF scores); ``+bfloat16`` takes bfloat16 products everywhere
+(``Matching(precision="bfloat16")``: without the difference form ``AᵀA + Aᵀ(B − A)`` that
+``precision="auto"`` takes for replies near the universe); ``+from-mean`` starts the common replies' universe
 at their plain mean instead of G (``universe_start="mean"``), streamed from the files; ``+at-arrival``
 starts it at the mean summed as the replies arrive (``universe.ArrivingMean``, what the strategy does
 with replies on disk): each reply is read once, canonicalised and added before the round's clock starts,
@@ -134,7 +136,9 @@ def one_run(args: argparse.Namespace) -> dict:
                 "aligned-parallel": Scale(workers=0, backend="process"),
                 "aligned-ray": Scale(workers=0, backend="ray", ray_address=args.ray_address),
             }[base]
-            matching = Matching(min_gain=MIN_GAIN if gain else 0.0, precision="exact" if "float32" in flags else "auto")
+            # "+bfloat16": bfloat16 products everywhere, without the difference form of near replies
+            precision = "exact" if "float32" in flags else "bfloat16" if "bfloat16" in flags else "auto"
+            matching = Matching(min_gain=MIN_GAIN if gain else 0.0, precision=precision)
             # common replies are LayerNorm models (kept so, as AlignedFedAvg does); independent ones were
             # written in canonical form under a random rotation of the residual stream
             keep = args.kind == "common"
@@ -256,6 +260,7 @@ def table(res: dict) -> str:
             "aligned+min-gain+at-arrival",
             "aligned-1thread+min-gain+at-arrival",
             "aligned-parallel+min-gain+at-arrival",
+            "aligned-parallel+min-gain+at-arrival+bfloat16",
         )
         if any(r["strategy"] == s for r in res["runs"])
     ]

@@ -200,7 +200,7 @@ def test_a_straight_through_permutation_gathers_with_the_dense_products_values_a
     """A relaxed permutation whose value is a permutation matrix (the straight-through estimator) is
     applied by gathering; values and the gradients of the tensor and of the matrix equal the dense
     product's (the Kronecker path every other relaxed element takes)."""
-    from fedlmc.symmetry.transform import _apply_along, _as_permutation, _GatherStraightThrough
+    from fedlmc.symmetry.transform import _as_permutation, _GatherStraightThrough, apply_along
 
     g = torch.Generator().manual_seed(0)
     n = shape[axis] // block
@@ -210,7 +210,7 @@ def test_a_straight_through_permutation_gathers_with_the_dense_products_values_a
     assert torch.equal(_as_permutation(P), perm) and _as_permutation(torch.softmax(latent, 1)) is None
     t = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(shape, generator=g, dtype=torch.float64)
-    dense = _apply_along(t, axis, torch.kron(P, torch.eye(block, dtype=P.dtype)))
+    dense = apply_along(t, axis, torch.kron(P, torch.eye(block, dtype=P.dtype)))
     fast = _GatherStraightThrough.apply(t, P, perm, axis, block)
     assert torch.equal(fast, dense)
     gd = torch.autograd.grad((dense * w).sum(), (t, latent))

@@ -21,10 +21,11 @@ from ..averaging import interpolate
 from ..cpu import fitting_threads
 from ..options import PRECISIONS, Matching
 from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
+from ..symmetry.transform import apply_along
 from ..train import evaluate, pick_device
 from .certify import ROTATE_FIRST, certify, certify_heads, circuit_gram, gram_row_max, rotation_size
 from .profile import section
-from .solvers import Elements, Int8Rows, int8_scores, score_dtype
+from .solvers import Elements, Int8Blocks, Int8Rows, delta_crosses, int8_scores, score_dtype
 from .steps import (
     CIRCUITS,
     anchors,
@@ -62,6 +63,7 @@ class Cross:
     constant: float
     G: torch.Tensor
     M: torch.Tensor
+    delta: bool = False  # its products in the difference form (``Fixed.delta``)
 
     def value(self, O: Optional[torch.Tensor]) -> float:
         return self.constant + (2 * float((self.G * _from_identity(O)).sum()) if O is not None else 0.0)
@@ -70,18 +72,80 @@ class Cross:
         return Cross(self.constant + other.constant, self.G + other.G, self.M + other.M)
 
 
+def _cross(F: "Fixed", part: str, A: StateDict, B: StateDict, axis: dict, B_fast: Optional[dict]) -> Cross:
+    """``Cross`` of A's and B's tensors (``axis``: each one's residual axis; tensors without one enter
+    the constant only). ``constant`` from the distances; the products of A's fast-dtype copies with B's
+    (``B_fast`` where B's tensor is that problem's own, else converted), or, with ``F.delta`` and every
+    tensor of ``F.delta_keys(part)`` near A's (``NEAR``), ``AᵀA + Aᵀ(B − A)`` for those (A's Gram
+    matrices summed once, ``Fixed.gram_sums``; the differences' products in int8) and exact products
+    for the others (a few rows each)."""
+    dist = {k: float(sq_dist(A[k], B[k])) for k in A}
+    nA = F.a_norms
+    delta_keys = F.delta_keys(part) if F.delta else []
+    delta = bool(delta_keys) and all(dist[k] <= NEAR * float(nA[k]) for k in delta_keys)
+    G, M = (t.clone() for t in F.gram_sums(part)) if delta else (None, None)
+    constant = 0.0
+    for k in A:
+        constant += dist[k] / float(nA[k])  # the value at O = I (see ``Cross``)
+        if k not in axis:  # no residual axis (biases of units): O does not act on it
+            continue
+        if delta and k in delta_keys:
+            C = F.codes(k).delta_cross(as_rows(A[k], axis[k]), as_rows(B[k], axis[k])).to(F.dtype)
+        elif delta:  # a few rows (biases): exact, at no cost
+            C = as_rows(A[k], axis[k]).T @ as_rows(B[k], axis[k])
+        else:
+            fast = B_fast[k] if B_fast is not None and B[k] is B_fast.src[k] else B[k].to(F.fast)
+            a = as_rows(F.A_fast[k], axis[k]) if k in F.A_fast else F.anchor_fast[k]
+            C = (a.T @ as_rows(fast, axis[k])).to(F.dtype)  # embeddings, output heads: 50k rows
+        if G is None:
+            G, M = torch.zeros_like(C), torch.zeros_like(C)
+        G += C / nA[k]
+        M += C / (A[k].numel() // A[k].shape[axis[k]])  # ÷ rows
+    if G is None:
+        d = F.cfg.d_model
+        G = M = torch.zeros(d, d, dtype=F.dtype, device=next(iter(F.A.values())).device)
+    return Cross(constant, G, M, delta)
+
+
+class _Cast(dict):
+    """``src``'s tensors in ``dtype``, each converted when first read."""
+
+    def __init__(self, src: StateDict, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.src, self.dtype = src, dtype
+
+    def __missing__(self, k: str) -> torch.Tensor:
+        v = self[k] = self.src[k].to(self.dtype)
+        return v
+
+
 def _from_identity(O: torch.Tensor) -> torch.Tensor:
     """``I − O``, formed exactly (near the identity, ``tr G − ⟨G, O⟩`` would subtract two nearly equal sums)."""
     return torch.eye(O.shape[0], dtype=O.dtype, device=O.device) - O
+
+
+# a tensor of B within this relative squared distance of A's (10 % of its norm) is "near": its
+# cross-covariance may be taken as ``AᵀA + Aᵀ(B − A)`` (``Fixed.delta``)
+NEAR = 0.01
+DELTA_ROWS = 64  # tensors with fewer rows (biases) keep the direct product
+SMALL_TURN = 0.1  # ‖O − I‖_F up to which an exact rotation takes its correction from the fast copy
 
 
 class Fixed:
     """What a matching computes from model A alone (A stays fixed while B is aligned to it): the moving
     and anchor tensors, their norms and fast-dtype copies, A's FF features, head circuit norms and head
     factors. Built once per A: a universe iteration aligns every model to the same A (``weight_matching``'s
-    ``reuse``), which saved ~0.35 s of each gpt2-small-sized problem's 0.6 s set-up."""
+    ``reuse``), which saved ~0.35 s of each gpt2-small-sized problem's 0.6 s set-up.
 
-    def __init__(self, A: StateDict, cfg, precision: str = "auto") -> None:
+    ``delta``: the cross-covariances of a B near A are ``AᵀA + Aᵀ(B − A)``, A's Gram matrices summed
+    once per A and the difference's product in int8 (``solvers.Int8Blocks``: half a bfloat16 product's
+    time, and its rounding relative to the small difference). Default (None): where
+    ``solvers.delta_crosses`` allows it under ``precision="auto"`` and A is ``shared`` by many problems
+    (a universe iteration: the Grams cost one direct product, once)."""
+
+    def __init__(
+        self, A: StateDict, cfg, precision: str = "auto", shared: bool = False, delta: Optional[bool] = None
+    ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.A, self.cfg, self.precision = A, cfg, precision
@@ -109,9 +173,10 @@ class Fixed:
             precision == "int8" or (precision == "auto" and int8_scores(ref.dtype, ref.device, size))
         )
         self._a_int8: dict[str, Int8Rows] = {}
-        rows = [as_rows(A[m.param], m.axis) for m in self.anchor_members]
-        self.anchor_rows = [(a.to(self.fast), sq_norm(a)) for a in rows]
-        self.a_norms = {k: sq_norm(a).clamp_min(1e-30) for k, a in self.A_mov.items()}
+        self._anchor_axis = {m.param: m.axis for m in self.anchor_members}
+        self.anchor_fast = {m.param: as_rows(A[m.param], m.axis).to(self.fast) for m in self.anchor_members}
+        # the moving tensors' and anchors' squared norms (each tensor's weight in the objective)
+        self.a_norms = {k: sq_norm(A[k]).clamp_min(1e-30) for k in [*self.A_mov, *self._anchor_axis]}
         self.head_norms = {g.name: circuit_norms(A, self.spec, g.name) for g in self.spec.layer_groups("heads")}
         self.ff_params = {m.param for g in ff for m in g.members}
         self.gauge_params = {
@@ -136,6 +201,49 @@ class Fixed:
         }
         self._gram_max: dict[str, torch.Tensor] = {}
         self._circuit_gram: dict[str, torch.Tensor] = {}
+        if delta is None:
+            delta = shared and precision == "auto" and delta_crosses(ref.dtype, ref.device, size)
+        self.delta = delta
+        self._codes: dict[str, Int8Blocks] = {}
+        self._gram_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def delta_keys(self, part: str) -> list[str]:
+        """The tensors of ``part`` ("ff", "rest" or "anchor") whose cross-covariance may be taken in the
+        difference form (``delta``): those with a residual axis and at least ``DELTA_ROWS`` rows."""
+        if part == "anchor":
+            keys = list(self._anchor_axis)
+        else:
+            keys = [k for k in self.A_mov if k in self.axis and (k in self.ff_params) == (part == "ff")]
+        return [k for k in keys if self.A[k].numel() >= DELTA_ROWS * self.cfg.d_model]
+
+    def rows(self, k: str) -> torch.Tensor:
+        """A's tensor ``k`` as rows (one per vector along its residual axis)."""
+        return as_rows(self.A[k], self.axis[k] if k in self.axis else self._anchor_axis[k])
+
+    def codes(self, k: str) -> Int8Blocks:
+        """A's tensor ``k`` as int8 blocks (coded once per A)."""
+        if k not in self._codes:
+            with section("anchor cross-covariances" if k in self._anchor_axis else "residual cross-covariances"):
+                self._codes[k] = Int8Blocks(self.rows(k))
+        return self._codes[k]
+
+    def gram_sums(self, part: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Σ AᵀA / ‖A‖²`` and ``Σ AᵀA / rows`` over ``delta_keys(part)`` (computed once per A, from the
+        fast-dtype copies: their rounding is symmetric, so it does not turn the residual map)."""
+        if part not in self._gram_sums:
+            with section("anchor cross-covariances" if part == "anchor" else "residual cross-covariances"):
+                d = self.cfg.d_model
+                ref = next(iter(self.A.values()))
+                G = torch.zeros(d, d, dtype=self.dtype, device=ref.device)
+                M = torch.zeros_like(G)
+                for k in self.delta_keys(part):
+                    a = self.rows(k).to(self.fast)
+                    K = (a.T @ a).to(self.dtype)
+                    K = (K + K.T) / 2
+                    G += K / self.a_norms[k]
+                    M += K / a.shape[0]
+                self._gram_sums[part] = (G, M)
+        return self._gram_sums[part]
 
     def circuit_gram(self, gauge: str, XA: torch.Tensor, YA: torch.Tensor) -> torch.Tensor:
         """``certify.circuit_gram`` of A's heads in gauge group ``gauge`` (computed once per A)."""
@@ -204,7 +312,7 @@ class Problem:
         self._anchor_setup(A, B, F)
         self.head_norms = {g: (nA, circuit_norms(B, self.spec, g)) for g, nA in F.head_norms.items()}
         self.A_fast = F.A_fast
-        self.B_fast = {k: v.to(self.fast) for k, v in self.B_mov.items()}
+        self.B_fast = _Cast(self.B_mov, self.fast)
         self.A_features = F.A_features
         self._identity_cross: dict[str, Cross] = {}
         self._last_cross: dict[str, tuple[list, Cross]] = {}  # per part: the elements it was computed for
@@ -215,28 +323,17 @@ class Problem:
         self._rotation: Optional[tuple[torch.Tensor, float, float]] = None
 
     def _anchor_setup(self, A: StateDict, B: StateDict, F: Fixed) -> None:
-        """Per-tensor pieces of the objective for tensors outside the moving set, and (from the same
-        products) the anchors' fixed part of every residual step."""
-        self._anchor_terms = []
-        self.M_anchor = torch.zeros(
-            self.cfg.d_model, self.cfg.d_model, dtype=self.dtype, device=A[next(iter(A))].device
-        )
-        for m, (a, sq) in zip(self.anchor_members, F.anchor_rows):
-            b, na = as_rows(B[m.param], m.axis), sq.clamp_min(1e-30)
-            cross = (a.T @ b.to(self.fast)).to(self.dtype)  # embeddings, output heads: 50k rows
-            # the value at O = I from the distance itself (see ``Cross``)
-            self._anchor_terms.append((cross, float(sq_dist(A[m.param], B[m.param]) / na), na))
-            self.M_anchor = self.M_anchor + cross / a.shape[0]
-        self._constant = float(sum(sq_dist(A[k], B[k]) / na for k, na in F.untouched.items()))
+        """The anchors' and untouched tensors' part of the objective (a ``Cross``: the anchors do not
+        move with the units), whose ``M`` is the anchors' fixed part of every residual step."""
+        keys = [m.param for m in self.anchor_members]
+        self._anchor = _cross(F, "anchor", {k: A[k] for k in keys}, {k: B[k] for k in keys}, F._anchor_axis, None)
+        self._anchor.constant += float(sum(sq_dist(A[k], B[k]) / na for k, na in F.untouched.items()))
+        self.M_anchor = self._anchor.M
+        self.delta_parts = {"anchor"} if self._anchor.delta else set()  # parts whose products took the difference form
 
     def anchor_objective(self, O: Optional[torch.Tensor]) -> float:
         """The anchors' and untouched tensors' part of the objective under residual map ``O``."""
-        if O is None:
-            return self._constant + sum(const for _, const, _ in self._anchor_terms)
-        step = _from_identity(O)
-        return self._constant + sum(
-            const + 2 * float((cross * step).sum() / na) for cross, const, na in self._anchor_terms
-        )
+        return self._anchor.value(O)
 
     def objective(self, elements: Elements) -> float:
         """``Σ_tensors ‖A − T(B)‖² / ‖A‖²`` (the criterion that compares candidate transforms)."""
@@ -246,15 +343,24 @@ class Problem:
     def rotated(self, O: torch.Tensor, ff: bool = True, exact: bool = False) -> StateDict:
         """B's moving tensors under the residual map ``O``: FF members (read by the FF scores) in the
         fast dtype, the rest (read by the head and gauge steps) back in the problem's dtype; ``ff=False``:
-        the rest only. ``exact``: the rest rotated in the problem's dtype (not from the fast copy), so
-        that ``rest_value`` can take the distances from it."""
-        ffp = self.fixed.ff_params
+        the rest only. ``exact``: the rest rotated so that ``rest_value`` can take the distances from it:
+        in the problem's dtype, or, for an O within ``SMALL_TURN`` of the identity, as ``B + B·(O − I)``
+        along the residual axis with only the small correction from the fast copy (its rounding is
+        relative to the correction)."""
+        ffp, axis = self.fixed.ff_params, self.fixed.axis
         out = {}
         if ff:
             out = apply_elements(
-                {k: v for k, v in self.B_fast.items() if k in ffp}, self.cfg, {"residual": O.to(self.fast)}
+                {k: self.B_fast[k] for k in self.B_mov if k in ffp}, self.cfg, {"residual": O.to(self.fast)}
             )
-        rest = {k: v for k, v in (self.B_mov if exact else self.B_fast).items() if k not in ffp}
+        if exact and self.fast != self.dtype and float(_from_identity(O).norm()) <= SMALL_TURN:
+            step = _from_identity(O).neg_().to(self.fast)  # O − I
+            for k in self.B_mov:
+                if k not in ffp:
+                    b = self.B_mov[k]
+                    out[k] = b + apply_along(self.B_fast[k], axis[k], step).to(self.dtype) if k in axis else b
+            return out
+        rest = {k: (self.B_mov if exact else self.B_fast)[k] for k in self.B_mov if k not in ffp}
         rest = apply_elements(rest, self.cfg, {"residual": O if exact else O.to(self.fast)})
         out.update({k: v.to(self.dtype) for k, v in rest.items()})
         return out
@@ -281,18 +387,9 @@ class Problem:
         # part's groups that are not the identity act (the others leave B's tensors as they are)
         UB = {k: self.B_mov[k] for k in keys}
         UB = apply_elements(UB, self.cfg, acting) if acting else UB
-        constant, G, M = 0.0, torch.zeros_like(self.M_anchor), torch.zeros_like(self.M_anchor)
-        for k in keys:
-            a, na, b = self.A_mov[k], F.a_norms[k], UB[k]
-            constant += float(sq_dist(a, b) / na)  # the value at O = I (see ``Cross``)
-            if k not in axis:  # no residual axis (biases of units): O does not act on it
-                continue
-            fast = self.B_fast[k] if b is self.B_mov[k] else b.to(self.fast)
-            ar = as_rows(self.A_fast[k], axis[k])
-            C = (ar.T @ as_rows(fast, axis[k])).to(self.dtype)
-            G += C / na
-            M += C / ar.shape[0]
-        out = Cross(constant, G, M)
+        out = _cross(F, part, {k: self.A_mov[k] for k in keys}, UB, axis, self.B_fast)
+        if out.delta:
+            self.delta_parts.add(part)
         if identity:
             self._identity_cross[part] = out
         self._last_cross[part] = (key, out)
@@ -752,6 +849,7 @@ def weight_matching(
         info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
         info["ff_steps"] = dict(P.ff_counts)  # layers whose FF step the certificate settled, and solved ones
         info["heads_steps"] = dict(P.heads_counts)
+        info["difference_products"] = sorted(P.delta_parts)  # parts whose cross-covariances were AᵀA + Aᵀ(B − A)
         T = Transform({k: v.cpu() for k, v in found[best].items()}, info)
     T.info["threads"] = threads
     return T
@@ -767,7 +865,7 @@ def fixed_side(
     if model is not model_a:
         A = canonical_state(model_a, dev, dtype)
         with section("anchor cross-covariances"):
-            F = Fixed(A, cfg, precision)
+            F = Fixed(A, cfg, precision, shared=reuse is not None)
         if reuse is not None:
             reuse[key] = (model_a, F)
     return F

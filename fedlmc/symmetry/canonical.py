@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from .spec import StateDict, spec_for
-from .transform import Transform, _apply_along, apply_to_state, rebuild
+from .transform import Transform, apply_along, apply_to_state, rebuild
 
 
 def canonicalize(model: nn.Module) -> nn.Module:
@@ -40,7 +40,7 @@ def canonicalize(model: nn.Module) -> nn.Module:
             W = sd[m.param]
             if shift is not None:
                 # bias += W @ shift, contracting W's residual axis
-                sd[m.bias] = sd[m.bias] + _apply_along(W, m.axis, shift[None, :]).squeeze(m.axis)
+                sd[m.bias] = sd[m.bias] + apply_along(W, m.axis, shift[None, :]).squeeze(m.axis)
             if gain is not None:
                 shape = [1] * W.dim()
                 shape[m.axis] = -1

@@ -86,7 +86,7 @@ def _matrix(M: torch.Tensor, fn: str) -> torch.Tensor:
     raise ValueError(f"unknown member fn {fn!r}")
 
 
-def _apply_along(t: torch.Tensor, axis: int, M: torch.Tensor) -> torch.Tensor:
+def apply_along(t: torch.Tensor, axis: int, M: torch.Tensor) -> torch.Tensor:
     """Replace every vector v along ``axis`` by ``M v`` (M may be rectangular)."""
     x = t.movedim(axis, -1)
     return (x @ M.transpose(0, 1).to(x)).movedim(-1, axis)
@@ -211,7 +211,7 @@ def act(sd: StateDict, group: Group, element: torch.Tensor, relaxed: bool = Fals
                 if size > 1
                 else element
             )
-            out[m.param] = _apply_along(t, m.axis, P)
+            out[m.param] = apply_along(t, m.axis, P)
         elif group.kind == "permutation":
             out[m.param] = _permute_along(t, m.axis, element, m.block * m.repeat)
         else:
@@ -228,7 +228,7 @@ def _act_orthogonal(sd: StateDict, group: Group, element: torch.Tensor) -> State
     for m in group.members:
         if m.param not in sd:
             continue
-        t = _apply_along(sd[m.param], m.axis, element)
+        t = apply_along(sd[m.param], m.axis, element)
         if d_new != d_old and m.role == "reader":
             t = t * scale
         elif d_new != d_old and m.role == "norm":  # a biased RMSNorm's output grows by 1/scale too
