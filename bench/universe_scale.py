@@ -122,7 +122,7 @@ def one_run(args: argparse.Namespace) -> dict:
         if args.strategy == "fedavg":
             streamed_fedavg(paths)
             its = identity = iterations = gave_up = None
-            matched = []
+            matched = read = []
         else:
             if args.strategy == "aligned-1thread":  # the ServerApp's default (run_config threads = 1)
                 torch.set_num_threads(1)
@@ -168,6 +168,7 @@ def one_run(args: argparse.Namespace) -> dict:
             identity = sum(not T.elements for T in Ts)
             gave_up = sum("gave_up" in T.info for T in Ts)  # descents stopped far below min_gain's gain
             matched = sorted(T.info["seconds"] for T in Ts if "seconds" in T.info)  # each last weight matching
+            read = sorted(T.info["read_seconds"] for T in Ts if "read_seconds" in T.info)  # in a worker
         secs = time.perf_counter() - t0
     model_gb = os.path.getsize(paths[0]) / 1e9
     return {
@@ -184,6 +185,8 @@ def one_run(args: argparse.Namespace) -> dict:
         # one reply's last weight matching, in the process that ran it (median over the replies; a worker's
         # first reply of an iteration also builds what matching computes from the universe alone)
         "matching_seconds_median": round(matched[len(matched) // 2], 2) if matched else None,
+        # a reply read from its file and put in canonical form by a worker (median; workers only)
+        "read_seconds_median": round(read[len(read) // 2], 2) if read else None,
         "seconds_per_reply_iteration": round(secs / args.models / its, 3) if its else None,
         "peak_rss_gb": round(mem.peak / 1e9, 2),
         "peak_rss_tree_gb": round(mem.tree / 1e9, 2),

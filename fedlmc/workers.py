@@ -19,6 +19,7 @@ every node reads at the same path). A reply that fails, or whose worker dies, is
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -54,13 +55,16 @@ def align_chunk(
     done, failed = {}, {}
     for i, source, warm, w in read_ahead(items, lambda item: item[1]):  # the next file read while this one is aligned
         try:
+            t0 = time.perf_counter()
             model = canonical(source.load())
+            read = time.perf_counter() - t0
             T = Transform() if i == skip else weight_matching(universe, model, warm_start=warm, reuse=reuse, **options)
             acc.add(aligned_state(model, T), w)
         except Exception as e:  # noqa: BLE001 -- an unreadable reply, a failed matching: retried, then excluded
             failed[i] = f"{type(e).__name__}: {e}"
             continue
         T.info["worker_pid"] = os.getpid()
+        T.info["read_seconds"] = read  # the reply read from its file and put in canonical form
         done[i] = T
     if acc.state is None:
         return done, failed, None, 0.0

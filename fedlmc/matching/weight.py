@@ -95,8 +95,7 @@ def _cross(F: "Fixed", part: str, A: StateDict, B: StateDict, axis: dict, B_fast
             C = as_rows(A[k], axis[k]).T @ as_rows(B[k], axis[k])
         else:
             fast = B_fast[k] if B_fast is not None and B[k] is B_fast.src[k] else B[k].to(F.fast)
-            a = as_rows(F.A_fast[k], axis[k]) if k in F.A_fast else F.anchor_fast[k]
-            C = (a.T @ as_rows(fast, axis[k])).to(F.dtype)  # embeddings, output heads: 50k rows
+            C = (F.fast_rows(k).T @ as_rows(fast, axis[k])).to(F.dtype)  # embeddings, output heads: 50k rows
         if G is None:
             G, M = torch.zeros_like(C), torch.zeros_like(C)
         G += C / nA[k]
@@ -174,7 +173,6 @@ class Fixed:
         )
         self._a_int8: dict[str, Int8Rows] = {}
         self._anchor_axis = {m.param: m.axis for m in self.anchor_members}
-        self.anchor_fast = {m.param: as_rows(A[m.param], m.axis).to(self.fast) for m in self.anchor_members}
         # the moving tensors' and anchors' squared norms (each tensor's weight in the objective)
         self.a_norms = {k: sq_norm(A[k]).clamp_min(1e-30) for k in [*self.A_mov, *self._anchor_axis]}
         self.head_norms = {g.name: circuit_norms(A, self.spec, g.name) for g in self.spec.layer_groups("heads")}
@@ -183,7 +181,9 @@ class Fixed:
             g.name: {m.param for m in g.members} for g in self.spec.groups.values() if g.kind == "gauge"
         }
         self.axis = {m.param: m.axis for m in self.moving_members}
-        self.A_fast = {k: v.to(self.fast) for k, v in self.A_mov.items() if k in self.axis}
+        # the moving tensors with a residual axis and the anchors, as rows, in the fast dtype: converted
+        # when a direct product first reads them (a universe of near replies takes the difference form)
+        self._fast_rows = _Cast({k: self.rows(k) for k in [*self.axis, *self._anchor_axis]}, self.fast)
         self.A_features = {g.name: unit_features(A, g).to(self.fast) for g in ff}
         self.A_sides: dict = {}  # A's head factors, filled by the head and gauge steps (steps.cached_side)
         anchored = {m.param for m in self.anchor_members}
@@ -219,6 +219,10 @@ class Fixed:
     def rows(self, k: str) -> torch.Tensor:
         """A's tensor ``k`` as rows (one per vector along its residual axis)."""
         return as_rows(self.A[k], self.axis[k] if k in self.axis else self._anchor_axis[k])
+
+    def fast_rows(self, k: str) -> torch.Tensor:
+        """``rows(k)`` in the fast dtype (converted once, when first read)."""
+        return self._fast_rows[k]
 
     def codes(self, k: str) -> Int8Blocks:
         """A's tensor ``k`` as int8 blocks (coded once per A)."""
@@ -291,6 +295,9 @@ class Problem:
     gets the gain that ``Matching.min_gain`` compares about as exactly as with float32 products
     (docs/performance.md), where cross-covariances of rounded factors alone subtract nearly equal
     sums. Scores keep ~3 significant digits, which only decide between near-ties.
+    Where A is shared by many problems (a universe iteration) and the CPU has native int8 dot products,
+    "auto" takes the cross-covariances of a B near A in the difference form (``Fixed``): ``AᵀA`` once
+    per A, ``Aᵀ(B − A)`` an int8 product whose rounding is relative to the small difference.
     On a CPU without native bfloat16 but with native int8 dot products, "auto" keeps every product in
     float32 except the FF similarity scores, which it takes as int8 products of row-scaled codes
     (``solvers.Int8Rows``): they only rank partners for the assignment, and the objective, the
@@ -311,7 +318,6 @@ class Problem:
         self.dtype, self.fast = F.dtype, F.fast
         self._anchor_setup(A, B, F)
         self.head_norms = {g: (nA, circuit_norms(B, self.spec, g)) for g, nA in F.head_norms.items()}
-        self.A_fast = F.A_fast
         self.B_fast = _Cast(self.B_mov, self.fast)
         self.A_features = F.A_features
         self._identity_cross: dict[str, Cross] = {}
