@@ -163,24 +163,10 @@ def test_bfloat16_products_leave_the_objective_near_the_identity_exact(seed, rec
     must stay as exact as the distances. At the identity it is the distances themselves (bfloat16
     cross-covariances alone were off by 13-50 % of it on these pairs), and under a small rotation
     (gauges beside it) the products' rounding enters only through the change (off by up to 17 %)."""
-    torch.manual_seed(seed)
-    cfg = dict(n_layer=2, d_model=64, n_head=4, d_ff=256, vocab_size=512, block_size=64)
-    A = canonicalize(perturbed(from_preset("gpt2-tiny", **cfg), seed, 0.2))
-    g = torch.Generator().manual_seed(seed + 2)
-    B = canonicalize(A)
-    with torch.no_grad():
-        for p in B.parameters():
-            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    cpu = torch.device("cpu")
-    ref = Problem(
-        canonical_state(A, cpu, torch.float64), canonical_state(B, cpu, torch.float64), canonical_config(B.config)
-    )
-    fast = Problem(
-        canonical_state(A, cpu, torch.float32),
-        canonical_state(B, cpu, torch.float32),
-        canonical_config(B.config),
-        "bfloat16",
-    )
+    states, cfg = _near_pair(seed)
+    ref = Problem(*states[torch.float64], cfg)
+    fast = Problem(*states[torch.float32], cfg, "bfloat16")
+    cpu, g = torch.device("cpu"), torch.Generator().manual_seed(seed + 3)
     # a small rotation and gauges near the identity, as fitting a reply's noise finds them
     near = {
         k: v + 3e-3 * torch.randn(v.shape, generator=g, dtype=v.dtype)
