@@ -172,9 +172,9 @@ class Fixed:
             precision == "int8" or (precision == "auto" and int8_scores(ref.dtype, ref.device, size))
         )
         self._a_int8: dict[str, Int8Rows] = {}
-        self._anchor_axis = {m.param: m.axis for m in self.anchor_members}
+        self.anchor_axis = {m.param: m.axis for m in self.anchor_members}
         # the moving tensors' and anchors' squared norms (each tensor's weight in the objective)
-        self.a_norms = {k: sq_norm(A[k]).clamp_min(1e-30) for k in [*self.A_mov, *self._anchor_axis]}
+        self.a_norms = {k: sq_norm(A[k]).clamp_min(1e-30) for k in [*self.A_mov, *self.anchor_axis]}
         self.head_norms = {g.name: circuit_norms(A, self.spec, g.name) for g in self.spec.layer_groups("heads")}
         self.ff_params = {m.param for g in ff for m in g.members}
         self.gauge_params = {
@@ -183,7 +183,7 @@ class Fixed:
         self.axis = {m.param: m.axis for m in self.moving_members}
         # the moving tensors with a residual axis and the anchors, as rows, in the fast dtype: converted
         # when a direct product first reads them (a universe of near replies takes the difference form)
-        self._fast_rows = _Cast({k: self.rows(k) for k in [*self.axis, *self._anchor_axis]}, self.fast)
+        self._fast_rows = _Cast({k: self.rows(k) for k in [*self.axis, *self.anchor_axis]}, self.fast)
         self.A_features = {g.name: unit_features(A, g).to(self.fast) for g in ff}
         self.A_sides: dict = {}  # A's head factors, filled by the head and gauge steps (steps.cached_side)
         anchored = {m.param for m in self.anchor_members}
@@ -211,14 +211,14 @@ class Fixed:
         """The tensors of ``part`` ("ff", "rest" or "anchor") whose cross-covariance may be taken in the
         difference form (``delta``): those with a residual axis and at least ``DELTA_ROWS`` rows."""
         if part == "anchor":
-            keys = list(self._anchor_axis)
+            keys = list(self.anchor_axis)
         else:
             keys = [k for k in self.A_mov if k in self.axis and (k in self.ff_params) == (part == "ff")]
         return [k for k in keys if self.A[k].numel() >= DELTA_ROWS * self.cfg.d_model]
 
     def rows(self, k: str) -> torch.Tensor:
         """A's tensor ``k`` as rows (one per vector along its residual axis)."""
-        return as_rows(self.A[k], self.axis[k] if k in self.axis else self._anchor_axis[k])
+        return as_rows(self.A[k], self.axis[k] if k in self.axis else self.anchor_axis[k])
 
     def fast_rows(self, k: str) -> torch.Tensor:
         """``rows(k)`` in the fast dtype (converted once, when first read)."""
@@ -227,7 +227,7 @@ class Fixed:
     def codes(self, k: str) -> Int8Blocks:
         """A's tensor ``k`` as int8 blocks (coded once per A)."""
         if k not in self._codes:
-            with section("anchor cross-covariances" if k in self._anchor_axis else "residual cross-covariances"):
+            with section("anchor cross-covariances" if k in self.anchor_axis else "residual cross-covariances"):
                 self._codes[k] = Int8Blocks(self.rows(k))
         return self._codes[k]
 
@@ -332,7 +332,7 @@ class Problem:
         """The anchors' and untouched tensors' part of the objective (a ``Cross``: the anchors do not
         move with the units), whose ``M`` is the anchors' fixed part of every residual step."""
         keys = [m.param for m in self.anchor_members]
-        self._anchor = _cross(F, "anchor", {k: A[k] for k in keys}, {k: B[k] for k in keys}, F._anchor_axis, None)
+        self._anchor = _cross(F, "anchor", {k: A[k] for k in keys}, {k: B[k] for k in keys}, F.anchor_axis, None)
         self._anchor.constant += float(sum(sq_dist(A[k], B[k]) / na for k, na in F.untouched.items()))
         self.M_anchor = self._anchor.M
         self.delta_parts = {"anchor"} if self._anchor.delta else set()  # parts whose products took the difference form
