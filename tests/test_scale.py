@@ -647,5 +647,11 @@ def test_mmap_performance_page_gives_the_amd_round_of_64():
     assert workers["seconds"] < workers_bf16["seconds"] and here["seconds"] < here_bf16["seconds"]
     for r in (workers, here, workers_bf16, here_bf16):
         assert r["identity_kept"] == r["gave_up"] == 64 and r["universe_iterations"] == 1
+    again = _scale_bench("bench_universe_scale_amd_reads")[0][(64, workers["strategy"])]  # reads recorded
+    assert (
+        f"`--out results/bench_universe_scale_amd_reads.json`, {again['seconds']:.1f} s) a worker took "
+        f"{again['read_seconds_median']:.2f} s to read a reply's file and put it in canonical form (median, "
+        f"`read_seconds_median`) beside the {again['matching_seconds_median']:.2f} s of its matching"
+    ) in page
     assert workers["peak_rss_in_models"] <= 6.5  # the server's memory with workers: the issue's ~6 models
     assert here["peak_rss_in_models"] <= 7.0 and here["peak_rss_gb"] <= here_bf16["peak_rss_gb"] + 0.1
