@@ -100,9 +100,9 @@ def _cross(F: "Fixed", part: str, A: StateDict, B: StateDict, axis: dict, B_fast
             G, M = torch.zeros_like(C), torch.zeros_like(C)
         G += C / nA[k]
         M += C / (A[k].numel() // A[k].shape[axis[k]])  # ÷ rows
-    if G is None:
-        d = F.cfg.d_model
-        G = M = torch.zeros(d, d, dtype=F.dtype, device=next(iter(F.A.values())).device)
+    if G is None:  # no tensor with a residual axis: O does not move the value
+        d, dev = F.cfg.d_model, next(iter(F.A.values())).device
+        G, M = torch.zeros(d, d, dtype=F.dtype, device=dev), torch.zeros(d, d, dtype=F.dtype, device=dev)
     return Cross(constant, G, M, delta)
 
 
@@ -241,6 +241,8 @@ class Fixed:
                 G = torch.zeros(d, d, dtype=self.dtype, device=ref.device)
                 M = torch.zeros_like(G)
                 for k in self.delta_keys(part):
+                    # converted here and let go (not ``fast_rows``, which keeps its copies): a universe of
+                    # near replies never holds A's fast copies
                     a = self.rows(k).to(self.fast)
                     K = (a.T @ a).to(self.dtype)
                     K = (K + K.T) / 2
