@@ -563,7 +563,9 @@ def test_mmap_performance_page_gives_the_give_up_benchs_figures():
 def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatch):
     """Each pass over stored replies (the server's alignments, a worker's chunk, the streamed mean) asks
     the kernel for the next reply's file before reading the current one's, so its pages come from disk
-    while the current one is aligned; ``prefetch`` advises WILLNEED and survives a missing file."""
+    while the current one is aligned; ``prefetch`` advises WILLNEED and survives a missing file. The
+    server's passes go back and forth (``Members.in_turn``), the first backwards: each starts with the
+    files the one before read last."""
     import fedlmc.replies as replies
     import fedlmc.workers as workers
     from fedlmc.workers import align_chunk
@@ -581,10 +583,10 @@ def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatc
         return out
 
     universe_merge([stored(p) for p in paths], iterations=1, matching=Matching(keep_identity=False))
-    assert events == [("load", paths[0])] + one_ahead(paths), events  # the anchor, then the iteration's pass
+    assert events == [("load", paths[0])] + one_ahead(paths[::-1]), events  # the anchor, then the iteration's pass
     events.clear()
     universe_merge([stored(p) for p in paths], start="mean", iterations=1, matching=Matching(keep_identity=False))
-    assert events == one_ahead(paths) * 2, events  # the streamed mean, then the iteration's pass
+    assert events == one_ahead(paths[::-1]) + one_ahead(paths), events  # the streamed mean, then the iteration
     events.clear()
     items = [(i, stored(p), None, 0.25) for i, p in enumerate(paths[:3])]
     out = str(tmp_path / "sum.safetensors")
