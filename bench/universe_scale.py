@@ -124,11 +124,11 @@ def one_run(args: argparse.Namespace) -> dict:
             its = identity = iterations = gave_up = None
             matched = read = []
         else:
-            if args.strategy == "aligned-1thread":  # the ServerApp's default (run_config threads = 1)
-                torch.set_num_threads(1)
             # "aligned-parallel+min-gain": Matching(min_gain=MIN_GAIN); "+once": one universe iteration;
             # "+float32": float32 products everywhere
             base, *flags = args.strategy.split("+")
+            if base == "aligned-1thread":  # the ServerApp's default (run_config threads = 1)
+                torch.set_num_threads(1)
             gain, iterations = "min-gain" in flags, 1 if "once" in flags else args.iterations
             scale = {
                 "aligned": Scale(spool=True),
@@ -217,6 +217,7 @@ def plot(res: dict, path: Path) -> None:
         (("common", "aligned-parallel+min-gain+from-mean"), "C4-."),
         (("common", "aligned-parallel+min-gain+at-arrival"), "C5-."),
         (("common", "aligned+min-gain+at-arrival"), "C5:"),
+        (("common", "aligned-1thread+min-gain+at-arrival"), "C6:"),
     ]:
         runs = sorted((r for r in res["runs"] if r["kind"] == kind and r["strategy"] == strategy), key=lambda r: r["M"])
         if not runs:
@@ -369,8 +370,8 @@ def main() -> None:
 
 def summarise(res: dict) -> None:
     """``parallel_speedup`` (sequential ÷ parallel seconds at the largest M run both ways; ``_over_1thread``:
-    against the sequential path on one torch thread) and each aligned run's time as a multiple of FedAvg's
-    on the same replies."""
+    against the sequential path on one torch thread), each aligned run's time as a multiple of FedAvg's
+    on the same replies, and ``fits``: each strategy's round as fixed seconds plus seconds per reply."""
     by = {(r["M"], r["kind"], r["strategy"]): r for r in res["runs"]}
     for r in res["runs"]:
         ref = by.get((r["M"], r["kind"], "fedavg"))
@@ -391,6 +392,22 @@ def summarise(res: dict) -> None:
             M, kind, _ = max(both)
             res[key] = round(by[(M, kind, seq_name)]["seconds"] / by[(M, kind, par_name)]["seconds"], 2)
             res[key + "_at"] = {"M": M, "kind": kind}
+    # an aligned round's seconds as a fixed part plus a part per reply: the least-squares line through
+    # every M a (kind, strategy) ran at, where it ran at three or more (not FedAvg's: its replies come
+    # from the page cache up to M = 32 and from disk at 64, so its seconds are no line)
+    fits = {}
+    for kind, strategy in sorted({(k, s) for _, k, s in by if s != "fedavg"}):
+        pts = sorted((m, by[(m, kind, strategy)]["seconds"]) for m, k, s in by if (k, s) == (kind, strategy))
+        if len(pts) >= 3:
+            mx, my = (sum(p[i] for p in pts) / len(pts) for i in (0, 1))
+            slope = sum((m - mx) * (y - my) for m, y in pts) / sum((m - mx) ** 2 for m, _ in pts)
+            fits[f"{kind}:{strategy}"] = {
+                "seconds_per_reply": round(slope, 3),
+                "fixed_seconds": round(my - slope * mx, 2),
+                "M": [m for m, _ in pts],
+            }
+    if fits:
+        res["fits"] = fits
 
 
 if __name__ == "__main__":
