@@ -658,7 +658,7 @@ def test_mmap_performance_page_gives_the_amd_round_of_64():
     assert here["peak_rss_in_models"] <= 7.0 and here["peak_rss_gb"] <= here_bf16["peak_rss_gb"] + 0.1
 
 
-def test_mmap_performance_page_gives_the_curve_against_m():
+def test_mmap_performance_page_gives_the_curve_against_m(monkeypatch):
     """The performance page's round against M with ``min_gain`` from the mean summed at arrival is the
     results file's: its table (``--table``), the time per reply at every M, the fixed part and the part
     per reply of the least-squares line (recomputed here), the independent rounds and the parallel
@@ -667,7 +667,7 @@ def test_mmap_performance_page_gives_the_curve_against_m():
     import json
 
     root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "bench"))
+    monkeypatch.syspath_prepend(str(root / "bench"))
     from universe_scale import table
 
     res = json.loads((root / "results" / "bench_universe_scale_amd_curve.json").read_text())
@@ -712,6 +712,7 @@ def test_mmap_performance_page_gives_the_curve_against_m():
         assert r["identity_kept"] == r["gave_up"] == r["M"] and r["universe_iterations"] == 1
         assert sorted(x["seconds"] for x in r["repeats"])[1] == r["seconds"]
     i8, i16 = (by[(m, "independent", "aligned-parallel+min-gain")] for m in (8, 16))
+    assert i8["identity_kept"] == i16["identity_kept"] == 1  # only the reply the universe started as
     assert (
         f"**Independent replies** take {i8['seconds_per_reply_iteration']:.2f} s (M = 8) and "
         f"{i16['seconds_per_reply_iteration']:.2f} s (M = 16) per reply and iteration"
