@@ -49,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from _results import PeakMemory, environment, gemm_seconds, write_results  # noqa: E402  (bench/, the script's own folder)
 
@@ -399,11 +400,10 @@ def summarise(res: dict) -> None:
     for kind, strategy in sorted({(k, s) for _, k, s in by if s != "fedavg"}):
         pts = sorted((m, by[(m, kind, strategy)]["seconds"]) for m, k, s in by if (k, s) == (kind, strategy))
         if len(pts) >= 3:
-            mx, my = (sum(p[i] for p in pts) / len(pts) for i in (0, 1))
-            slope = sum((m - mx) * (y - my) for m, y in pts) / sum((m - mx) ** 2 for m, _ in pts)
+            slope, fixed = np.polyfit([m for m, _ in pts], [y for _, y in pts], 1)
             fits[f"{kind}:{strategy}"] = {
-                "seconds_per_reply": round(slope, 3),
-                "fixed_seconds": round(my - slope * mx, 2),
+                "seconds_per_reply": round(float(slope), 3),
+                "fixed_seconds": round(float(fixed), 2),
                 "M": [m for m, _ in pts],
             }
     if fits:
