@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,20 +93,32 @@ def mmap_state(path: Union[str, Path]) -> tuple[dict[str, torch.Tensor], dict[st
     return out, meta
 
 
+# Linux reads at most the device's read-ahead window (``read_ahead_kb``, often 128 KB, at most a few
+# MB) per WILLNEED call: a whole file is advised a piece of this size at a time
+PREFETCH_PIECE = 128 << 10
+
+
 def prefetch(path: Union[str, Path]) -> None:
     """Ask the kernel to read the file at ``path`` into the page cache in the background
     (``posix_fadvise`` WILLNEED), and return at once: the next reply's pages then come from disk while
-    the current one is aligned, not when its tensors are first touched. Nothing where the call does not
-    exist (Windows, macOS) or the file cannot be opened (its ``load()`` will say why)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
+    the current one is aligned, not when its tensors are first touched. A thread advises the file
+    ``PREFETCH_PIECE`` bytes at a time (one call for the whole file would read only its first few
+    megabytes). Nothing where the call does not exist (Windows, macOS) or the file cannot be opened
+    (its ``load()`` will say why)."""
+    if getattr(os, "posix_fadvise", None) is None:
         return
+    threading.Thread(target=_advise, args=(str(path),), name="fedlmc-prefetch", daemon=True).start()
+
+
+def _advise(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
-        advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        size = os.fstat(fd).st_size
+        for offset in range(0, size, PREFETCH_PIECE):
+            os.posix_fadvise(fd, offset, PREFETCH_PIECE, os.POSIX_FADV_WILLNEED)
     except OSError:
         pass
     finally:

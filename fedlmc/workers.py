@@ -9,7 +9,9 @@ the server adds the partial sums. So each reply is read once per iteration, and 
 and the average run in the workers. A worker process keeps the universe it last read, and what
 matching computes from it alone (``weight_matching``'s ``reuse``), for its next task.
 
-Backends: ``"process"`` starts ``workers`` local processes (``spawn``); ``"ray"`` submits Ray tasks
+Backends: ``"process"`` starts ``workers`` local processes (``spawn``) as soon as the pool is made,
+so they are up, torch and weight matching imported, by the time the server has written the universe;
+``"ray"`` submits Ray tasks
 (to the cluster at ``address``, or a local Ray started for the purpose, or the one already running),
 so the same code spreads over the machines of a Ray cluster (the files must then be on storage that
 every node reads at the same path). A reply that fails, or whose worker dies, is retried on its own
@@ -104,6 +106,10 @@ class AlignmentPool:
                 ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
                 self._ray_started = True
             self._remote = ray.remote(num_cpus=1, max_retries=0)(align_chunk)
+        else:  # the local workers start now (spawn, imports) while the server writes the universe
+            executor = self._executor()
+            for _ in range(self.workers):
+                executor.submit(os.getpid)
 
     def align(
         self, universe_file: Union[str, os.PathLike], items: list[Item], options: dict[str, Any], skip: Optional[int]
@@ -172,7 +178,9 @@ class AlignmentPool:
         if self._pool is None:
             import multiprocessing
 
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_imported
+            )
         return self._pool
 
     def _reset(self) -> None:
@@ -193,6 +201,11 @@ class AlignmentPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _imported() -> None:
+    """A local worker's start: nothing to do, but unpickling this function imported this module (torch,
+    weight matching) before the worker's first task arrives."""
 
 
 def _reason(e: BaseException) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -251,6 +252,17 @@ def test_parallel_pool_reports_a_failing_task(tmp_path, record):
         1e-12,
     )
     assert not list(store.path.glob("partial-*"))
+
+
+def test_parallel_pool_starts_its_workers_when_made():
+    """The local workers are spawned as the pool is made (while the server writes the universe), and
+    each one imports weight matching before it takes a task, not when the first alignments come."""
+    with AlignmentPool(Scale(workers=2, backend="process")) as pool:
+        assert len(pool._pool._processes) == 2, "the pool's workers were not started with it"
+        # eval is a builtin: running it imports nothing, so the module was there before the task came
+        probe = "'fedlmc.matching.weight' in __import__('sys').modules, __import__('os').getpid()"
+        got = [f.result(timeout=120) for f in [pool._pool.submit(eval, probe) for _ in range(4)]]
+    assert all(imported for imported, _ in got), got
 
 
 def _strategy_round(scale=None, n=4, **kwargs):
@@ -594,11 +606,19 @@ def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatc
     align_chunk(paths[3], items, {"matching": Matching(keep_identity=False)}, 0, out, None)
     assert events == [("load", paths[3])] + one_ahead(paths[:3]), events  # the universe, then the chunk
     monkeypatch.undo()
-    if hasattr(os, "posix_fadvise"):
-        advised = []
-        monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: advised.append(advice))
+    if hasattr(os, "posix_fadvise"):  # the whole file advised, a piece at a time, by a thread of its own
+        advised, piece = [], 256
+        monkeypatch.setattr(replies, "PREFETCH_PIECE", piece)
+        monkeypatch.setattr(
+            os, "posix_fadvise", lambda fd, offset, length, advice: advised.append((offset, length, advice))
+        )
+        before = set(threading.enumerate())
         replies.prefetch(paths[0])
-        assert advised == [os.POSIX_FADV_WILLNEED]
+        for t in set(threading.enumerate()) - before:
+            t.join(timeout=30)
+        size = os.path.getsize(paths[0])
+        assert advised == [(o, piece, os.POSIX_FADV_WILLNEED) for o in range(0, size, piece)]
+        assert len(advised) > 1
     replies.prefetch(tmp_path / "missing.safetensors")  # nothing to read: no error (load() will say why)
 
 
