@@ -707,9 +707,16 @@ def test_mmap_performance_page_gives_the_curve_against_m(monkeypatch):
     assert f"about {fit['fixed_seconds']:.0f} s plus {fit['seconds_per_reply']:.2f} s a reply" in page
     w64 = workers[-1]  # the targets' paragraph
     assert f"the round of 64 common replies takes {w64['seconds']:.0f} s with workers" in page
+    per_status = "met" if w64["seconds_per_reply_iteration"] <= 1.5 else "missed"
     assert (
-        f"Per reply and iteration it is {w64['seconds_per_reply_iteration']:.2f} s at M = 64: **missed**, by the "
-        f"round's fixed part ({fit['fixed_seconds']:.0f} s: each reply beyond it costs {fit['seconds_per_reply']:.2f} s"
+        f"Per reply and iteration it is {w64['seconds_per_reply_iteration']:.2f} s at M = 64: **{per_status}**"
+    ) in page
+    fixed, per_reply = fit["fixed_seconds"], fit["seconds_per_reply"]
+    assert f"the round's fixed part ({fixed:.0f} s: each reply beyond it costs {per_reply:.2f} s" in page
+    # the replies read ahead: a worker's read of a reply from disk (M = 64) against the page cache (M = 8)
+    assert (
+        f"{w64['read_seconds_median']:.2f} s at M = 64, where the replies come from disk, against "
+        f"{workers[0]['read_seconds_median']:.2f} s at M = 8"
     ) in page
     results_page = (root / "docs" / "results.md").read_text()
     per_m = ", ".join(
@@ -723,9 +730,11 @@ def test_mmap_performance_page_gives_the_curve_against_m(monkeypatch):
         f"parallel speed-up {res['parallel_speedup_at_arrival']:.2f} over the server's two threads, "
         f"{res['parallel_speedup_at_arrival_over_1thread']:.2f} over one"
     ) in results_page
+    speedup_status = "met" if res["parallel_speedup_at_arrival_over_1thread"] >= 1.7 else "missed"
     assert (
         f"The parallel speed-up is {res['parallel_speedup_at_arrival_over_1thread']:.2f} over the ServerApp's "
-        f"default one thread and {res['parallel_speedup_at_arrival']:.2f} over the server's process"
+        f"default one thread and {res['parallel_speedup_at_arrival']:.2f} over the server's process on both "
+        f"cores: **{speedup_status}**"
     ) in page
     for r in workers:
         assert r["peak_rss_in_models"] <= 6.5  # the issue's ~6 models, whatever M
@@ -739,6 +748,8 @@ def test_mmap_performance_page_gives_the_curve_against_m(monkeypatch):
     ) in page
     here, one = by[(64, "common", H)], by[(64, "common", H1)]
     assert one["threads"] == 1 and here["threads"] == 2  # the one-thread run ran on one
+    for r in (here, one):
+        assert sorted(x["seconds"] for x in r["repeats"])[1] == r["seconds"]
     assert res["parallel_speedup_at_arrival"] == round(here["seconds"] / workers[-1]["seconds"], 2)
     assert res["parallel_speedup_at_arrival_over_1thread"] == round(one["seconds"] / workers[-1]["seconds"], 2)
     assert (
