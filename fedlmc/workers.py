@@ -10,11 +10,11 @@ and the average run in the workers. A worker process keeps the universe it last 
 matching computes from it alone (``weight_matching``'s ``reuse``), for its next task.
 
 Backends: ``"process"`` starts ``workers`` local processes (``spawn``) as soon as the pool is made,
-so they are up, torch and weight matching imported, by the time the server has written the universe;
-``"ray"`` submits Ray tasks
-(to the cluster at ``address``, or a local Ray started for the purpose, or the one already running),
-so the same code spreads over the machines of a Ray cluster (the files must then be on storage that
-every node reads at the same path). A reply that fails, or whose worker dies, is retried on its own
+so they are up, torch and weight matching imported, by the time the server has written the universe
+(a pool whose worker died while it waited is replaced when the next tasks come); ``"ray"`` submits Ray
+tasks (to the cluster at ``address``, or a local Ray started for the purpose, or the one already
+running), so the same code spreads over the machines of a Ray cluster (the files must then be on
+storage that every node reads at the same path). A reply that fails, or whose worker dies, is retried on its own
 ``retries`` times; then it is excluded with the reason, and the round goes on.
 """
 
@@ -165,7 +165,7 @@ class AlignmentPool:
             return results
         batches = [[a] for a in args] if isolate else [args]
         for batch in batches:
-            for f in [self._executor().submit(align_chunk, *a) for a in batch]:
+            for f in [self._submit(a) for a in batch]:
                 try:
                     results.append(f.result())
                 except BaseException as e:  # noqa: BLE001 -- a dead worker breaks the pool: a new one next time
@@ -173,6 +173,13 @@ class AlignmentPool:
             if any(isinstance(r, BrokenProcessPool) for r in results[-len(batch) :]):
                 self._reset()
         return results
+
+    def _submit(self, args: tuple):
+        try:
+            return self._executor().submit(align_chunk, *args)
+        except BrokenProcessPool:  # a worker died while the pool waited (it starts with the pool): a new one
+            self._reset()
+            return self._executor().submit(align_chunk, *args)
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:

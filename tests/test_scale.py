@@ -265,6 +265,33 @@ def test_parallel_pool_starts_its_workers_when_made():
     assert all(imported for imported, _ in got), got
 
 
+def test_parallel_pool_whose_worker_died_while_waiting_still_aligns(tmp_path, record):
+    """A worker that dies while the pool waits for its first tasks (it starts with the pool) breaks the
+    pool: the next tasks go to a new one, and no reply is lost for it."""
+    import signal
+
+    models = _copies(2)
+    with ReplyStore(tmp_path) as store, AlignmentPool(Scale(workers=2, backend="process")) as pool:
+        broken = pool._pool
+        os.kill(next(iter(broken._processes)), signal.SIGKILL)
+        deadline = time.time() + 60
+        while not broken._broken and time.time() < deadline:  # the executor notices the death
+            time.sleep(0.05)
+        assert broken._broken, "the pool did not notice its worker's death"
+        u = store.put(models[0])
+        items = [(0, store.put(models[0]), None, 0.5), (1, store.put(models[1]), None, 0.5)]
+        done, failed, acc = pool.align(u.path, items, {"matching": Matching(keep_identity=False)}, 0)
+        assert set(done) == {0, 1} and not failed and pool.retried == [] and pool._pool is not broken
+    T = weight_matching(models[0], models[1], Matching(keep_identity=False))
+    want = aligned_state(models[1], T)
+    got = acc.mean()
+    record(
+        "a new pool after a worker died idle: the mean vs the same mean here",
+        max(float((got[k] - (0.5 * v + 0.5 * want[k])).abs().max()) for k, v in models[0].state_dict().items()),
+        1e-12,
+    )
+
+
 def _strategy_round(scale=None, n=4, **kwargs):
     """One AlignedFedAvg round on ``n`` planted replies (crafted messages, no Flower runtime)."""
     from flwr.app import ArrayRecord
