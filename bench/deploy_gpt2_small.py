@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,13 +26,9 @@ from pathlib import Path
 
 from _results import Burners
 
+from fedlmc.launch import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deployment_env(d: Path, **settings: str) -> dict[str, str]:
@@ -46,8 +41,8 @@ def deployment_env(d: Path, **settings: str) -> dict[str, str]:
         "BIN": bin_dir,
         "FLWR_TELEMETRY_ENABLED": "0",
         "N": "2",
-        "PORT": str(free_port()),
-        "NODE_PORT": str(free_port()),
+        "PORT": str(free_ports()),
+        "NODE_PORT": str(free_ports(2)),
         "WIDTHS": "",
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         **settings,

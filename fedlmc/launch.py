@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,31 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 RUN_ID = re.compile(r"run_id `?(\d+)`?")
+
+
+def free_ports(span: int = 1) -> int:
+    """The first of ``span`` consecutive loopback ports that are free (for a local SuperLink and its
+    SuperNodes, ``deploy/start.sh``'s PORT and NODE_PORT), picked at random below the ephemeral range:
+    a port the kernel hands out (``bind(0)``) is one that any process's outgoing connection may take
+    as its source port before the SuperLink or SuperNode binds it."""
+    try:  # Linux; elsewhere the usual default
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # seeded from the OS: processes that look at once pick apart
+    for _ in range(200):
+        base = rng.randrange(10000, low - span)
+        socks = [socket.socket() for _ in range(span)]
+        try:
+            for s, p in zip(socks, range(base, base + span)):
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {span} consecutive free ports below {low}")
 
 
 def run_status(run_id: int, superlink: Optional[str], timeout: float = 60) -> str:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,34 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from fedlmc.launch import kill_tree
+from fedlmc.launch import free_ports, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def _free_port(span: int = 1) -> int:
-    """The first of ``span`` consecutive loopback ports that are free, picked at random below the
-    ephemeral range: a port the kernel hands out (``bind(0)``) is one that any process's outgoing
-    connection may take as its source port before the SuperLink or SuperNode binds it."""
-    try:  # Linux; elsewhere the usual default
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()  # seeded from the OS: parallel tests pick apart
-    for _ in range(200):
-        base = rng.randrange(10000, low - span)
-        socks = [socket.socket() for _ in range(span)]
-        try:
-            for s, p in zip(socks, range(base, base + span)):
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {span} consecutive free ports below {low}")
 
 
 def _env(d: Path, **extra: str) -> dict[str, str]:
@@ -60,7 +34,7 @@ def _env(d: Path, **extra: str) -> dict[str, str]:
 
 
 def _deploy_and_run(mode: str, d: Path, strategy: str = "aligned") -> dict:
-    port, node_port = _free_port(), _free_port(2)
+    port, node_port = free_ports(), free_ports(2)
     env = _env(d, MODE=mode, N="2", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
     subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
     out = d / "out"
@@ -99,7 +73,7 @@ def _node(res: dict, log: Path, *tls: str) -> subprocess.Popen:
             "--node-config",
             "partition-id=0 num-partitions=2",
             "--port",
-            str(_free_port()),
+            str(free_ports()),
             "--max-retries",
             "2",
             "--max-wait-time",
@@ -183,7 +157,7 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
     ends as soon as every sampled node has replied or been declared failed, not at the timeout."""
     d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
     try:
-        port, node_port = _free_port(), _free_port(3)
+        port, node_port = free_ports(), free_ports(3)
         env = _env(d, MODE=mode, N="3", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
         subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
         pids = [int(x) for x in (d / "pids").read_text().split()]
@@ -250,7 +224,7 @@ def test_superlink_restart_and_resume():
     such, with both nodes, and the metrics hold rounds 0-2."""
     d = Path(tempfile.mkdtemp(prefix="dep-", dir="/tmp"))
     try:
-        port, node_port = _free_port(), _free_port(2)
+        port, node_port = free_ports(), free_ports(2)
         env = _env(d, MODE="insecure", N="2", PORT=str(port), NODE_PORT=str(node_port), WIDTHS="")
         subprocess.run(["bash", str(ROOT / "deploy/start.sh")], env=env, check=True, timeout=120, capture_output=True)
         pids = [int(x) for x in (d / "pids").read_text().split()]
