@@ -14,8 +14,8 @@ so they are up, torch and weight matching imported, by the time the server has w
 (a pool whose worker died while it waited is replaced when the next tasks come); ``"ray"`` submits Ray
 tasks (to the cluster at ``address``, or a local Ray started for the purpose, or the one already
 running), so the same code spreads over the machines of a Ray cluster (the files must then be on
-storage that every node reads at the same path). A reply that fails, or whose worker dies, is retried on its own
-``retries`` times; then it is excluded with the reason, and the round goes on.
+storage that every node reads at the same path). A reply that fails, or whose worker dies, is retried
+on its own ``retries`` times; then it is excluded with the reason, and the round goes on.
 """
 
 from __future__ import annotations
