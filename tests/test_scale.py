@@ -187,6 +187,47 @@ def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, re
     record("min_gain: workers vs sequential", _max_diff(seq, par), 1e-12)
 
 
+def test_parallel_worker_puts_each_layernorm_reply_in_the_memory_of_the_one_before(tmp_path, monkeypatch):
+    """A worker writes each LayerNorm reply's canonical form into the tensors of the reply before it (summed
+    by then): the same transforms and the same partial sum, bit for bit, as fresh canonical forms give."""
+    import fedlmc.workers as workers
+    from fedlmc.symmetry import canonical, rebuild
+
+    torch.manual_seed(0)
+    base = perturbed(from_preset("gpt2-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40))
+    items = []
+    for s in range(3):  # LayerNorm replies: each is canonicalised in the worker
+        g = torch.Generator().manual_seed(s)
+        sd = {
+            k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype)
+            for k, v in base.state_dict().items()
+        }
+        items.append((s, save_model(tmp_path / f"reply-{s}.safetensors", rebuild(base, sd)), None, 1.0 / 3))
+    universe = str(save_model(tmp_path / "universe.safetensors", canonical(base)).path)
+    options = dict(matching=Matching(keep_identity=False), keep_layernorm=True, device=None)
+    reused: list[int] = []
+
+    def spy(model, out=None):
+        c = canonical(model, out=out)
+        given = {v.data_ptr() for v in (out or {}).values()}
+        reused.append(sum(v.data_ptr() in given for v in c.state_dict().values()))
+        return c
+
+    results = {}
+    for name, fn in (("into", spy), ("fresh", lambda model, out=None: canonical(model))):
+        monkeypatch.setattr(workers, "canonical", fn)
+        workers._CACHE.clear()
+        done, failed, partial, _ = workers.align_chunk(universe, items, options, 1, str(tmp_path / f"{name}.st"), None)
+        assert not failed and len(done) == 3
+        results[name] = (done, mmap_state(partial)[0])
+    assert reused[0] == 0 and all(n >= 10 for n in reused[1:])  # the 2nd and 3rd went into the memory before
+    (T_into, sum_into), (T_fresh, sum_fresh) = results["into"], results["fresh"]
+    for i in T_fresh:
+        assert T_into[i].elements.keys() == T_fresh[i].elements.keys()
+        assert all(torch.equal(v, T_fresh[i].elements[k]) for k, v in T_into[i].elements.items())
+    assert all(torch.equal(v, sum_fresh[k]) for k, v in sum_into.items())
+
+
 class CrashingModel(StoredModel):
     """A stored reply whose reading kills the worker process: once (a marker file remembers), or always."""
 
@@ -256,13 +297,18 @@ def test_parallel_pool_reports_a_failing_task(tmp_path, record):
 
 def test_parallel_pool_starts_its_workers_when_made():
     """The local workers are spawned as the pool is made (while the server writes the universe), and
-    each one imports weight matching before it takes a task, not when the first alignments come."""
+    each one imports weight matching before it takes a task, not when the first alignments come, and
+    keeps the memory it frees (``retain_freed_memory``)."""
     with AlignmentPool(Scale(workers=2, backend="process")) as pool:
         assert len(pool._pool._processes) == 2, "the pool's workers were not started with it"
         # eval is a builtin: running it imports nothing, so the module was there before the task came
-        probe = "'fedlmc.matching.weight' in __import__('sys').modules, __import__('os').getpid()"
+        probe = (
+            "'fedlmc.matching.weight' in __import__('sys').modules, __import__('os').getpid(),"
+            "__import__('fedlmc.allocator').allocator.retain_freed_memory.cache_info().currsize"
+        )
         got = [f.result(timeout=120) for f in [pool._pool.submit(eval, probe) for _ in range(4)]]
-    assert all(imported for imported, _ in got), got
+    assert all(imported for imported, _, _ in got), got
+    assert all(retained for *_, retained in got), "a worker frees its memory to the kernel: page faults per reply"
 
 
 def test_parallel_pool_whose_worker_died_while_waiting_still_aligns(tmp_path, record):

@@ -52,6 +52,30 @@ def test_canonicalize_is_exact(arch, record):
     assert residual_offcentre(c) < 1e-12
 
 
+def test_canonicalize_into_an_earlier_models_tensors_gives_the_same_model(arch):
+    # ``out``: a loop over replies writes each one's canonical form into the last one's memory
+    first, second = canonicalize(make(arch, 0)), make(arch, 1)
+    fresh = canonicalize(second)
+    given = {k: v for k, v in first.state_dict().items()}
+    pointers = {v.data_ptr() for v in given.values()}
+    into = canonicalize(second, out=given)
+    assert fresh.config == into.config
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, into.state_dict()[k]), k  # bit for bit the fresh canonical form
+    reused = [k for k, v in into.state_dict().items() if v.data_ptr() in pointers]
+    assert {k for k in reused if into.state_dict()[k].numel() > 100} == {
+        k for k, v in into.state_dict().items() if v.numel() > 100
+    }  # every large tensor went into ``out``'s memory
+    # ``out`` of another shape or dtype is not written: fresh memory, the same model
+    other = canonicalize(make(arch, 0, d_model=21)).state_dict()
+    wrong = {k: v.float() for k, v in first.state_dict().items()}
+    for out in (other, wrong):
+        ptrs = {v.data_ptr() for v in out.values()}
+        again = canonicalize(second, out=out)
+        assert all(v.data_ptr() not in ptrs for v in again.state_dict().values())
+        assert all(torch.equal(v, again.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
 @pytest.mark.parametrize("group", ["residual", "heads", "qk", "ov", "ff"])
 def test_each_action_alone_is_exact(arch, group, record):
     m = make(arch, seed=1)

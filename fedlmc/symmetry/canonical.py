@@ -13,6 +13,8 @@ so a LayerNorm model is canonicalised (exactly) before a residual map is applied
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
@@ -20,15 +22,29 @@ from .spec import StateDict, spec_for
 from .transform import Transform, apply_along, apply_to_state, rebuild
 
 
-def canonicalize(model: nn.Module) -> nn.Module:
+def canonicalize(model: nn.Module, out: Optional[StateDict] = None) -> nn.Module:
     """A parameter-free-RMSNorm model computing exactly the same function (a new model).
 
     LayerNorm models: centring folded into writers, gain and bias folded into readers. RMSNorm models
     with a bias: the bias folded into readers. Already canonical models are returned as a copy.
+
+    ``out``: the state of an earlier canonical model of the same shape that nothing uses any more (a
+    loop over replies); the new model's large tensors are written into its tensors instead of fresh
+    memory, which would cost a page fault for every 4 KB of the model on top of the pass that fills it.
     """
     cfg = model.config
     spec = spec_for(cfg)
     src = {k: v.detach() for k, v in model.state_dict().items()}
+    ref = next(model.parameters())
+    spare = dict(out or {})
+
+    def fresh(k: str, like: torch.Tensor) -> torch.Tensor:
+        """Where the canonical tensor ``k`` goes: ``out``'s when it fits (taken once), else new memory."""
+        t = spare.pop(k, None)
+        if t is None or t.shape != like.shape or t.dtype != ref.dtype or t.device != like.device:
+            return torch.empty(like.shape, dtype=ref.dtype, device=like.device)
+        return t
+
     sd: StateDict = dict(src)  # every fold below makes a new tensor; the untouched ones are copied at the end
     layernorm = cfg.norm == "layernorm"
     for norm in spec.norms:
@@ -44,7 +60,7 @@ def canonicalize(model: nn.Module) -> nn.Module:
             if gain is not None:
                 shape = [1] * W.dim()
                 shape[m.axis] = -1
-                sd[m.param] = W * gain.view(shape)
+                sd[m.param] = torch.mul(W, gain.view(shape), out=fresh(m.param, W))
     if layernorm:
         # Writers: centring keeps the stream in 1^⊥. Readers: their input (RMSNorm of a centred vector) is
         # centred too, so their 1-component is dead; removing it makes the all-ones direction null in
@@ -52,15 +68,16 @@ def canonicalize(model: nn.Module) -> nn.Module:
         for m in spec.writers() + spec.readers():
             t = sd[m.param]
             mean = t.mean(dim=m.axis, keepdim=True)  # C t along the axis, without a d×d product
-            sd[m.param] = t - mean if t is src.get(m.param) else t.sub_(mean)  # a fold's fresh tensor: in place
-    ref = next(model.parameters())
-    sd = {k: v.to(ref.dtype, copy=True) if v is src.get(k) else v.to(ref.dtype) for k, v in sd.items()}
+            # a fold's fresh tensor: in place
+            sd[m.param] = torch.sub(t, mean, out=fresh(m.param, t)) if t is src.get(m.param) else t.sub_(mean)
+    sd = {k: fresh(k, v).copy_(v) if v is src.get(k) else v.to(ref.dtype) for k, v in sd.items()}
     return rebuild(model, sd, canonical_config(cfg), own=True)
 
 
-def canonical(model: nn.Module) -> nn.Module:
-    """The model in canonical (RMSNorm) form: canonicalised if it has LayerNorms, else itself."""
-    return canonicalize(model) if not is_canonical(model.config) else model
+def canonical(model: nn.Module, out: Optional[StateDict] = None) -> nn.Module:
+    """The model in canonical (RMSNorm) form: canonicalised if it has LayerNorms (``out``: see
+    ``canonicalize``), else itself."""
+    return canonicalize(model, out) if not is_canonical(model.config) else model
 
 
 def is_canonical(cfg) -> bool:
