@@ -87,6 +87,15 @@ class RunningSum:
         return self.state
 
 
+def add_move(acc: RunningSum, model: nn.Module, T, w: float) -> None:
+    """Add ``w (T(model) − model)`` to ``acc`` (``model`` canonical), nothing for the identity: where a
+    universe is the models' plain weighted mean (weights summing to one), adding these sums to it gives
+    the mean of the aligned models, and the models that keep the identity cost nothing."""
+    if T.elements:
+        acc.add(aligned_state(model, T), w)
+        acc.add({k: v.detach() for k, v in model.state_dict().items()}, -w)
+
+
 def streamed_mean(models: Iterable[nn.Module], weights: Sequence[float]) -> nn.Module:
     """``Σ w_m θ_m / Σ w_m`` over models given one at a time (e.g. read from disk as the loop asks): the
     sum and one model in memory, whatever their number."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .allocator import release_freed_memory
-from .averaging import FORMS, REDUCES, RunningSum, aligned_state, merge, robust_merge
+from .averaging import FORMS, REDUCES, RunningSum, add_move, aligned_state, merge, robust_merge
 from .cpu import fitting_threads
 from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
@@ -250,6 +250,7 @@ class ArrivingMean:
             with torch.device("meta"):
                 model = from_config(self.config)
             model.load_state_dict(state, assign=True)
+            model.mean_of = dict(weights)  # what it is the mean of: a universe starting at it knows (``_merge``)
             self._model = model.eval()
         return self._model
 
@@ -445,6 +446,7 @@ def _merge(
 ) -> tuple[nn.Module, list[Transform]]:
     """``universe_merge`` on prepared members (``align``: weight matching's options)."""
     keep_layernorm, first = align["keep_layernorm"], None
+    mean = _is_mean(start, mem)
     if aligned is not None:  # already weight-matched into ``start``
         universe, transforms = canonical(start), list(aligned)
     elif isinstance(start, str):  # "mean": the replies' plain weighted mean, streamed (in canonical form)
@@ -458,7 +460,7 @@ def _merge(
             universe = mem.load(first)
     if aligned is None:
         universe, transforms = _iterate(
-            canonical(universe), mem, iterations, tol, reduce, trim, progress, align, first, pool, store
+            canonical(universe), mem, iterations, tol, reduce, trim, progress, align, first, pool, store, mean
         )
     live = mem.live
     if refine is not None and len(live) > 1:
@@ -485,6 +487,21 @@ def _merge(
     for i, reason in mem.excluded.items():
         transforms[i] = Transform(info={"excluded": reason})
     return (to_layernorm(universe) if keep_layernorm else universe), mem.client_transforms(transforms)
+
+
+def _is_mean(start: Union[nn.Module, str, None], mem: Members) -> bool:
+    """Whether the universe starts at the live models' plain weighted mean, in canonical form: the
+    streamed one (``start="mean"``), or an ``ArrivingMean``'s of exactly these files and weights."""
+    if mem.hetero:
+        return False
+    if isinstance(start, str):
+        return True
+    summed = getattr(start, "mean_of", None)
+    if not summed or not all(isinstance(mem.models[i], StoredModel) for i in mem.live):
+        return False
+    total = sum(summed.values())
+    ours = {mem.models[i].path: mem.weights[i] for i in mem.live}  # they sum to one
+    return ours.keys() == summed.keys() and all(abs(w - summed[p] / total) <= 1e-12 for p, w in ours.items())
 
 
 def anchor_index(mem: Members, anchor: str, align: dict) -> int:
@@ -516,31 +533,44 @@ def _iterate(
     first: Optional[int] = None,
     pool: Optional[AlignmentPool] = None,
     store: Optional[ReplyStore] = None,
+    mean: bool = False,
 ) -> tuple[nn.Module, list[Transform]]:
     """Align every model to the universe, average there, repeat (the warm start is the last transform).
     ``first``: the model the universe started as (its first alignment is the identity, exactly);
-    ``pool``: workers that align an iteration's models at once, reading the universe from ``store``."""
+    ``pool``: workers that align an iteration's models at once, reading the universe from ``store``;
+    ``mean``: the universe starts at the models' plain weighted mean (``_is_mean``), so the first
+    iteration sums only the models' moves (``averaging.add_move``) onto it: a model that keeps the
+    identity is not summed, and when none moves the universe is left as it is."""
     transforms: list[Transform] = [Transform() for _ in mem.models]
     for it in range(max(1, iterations)):
         t0 = time.time()
         todo = [i for i in mem.live if not (it == 0 and i == first)]
         warm = {i: transforms[i] if it else None for i in todo}
         streamed = reduce == "mean" and not mem.hetero  # align and sum each model in one visit
+        moves = streamed and mean and it == 0
+        excluded = len(mem.excluded)
         if pool is not None:
             path = save_model(store.path / f"universe-{it}.safetensors", universe).path
             tasks = [(i, mem.models[i], warm.get(i), mem.weights[i]) for i in mem.in_turn()]
-            done, failed, acc = pool.align(path, tasks, align, first if it == 0 else None)
+            done, failed, acc = pool.align(path, tasks, align, first if it == 0 else None, mean=moves)
             for i, reason in sorted(failed.items()):
                 mem.exclude(i, reason)
             for i, T in done.items():
                 transforms[i] = T
         else:
-            acc = _align_here(universe, mem, todo, warm, transforms, align, streamed, it + 1)
+            acc = _align_here(universe, mem, todo, warm, transforms, align, streamed, it + 1, moves)
         with section("universe averages"):
-            new = (
-                rebuild(universe, acc.mean(), own=True) if streamed else mem.merge(transforms, reduce=reduce, trim=trim)
-            )
-            moved = _relative_change(universe, new)
+            if moves and len(mem.excluded) > excluded:  # the mean it started at holds a model now left out
+                new = mem.merge(transforms)
+            elif moves:
+                new = universe if acc.state is None else rebuild(universe, _moved(universe, acc), own=True)
+            else:
+                new = (
+                    rebuild(universe, acc.mean(), own=True)
+                    if streamed
+                    else mem.merge(transforms, reduce=reduce, trim=trim)
+                )
+            moved = 0.0 if new is universe else _relative_change(universe, new)
         universe = new
         if progress or time.time() - t0 > PROGRESS_EVERY:
             log(
@@ -567,10 +597,12 @@ def _align_here(
     align: dict,
     streamed: bool,
     iteration: int = 1,
+    moves: bool = False,
 ) -> Optional[RunningSum]:
     """One iteration's alignments in this process, one model at a time (each read when its turn comes);
-    ``streamed``: each aligned model is added to the returned weighted sum while it is at hand. Every
-    ``PROGRESS_EVERY`` seconds it logs how many of ``todo`` are aligned (universe iteration ``iteration``)."""
+    ``streamed``: each aligned model is added to the returned weighted sum while it is at hand (``moves``:
+    its move, ``averaging.add_move``). Every ``PROGRESS_EVERY`` seconds it logs how many of ``todo`` are
+    aligned (universe iteration ``iteration``)."""
     residual_data = align["matching"].residual_data
     states = residual_states(universe, residual_data) if residual_data is not None else None
     reuse: dict = {}  # every model aligns to this universe: what matching computes from it alone is built once
@@ -600,11 +632,22 @@ def _align_here(
                 )
         if streamed:
             with section("universe averages"):
-                acc.add(aligned_state(m, transforms[i]), weights[i])
+                if moves:
+                    add_move(acc, m, transforms[i], weights[i])
+                else:
+                    acc.add(aligned_state(m, transforms[i]), weights[i])
         del m
     reuse.clear()
     release_freed_memory()  # before the average, the merge's peak of memory
     return acc
+
+
+def _moved(universe: nn.Module, acc: RunningSum) -> dict:
+    """The universe plus the weighted sum of the models' moves (their weights sum to one), tensor by
+    tensor, each sum let go as it is used."""
+    sd, moves = universe.state_dict(), acc.state
+    acc.state = None
+    return {k: sd[k].detach() + moves.pop(k).to(sd[k].dtype) for k in list(moves)}
 
 
 def _relative_change(a: nn.Module, b: nn.Module) -> float:

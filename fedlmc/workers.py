@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .allocator import retain_freed_memory
-from .averaging import RunningSum, aligned_state
+from .averaging import RunningSum, add_move, aligned_state
 from .cpu import available_cores
 from .matching import weight_matching
 from .options import Scale
@@ -43,12 +43,20 @@ Item = tuple[int, StoredModel, Optional[Transform], float]  # (index, reply, war
 
 
 def align_chunk(
-    universe_file: str, items: list[Item], options: dict[str, Any], threads: int, out: str, skip: Optional[int]
+    universe_file: str,
+    items: list[Item],
+    options: dict[str, Any],
+    threads: int,
+    out: str,
+    skip: Optional[int],
+    mean: bool = False,
 ) -> tuple[dict[int, Transform], dict[int, str], Optional[str], float]:
     """One task, in a worker: align each reply of ``items`` to the universe in ``universe_file`` and add
     it, aligned and weighted, to a partial sum written to ``out``. Returns the transforms, the replies
     that failed (with the reason), the partial sum's file (None if empty) and its total weight.
-    ``skip``: the reply the universe started as (its transform is the identity, exactly)."""
+    ``skip``: the reply the universe started as (its transform is the identity, exactly). ``mean``: the
+    universe is the replies' plain weighted mean, so the partial sum is of each reply's move,
+    ``w (T(B) − B)`` (``averaging.add_move``: nothing for a reply that keeps the identity)."""
     retain_freed_memory()  # (a Ray worker: see ``_started``)
     if threads:
         torch.set_num_threads(threads)
@@ -67,7 +75,10 @@ def align_chunk(
             spare = None  # taken by this reply (or dropped)
             read = time.perf_counter() - t0
             T = Transform() if i == skip else weight_matching(universe, model, warm_start=warm, reuse=reuse, **options)
-            acc.add(aligned_state(model, T), w)
+            if mean:
+                add_move(acc, model, T, w)
+            else:
+                acc.add(aligned_state(model, T), w)
         except Exception as e:  # noqa: BLE001 -- an unreadable reply, a failed matching: retried, then excluded
             failed[i] = f"{type(e).__name__}: {e}"
             continue
@@ -124,11 +135,17 @@ class AlignmentPool:
                 executor.submit(os.getpid)
 
     def align(
-        self, universe_file: Union[str, os.PathLike], items: list[Item], options: dict[str, Any], skip: Optional[int]
+        self,
+        universe_file: Union[str, os.PathLike],
+        items: list[Item],
+        options: dict[str, Any],
+        skip: Optional[int],
+        mean: bool = False,
     ) -> tuple[dict[int, Transform], dict[int, str], RunningSum]:
         """Align and sum ``items`` (split into one chunk per worker): the transforms that succeeded, the
         reasons of those that failed ``1 + retries`` times (a reply that failed, or whose worker died,
-        is retried on its own), and the weighted sum of the aligned replies (partial sums added here)."""
+        is retried on its own), and the weighted sum of the aligned replies (partial sums added here);
+        ``mean``: of their moves (see ``align_chunk``)."""
         self._calls += 1
         folder = Path(universe_file).parent
         chunks = [items[k :: self.workers] for k in range(self.workers) if items[k :: self.workers]]
@@ -142,7 +159,7 @@ class AlignmentPool:
             if not chunks:
                 break
             outs = [str(folder / f"partial-{self._calls}-{attempt}-{k}.safetensors") for k in range(len(chunks))]
-            results = self._run(str(universe_file), chunks, options, outs, skip, isolate=attempt > 0)
+            results = self._run(str(universe_file), chunks, options, outs, skip, mean, isolate=attempt > 0)
             for chunk, result in zip(chunks, results):
                 if isinstance(result, BaseException):  # the worker died (or the task broke): each reply failed
                     errors.update({i: _reason(result) for i, *_ in chunk})
@@ -159,12 +176,19 @@ class AlignmentPool:
         return done, {i: f"alignment failed {tries} times: {why}" for i, why in errors.items()}, acc
 
     def _run(
-        self, universe_file: str, chunks: list, options: dict, outs: list[str], skip: Optional[int], isolate: bool
+        self,
+        universe_file: str,
+        chunks: list,
+        options: dict,
+        outs: list[str],
+        skip: Optional[int],
+        mean: bool,
+        isolate: bool,
     ) -> list:
         """Each chunk's result, or the exception that stopped it. ``isolate``: in the process pool, one task
         at a time (a worker that dies breaks the whole pool, and every task still running in it fails
         with it, so only a task run alone is known to have died of its own reply)."""
-        args = [(universe_file, c, options, self.threads, o, skip) for c, o in zip(chunks, outs)]
+        args = [(universe_file, c, options, self.threads, o, skip, mean) for c, o in zip(chunks, outs)]
         results: list = []
         if self.backend == "ray":
             import ray

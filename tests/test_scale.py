@@ -273,6 +273,94 @@ def test_parallel_dead_worker_is_retried_once_then_excluded(tmp_path, record):
         record("a worker died twice: the universe without that reply", _max_diff(ref, got), 1e-10)
 
 
+def _near(base: torch.nn.Module, seed: int, noise: float = 0.01) -> torch.nn.Module:
+    from fedlmc.symmetry import rebuild
+
+    g = torch.Generator().manual_seed(seed)
+    return rebuild(
+        base,
+        {
+            k: v + noise * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype)
+            for k, v in base.state_dict().items()
+        },
+    )
+
+
+def test_parallel_universe_from_the_mean_sums_only_the_replies_that_move(tmp_path, record, monkeypatch):
+    """From the replies' mean summed as they arrive, the first iteration adds each reply's move to that
+    mean: replies that keep the identity (min_gain) are not summed at all, and the universe is the
+    aligned replies' mean as when every reply is summed (the same mean, not marked as one), in the
+    workers and in the server's process."""
+    from fedlmc.averaging import RunningSum
+    from fedlmc.symmetry import rebuild
+    from fedlmc.universe import ArrivingMean
+
+    base = _copies(1, noise=0.0)[0]
+    far = apply_transform(_near(base, 3), random_transform(base, seed=5, groups=["residual", "heads", "ff"]))
+    with ReplyStore(tmp_path / "replies") as store:
+        files = [store.put(x) for x in [_near(base, s) for s in range(3)] + [far]]
+        arriving, weights = ArrivingMean(), [1.0, 1.0, 1.0, 0.01]  # the mean stays near the near ones
+        for f, w in zip(files, weights):
+            arriving.add(f.path, f.load(), w)
+        mean = arriving.model_for({f.path: w for f, w in zip(files, weights)})
+        unmarked = rebuild(mean, mean.state_dict())  # the same weights, not known to be the replies' mean
+        adds = []
+        real_add = RunningSum.add
+        monkeypatch.setattr(RunningSum, "add", lambda self, state, w: adds.append(w) or real_add(self, state, w))
+        pooled = []  # each iteration's call of the workers: moves only, and the weight its partial sums carry
+        real_align = AlignmentPool.align
+
+        def align(self, *args, mean=False):
+            done, failed, acc = real_align(self, *args, mean=mean)
+            pooled.append((mean, acc.weight))
+            return done, failed, acc
+
+        monkeypatch.setattr(AlignmentPool, "align", align)
+        m = Matching(min_gain=0.3)
+        for scale in (None, Scale(workers=2, backend="process", spool_dir=str(tmp_path))):
+            where = "workers" if scale else "in-process"
+            adds.clear()
+            got, Ts = universe_merge(files, weights, start=mean, iterations=2, matching=m, scale=scale)
+            summed = list(adds)
+            ref, T_ref = universe_merge(files, weights, start=unmarked, iterations=2, matching=m, scale=scale)
+            assert [bool(T.elements) for T in Ts] == [False, False, False, True]  # the far one moves
+            _same_transforms(T_ref, Ts, record, f"from the mean, {where}")
+            record(f"universe from the mean, moves only vs every reply summed ({where})", _max_diff(ref, got), 1e-12)
+            if scale is None:  # iteration 1: the far reply's move (two adds); iteration 2: the four replies
+                w = 0.01 / 3.01
+                assert summed[:2] == pytest.approx([w, -w]) and len(summed) == 6, summed
+            else:  # the workers summed moves (weights w − w) in iteration 1, every aligned reply in the 2nd
+                assert [mean for mean, _ in pooled] == [True, False, False, False], pooled
+                assert pooled[0][1] == pytest.approx(0.0, abs=1e-15) and pooled[1][1] == pytest.approx(1.0)
+
+
+def test_parallel_universe_from_the_mean_without_a_reply_that_failed(tmp_path, record):
+    """A reply that fails in the first iteration from the replies' mean leaves that mean holding it: the
+    universe is then the mean of the others, read again from their files."""
+    from fedlmc.universe import ArrivingMean
+
+    base = _copies(1, noise=0.0)[0]
+    replies = [_near(base, s) for s in range(4)]
+    with ReplyStore(tmp_path / "replies") as store:
+        files = [store.put(x) for x in replies]
+        arriving = ArrivingMean()
+        for f in files:
+            arriving.add(f.path, f.load(), 1.0)
+        mean = arriving.model_for({f.path: 1.0 for f in files})
+        Path(files[2].path + ".crashed").write_text("always")
+        files[2] = CrashingModel(files[2].path, files[2].config)
+        scale = Scale(workers=2, backend="process", spool_dir=str(tmp_path))
+        got, Ts = universe_merge(files, start=mean, iterations=2, matching=Matching(min_gain=0.3), scale=scale)
+        assert [i for i, T in enumerate(Ts) if "excluded" in T.info] == [2]
+        assert all(not T.elements for i, T in enumerate(Ts) if i != 2)
+        others = {k: sum(replies[i].state_dict()[k] for i in (0, 1, 3)) / 3 for k in base.state_dict()}
+        record(
+            "from the mean, a reply failed: universe vs the others' mean",
+            max(float((got.state_dict()[k] - v).abs().max()) for k, v in others.items()),
+            1e-12,
+        )
+
+
 def test_parallel_pool_reports_a_failing_task(tmp_path, record):
     models = _copies(2)
     with ReplyStore(tmp_path) as store, AlignmentPool(Scale(workers=2, backend="process", retries=1)) as pool:
