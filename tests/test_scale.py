@@ -87,6 +87,35 @@ def test_mmap_universe_equals_the_in_memory_one(tmp_path, record):
     assert not any(tmp_path.glob("round-*")), "the store's files were not removed"
 
 
+def test_mmap_layernorm_replies_go_into_the_memory_of_the_one_before(tmp_path, record, monkeypatch):
+    """In the server's process, each LayerNorm reply read from its file is put in canonical form in the
+    memory of the reply aligned before it (``Canonical.recycle``): the universe and transforms are
+    those of the same replies held in memory, bit for bit."""
+    import fedlmc.universe as universe_module
+    from fedlmc.symmetry import canonical
+
+    torch.manual_seed(0)
+    base = perturbed(from_preset("gpt2-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40))
+    models = [_near(base, s, 0.05) for s in range(4)]  # LayerNorm models
+    m = Matching(keep_identity=False)
+    ref, T_ref = universe_merge(models, iterations=2, keep_layernorm=True, matching=m)
+    reused = []
+
+    def spy(model, out=None):
+        c = canonical(model, out=out)
+        given = {v.data_ptr() for v in (out or {}).values()}
+        reused.append(sum(v.data_ptr() in given for v in c.state_dict().values()))
+        return c
+
+    monkeypatch.setattr(universe_module, "canonical", spy)
+    with ReplyStore(tmp_path) as store:
+        handles = [store.put(x) for x in models]
+        got, T_got = universe_merge(handles, iterations=2, keep_layernorm=True, matching=m)
+    record("LayerNorm replies recycled from disk vs in memory (max |Δ|)", _max_diff(ref, got), 0.0)
+    _same_transforms(T_ref, T_got, record, "recycled")
+    assert sum(n >= 10 for n in reused) >= 4, reused  # most of each iteration's replies went into recycled memory
+
+
 def test_mmap_unreadable_reply_is_excluded_with_a_reason(tmp_path, record):
     models = _copies(4)
     with ReplyStore(tmp_path) as store:
