@@ -90,6 +90,10 @@ class Canonical(Sequence):
             self._spare = {k: v.detach() for k, v in model.state_dict().items()}
             self._made = None
 
+    def let_go(self) -> None:
+        """Drop the recycled memory (the end of a pass: the average after it needs the room)."""
+        self._spare = None
+
 
 @dataclass
 class Members:
@@ -655,6 +659,8 @@ def _align_here(
             mem.padded.recycle(m)
         del m
     reuse.clear()
+    if isinstance(mem.padded, Canonical):
+        mem.padded.let_go()
     release_freed_memory()  # before the average, the merge's peak of memory
     return acc
 

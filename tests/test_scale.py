@@ -108,9 +108,15 @@ def test_mmap_layernorm_replies_go_into_the_memory_of_the_one_before(tmp_path, r
         return c
 
     monkeypatch.setattr(universe_module, "canonical", spy)
+    dropped = []  # at the end of each pass the recycled memory is let go (the average needs the room)
+    real_let_go = universe_module.Canonical.let_go
+    monkeypatch.setattr(
+        universe_module.Canonical, "let_go", lambda self: dropped.append(self._spare is not None) or real_let_go(self)
+    )
     with ReplyStore(tmp_path) as store:
         handles = [store.put(x) for x in models]
         got, T_got = universe_merge(handles, iterations=2, keep_layernorm=True, matching=m)
+    assert dropped == [True, True]
     record("LayerNorm replies recycled from disk vs in memory (max |Δ|)", _max_diff(ref, got), 0.0)
     _same_transforms(T_ref, T_got, record, "recycled")
     assert sum(n >= 10 for n in reused) >= 4, reused  # most of each iteration's replies went into recycled memory
