@@ -910,6 +910,18 @@ def test_mmap_performance_page_gives_the_curve_against_m(monkeypatch):
     ) in page
     fixed, per_reply = fit["fixed_seconds"], fit["seconds_per_reply"]
     assert f"the round's fixed part ({fixed:.0f} s: each reply beyond it costs {per_reply:.2f} s" in page
+
+    # the GEMM reference of the M = 64 workers' and FedAvg's runs against every other common run's
+    def gemm(runs):
+        g = [x["gemm_seconds"] for r in runs for x in r["repeats"]]
+        return f"{min(g):.2f}–{max(g):.2f} s"
+
+    fedavg64 = by[(64, "common", "fedavg")]
+    others = [r for r in res["runs"] if r["kind"] == "common" and r not in (w64, fedavg64)]
+    assert (
+        f"workers' fixed GEMM took {gemm([w64])} and FedAvg's {gemm([fedavg64])} (FedAvg read the 42 GB at "
+        f"{42 / fedavg64['seconds']:.1f} GB/s), against {gemm(others)} in the other common runs"
+    ) in page
     # the replies read ahead: a worker's read of a reply from disk (M = 64) against the page cache (M = 8)
     assert (
         f"{w64['read_seconds_median']:.2f} s at M = 64, where the replies come from disk, against "
