@@ -35,7 +35,7 @@ from .cpu import available_cores
 from .matching import weight_matching
 from .options import Scale
 from .replies import StoredModel, mmap_state, read_ahead, stored, write_state
-from .symmetry import Transform
+from .symmetry import Transform, canonical
 
 _CACHE: dict[str, Any] = {}  # in a worker: the universe it last read, and what matching built from it
 
@@ -57,8 +57,6 @@ def align_chunk(
     ``skip``: the reply the universe started as (its transform is the identity, exactly). ``mean``: the
     universe is the replies' plain weighted mean, so the partial sum is of each reply's move,
     ``w (T(B) − B)`` (``averaging.add_move``: nothing for a reply that keeps the identity)."""
-    from .universe import Canonical  # (the universe module imports this one)
-
     retain_freed_memory()  # (a Ray worker: see ``_started``)
     if threads:
         torch.set_num_threads(threads)
@@ -67,13 +65,14 @@ def align_chunk(
         _CACHE.update(file=universe_file, universe=stored(universe_file).load(), reuse={})
     universe, reuse, acc = _CACHE["universe"], _CACHE["reuse"], RunningSum()
     done, failed = {}, {}
-    replies = Canonical([source for _, source, _, _ in items])
-    # the next file read while this one is aligned
-    for k, (i, _, warm, w) in enumerate(read_ahead(items, lambda item: item[1])):
+    spare = None  # the last reply's canonical weights, once it is summed: the next one is written there
+    for i, source, warm, w in read_ahead(items, lambda item: item[1]):  # the next file read while this one is aligned
         model = None
         try:
             t0 = time.perf_counter()
-            model = replies[k]
+            loaded = source.load()
+            model = canonical(loaded, out=spare)
+            spare = None  # taken by this reply (or dropped)
             read = time.perf_counter() - t0
             T = Transform() if i == skip else weight_matching(universe, model, warm_start=warm, reuse=reuse, **options)
             if mean:
@@ -83,9 +82,11 @@ def align_chunk(
         except Exception as e:  # noqa: BLE001 -- an unreadable reply, a failed matching: retried, then excluded
             failed[i] = f"{type(e).__name__}: {e}"
             continue
-        finally:  # summed (a copy), or failed: the next reply is put in canonical form in its memory
-            if model is not None:
-                replies.recycle(model)
+        finally:
+            # summed (a copy), or failed: nothing refers to its canonical weights but this loop; a memory map's
+            # tensors (a reply already in canonical form) are never written
+            if model is not None and model is not loaded:
+                spare = {k: v.detach() for k, v in model.state_dict().items()}
             del model
         T.info["worker_pid"] = os.getpid()
         T.info["read_seconds"] = read  # the reply read from its file and put in canonical form

@@ -225,7 +225,6 @@ def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, re
 def test_parallel_worker_puts_each_layernorm_reply_in_the_memory_of_the_one_before(tmp_path, monkeypatch):
     """A worker writes each LayerNorm reply's canonical form into the tensors of the reply before it (summed
     by then): the same transforms and the same partial sum, bit for bit, as fresh canonical forms give."""
-    import fedlmc.universe as universe_module
     import fedlmc.workers as workers
     from fedlmc.symmetry import canonical, rebuild
 
@@ -251,7 +250,7 @@ def test_parallel_worker_puts_each_layernorm_reply_in_the_memory_of_the_one_befo
 
     results = {}
     for name, fn in (("into", spy), ("fresh", lambda model, out=None: canonical(model))):
-        monkeypatch.setattr(universe_module, "canonical", fn)  # what ``Canonical`` converts with
+        monkeypatch.setattr(workers, "canonical", fn)
         workers._CACHE.clear()
         done, failed, partial, _ = workers.align_chunk(universe, items, options, 1, str(tmp_path / f"{name}.st"), None)
         assert not failed and len(done) == 3
