@@ -11,6 +11,10 @@ Nothing is lost and nothing is left: a reply that cannot be written or read rais
 with the reason (the strategies exclude that reply and go on); ``ReplyStore.close()`` removes the
 round's files, and a store left behind by a process that died (a crash, a kill) is removed by the
 next store opened under the same root.
+
+``Canonical`` is how a pass reads them: each stored reply is put in canonical form when its turn comes,
+in the memory of the one before it (handed back with ``recycle``), so a pass over M replies faults in
+the pages of one model, not M.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
@@ -30,8 +35,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from .matching.profile import section
 from .models import from_config
 from .models.layers import TransformerConfig
+from .symmetry import canonical
 
 T = TypeVar("T")
 OWNER = "owner.json"  # in every store: the pid that owns it (stale once that process is gone)
@@ -239,3 +246,40 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process: alive
         return True
     return True
+
+
+class Canonical(Sequence):
+    """The models in canonical form: a model in memory converted once and kept, a ``StoredModel`` read
+    from its file (memory-mapped) and converted each time it is asked for, then let go. A pass that
+    is done with such a model hands it back (``recycle``): the next one is written into its memory."""
+
+    def __init__(self, models: Sequence[Union[nn.Module, StoredModel]]) -> None:
+        self.models = models
+        self._kept = [None if isinstance(m, StoredModel) else canonical(m) for m in models]
+        self._made: Optional[weakref.ref] = None  # the last model converted here from a file
+        self._spare: Optional[dict] = None
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def __getitem__(self, i: int) -> nn.Module:  # type: ignore[override]
+        kept = self._kept[i]
+        if kept is not None:
+            return kept
+        with section("reading replies and canonical form"):  # a memory map's pages are read when touched
+            loaded = self.models[i].load()
+            model, self._spare = canonical(loaded, out=self._spare), None
+        self._made = weakref.ref(model) if model is not loaded else None
+        return model
+
+    def recycle(self, model: nn.Module) -> None:
+        """``model``, the last one converted here, is no longer used by anyone: the next conversion
+        writes into its tensors (``symmetry.canonicalize``'s ``out``) instead of fresh memory. Nothing
+        for another model (one kept in memory, or a memory-mapped file already canonical)."""
+        if self._made is not None and self._made() is model:
+            self._spare = {k: v.detach() for k, v in model.state_dict().items()}
+            self._made = None
+
+    def let_go(self) -> None:
+        """Drop the recycled memory (the end of a pass: the average after it needs the room)."""
+        self._spare = None

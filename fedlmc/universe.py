@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Optional, Sequence, Union
@@ -22,7 +21,7 @@ from .matching.profile import section
 from .matching.refine import dirichlet_refine
 from .models import from_config
 from .options import Matching, Refinement, Scale, one_of
-from .replies import ReplyError, ReplyStore, StoredModel, read_ahead, save_model
+from .replies import Canonical, ReplyError, ReplyStore, StoredModel, read_ahead, save_model
 from .symmetry import (
     Transform,
     WidthMap,
@@ -56,43 +55,6 @@ log = logging.getLogger("flwr").log
 PROGRESS_EVERY = 10.0
 
 Model = Union[nn.Module, StoredModel]
-
-
-class Canonical(Sequence):
-    """The models in canonical form: a model in memory converted once and kept, a ``StoredModel`` read
-    from its file (memory-mapped) and converted each time it is asked for, then let go. A pass that
-    is done with such a model hands it back (``recycle``): the next one is written into its memory."""
-
-    def __init__(self, models: Sequence[Model]) -> None:
-        self.models = models
-        self._kept = [None if isinstance(m, StoredModel) else canonical(m) for m in models]
-        self._made: Optional[weakref.ref] = None  # the last model converted here from a file
-        self._spare: Optional[dict] = None
-
-    def __len__(self) -> int:
-        return len(self.models)
-
-    def __getitem__(self, i: int) -> nn.Module:  # type: ignore[override]
-        kept = self._kept[i]
-        if kept is not None:
-            return kept
-        with section("reading replies and canonical form"):  # a memory map's pages are read when touched
-            loaded = self.models[i].load()
-            model, self._spare = canonical(loaded, out=self._spare), None
-        self._made = weakref.ref(model) if model is not loaded else None
-        return model
-
-    def recycle(self, model: nn.Module) -> None:
-        """``model``, the last one converted here, is no longer used by anyone: the next conversion
-        writes into its tensors (``symmetry.canonicalize``'s ``out``) instead of fresh memory. Nothing
-        for another model (one kept in memory, or a memory-mapped file already canonical)."""
-        if self._made is not None and self._made() is model:
-            self._spare = {k: v.detach() for k, v in model.state_dict().items()}
-            self._made = None
-
-    def let_go(self) -> None:
-        """Drop the recycled memory (the end of a pass: the average after it needs the room)."""
-        self._spare = None
 
 
 @dataclass

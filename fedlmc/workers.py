@@ -34,8 +34,8 @@ from .averaging import RunningSum, add_move, aligned_state
 from .cpu import available_cores
 from .matching import weight_matching
 from .options import Scale
-from .replies import StoredModel, mmap_state, read_ahead, stored, write_state
-from .symmetry import Transform, canonical
+from .replies import Canonical, StoredModel, mmap_state, read_ahead, stored, write_state
+from .symmetry import Transform
 
 _CACHE: dict[str, Any] = {}  # in a worker: the universe it last read, and what matching built from it
 
@@ -65,14 +65,12 @@ def align_chunk(
         _CACHE.update(file=universe_file, universe=stored(universe_file).load(), reuse={})
     universe, reuse, acc = _CACHE["universe"], _CACHE["reuse"], RunningSum()
     done, failed = {}, {}
-    spare = None  # the last reply's canonical weights, once it is summed: the next one is written there
-    for i, source, warm, w in read_ahead(items, lambda item: item[1]):  # the next file read while this one is aligned
+    canon = Canonical([item[1] for item in items])  # each reply's canonical form in the memory of the one before
+    for k, (i, _, warm, w) in enumerate(read_ahead(items, lambda item: item[1])):  # the next file read meanwhile
         model = None
         try:
             t0 = time.perf_counter()
-            loaded = source.load()
-            model = canonical(loaded, out=spare)
-            spare = None  # taken by this reply (or dropped)
+            model = canon[k]
             read = time.perf_counter() - t0
             T = Transform() if i == skip else weight_matching(universe, model, warm_start=warm, reuse=reuse, **options)
             if mean:
@@ -82,11 +80,9 @@ def align_chunk(
         except Exception as e:  # noqa: BLE001 -- an unreadable reply, a failed matching: retried, then excluded
             failed[i] = f"{type(e).__name__}: {e}"
             continue
-        finally:
-            # summed (a copy), or failed: nothing refers to its canonical weights but this loop; a memory map's
-            # tensors (a reply already in canonical form) are never written
-            if model is not None and model is not loaded:
-                spare = {k: v.detach() for k, v in model.state_dict().items()}
+        finally:  # summed (a copy), or failed: the next reply is written into its canonical weights
+            if model is not None:
+                canon.recycle(model)
             del model
         T.info["worker_pid"] = os.getpid()
         T.info["read_seconds"] = read  # the reply read from its file and put in canonical form

@@ -91,7 +91,7 @@ def test_mmap_layernorm_replies_go_into_the_memory_of_the_one_before(tmp_path, r
     """In the server's process, each LayerNorm reply read from its file is put in canonical form in the
     memory of the reply aligned before it (``Canonical.recycle``): the universe and transforms are
     those of the same replies held in memory, bit for bit."""
-    import fedlmc.universe as universe_module
+    import fedlmc.replies as replies_module
     from fedlmc.symmetry import canonical
 
     torch.manual_seed(0)
@@ -107,11 +107,11 @@ def test_mmap_layernorm_replies_go_into_the_memory_of_the_one_before(tmp_path, r
         reused.append(sum(v.data_ptr() in given for v in c.state_dict().values()))
         return c
 
-    monkeypatch.setattr(universe_module, "canonical", spy)
+    monkeypatch.setattr(replies_module, "canonical", spy)
     dropped = []  # at the end of each pass the recycled memory is let go (the average needs the room)
-    real_let_go = universe_module.Canonical.let_go
+    real_let_go = replies_module.Canonical.let_go
     monkeypatch.setattr(
-        universe_module.Canonical, "let_go", lambda self: dropped.append(self._spare is not None) or real_let_go(self)
+        replies_module.Canonical, "let_go", lambda self: dropped.append(self._spare is not None) or real_let_go(self)
     )
     with ReplyStore(tmp_path) as store:
         handles = [store.put(x) for x in models]
@@ -225,6 +225,7 @@ def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, re
 def test_parallel_worker_puts_each_layernorm_reply_in_the_memory_of_the_one_before(tmp_path, monkeypatch):
     """A worker writes each LayerNorm reply's canonical form into the tensors of the reply before it (summed
     by then): the same transforms and the same partial sum, bit for bit, as fresh canonical forms give."""
+    import fedlmc.replies as replies_module
     import fedlmc.workers as workers
     from fedlmc.symmetry import canonical, rebuild
 
@@ -250,7 +251,7 @@ def test_parallel_worker_puts_each_layernorm_reply_in_the_memory_of_the_one_befo
 
     results = {}
     for name, fn in (("into", spy), ("fresh", lambda model, out=None: canonical(model))):
-        monkeypatch.setattr(workers, "canonical", fn)
+        monkeypatch.setattr(replies_module, "canonical", fn)
         workers._CACHE.clear()
         done, failed, partial, _ = workers.align_chunk(universe, items, options, 1, str(tmp_path / f"{name}.st"), None)
         assert not failed and len(done) == 3
