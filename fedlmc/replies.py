@@ -19,9 +19,13 @@ the pages of one model, not M.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import uuid
@@ -103,15 +107,21 @@ def mmap_state(path: Union[str, Path]) -> tuple[dict[str, torch.Tensor], dict[st
 # Linux reads at most the device's read-ahead window (``read_ahead_kb``, often 128 KB, at most a few
 # MB) per WILLNEED call: a whole file is advised a piece of this size at a time
 PREFETCH_PIECE = 128 << 10
+_MADV_POPULATE_READ = 22  # Linux ≥ 5.14
+_PROT_READ, _MAP_SHARED = 1, 1
 
 
 def prefetch(path: Union[str, Path]) -> None:
-    """Ask the kernel to read the file at ``path`` into the page cache in the background
-    (``posix_fadvise`` WILLNEED), and return at once: the next reply's pages then come from disk while
-    the current one is aligned, not when its tensors are first touched. A thread advises the file
-    ``PREFETCH_PIECE`` bytes at a time (one call for the whole file would read only its first few
-    megabytes). Nothing where the call does not exist (Windows, macOS) or the file cannot be opened
-    (its ``load()`` will say why)."""
+    """Have the file at ``path`` read into the page cache in the background, and return at once: the
+    next reply's pages then come from disk while the current one is aligned, not when its tensors are
+    first touched. A thread faults the whole file in through a mapping of its own (Linux's
+    ``MADV_POPULATE_READ``, ``_populate``); where that is missing, it advises ``posix_fadvise``
+    WILLNEED, ``PREFETCH_PIECE`` bytes at a time (one call for the whole file would read only its first
+    few megabytes). WILLNEED alone is not enough on a busy server: the kernel drops such read-ahead
+    when it would have to free memory for it, which is always the case once the page cache is full
+    (M replies larger than the memory), so most of the next file was still on disk when its turn
+    came. Nothing where neither call exists (Windows, macOS) or the file cannot be opened (its
+    ``load()`` will say why)."""
     if getattr(os, "posix_fadvise", None) is None:
         return
     threading.Thread(target=_advise, args=(str(path),), name="fedlmc-prefetch", daemon=True).start()
@@ -124,12 +134,47 @@ def _advise(path: str) -> None:
         return
     try:
         size = os.fstat(fd).st_size
+        if _populate(fd, size):
+            return
         for offset in range(0, size, PREFETCH_PIECE):
             os.posix_fadvise(fd, offset, PREFETCH_PIECE, os.POSIX_FADV_WILLNEED)
     except OSError:
         pass
     finally:
         os.close(fd)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Optional[ctypes.CDLL]:
+    """The C library's ``mmap``, ``madvise`` and ``munmap`` (through ctypes, which lets the GIL go for a
+    call: Python's own ``mmap.madvise`` holds it while the pages are read), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+def _populate(fd: int, size: int) -> bool:
+    """Fault the file open at ``fd`` (``size`` bytes) into the page cache through a temporary mapping of
+    it (``MADV_POPULATE_READ``: read as page faults would, freeing memory where needed); False where
+    the kernel or the C library cannot (then nothing was read)."""
+    lib = _libc()
+    if lib is None or size == 0:
+        return False
+    addr = lib.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return False
+    try:
+        return lib.madvise(addr, size, _MADV_POPULATE_READ) == 0
+    finally:
+        lib.munmap(addr, size)
 
 
 def read_ahead(items: Sequence[T], model_of: Callable[[T], Any]) -> Iterator[T]:

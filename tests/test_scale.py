@@ -774,7 +774,7 @@ def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatc
     the kernel for the next reply's file before reading the current one's, so its pages come from disk
     while the current one is aligned; ``prefetch`` advises WILLNEED and survives a missing file. The
     server's passes go back and forth (``Members.in_turn``), the first backwards: each starts with the
-    files the one before read last."""
+    files the one before read last (how ``prefetch`` reads a file: the test after this one)."""
     import fedlmc.replies as replies
     import fedlmc.workers as workers
     from fedlmc.workers import align_chunk
@@ -803,20 +803,60 @@ def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatc
     align_chunk(paths[3], items, {"matching": Matching(keep_identity=False)}, 0, out, None)
     assert events == [("load", paths[3])] + one_ahead(paths[:3]), events  # the universe, then the chunk
     monkeypatch.undo()
-    if hasattr(os, "posix_fadvise"):  # the whole file advised, a piece at a time, by a thread of its own
-        advised, piece = [], 256
-        monkeypatch.setattr(replies, "PREFETCH_PIECE", piece)
-        monkeypatch.setattr(
-            os, "posix_fadvise", lambda fd, offset, length, advice: advised.append((offset, length, advice))
-        )
-        before = set(threading.enumerate())
-        replies.prefetch(paths[0])
-        for t in set(threading.enumerate()) - before:
-            t.join(timeout=30)
-        size = os.path.getsize(paths[0])
-        assert advised == [(o, piece, os.POSIX_FADV_WILLNEED) for o in range(0, size, piece)]
-        assert len(advised) > 1
     replies.prefetch(tmp_path / "missing.safetensors")  # nothing to read: no error (load() will say why)
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    import platform
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)", platform.release())
+    return sys.platform.startswith("linux") and found is not None and tuple(map(int, found.groups())) >= (major, minor)
+
+
+def _prefetched(replies, path) -> None:
+    before = set(threading.enumerate())
+    replies.prefetch(path)
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=30)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here: prefetch does nothing")
+def test_mmap_prefetch_faults_the_whole_file_in(tmp_path, monkeypatch):
+    """``prefetch`` reads the whole file in a thread of its own: on Linux ≥ 5.14 by faulting it in through
+    a mapping (``MADV_POPULATE_READ``, which frees memory for it where WILLNEED's read-ahead is dropped),
+    elsewhere, or where that fails, by WILLNEED advice over the whole file, a piece at a time. A file
+    shorter than the size asked for is not an error (no SIGBUS): nothing is populated."""
+    import fedlmc.replies as replies
+
+    path = save_model(tmp_path / "r.safetensors", _copies(1)[0]).path
+    size = os.path.getsize(path)
+    advised: list[tuple[int, int, int]] = []
+    real_fadvise = os.posix_fadvise
+    monkeypatch.setattr(
+        os, "posix_fadvise", lambda fd, offset, length, advice: advised.append((offset, length, advice))
+    )
+    populated: list[tuple[int, bool]] = []
+    real_populate = replies._populate
+    monkeypatch.setattr(
+        replies, "_populate", lambda fd, n: populated.append((n, real_populate(fd, n))) or populated[-1][1]
+    )
+    _prefetched(replies, path)
+    if _kernel_at_least(5, 14):  # faulted in: no advice needed
+        assert populated == [(size, True)] and advised == []
+    piece = 256
+    monkeypatch.setattr(replies, "PREFETCH_PIECE", piece)
+    monkeypatch.setattr(replies, "_populate", lambda fd, n: False)  # an older kernel: the whole file advised
+    advised.clear()
+    _prefetched(replies, path)
+    assert advised == [(o, piece, os.POSIX_FADV_WILLNEED) for o in range(0, size, piece)] and len(advised) > 1
+    monkeypatch.setattr(os, "posix_fadvise", real_fadvise)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert real_populate(fd, size + (1 << 20)) is False  # past the end of the file: refused, not a crash
+        assert real_populate(fd, 0) is False
+    finally:
+        os.close(fd)
 
 
 def test_mmap_performance_page_gives_the_amd_round_of_64():
