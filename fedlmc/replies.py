@@ -108,6 +108,7 @@ def mmap_state(path: Union[str, Path]) -> tuple[dict[str, torch.Tensor], dict[st
 # MB) per WILLNEED call: a whole file is advised a piece of this size at a time
 PREFETCH_PIECE = 128 << 10
 _MADV_POPULATE_READ = 22  # Linux ≥ 5.14
+POPULATE_WINDOW = 64 << 20  # bytes faulted in per temporary mapping (a multiple of the page size)
 _PROT_READ, _MAP_SHARED = 1, 1
 
 
@@ -162,19 +163,25 @@ def _libc() -> Optional[ctypes.CDLL]:
 
 
 def _populate(fd: int, size: int) -> bool:
-    """Fault the file open at ``fd`` (``size`` bytes) into the page cache through a temporary mapping of
-    it (``MADV_POPULATE_READ``: read as page faults would, freeing memory where needed); False where
-    the kernel or the C library cannot (then nothing was read)."""
+    """Fault the file open at ``fd`` (``size`` bytes) into the page cache through temporary mappings of
+    it (``MADV_POPULATE_READ``: read as page faults would, freeing memory where needed), one
+    ``POPULATE_WINDOW`` at a time (a mapped page counts in the process's resident memory until it is
+    unmapped: so the prefetch adds at most a window to it); False where the kernel or the C library
+    cannot (then nothing more is read)."""
     lib = _libc()
     if lib is None or size == 0:
         return False
-    addr = lib.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        return False
-    try:
-        return lib.madvise(addr, size, _MADV_POPULATE_READ) == 0
-    finally:
-        lib.munmap(addr, size)
+    for offset in range(0, size, POPULATE_WINDOW):
+        n = min(POPULATE_WINDOW, size - offset)
+        addr = lib.mmap(None, n, _PROT_READ, _MAP_SHARED, fd, offset)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return False
+        try:
+            if lib.madvise(addr, n, _MADV_POPULATE_READ) != 0:
+                return False
+        finally:
+            lib.munmap(addr, n)
+    return True
 
 
 def read_ahead(items: Sequence[T], model_of: Callable[[T], Any]) -> Iterator[T]:

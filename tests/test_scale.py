@@ -824,7 +824,8 @@ def _prefetched(replies, path) -> None:
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here: prefetch does nothing")
 def test_mmap_prefetch_faults_the_whole_file_in(tmp_path, monkeypatch):
     """``prefetch`` reads the whole file in a thread of its own: on Linux ≥ 5.14 by faulting it in through
-    a mapping (``MADV_POPULATE_READ``, which frees memory for it where WILLNEED's read-ahead is dropped),
+    mappings of a window each (``MADV_POPULATE_READ``, which frees memory for it where WILLNEED's
+    read-ahead is dropped),
     elsewhere, or where that fails, by WILLNEED advice over the whole file, a piece at a time. A file
     shorter than the size asked for is not an error (no SIGBUS): nothing is populated."""
     import fedlmc.replies as replies
@@ -853,6 +854,9 @@ def test_mmap_prefetch_faults_the_whole_file_in(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fadvise", real_fadvise)
     fd = os.open(path, os.O_RDONLY)
     try:
+        if _kernel_at_least(5, 14):  # a window at a time (here a page: every window, the last one short)
+            monkeypatch.setattr(replies, "POPULATE_WINDOW", 4096)
+            assert size % 4096 and real_populate(fd, size) is True
         assert real_populate(fd, size + (1 << 20)) is False  # past the end of the file: refused, not a crash
         assert real_populate(fd, 0) is False
     finally:
