@@ -830,6 +830,8 @@ def test_mmap_prefetch_faults_the_whole_file_in(tmp_path, monkeypatch):
     shorter than the size asked for is not an error (no SIGBUS): nothing is populated."""
     import fedlmc.replies as replies
 
+    page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text().split())
+    assert f"`MADV_POPULATE_READ`, a {replies.POPULATE_WINDOW >> 20} MB window at a time" in page
     path = save_model(tmp_path / "r.safetensors", _copies(1)[0]).path
     size = os.path.getsize(path)
     advised: list[tuple[int, int, int]] = []
