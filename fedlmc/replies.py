@@ -115,8 +115,8 @@ _PROT_READ, _MAP_SHARED = 1, 1
 def prefetch(path: Union[str, Path]) -> None:
     """Have the file at ``path`` read into the page cache in the background, and return at once: the
     next reply's pages then come from disk while the current one is aligned, not when its tensors are
-    first touched. A thread faults the whole file in through a mapping of its own (Linux's
-    ``MADV_POPULATE_READ``, ``_populate``); where that is missing, it advises ``posix_fadvise``
+    first touched. A thread faults the whole file in through mappings of its own, a window at a time
+    (Linux's ``MADV_POPULATE_READ``, ``_populate``); where that is missing, it advises ``posix_fadvise``
     WILLNEED, ``PREFETCH_PIECE`` bytes at a time (one call for the whole file would read only its first
     few megabytes). WILLNEED alone is not enough on a busy server: the kernel drops such read-ahead
     when it would have to free memory for it, which is always the case once the page cache is full
