@@ -772,7 +772,7 @@ def test_mmap_performance_page_gives_the_give_up_benchs_figures():
 def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatch):
     """Each pass over stored replies (the server's alignments, a worker's chunk, the streamed mean) asks
     the kernel for the next reply's file before reading the current one's, so its pages come from disk
-    while the current one is aligned; ``prefetch`` advises WILLNEED and survives a missing file. The
+    while the current one is aligned; ``prefetch`` survives a missing file. The
     server's passes go back and forth (``Members.in_turn``), the first backwards: each starts with the
     files the one before read last (how ``prefetch`` reads a file: the test after this one)."""
     import fedlmc.replies as replies
@@ -825,9 +825,9 @@ def _prefetched(replies, path) -> None:
 def test_mmap_prefetch_faults_the_whole_file_in(tmp_path, monkeypatch):
     """``prefetch`` reads the whole file in a thread of its own: on Linux ≥ 5.14 by faulting it in through
     mappings of a window each (``MADV_POPULATE_READ``, which frees memory for it where WILLNEED's
-    read-ahead is dropped),
-    elsewhere, or where that fails, by WILLNEED advice over the whole file, a piece at a time. A file
-    shorter than the size asked for is not an error (no SIGBUS): nothing is populated."""
+    read-ahead is dropped); elsewhere, or where that fails, by WILLNEED advice over the whole file, a
+    piece at a time. A file shorter than the size asked for is not an error (no SIGBUS): nothing is
+    populated."""
     import fedlmc.replies as replies
 
     page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text().split())
