@@ -17,20 +17,29 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+from typing import Optional
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_MAX_THRESHOLD = 32 << 20  # glibc refuses larger mmap thresholds on 64-bit
 
 
 @functools.cache
+def libc() -> Optional[ctypes.CDLL]:
+    """The C library, through ctypes (a call lets the GIL go), on Linux; None elsewhere or where it
+    cannot be loaded. Shared by the calls here and ``replies``' prefetch (``mmap``, ``madvise``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+@functools.cache
 def retain_freed_memory() -> bool:
     """Raise glibc's trim, top-pad and mmap thresholds for this process; whether it applied."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others have no mallopt
+    mallopt = getattr(libc(), "mallopt", None)  # musl and others have no mallopt
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(
@@ -51,11 +60,8 @@ def release_freed_memory() -> bool:
     models above its live memory. Called once before such a phase, it costs one pass over the heap and
     the page faults of re-touching what was returned.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)

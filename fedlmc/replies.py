@@ -20,12 +20,10 @@ the pages of one model, not M.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import uuid
@@ -39,6 +37,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from .allocator import libc
 from .matching.profile import section
 from .models import from_config
 from .models.layers import TransformerConfig
@@ -145,21 +144,20 @@ def _advise(path: str) -> None:
         os.close(fd)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def _libc() -> Optional[ctypes.CDLL]:
-    """The C library's ``mmap``, ``madvise`` and ``munmap`` (through ctypes, which lets the GIL go for a
-    call: Python's own ``mmap.madvise`` holds it while the pages are read), or None."""
-    if not sys.platform.startswith("linux"):
-        return None
+    """The C library (``allocator.libc``) with ``mmap``, ``madvise`` and ``munmap`` typed for
+    ``_populate`` (ctypes lets the GIL go for a call: Python's own ``mmap.madvise`` holds it while the
+    pages are read), or None."""
+    lib = libc()
     try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
         lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        return lib
-    except (OSError, AttributeError):
+    except AttributeError:  # no C library here (None), or one without them
         return None
+    return lib
 
 
 def _populate(fd: int, size: int) -> bool:
