@@ -30,7 +30,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -182,16 +182,22 @@ def _populate(fd: int, size: int) -> bool:
     return True
 
 
-def read_ahead(items: Sequence[T], model_of: Callable[[T], Any]) -> Iterator[T]:
-    """Yield ``items`` in order; before each, hand the next item's model (``model_of`` of it) to
-    ``prefetch`` when it is a ``StoredModel``, so a pass over stored replies reads the next file from
-    disk while it works on the current one."""
-    for k, item in enumerate(items):
-        if k + 1 < len(items):
-            upcoming = model_of(items[k + 1])
-            if isinstance(upcoming, StoredModel):
-                prefetch(upcoming.path)
+def read_ahead(items: Iterable[T], model_of: Callable[[T], Any]) -> Iterator[T]:
+    """Yield ``items`` in order; before each, take the next item and hand its model (``model_of`` of
+    it) to ``prefetch`` when it is a ``StoredModel``, so a pass over stored replies reads the next file
+    from disk while it works on the current one. ``items`` may be a generator: it is drawn from one
+    item ahead of what is yielded."""
+    it = iter(items)
+    item = next(it, _END)
+    while item is not _END:
+        upcoming = next(it, _END)
+        if upcoming is not _END and isinstance(model_of(upcoming), StoredModel):
+            prefetch(model_of(upcoming).path)
         yield item
+        item = upcoming
+
+
+_END = object()
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,24 @@ so they are up, torch and weight matching imported, by the time the server has w
 (a pool whose worker died while it waited is replaced when the next tasks come); ``"ray"`` submits Ray
 tasks (to the cluster at ``address``, or a local Ray started for the purpose, or the one already
 running), so the same code spreads over the machines of a Ray cluster (the files must then be on
-storage that every node reads at the same path). A reply that fails, or whose worker dies, is retried
-on its own ``retries`` times; then it is excluded with the reason, and the round goes on.
+storage that every node reads at the same path). A task that is done with its chunk takes over the
+replies that the others have not reached yet, from the ends of their chunks: each reply is claimed
+(a file created exclusively in the round's folder) before it is read, so it is aligned by one task,
+and a slower worker or node does not hold up the round. A reply that fails, or whose worker dies, is
+retried on its own ``retries`` times; then it is excluded with the reason, and the round goes on.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -50,13 +56,18 @@ def align_chunk(
     out: str,
     skip: Optional[int],
     mean: bool = False,
+    others: Sequence[list[Item]] = (),
+    claims: Optional[str] = None,
 ) -> tuple[dict[int, Transform], dict[int, str], Optional[str], float]:
     """One task, in a worker: align each reply of ``items`` to the universe in ``universe_file`` and add
     it, aligned and weighted, to a partial sum written to ``out``. Returns the transforms, the replies
     that failed (with the reason), the partial sum's file (None if empty) and its total weight.
     ``skip``: the reply the universe started as (its transform is the identity, exactly). ``mean``: the
     universe is the replies' plain weighted mean, so the partial sum is of each reply's move,
-    ``w (T(B) − B)`` (``averaging.add_move``: nothing for a reply that keeps the identity)."""
+    ``w (T(B) − B)`` (``averaging.add_move``: nothing for a reply that keeps the identity).
+    ``claims``: a folder shared with the tasks of ``others`` (their chunks): every reply is claimed
+    there before it is read (``claim``), so the task aligns the replies of ``items`` that no other task
+    took, then those of ``others`` that no task has claimed yet, from the ends of their chunks."""
     retain_freed_memory()  # (a Ray worker: see ``_started``)
     if threads:
         torch.set_num_threads(threads)
@@ -65,8 +76,11 @@ def align_chunk(
         _CACHE.update(file=universe_file, universe=stored(universe_file).load(), reuse={})
     universe, reuse, acc = _CACHE["universe"], _CACHE["reuse"], RunningSum()
     done, failed = {}, {}
-    canon = Canonical([item[1] for item in items])  # each reply's canonical form in the memory of the one before
-    for k, (i, _, warm, w) in enumerate(read_ahead(items, lambda item: item[1])):  # the next file read meanwhile
+    order = list(items) + takeover_order(others)
+    canon = Canonical([item[1] for item in order])  # each reply's canonical form in the memory of the one before
+    mine = (k for k, item in enumerate(order) if claims is None or claim(claims, item[0]))
+    for k in read_ahead(mine, lambda k: order[k][1]):  # the next reply claimed, and its file read, meanwhile
+        i, _, warm, w = order[k]
         model = None
         try:
             t0 = time.perf_counter()
@@ -91,6 +105,23 @@ def align_chunk(
         return done, failed, None, 0.0
     write_state(out, acc.state)
     return done, failed, out, acc.weight
+
+
+def takeover_order(others: Sequence[list[Item]]) -> list[Item]:
+    """The items of the other tasks' chunks in the order a task that is done with its own takes them
+    over: from each chunk's end (what its task reaches last), the chunks in turn."""
+    tails = [list(reversed(chunk)) for chunk in others]
+    return [item for group in zip_longest(*tails) for item in group if item is not None]
+
+
+def claim(folder: str, i: int) -> bool:
+    """Claim reply ``i`` in ``folder`` (create the file ``i`` there, exclusively): True for the one
+    task that creates it, False for every other."""
+    try:
+        os.close(os.open(os.path.join(folder, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True
 
 
 class AlignmentPool:
@@ -155,19 +186,33 @@ class AlignmentPool:
             if not chunks:
                 break
             outs = [str(folder / f"partial-{self._calls}-{attempt}-{k}.safetensors") for k in range(len(chunks))]
-            results = self._run(str(universe_file), chunks, options, outs, skip, mean, isolate=attempt > 0)
+            claims = None
+            if not attempt and len(chunks) > 1:  # a task done with its chunk takes over the others' replies
+                claims = Path(tempfile.mkdtemp(prefix=f"claims-{self._calls}-", dir=folder))
+            try:
+                results = self._run(str(universe_file), chunks, options, outs, skip, mean, claims, attempt > 0)
+            finally:
+                if claims is not None:
+                    shutil.rmtree(claims, ignore_errors=True)
+            dead, reported = [], set()
             for chunk, result in zip(chunks, results):
-                if isinstance(result, BaseException):  # the worker died (or the task broke): each reply failed
-                    errors.update({i: _reason(result) for i, *_ in chunk})
+                if isinstance(result, BaseException):  # the worker died (or the task broke)
+                    dead.append((chunk, _reason(result)))
                     continue
                 ok, failed, partial, weight = result
                 done.update(ok)
                 errors.update(failed)
+                reported.update(failed)
                 for i in ok:
                     errors.pop(i, None)
                 if partial is not None:
                     acc.add_sum(mmap_state(partial)[0], weight)
                     Path(partial).unlink(missing_ok=True)
+            # what a dead task had claimed failed with it: its own replies that no other task aligned, and
+            # those it had taken over from another chunk (the ones no live task reported)
+            lost = {i: why for chunk, why in dead for i, *_ in chunk}
+            lost.update({i: dead[0][1] for c in chunks for i, *_ in c if dead and i not in lost})
+            errors.update({i: why for i, why in lost.items() if i not in done and i not in reported})
         tries = 1 + self.scale.retries
         return done, {i: f"alignment failed {tries} times: {why}" for i, why in errors.items()}, acc
 
@@ -179,12 +224,19 @@ class AlignmentPool:
         outs: list[str],
         skip: Optional[int],
         mean: bool,
+        claims: Optional[Path],
         isolate: bool,
     ) -> list:
-        """Each chunk's result, or the exception that stopped it. ``isolate``: in the process pool, one task
-        at a time (a worker that dies breaks the whole pool, and every task still running in it fails
-        with it, so only a task run alone is known to have died of its own reply)."""
-        args = [(universe_file, c, options, self.threads, o, skip, mean) for c, o in zip(chunks, outs)]
+        """Each chunk's result, or the exception that stopped it. ``claims``: the folder in which the
+        tasks claim their replies, each task also taking over the other chunks (``align_chunk``); None:
+        each task aligns its own chunk. ``isolate``: in the process pool, one task at a time (a worker
+        that dies breaks the whole pool, and every task still running in it fails with it, so only a
+        task run alone is known to have died of its own reply)."""
+        args = [
+            (universe_file, c, options, self.threads, o, skip, mean)
+            + (([d for d in chunks if d is not c], str(claims)) if claims is not None else ())
+            for c, o in zip(chunks, outs)
+        ]
         results: list = []
         if self.backend == "ray":
             import ray

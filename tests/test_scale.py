@@ -419,6 +419,84 @@ def test_parallel_pool_reports_a_failing_task(tmp_path, record):
     assert not list(store.path.glob("partial-*"))
 
 
+def _workers_up(pool: AlignmentPool) -> None:
+    """Wait until every worker of a process pool has started (spawned, imports done) and is idle."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        pids = {f.result(timeout=120) for f in [pool._pool.submit(_pid_after, 0.3) for _ in range(pool.workers)]}
+        if len(pids) == pool.workers:
+            return
+    raise AssertionError("the pool's workers did not start")
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_parallel_task_done_early_takes_over_the_replies_a_slower_one_has_not_reached(tmp_path, record):
+    """One worker's chunk is slow to read (2 s a reply): the other worker, done with its own chunk,
+    claims and aligns the slow chunk's last reply, so the round does not wait for one worker to read
+    three slow replies in turn. Every reply is aligned once, by exactly one worker; the sum is the same
+    as here, and the claims are removed."""
+    models = _copies(6)
+    m = Matching(keep_identity=False)
+    with ReplyStore(tmp_path) as store, AlignmentPool(Scale(workers=2, backend="process")) as pool:
+        _workers_up(pool)
+        u = store.put(models[0])
+        handles = [store.put(x) for x in models]
+        # chunks are items[k::2]: the even replies (0, 2, 4) make up the first worker's chunk
+        items = [(i, SlowModel(h.path, h.config) if i % 2 == 0 else h, None, 1.0 / 6) for i, h in enumerate(handles)]
+        done, failed, acc = pool.align(u.path, items, {"matching": m}, None)
+        assert not failed and set(done) == set(range(6))
+        by = {i: T.info["worker_pid"] for i, T in done.items()}
+        assert by[0] == by[2] != by[4], f"the slow chunk's last reply was not taken over: {by}"
+        assert by[1] == by[3] == by[5] == by[4]
+        assert not [p for p in store.path.iterdir() if p.name.startswith(("claims-", "partial-"))]
+    want = {}
+    for x in models:
+        for k, v in aligned_state(x, weight_matching(models[0], x, m)).items():
+            want[k] = want.get(k, 0) + v / 6
+    got = acc.mean()
+    record(
+        "replies taken over by another worker: the mean vs the same mean here",
+        max(float((got[k] - v).abs().max()) for k, v in want.items()),
+        1e-12,
+    )
+
+
+def test_parallel_takeover_order_takes_each_chunk_from_its_end(tmp_path):
+    """A task done with its chunk takes the others' replies from their ends (what their tasks reach
+    last), the chunks in turn; a claim is won once."""
+    from fedlmc.workers import claim, takeover_order
+
+    assert takeover_order([[1, 4, 7], [2, 5]]) == [7, 5, 4, 2, 1]
+    assert takeover_order([]) == []
+    assert claim(str(tmp_path), 3) and not claim(str(tmp_path), 3) and claim(str(tmp_path), 4)
+
+
+def test_parallel_replies_a_dead_task_had_taken_over_are_retried(tmp_path, monkeypatch):
+    """A task that dies loses its own replies that no other task aligned, and those it had taken over
+    from another chunk: each is retried on its own (then aligned), none is lost or aligned twice."""
+    calls = []
+
+    def run(self, universe_file, chunks, options, outs, skip, mean, claims, isolate):
+        calls.append(([[i for i, *_ in c] for c in chunks], claims is not None, isolate))
+        if not isolate:  # the first task died after taking over reply 5; the second took over reply 4
+            return [RuntimeError("node lost"), ({1: Transform(), 3: Transform(), 4: Transform()}, {}, None, 0.0)]
+        return [({c[0][0]: Transform()}, {}, None, 0.0) for c in chunks]
+
+    monkeypatch.setattr(AlignmentPool, "_run", run)
+    with AlignmentPool(Scale(workers=2, backend="process", retries=1)) as pool:
+        items = [(i, None, None, 1.0 / 6) for i in range(6)]
+        done, failed, _ = pool.align(tmp_path / "universe.safetensors", items, {}, None)
+    assert set(done) == set(range(6)) and not failed
+    assert pool.retried == [0, 2, 5]
+    assert calls[0] == ([[0, 2, 4], [1, 3, 5]], True, False)  # claimed, each task may take over the other's
+    assert calls[1:] == [([[0], [2], [5]], False, True)]  # retried alone, nothing taken over
+    assert not list(tmp_path.iterdir()), "the claims were left behind"
+
+
 def test_parallel_pool_starts_its_workers_when_made():
     """The local workers are spawned as the pool is made (while the server writes the universe), and
     each one imports weight matching before it takes a task, not when the first alignments come, and
