@@ -1097,3 +1097,25 @@ def test_mmap_performance_page_gives_the_curve_against_m(monkeypatch):
         f"both cores ({here['seconds']:.1f} s → {workers[-1]['seconds']:.1f} s) and "
         f"**{res['parallel_speedup_at_arrival_over_1thread']:.2f}** over one thread ({one['seconds']:.1f} s"
     ) in page
+    # the matchings behind it: the server's two threads, one thread, a worker's thread beside the other
+    assert (
+        f"({here['matching_seconds_median']:.2f} s a reply's matching, against {one['matching_seconds_median']:.2f} s "
+        f"on one thread and {workers[-1]['matching_seconds_median']:.2f} s on a worker's thread"
+    ) in page
+
+    def spread(r):
+        reps = [x["seconds"] for x in r["repeats"]]
+        return f"{min(reps):.1f}–{max(reps):.1f} s"
+
+    assert (
+        f"(one thread: {spread(one)}, GEMM reference {gemm([one])}; workers: {spread(workers[-1])}, "
+        f"{gemm([workers[-1]])}), so it moves with the host"
+    ) in page
+    if speedup_status == "met":  # by how much, against the spread of rounds on the same host
+        margin = res["parallel_speedup_at_arrival_over_1thread"] / 1.7 - 1
+        assert (
+            f"it clears 1.7 by {100 * margin:.0f} %, about the spread of the server's own two-thread runs "
+            f"({spread(here)})"
+        ) in page
+    if speedup_status == "met" and res["parallel_speedup_at_arrival"] < 1.7:
+        assert "**met** over one thread, narrowly" in page and "missed over the server's two threads" in page
