@@ -437,26 +437,27 @@ def _pid_after(seconds: float) -> int:
 def test_parallel_task_done_early_takes_over_the_replies_a_slower_one_has_not_reached(tmp_path, record):
     """One worker's chunk is slow to read (2 s a reply): the other worker, done with its own chunk,
     claims and aligns the slow chunk's last reply, so the round does not wait for one worker to read
-    three slow replies in turn. Every reply is aligned once, by exactly one worker; the sum is the same
+    four slow replies in turn. Every reply is aligned once, by exactly one worker; the sum is the same
     as here, and the claims are removed."""
-    models = _copies(6)
+    models = _copies(8)
     m = Matching(keep_identity=False)
     with ReplyStore(tmp_path) as store, AlignmentPool(Scale(workers=2, backend="process")) as pool:
         _workers_up(pool)
         u = store.put(models[0])
         handles = [store.put(x) for x in models]
-        # chunks are items[k::2]: the even replies (0, 2, 4) make up the first worker's chunk
-        items = [(i, SlowModel(h.path, h.config) if i % 2 == 0 else h, None, 1.0 / 6) for i, h in enumerate(handles)]
+        # chunks are items[k::2]: the even replies (0, 2, 4, 6) make up the first worker's chunk, which
+        # reaches its last reply after 6 s of slow reads; the other chunk's four take well under that
+        items = [(i, SlowModel(h.path, h.config) if i % 2 == 0 else h, None, 1.0 / 8) for i, h in enumerate(handles)]
         done, failed, acc = pool.align(u.path, items, {"matching": m}, None)
-        assert not failed and set(done) == set(range(6))
+        assert not failed and set(done) == set(range(8))
         by = {i: T.info["worker_pid"] for i, T in done.items()}
-        assert by[0] == by[2] != by[4], f"the slow chunk's last reply was not taken over: {by}"
-        assert by[1] == by[3] == by[5] == by[4]
+        assert by[0] == by[2] != by[6], f"the slow chunk's last reply was not taken over: {by}"
+        assert by[1] == by[3] == by[5] == by[7] == by[6]
         assert not [p for p in store.path.iterdir() if p.name.startswith(("claims-", "partial-"))]
     want = {}
     for x in models:
         for k, v in aligned_state(x, weight_matching(models[0], x, m)).items():
-            want[k] = want.get(k, 0) + v / 6
+            want[k] = want.get(k, 0) + v / 8
     got = acc.mean()
     record(
         "replies taken over by another worker: the mean vs the same mean here",
