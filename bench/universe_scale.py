@@ -122,7 +122,7 @@ def one_run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         if args.strategy == "fedavg":
             streamed_fedavg(paths)
-            its = identity = iterations = gave_up = None
+            its = identity = iterations = gave_up = taken_over = None
             matched = read = []
         else:
             # "aligned-parallel+min-gain": Matching(min_gain=MIN_GAIN); "+once": one universe iteration;
@@ -168,6 +168,7 @@ def one_run(args: argparse.Namespace) -> dict:
             assert not excluded, excluded
             identity = sum(not T.elements for T in Ts)
             gave_up = sum("gave_up" in T.info for T in Ts)  # descents stopped far below min_gain's gain
+            taken_over = sum("taken_over" in T.info for T in Ts)  # aligned by a worker done with its own chunk
             matched = sorted(T.info["seconds"] for T in Ts if "seconds" in T.info)  # each last weight matching
             read = sorted(T.info["read_seconds"] for T in Ts if "read_seconds" in T.info)  # in a worker
         secs = time.perf_counter() - t0
@@ -183,6 +184,7 @@ def one_run(args: argparse.Namespace) -> dict:
         "max_iterations": None if args.strategy == "fedavg" else iterations,
         "identity_kept": identity,  # replies whose final transform is the identity (min_gain)
         "gave_up": gave_up,
+        "taken_over": taken_over,  # replies a worker took over from another's chunk (workers only)
         # one reply's last weight matching, in the process that ran it (median over the replies; a worker's
         # first reply of an iteration also builds what matching computes from the universe alone)
         "matching_seconds_median": round(matched[len(matched) // 2], 2) if matched else None,

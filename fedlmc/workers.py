@@ -100,6 +100,8 @@ def align_chunk(
             del model
         T.info["worker_pid"] = os.getpid()
         T.info["read_seconds"] = read  # the reply read from its file and put in canonical form
+        if k >= len(items):
+            T.info["taken_over"] = True  # from another task's chunk
         done[i] = T
     if acc.state is None:
         return done, failed, None, 0.0

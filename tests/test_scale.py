@@ -436,9 +436,9 @@ def _pid_after(seconds: float) -> int:
 
 def test_parallel_task_done_early_takes_over_the_replies_a_slower_one_has_not_reached(tmp_path, record):
     """One worker's chunk is slow to read (2 s a reply): the other worker, done with its own chunk,
-    claims and aligns the slow chunk's last reply, so the round does not wait for one worker to read
-    four slow replies in turn. Every reply is aligned once, by exactly one worker; the sum is the same
-    as here, and the claims are removed."""
+    claims and aligns the slow chunk's last reply (and the one before it, when it gets there first),
+    so the round does not wait for one worker to read four slow replies in turn. Every reply is
+    aligned once, by exactly one worker; the sum is the same as here, and the claims are removed."""
     models = _copies(8)
     m = Matching(keep_identity=False)
     with ReplyStore(tmp_path) as store, AlignmentPool(Scale(workers=2, backend="process")) as pool:
@@ -446,13 +446,17 @@ def test_parallel_task_done_early_takes_over_the_replies_a_slower_one_has_not_re
         u = store.put(models[0])
         handles = [store.put(x) for x in models]
         # chunks are items[k::2]: the even replies (0, 2, 4, 6) make up the first worker's chunk, which
-        # reaches its last reply after 6 s of slow reads; the other chunk's four take well under that
+        # claims its last reply after 4 s of slow reads; the other chunk's four take well under that
         items = [(i, SlowModel(h.path, h.config) if i % 2 == 0 else h, None, 1.0 / 8) for i, h in enumerate(handles)]
         done, failed, acc = pool.align(u.path, items, {"matching": m}, None)
         assert not failed and set(done) == set(range(8))
         by = {i: T.info["worker_pid"] for i, T in done.items()}
         assert by[0] == by[2] != by[6], f"the slow chunk's last reply was not taken over: {by}"
         assert by[1] == by[3] == by[5] == by[7] == by[6]
+        # the other worker took the slow chunk's end (6, and 4 too when it got there before the slow
+        # worker had read 0: each claims its next reply as it starts one)
+        taken = {i for i, T in done.items() if T.info.get("taken_over")}
+        assert 6 in taken <= {4, 6} and all(by[i] == by[1] for i in taken), (taken, by)
         assert not [p for p in store.path.iterdir() if p.name.startswith(("claims-", "partial-"))]
     want = {}
     for x in models:
