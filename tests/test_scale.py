@@ -1052,6 +1052,7 @@ def test_mmap_performance_page_gives_the_curve_against_m(monkeypatch):
         g = [x["gemm_seconds"] for r in runs for x in r["repeats"]]
         return f"{min(g):.2f}–{max(g):.2f} s"
 
+    assert f"else of ours running (GEMM reference {gemm(res['runs'])}):" in page  # every run of the curve
     fedavg64 = by[(64, "common", "fedavg")]
     others = [r for r in res["runs"] if r["kind"] == "common" and r not in (w64, fedavg64)]
     assert (
