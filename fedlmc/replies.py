@@ -191,8 +191,9 @@ def read_ahead(items: Iterable[T], model_of: Callable[[T], Any]) -> Iterator[T]:
     item = next(it, _END)
     while item is not _END:
         upcoming = next(it, _END)
-        if upcoming is not _END and isinstance(model_of(upcoming), StoredModel):
-            prefetch(model_of(upcoming).path)
+        model = model_of(upcoming) if upcoming is not _END else None
+        if isinstance(model, StoredModel):
+            prefetch(model.path)
         yield item
         item = upcoming
 

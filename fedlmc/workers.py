@@ -210,11 +210,12 @@ class AlignmentPool:
                 if partial is not None:
                     acc.add_sum(mmap_state(partial)[0], weight)
                     Path(partial).unlink(missing_ok=True)
-            # what a dead task had claimed failed with it: its own replies that no other task aligned, and
-            # those it had taken over from another chunk (the ones no live task reported)
-            lost = {i: why for chunk, why in dead for i, *_ in chunk}
-            lost.update({i: dead[0][1] for c in chunks for i, *_ in c if dead and i not in lost})
-            errors.update({i: why for i, why in lost.items() if i not in done and i not in reported})
+            if dead:  # what no live task aligned or reported was claimed by a dead one, and failed with it:
+                # a reply of its own chunk with its reason, one it had taken over with the first death's
+                why = {i: reason for chunk, reason in dead for i, *_ in chunk}
+                for i, *_ in (item for chunk in chunks for item in chunk):
+                    if i not in done and i not in reported:
+                        errors[i] = why.get(i, dead[0][1])
         tries = 1 + self.scale.retries
         return done, {i: f"alignment failed {tries} times: {why}" for i, why in errors.items()}, acc
 
