@@ -47,6 +47,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +125,7 @@ def one_run(args: argparse.Namespace) -> dict:
             streamed_fedavg(paths)
             its = identity = iterations = gave_up = taken_over = None
             matched = read = []
+            threads_used = {}
         else:
             # "aligned-parallel+min-gain": Matching(min_gain=MIN_GAIN); "+once": one universe iteration;
             # "+float32": float32 products everywhere
@@ -171,6 +173,8 @@ def one_run(args: argparse.Namespace) -> dict:
             taken_over = sum("taken_over" in T.info for T in Ts)  # aligned by a worker done with its own chunk
             matched = sorted(T.info["seconds"] for T in Ts if "seconds" in T.info)  # each last weight matching
             read = sorted(T.info["read_seconds"] for T in Ts if "read_seconds" in T.info)  # in a worker
+            # the torch threads each reply's last matching ran with (``cpu.fitting_threads``), counted
+            threads_used = dict(sorted(Counter(str(T.info["threads"]) for T in Ts if "threads" in T.info).items()))
         secs = time.perf_counter() - t0
     model_gb = os.path.getsize(paths[0]) / 1e9
     return {
@@ -197,6 +201,7 @@ def one_run(args: argparse.Namespace) -> dict:
         "peak_rss_in_models": round(mem.peak / 1e9 / model_gb, 1),
         "gemm_seconds": round(gemm, 3),
         "threads": torch.get_num_threads(),
+        "alignment_threads": threads_used,  # {threads: replies whose last matching ran with that many}
         "load_average": os.getloadavg()[0],
         # where the server process's time went (``fedlmc.matching.profile`` sections, nested; a worker's
         # own sections stay in its process)

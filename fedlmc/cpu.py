@@ -16,7 +16,7 @@ import platform
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -47,24 +47,36 @@ def available_cores() -> int:
     return n
 
 
-def busy_cores(samples: int = 5, every: float = 0.002) -> float:
+def busy_cores(samples: int = 5, every: float = 0.005) -> float:
     """Runnable threads of *other* processes now: the kernel's count of runnable tasks
-    (``/proc/loadavg``'s fourth field, which includes the thread asking), median of a few samples taken
-    ``every`` seconds apart, less this process's own runnable threads. 0 where it cannot be read."""
+    (``/proc/loadavg``'s fourth field, which includes the thread asking) less this process's own
+    runnable threads read beside it, the least of a few samples taken ``every`` seconds apart. The
+    least, not a typical one: a process busy on a core stays runnable through the samples, while the
+    wake-ups that follow a burst of this process's own parallel work (its OpenMP threads winding
+    down, short-lived tasks it woke) last a few milliseconds, and would count as a busy core on an
+    idle host. 0 where it cannot be read."""
     now = time.monotonic()
     if now - _SAMPLE["at"] < SAMPLE_SECONDS:
         return _SAMPLE["busy"]
     counts = []
     for k in range(samples):
-        try:
-            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]))
-        except (OSError, ValueError, IndexError):
+        runnable = runnable_tasks()
+        if runnable is None:
             return 0.0
+        counts.append(runnable - own_running())
         if k + 1 < samples:
             time.sleep(every)
-    busy = max(0.0, sorted(counts)[len(counts) // 2] - own_running())
+    busy = float(max(0, min(counts)))
     _SAMPLE.update(at=now, busy=busy)
     return busy
+
+
+def runnable_tasks() -> Optional[int]:
+    """The kernel's count of runnable tasks (``/proc/loadavg``'s fourth field); None where it cannot be read."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def own_running() -> int:

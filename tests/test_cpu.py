@@ -28,6 +28,22 @@ def test_busy_cores_counts_other_processes_runnable_threads(monkeypatch):
             p.wait()
 
 
+def test_busy_cores_ignores_wake_ups_that_end_within_the_samples(monkeypatch):
+    # right after a burst of its own parallel work a process sees more runnable tasks than its own for
+    # a few milliseconds on an idle host; a core is busy only if another task stays runnable throughout
+    monkeypatch.setattr(cpu, "_SAMPLE", {"at": -1e9, "busy": 0.0})
+    runnable, own = iter([4, 3, 3, 1, 1]), iter([2, 1, 1, 1, 1])
+    monkeypatch.setattr(cpu, "runnable_tasks", lambda: next(runnable))
+    monkeypatch.setattr(cpu, "own_running", lambda: next(own))
+    assert cpu.busy_cores(every=0.0) == 0.0  # a typical sample (the median, 2) would have said 2 busy cores
+    monkeypatch.setattr(cpu, "_SAMPLE", {"at": -1e9, "busy": 0.0})
+    runnable, own = iter([3, 4, 3, 3, 3]), iter([1, 2, 1, 1, 1])  # another process runnable throughout
+    assert cpu.busy_cores(every=0.0) == 2.0
+    monkeypatch.setattr(cpu, "runnable_tasks", lambda: None)  # no /proc/loadavg
+    monkeypatch.setattr(cpu, "_SAMPLE", {"at": -1e9, "busy": 0.0})
+    assert cpu.busy_cores() == 0.0
+
+
 def test_fitting_threads_caps_torch_threads_at_the_idle_cores(monkeypatch):
     before = torch.get_num_threads()
     try:
