@@ -486,3 +486,52 @@ def test_the_performance_page_gives_the_min_gain_precision_benchs_gains():
     # every reply was near A: its products took the difference form (the bench's machine has int8 products)
     assert all(r["auto"]["difference_products"] == ["anchor", "ff", "rest"] for r in doc["replies"])
     assert all(r[p]["gain"] < doc["min_gain"] for r in doc["replies"] for p in ("auto", "exact"))
+
+
+def test_the_performance_page_gives_the_pair_benchs_seconds():
+    """The performance page's gpt2-small pairs are the results file's medians (each the middle of its
+    three runs), with their iterations, certified steps, GEMM references and the targets' verdicts (a
+    10 s independent pair, a 4 s planted one); the results page repeats them; the planted pair is
+    recovered to its noise level and the common reply keeps the identity without solving a step."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = json.loads((root / "results" / "bench_wm_gpt2_small.json").read_text())
+    page = " ".join((root / "docs" / "performance.md").read_text().split())
+    results_page = (root / "docs" / "results.md").read_text()
+    runs = doc["runs"]
+    for r in runs.values():
+        assert sorted(r["repeats"])[1] == r["seconds"] and len(r["repeats"]) == 3
+    paper, both, planted, common = (runs[k] for k in ("independent-paper-init", "independent", "planted", "common"))
+    g = [r["gemm_seconds"] for r in runs.values()]
+    assert f"GEMM reference {min(g):.2f}–{max(g):.2f} s): an independent pair {paper['seconds']:.1f} s" in page
+    (its,) = set(paper["iterations"].values()) | set(both["iterations"].values())  # the same in both configs
+    assert (
+        f"{paper['seconds']:.1f} s with the paper's start only and {both['seconds']:.1f} s with the default starts "
+        f"({its} iterations each"
+    ) in page
+    ff, heads = planted["ff_steps"], planted["heads_steps"]
+    assert (
+        f"a planted pair (a random symmetry plus 1 % noise) {planted['seconds']:.1f} s, with {ff['certified']} of "
+        f"its {sum(ff.values())} FF and {heads['certified']} of its {sum(heads.values())} heads layer steps certified"
+    ) in page
+    assert planted["relative_distance_after_alignment"] < 1.01 * planted["noise_relative_distance"]
+    assert common["iterations"] == {"paper": 1} and common["chosen"] == "identity"
+    assert common["ff_steps"]["solved"] == common["heads_steps"]["solved"] == 0
+    assert f"a common reply with `min_gain=0.1` {common['seconds']:.1f} s: its descent gives up after one" in page
+    prof = common["profile_seconds"]
+    assert (
+        f"Where the common pair's {common['seconds']:.1f} s go** (`profile_seconds` in "
+        f"`results/bench_wm_gpt2_small.json`; sections nest): the FF certificate {prof['FF certificate']:.2f} s, "
+        f"of which A's Gram matrices {prof['FF certificate Gram']:.2f} s; anchor cross-covariances "
+        f"{prof['anchor cross-covariances']:.2f} s"
+    ) in page
+    verdict = "met" if paper["seconds"] <= 10 and planted["seconds"] <= 4 else "missed"
+    assert f"The pairs ({paper['seconds']:.1f} s and {planted['seconds']:.1f} s, AMD VM) are **{verdict}**" in page
+    assert (
+        f"median of 3: {paper['seconds']:.1f} s with the paper's start only, {both['seconds']:.1f} s with the "
+        f"default starts (GEMM reference {paper['gemm_seconds']:.2f} s)"
+    ) in results_page
+    assert f"AMD EPYC: {planted['seconds']:.1f} s, recovered to the noise level" in results_page
+    assert f"AMD EPYC: {common['seconds']:.1f} s, every step certified, identity kept" in results_page
