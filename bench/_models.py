@@ -38,3 +38,14 @@ def trained_models(args: argparse.Namespace, seeds, splits) -> tuple[dict, dict]
         s: trained(args.preset, s, splits, Path(args.cache), progress=False, model_overrides=arch, **over)
         for s in seeds
     }, over
+
+
+def models_record(args: argparse.Namespace, over: dict) -> dict:
+    """What a barrier bench's JSON says about its models: preset, width and training budget."""
+    return {"preset": args.preset, "width": args.width, "budget": over}
+
+
+def results_path(args: argparse.Namespace, stem: str) -> Path:
+    """``{out}/{stem}_{preset}[_w{width}].json``: one results file per preset and width."""
+    tag = f"_w{args.width}" if args.width else ""
+    return Path(args.out) / f"{stem}_{args.preset}{tag}.json"

@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from pathlib import Path
 
 import torch
-from _models import add_model_args, trained_models  # noqa: E402  (bench/, the script's own folder)
+from _models import add_model_args, models_record, results_path, trained_models  # noqa: E402  (bench/, the script's own folder)
 from _results import environment, gemm_seconds, write_results  # noqa: E402
 
 from fedlmc.averaging import interpolate
@@ -73,17 +72,14 @@ def main() -> None:
         if q != "exact" and "exact" in args.precisions
     }
     doc = {
-        "preset": args.preset,
-        "width": args.width,
-        "budget": over,
+        **models_record(args, over),
         **environment(),
         "gemm_seconds": gemm_seconds(),
         "pairs": pairs,
         "barrier_minus_exact": deltas,
         "max_abs_barrier_minus_exact": {q: max(abs(d) for d in v) for q, v in deltas.items()},
     }
-    tag = f"_w{args.width}" if args.width else ""
-    out = Path(args.out) / f"bench_precision_quality_{args.preset}{tag}.json"
+    out = results_path(args, "bench_precision_quality")
     write_results(out, doc)
     print(f"wrote {out}")
 

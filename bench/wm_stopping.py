@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from _models import add_model_args, trained_models  # noqa: E402  (bench/, the script's own folder)
+from _models import add_model_args, models_record, results_path, trained_models  # noqa: E402  (bench/, the script's own folder)
 from _results import environment, gemm_seconds, write_results  # noqa: E402
 
 from fedlmc.averaging import interpolate
@@ -123,9 +123,7 @@ def main() -> None:
         if t != default and all(default in r["tols"] for r in pairs)
     }
     doc = {
-        "preset": args.preset,
-        "width": args.width,
-        "budget": over,
+        **models_record(args, over),
         **environment(),
         "gemm_seconds": gemm_seconds(),
         "default_tol": Matching().tol,
@@ -133,8 +131,7 @@ def main() -> None:
         "barrier_minus_default": deltas,
         "max_abs_barrier_minus_default": {t: max(abs(d) for d in v) for t, v in deltas.items()},
     }
-    tag = f"_w{args.width}" if args.width else ""
-    out = Path(args.out) / f"bench_wm_stopping_{args.preset}{tag}.json"
+    out = results_path(args, "bench_wm_stopping")
     write_results(out, doc)
     plot(doc, out.with_suffix(".png"))
     print(f"wrote {out} and its .png")
