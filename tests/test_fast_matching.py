@@ -558,6 +558,11 @@ def test_the_performance_page_gives_the_looser_stops_seconds_and_barriers():
     (its,), (its_loose,) = set(default["iterations"].values()), set(loose["iterations"].values())
     assert set(both["iterations"].values()) == {its_loose} and its_loose < its
     assert f"With `tol=1e-2` it stops after {its_loose} iterations instead of {its}" in page
+    trace = default["trace"]["paper"]
+    assert trace[0] - trace[1] > 1e-2 * trace[1] and len(trace) == its
+    assert all(a - b < 1e-2 * b for a, b in zip(trace[1:], trace[2:]))  # "after the second gains less than 1 %"
+    first, rest = loose["seconds"] / its_loose, (default["seconds"] - loose["seconds"]) / (its - its_loose)
+    assert 0.7 < rest / first < 1.5  # "costs about as much as one of the first three"
     g = [r["gemm_seconds"] for r in runs.values()]
     assert f"GEMM reference {min(g):.2f}–{max(g):.2f} s" in page
     assert (
