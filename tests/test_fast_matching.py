@@ -583,6 +583,8 @@ def test_the_performance_page_gives_the_looser_stops_seconds_and_barriers():
     def stopping(name: str) -> dict:
         doc = json.loads((root / "results" / name).read_text())
         assert doc["default_tol"] == Matching().tol == 2e-3 and len(doc["pairs"]) == 3
+        # "after exactly k iterations": every k-run ran its k iterations
+        assert all(r["iterations"][k]["iterations"] == int(k) for r in doc["pairs"] for k in r["iterations"])
         return doc
 
     def moved(doc: dict) -> str:
