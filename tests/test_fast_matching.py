@@ -587,12 +587,15 @@ def test_the_performance_page_gives_the_looser_stops_seconds_and_barriers():
         assert all(r["iterations"][k]["iterations"] == int(k) for r in doc["pairs"] for k in r["iterations"])
         return doc
 
+    def listed(values: list[str]) -> str:
+        """``a, b and c``, as the page lists figures."""
+        return ", ".join(values[:-1]) + " and " + values[-1]
+
     def moved(doc: dict) -> str:
-        return ", ".join(f"{d:+.3f}" for d in doc["barrier_minus_default"]["0.01"]).replace("-", "−").rsplit(", ", 1)
+        return listed([f"{d:+.3f}".replace("-", "−") for d in doc["barrier_minus_default"]["0.01"]])
 
     narrow, wide = stopping("bench_wm_stopping_gpt2-tiny.json"), stopping("bench_wm_stopping_gpt2-tiny_w256.json")
-    first, last = moved(narrow)
-    assert f"moves the barrier by {first} and {last}: within the ±0.02" in page
+    assert f"moves the barrier by {moved(narrow)}: within the ±0.02" in page
     assert narrow["max_abs_barrier_minus_default"]["0.01"] < 0.02
     steps = [
         abs(r["iterations"][str(k + 1)]["barrier"] - r["iterations"][str(k)]["barrier"])
@@ -600,13 +603,12 @@ def test_the_performance_page_gives_the_looser_stops_seconds_and_barriers():
         for k in range(4, 10)
     ]
     assert max(steps) > narrow["max_abs_barrier_minus_default"]["0.01"]  # "within how much it moves …"
-    first, last = moved(wide)
-    assert f"At d 256 it moves it by {first} and {last}" in page
+    assert f"At d 256 it moves it by {moved(wide)}" in page
     worst = wide["max_abs_barrier_minus_default"]["0.01"]
     assert worst > 0.02 and f"by up to {worst:.3f}" in page and f"by up to {worst:.3f} at d 256" in results_page
-    at10 = ", ".join(f"{r['iterations']['10']['barrier']:.3f}" for r in wide["pairs"]).rsplit(", ", 1)
-    at_default = ", ".join(f"{r['tols']['0.002']['barrier']:.3f}" for r in wide["pairs"]).rsplit(", ", 1)
-    assert f"after 10 iterations it is {at10[0]} and {at10[1]} against {at_default[0]} and {at_default[1]}" in page
+    at10 = listed([f"{r['iterations']['10']['barrier']:.3f}" for r in wide["pairs"]])
+    at_default = listed([f"{r['tols']['0.002']['barrier']:.3f}" for r in wide["pairs"]])
+    assert f"after 10 iterations it is {at10} against {at_default}" in page
     loose_its = sorted(r["tols"]["0.01"]["iterations"] for r in wide["pairs"])
     default_its = sorted(r["tols"]["0.002"]["iterations"] for r in wide["pairs"])
     assert f"({loose_its[0]}–{loose_its[-1]} iterations instead of {default_its[0]}–{default_its[-1]})" in page
