@@ -74,3 +74,65 @@ def test_weight_matching_records_the_threads_it_ran_with(monkeypatch):
         assert T.info["threads"] == 1 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_performance_page_gives_the_busy_host_benchs_table():
+    """The performance page's busy-host table is ``results/bench_load.json`` (median fitted seconds, one
+    unfitted run, the threads each ran with, slowdowns against the idle run and against the GEMM
+    reference's), and the sentences under it quote the ranges those rows span."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = json.loads((root / "results" / "bench_load.json").read_text())
+    page = (root / "docs" / "performance.md").read_text()
+    prose = " ".join(page.split())
+    runs = {r["competitors"]: r for r in doc["runs"]}
+    assert sorted(runs) == [0, 2, 4]
+
+    def threads(ts) -> str:
+        lo, hi = min(ts), max(ts)
+        return f"{lo} thread" if lo == hi == 1 else f"{lo} threads" if lo == hi else f"{lo}–{hi} threads"
+
+    idle = runs[0]
+    for r in runs.values():
+        for key in ("pair", "universe"):
+            assert sorted(r[f"{key}_fitted_all"])[1] == round(r[f"{key}_fitted_seconds"], 2)  # the median of 3
+    gemm = (idle["gemm_seconds"] + idle["gemm_seconds_after"]) / 2
+    assert (
+        f"| 0 | 1 ({gemm:.2f} s) | {idle['pair_fitted_seconds']:.1f} s, {threads(idle['pair_fitted_threads'])} | "
+        f"{idle['pair_unfitted_seconds']:.1f} s | {idle['universe_fitted_seconds']:.1f} s, "
+        f"{threads(idle['universe_fitted_threads'])} | {idle['universe_unfitted_seconds']:.1f} s |"
+    ) in page
+
+    def cell(r: dict, key: str, bold: bool) -> str:
+        per = f"{r[key + '_slowdown_per_gemm']:.2f} × GEMM's"
+        return f"{r[key + '_seconds']:.1f} s: {r[key + '_slowdown']:.2f}×, " + (f"**{per}**" if bold else per)
+
+    for n in (2, 4):
+        r = runs[n]
+        cells = [f"{n}", f"{r['gemm_slowdown']:.2f}×"]
+        cells += [
+            f"{cell(r, 'pair_fitted', True)}, {threads(r['pair_fitted_threads'])}",
+            cell(r, "pair_unfitted", False),
+        ]
+        cells += [f"{cell(r, 'universe_fitted', True)}, {threads(r['universe_fitted_threads'])}"]
+        assert "| " + " | ".join(cells + [cell(r, "universe_unfitted", False)]) + " |" in page
+
+    def span(keys: tuple[str, ...]) -> str:
+        v = [runs[n][f"{k}_slowdown_per_gemm"] for n in (2, 4) for k in keys]
+        return f"{min(v):.2f}–{max(v):.2f}"
+
+    fitted = span(("pair_fitted", "universe_fitted"))
+    assert f"({fitted} times the GEMM's slowdown; the target is within 2×)" in prose
+    assert max(runs[n][f"{k}_fitted_slowdown_per_gemm"] for n in (2, 4) for k in ("pair", "universe")) < 2
+    assert (
+        f"the universe slows {span(('universe_unfitted',))}× and the pair {span(('pair_unfitted',))}× the GEMM's"
+        in prose
+    )
+    busy = [t for n in (2, 4) for k in ("pair", "universe") for t in runs[n][f"{k}_fitted_threads"]]
+    assert "each alignment sees the busy cores and runs on one thread" in prose and set(busy) == {1}
+    idle_threads = {
+        t for k in ("pair", "universe") for t in idle[f"{k}_fitted_threads"] + [idle[f"{k}_unfitted_threads"]]
+    }
+    assert "Idle, fitting changes nothing: both modes use 2 threads." in prose and idle_threads == {2}
