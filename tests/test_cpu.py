@@ -135,4 +135,8 @@ def test_the_performance_page_gives_the_busy_host_benchs_table():
     idle_threads = {
         t for k in ("pair", "universe") for t in idle[f"{k}_fitted_threads"] + [idle[f"{k}_unfitted_threads"]]
     }
-    assert "Idle, fitting changes nothing: both modes use 2 threads." in prose and idle_threads == {2}
+    assert "Idle, fitting changes nothing: both modes use 2 threads" in prose and idle_threads == {2}
+    gaps = [
+        f"{idle[k + '_fitted_seconds']:.1f} against {idle[k + '_unfitted_seconds']:.1f} s" for k in ("pair", "universe")
+    ]
+    assert f"the idle columns' gaps, {gaps[0]} and {gaps[1]}, are one unfitted run" in prose
