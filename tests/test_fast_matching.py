@@ -76,6 +76,24 @@ def test_the_candidate_path_finds_the_exact_paths_permutations_on_a_planted_mode
     assert fast.info["objective"] == pytest.approx(exact.info["objective"], rel=1e-12)
 
 
+def test_profiling_reports_the_ff_candidate_graphs_apart_from_the_solves():
+    """A profiled matching of two independent models whose FF layers are solved on candidates names the
+    candidate graphs (built from the dense scores) and the sparse solves as two sections; outside
+    ``profiling()`` nothing is collected."""
+    from fedlmc.matching import profile
+
+    kw = dict(n_layer=2, d_model=32, n_head=4, d_ff=256, vocab_size=20, block_size=16)
+    torch.manual_seed(0)
+    A = from_preset("gpt2-tiny", **kw)
+    torch.manual_seed(1)
+    B = from_preset("gpt2-tiny", **kw)
+    with profile.profiling() as prof:
+        T = weight_matching(A, B, Matching(ff_candidates=16, keep_identity=False))
+    assert T.info["ff_steps"]["solved"] >= 2  # 256 neurons > 4 × 16 candidates: each layer's graph is built
+    assert prof["FF candidate graphs"] > 0 and prof["assignment solves"] > 0 and prof["FF similarity products"] > 0
+    assert profile._totals is None
+
+
 def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     """The descent's trace comes from ``moving_objective`` on the transformed B; its last value must be
     the objective of the returned elements computed from scratch."""

@@ -138,23 +138,23 @@ def sparse_assignment(score: torch.Tensor, candidates: int, current: Optional[to
 def candidate_graph(score: torch.Tensor, candidates: int, current: Optional[torch.Tensor] = None):
     """``sparse_assignment``'s torch half: the obvious assignment when there is one, else the sparse
     cost graph of the candidate edges for ``solve_graph`` (which needs no torch, so it can run in
-    another thread without starting OpenMP teams there)."""
+    another thread without starting OpenMP teams there). ``steps.ff_step`` profiles it as "FF
+    candidate graphs" (several passes over the dense scores), apart from the solve."""
     best = _obvious(score)
     if best is not None:
         return best
     n = score.shape[0]
-    with section("assignment solves"):
-        mask = (score >= rank_threshold(score, candidates, 1)[:, None]) | (
-            score >= rank_threshold(score, candidates, 0)[None, :]
-        )
-        if current is not None:
-            mask[torch.arange(n, device=score.device), current.to(score.device)] = True
-        rows, cols = mask.nonzero(as_tuple=True)
-        vals = score[rows, cols].to("cpu", torch.float64)
-        cost = (vals.max() - vals + 1.0).numpy()  # positive: the sparse solver reads 0 as "no edge"
-        from scipy.sparse import csr_matrix
+    mask = (score >= rank_threshold(score, candidates, 1)[:, None]) | (
+        score >= rank_threshold(score, candidates, 0)[None, :]
+    )
+    if current is not None:
+        mask[torch.arange(n, device=score.device), current.to(score.device)] = True
+    rows, cols = mask.nonzero(as_tuple=True)
+    vals = score[rows, cols].to("cpu", torch.float64)
+    cost = (vals.max() - vals + 1.0).numpy()  # positive: the sparse solver reads 0 as "no edge"
+    from scipy.sparse import csr_matrix
 
-        return csr_matrix((cost, (rows.cpu().numpy(), cols.cpu().numpy())), shape=(n, n))
+    return csr_matrix((cost, (rows.cpu().numpy(), cols.cpu().numpy())), shape=(n, n))
 
 
 def solve_graph(graph: csr_matrix) -> torch.Tensor:

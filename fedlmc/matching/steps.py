@@ -278,7 +278,8 @@ def ff_step(
             with section("FF similarity products"):
                 FA = A_features[g.name]
                 S = similarity(FA, unit_features(B_res, g))
-            job = prepare(S, g)
+            with section("FF candidate graphs"):  # or the obvious answer, or the dense scores
+                job = prepare(S, g)
             del S
             if len(pending) >= 1:
                 pending[-1][1].result()
