@@ -28,10 +28,12 @@ from _results import environment, gemm_seconds, write_results  # noqa: E402  (be
 from fedlmc.allocator import retain_freed_memory
 from fedlmc.matching import weight_matching
 from fedlmc.matching.profile import profiling
+from fedlmc.matching.solvers import int8_scores, score_dtype
 from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.models import from_preset
 from fedlmc.options import Matching
 from fedlmc.symmetry import apply_transform, canonical_config, canonicalize, random_transform, rebuild
+from fedlmc.train import pick_device
 
 CONFIGS = {  # name: (which B, weight_matching options)
     "independent": ("independent", {}),
@@ -80,6 +82,16 @@ def pair(layers: int):
         },
     )
     return a, ca, b, planted, noise, common
+
+
+def ff_scores() -> str:
+    """What ``precision="auto"`` takes the FF similarity scores of a gpt2-small problem as here (float32;
+    its 3072-neuron FF groups are the size ``weight.Fixed`` decides by): "int8" (native int8 but no
+    bfloat16 dot products), "bfloat16" (native bfloat16) or "float32"."""
+    dev = pick_device()
+    if int8_scores(torch.float32, dev, 3072):
+        return "int8"
+    return str(score_dtype(torch.float32, dev, 3072)).removeprefix("torch.")
 
 
 def exact_objective(a, b, T) -> float:
@@ -158,6 +170,7 @@ def main() -> None:
         "params": sum(p.numel() for p in a.parameters()),
         **environment(),
         "retain_freed_memory": retained,
+        "ff_scores": ff_scores(),
         "runs": {},
     }
     for name in args.configs:

@@ -555,6 +555,40 @@ def test_the_performance_page_gives_the_pair_benchs_seconds():
     assert f"AMD EPYC: {common['seconds']:.1f} s, every step certified, identity kept" in results_page
 
 
+def test_the_performance_page_gives_the_independent_pairs_profile():
+    """The performance page's profile of the independent pair is ``results/bench_wm_gpt2_small_profile.json``
+    (the median of three runs, its iterations, solved layer steps and GEMM reference), and the candidate
+    graphs are, as it says, the largest section, ahead of the products and the solves."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = json.loads((root / "results" / "bench_wm_gpt2_small_profile.json").read_text())
+    page = " ".join((root / "docs" / "performance.md").read_text().split())
+    r = doc["runs"]["independent-paper-init"]
+    assert sorted(r["repeats"])[1] == r["seconds"] and len(r["repeats"]) == 3 and "Intel" in doc["processor"]
+    prof = r["profile_seconds"]
+    assert doc["ff_scores"] == "bfloat16" and 'so `precision="auto"` takes the FF scores in bfloat16;' in page
+    assert (
+        f"median of 3, nothing else running, GEMM reference {r['gemm_seconds']:.2f} s): {r['seconds']:.1f} s in "
+        f"{r['iterations']['paper']} iterations. Building the FF candidate graphs takes "
+        f"{prof['FF candidate graphs']:.1f} s: for each of the {r['ff_steps']['solved']} solved layer steps"
+    ) in page
+    assert r["ff_steps"]["certified"] == 0
+    assert (
+        f"The FF similarity products take {prof['FF similarity products']:.1f} s and the residual "
+        f"cross-covariances {prof['residual cross-covariances']:.1f} s; the sparse assignment solves, "
+        f"{prof['assignment solves']:.1f} s, run in a worker thread"
+    ) in page
+    assert max(prof, key=prof.get) == "FF candidate graphs"  # "the graphs, not the solver, are the largest part"
+    results_page = " ".join((root / "docs" / "results.md").read_text().split())
+    assert (
+        f"Intel Xeon with native bfloat16, median of 3: {r['seconds']:.1f} s, of which the FF candidate graphs "
+        f"{prof['FF candidate graphs']:.1f} s, the FF similarity products {prof['FF similarity products']:.1f} s "
+        f"and the assignment solves {prof['assignment solves']:.1f} s (in a worker thread)"
+    ) in results_page
+
+
 def test_the_performance_page_gives_the_looser_stops_seconds_and_barriers():
     """A looser stop (``tol=1e-2``): the performance page's seconds and iterations are the pair bench's
     (one run), and its barriers on trained pairs are the stopping bench's; the verdict follows them:
