@@ -28,12 +28,10 @@ from _results import environment, gemm_seconds, write_results  # noqa: E402  (be
 from fedlmc.allocator import retain_freed_memory
 from fedlmc.matching import weight_matching
 from fedlmc.matching.profile import profiling
-from fedlmc.matching.solvers import int8_scores, score_dtype
 from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.models import from_preset
 from fedlmc.options import Matching
 from fedlmc.symmetry import apply_transform, canonical_config, canonicalize, random_transform, rebuild
-from fedlmc.train import pick_device
 
 CONFIGS = {  # name: (which B, weight_matching options)
     "independent": ("independent", {}),
@@ -84,16 +82,6 @@ def pair(layers: int):
     return a, ca, b, planted, noise, common
 
 
-def ff_scores() -> str:
-    """What ``precision="auto"`` takes the FF similarity scores of a gpt2-small problem as here (float32;
-    its 3072-neuron FF groups are the size ``weight.Fixed`` decides by): "int8" (native int8 but no
-    bfloat16 dot products), "bfloat16" (native bfloat16) or "float32"."""
-    dev = pick_device()
-    if int8_scores(torch.float32, dev, 3072):
-        return "int8"
-    return str(score_dtype(torch.float32, dev, 3072)).removeprefix("torch.")
-
-
 def exact_objective(a, b, T) -> float:
     """The chosen elements' objective with every product in float32 (the descent's own figure uses
     bfloat16 factors where ``precision="auto"`` picks them; computed after the timed run)."""
@@ -131,6 +119,7 @@ def run(a, ca, b, planted, noise: float, name: str, repeats: int = 1, common=Non
         "chosen": T.info["chosen"],
         "objective": T.info["objective"],
         "trace": T.info["trace"],
+        "ff_scores": T.info["ff_scores"],  # what the FF similarity scores were here ("int8", "bfloat16", "float32")
         "ff_steps": T.info.get("ff_steps"),  # layer steps settled by the certificate, and solved
         "heads_steps": T.info.get("heads_steps"),
         "profile_seconds": prof,
@@ -170,7 +159,6 @@ def main() -> None:
         "params": sum(p.numel() for p in a.parameters()),
         **environment(),
         "retain_freed_memory": retained,
-        "ff_scores": ff_scores(),
         "runs": {},
     }
     for name in args.configs:

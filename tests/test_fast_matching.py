@@ -94,6 +94,16 @@ def test_profiling_reports_the_ff_candidate_graphs_apart_from_the_solves():
     assert profile._totals is None
 
 
+@pytest.mark.parametrize(
+    "precision, dtype, expected",
+    [("int8", torch.float32, "int8"), ("bfloat16", torch.float32, "bfloat16"), ("exact", torch.float64, "float64")],
+)
+def test_weight_matching_records_what_its_ff_scores_were(precision, dtype, expected):
+    A, B = _wide_pair()
+    T = weight_matching(A, B, Matching(precision=precision, dtype=dtype, iterations=1))
+    assert T.info["ff_scores"] == expected
+
+
 def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     """The descent's trace comes from ``moving_objective`` on the transformed B; its last value must be
     the objective of the returned elements computed from scratch."""
@@ -568,7 +578,7 @@ def test_the_performance_page_gives_the_independent_pairs_profile():
     r = doc["runs"]["independent-paper-init"]
     assert sorted(r["repeats"])[1] == r["seconds"] and len(r["repeats"]) == 3 and "Intel" in doc["processor"]
     prof = r["profile_seconds"]
-    assert doc["ff_scores"] == "bfloat16" and 'so `precision="auto"` takes the FF scores in bfloat16;' in page
+    assert r["ff_scores"] == "bfloat16" and 'so `precision="auto"` takes the FF scores in bfloat16;' in page
     assert (
         f"median of 3, nothing else running, GEMM reference {r['gemm_seconds']:.2f} s): {r['seconds']:.1f} s in "
         f"{r['iterations']['paper']} iterations. Building the FF candidate graphs takes "

@@ -275,6 +275,11 @@ class Fixed:
                     self._a_int8[g.name] = Int8Rows(self.A_features[g.name])
         return self._a_int8
 
+    @property
+    def ff_scores(self) -> str:
+        """The FF similarity scores' kind: "int8" (``Int8Rows`` products) or the fast dtype's name."""
+        return "int8" if self.int8 else str(self.fast).removeprefix("torch.")
+
     def fits(self, A: StateDict, precision: str) -> bool:
         """Whether this was built from the same tensors (same device and dtype) and precision."""
         return precision == self.precision and all(self.A.get(k) is v for k, v in A.items())
@@ -858,6 +863,7 @@ def weight_matching(
         info["ff_steps"] = dict(P.ff_counts)  # layers whose FF step the certificate settled, and solved ones
         info["heads_steps"] = dict(P.heads_counts)
         info["difference_products"] = sorted(P.delta_parts)  # parts whose cross-covariances were AᵀA + Aᵀ(B − A)
+        info["ff_scores"] = F.ff_scores  # what the FF similarity scores were: "int8", "bfloat16", "float32"...
         T = Transform({k: v.cpu() for k, v in found[best].items()}, info)
     T.info["threads"] = threads
     return T
