@@ -48,6 +48,39 @@ def test_sparse_assignment_never_scores_below_the_current_assignment():
     assert value(perm) >= value(current)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_candidate_graph_on_host_arrays_equals_torchs_reductions(dtype):
+    """On CPU float tensors the candidate graph's argmax, sampled thresholds and masks are numpy's: the
+    same graph as torch's ``argmax``, ``topk`` and comparisons give, ties included (scores on a grid of
+    a few values, so rows share their best column and the thresholds sit on ties)."""
+    from fedlmc.matching.solvers import _obvious, candidate_graph, rank_threshold
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 600, 16
+    score = torch.randint(0, 40, (n, n), generator=g).to(dtype)
+    current = torch.randperm(n, generator=g)
+    graph = candidate_graph(score, k, current)
+    s = 8 * k
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:s]
+    q = round(k * s / n)
+    row = score[:, idx].topk(q, dim=1).values[:, -1]
+    col = score[idx].topk(q, dim=0).values[-1]
+    assert torch.equal(rank_threshold(score, k, 1), row) and torch.equal(rank_threshold(score, k, 0), col)
+    mask = (score >= row[:, None]) | (score >= col[None, :])
+    mask[torch.arange(n), current] = True
+    assert graph.nnz == int(mask.sum())
+    dense = torch.from_numpy(graph.toarray())
+    assert torch.equal(dense > 0, mask)
+    assert torch.allclose(dense[mask], (score.max() - score + 1.0).double()[mask])
+    perm = torch.randperm(n, generator=g)
+    planted = score.clone()
+    planted[torch.arange(n), perm] = 100.0
+    assert _obvious(score) is None and torch.equal(_obvious(planted), perm)
+    assert torch.equal(_obvious(-planted, maximize=False), perm)
+    tied = torch.cat([planted, planted], 1)  # each row's best column twice: the first one counts, as in torch
+    assert torch.equal(_obvious(tied), tied.argmax(1)) and torch.equal(_obvious(tied), perm)
+
+
 def _wide_pair(seed: int = 0):
     """A gpt2 of FF width 256 (so 16 candidates is the sparse path) and a planted, noisy copy."""
     torch.manual_seed(seed)

@@ -73,12 +73,25 @@ def exact_elements(elements: dict[str, torch.Tensor], spec: SymmetrySpec, keep_o
     return out
 
 
+def _host_array(x: torch.Tensor) -> Optional[np.ndarray]:
+    """``x`` as a numpy array without a copy where it is a CPU float32/float64 tensor, else None: on a
+    CPU's large score matrices numpy's one-thread argmax, partition and comparisons beat torch's argmax,
+    topk and comparisons, and the other core is left to the assignment solver's thread."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return None
+    return x.detach().numpy()
+
+
 def _obvious(score: torch.Tensor, maximize: bool = True) -> Optional[torch.Tensor]:
     """The assignment when every row's best column is distinct (then it is optimal, no solver needed)."""
     if not torch.isfinite(score.sum()) and not torch.isfinite(score).all():  # the sum: 40× cheaper, same answer
         raise ValueError("assignment scores contain NaN/Inf")
-    best = score.argmax(1) if maximize else score.argmin(1)
-    return best.cpu() if len(torch.unique(best)) == len(best) else None
+    a = _host_array(score)
+    if a is not None:  # the first best column of each row, as torch's argmax gives it
+        best = torch.from_numpy(a.argmax(1) if maximize else a.argmin(1))
+    else:
+        best = (score.argmax(1) if maximize else score.argmin(1)).cpu()
+    return best if len(torch.unique(best)) == len(best) else None
 
 
 def _perm(rows, cols, n: int) -> torch.Tensor:
@@ -144,9 +157,14 @@ def candidate_graph(score: torch.Tensor, candidates: int, current: Optional[torc
     if best is not None:
         return best
     n = score.shape[0]
-    mask = (score >= rank_threshold(score, candidates, 1)[:, None]) | (
-        score >= rank_threshold(score, candidates, 0)[None, :]
-    )
+    row, col = rank_threshold(score, candidates, 1), rank_threshold(score, candidates, 0)
+    a = _host_array(score)
+    if a is not None:
+        m = np.greater_equal(a, row.numpy()[:, None])
+        m |= np.greater_equal(a, col.numpy()[None, :])
+        mask = torch.from_numpy(m)
+    else:
+        mask = (score >= row[:, None]) | (score >= col[None, :])
     if current is not None:
         mask[torch.arange(n, device=score.device), current.to(score.device)] = True
     rows, cols = mask.nonzero(as_tuple=True)
@@ -175,7 +193,13 @@ def rank_threshold(score: torch.Tensor, k: int, dim: int) -> torch.Tensor:
     s = min(n, 8 * k)
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:s].to(score.device)
     q = max(1, min(s, round(k * s / n)))
-    return score.index_select(dim, idx).topk(q, dim=dim).values.select(dim, q - 1)
+    sample = score.index_select(dim, idx)
+    a = _host_array(sample)
+    if a is None:
+        return sample.topk(q, dim=dim).values.select(dim, q - 1)
+    a = a if dim == 1 else a.T.copy()  # numpy partitions contiguous rows fastest
+    # contiguous: strided thresholds slow the masks' comparisons
+    return torch.from_numpy(np.partition(a, s - q, axis=1)[:, s - q].copy())
 
 
 def grouped_assignment(score: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
