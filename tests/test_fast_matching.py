@@ -177,6 +177,50 @@ def test_the_rest_objective_from_distances_equals_the_cross_covariances_one(grou
     assert direct > 0
 
 
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_the_ff_cross_after_a_few_units_moved_is_the_one_computed_afresh(preset, dtype, rtol, record):
+    """After an FF permutation that moved a few units per layer, ``Problem.cross(.., "ff")`` is the last
+    one plus the moved units' terms (``_moved_units_cross``): its constant, G and M are those of a
+    fresh problem's full products, for GPT-2 (fc1 rows and bias, fc2 columns) and Llama (gate, up,
+    down). Moving more than a third of a layer's units takes the full products."""
+    torch.manual_seed(0)
+    kw = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=20, block_size=16)
+    cfg = from_preset(preset, **kw).config
+    A, B = from_preset(preset, **kw), from_preset(preset, **kw)
+    cpu = torch.device("cpu")
+    sa, sb = canonical_state(A, cpu, dtype), canonical_state(B, cpu, dtype)
+    cfg = canonical_config(cfg)
+    problem = lambda: Problem(sa, sb, cfg, precision="exact")  # noqa: E731
+    P = problem()
+    groups = P.spec.layer_groups("ff")
+    g = torch.Generator().manual_seed(1)
+    first = {x.name: torch.randperm(x.size, generator=g) for x in groups}
+    P.cross(first, "ff")
+    second = {}
+    for x in groups:  # a few units swap partners
+        p = first[x.name].clone()
+        i = torch.randperm(x.size, generator=g)[:6]
+        p[i] = p[i.roll(1)]
+        second[x.name] = p
+    assert P._unit_layout() is not None
+    calls = []
+    full = Problem._moved_units_cross
+    P._moved_units_cross = lambda *a: calls.append(1) or full(P, *a)
+    moved, fresh = P.cross(second, "ff"), problem().cross(second, "ff")
+    assert calls and moved is not fresh
+    record(
+        f"FF cross after a few moved units vs afresh ({preset}, {dtype})",
+        abs(moved.constant - fresh.constant) / fresh.constant,
+        rtol,
+    )
+    assert moved.constant == pytest.approx(fresh.constant, rel=rtol)
+    assert torch.allclose(moved.G, fresh.G, rtol=rtol, atol=rtol * float(fresh.G.abs().max()))
+    assert torch.allclose(moved.M, fresh.M, rtol=rtol, atol=rtol * float(fresh.M.abs().max()))
+    many = {x.name: torch.randperm(x.size, generator=g) for x in groups}
+    assert P._moved_units_cross(P._last_cross["ff"], [many.get(n) for n in P.fixed.part_groups["ff"]]) is None
+
+
 def test_a_parts_cross_covariances_are_the_identitys_while_its_own_groups_are_the_identity():
     """The FF part's ``Cross`` depends on the FF permutations only: with those the identity and the
     head permutations and gauges moved, ``Problem.cross`` returns the identity's (no new products), and
