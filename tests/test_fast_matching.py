@@ -563,7 +563,10 @@ def test_the_performance_page_gives_the_precision_benchs_barriers():
         "with\n  bfloat16 ones"
     )
     assert claim in page, got
+    objectives = ", ".join(f"{pair['precisions'][q]['objective']:.3f}" for q in ("int8", "exact", "bfloat16"))
+    assert f"bfloat16 ones (objectives {objectives})." in page
     assert max(doc["max_abs_barrier_minus_exact"].values()) < 0.02
+    assert "On a trained pair the barrier moves by less than 0.02:" in " ".join(page.split())
 
 
 def test_the_performance_page_gives_the_min_gain_precision_benchs_gains():
