@@ -418,10 +418,9 @@ class Problem:
         product over the moved units only, ``Σ_{i moved} a_iᵀ (b_new(i) − b_old(i))`` per tensor, in the
         problem's dtype (and the distances' change likewise), added to the last one's sums. The other
         units' terms are unchanged, so this is the full ``cross`` up to float rounding, at the cost of
-        the moved share of its products (a descent's later iterations move a tenth of the FF units or
-        less). None where it does not apply: the last one in the difference form, a group moving more
-        than a third of its units, or FF tensors not laid out as one unit axis each
-        (``_unit_layout``)."""
+        the moved share of its products (a descent's later iterations move few units). None where it
+        does not apply: the last one in the difference form, a group moving more than a third of its
+        units, or FF tensors not laid out as one unit axis each (``_unit_layout``)."""
         old_key, old = last
         layout = self._unit_layout()
         if old.delta or layout is None:
