@@ -221,6 +221,26 @@ def test_the_ff_cross_after_a_few_units_moved_is_the_one_computed_afresh(preset,
     assert P._moved_units_cross(P._last_cross["ff"], [many.get(n) for n in P.fixed.part_groups["ff"]]) is None
 
 
+def test_a_descent_with_the_moved_units_cross_is_the_one_without(monkeypatch):
+    """Weight matching of an independent pair in float64, once as it runs (later iterations take the FF
+    cross from the moved units) and once with every FF cross computed afresh: the same permutations,
+    residual map and objective trace."""
+    torch.manual_seed(0)
+    kw = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=20, block_size=16)
+    A, B = from_preset("gpt2-tiny", **kw), from_preset("gpt2-tiny", **kw)
+    m = Matching(keep_identity=False, dtype=torch.float64, tol=1e-6, iterations=8)
+    used = []
+    moved = Problem._moved_units_cross
+    monkeypatch.setattr(Problem, "_moved_units_cross", lambda self, *a: used.append(moved(self, *a)) or used[-1])
+    T = weight_matching(A, B, m)
+    monkeypatch.setattr(Problem, "_moved_units_cross", lambda self, *a: None)
+    afresh = weight_matching(A, B, m)
+    assert any(c is not None for c in used) and T.info["iterations"] == afresh.info["iterations"]
+    assert all(torch.equal(T[k], afresh[k]) for k in T.elements if not T[k].is_floating_point())
+    assert torch.allclose(T["residual"], afresh["residual"], atol=1e-10)
+    assert T.info["trace"]["paper"] == pytest.approx(afresh.info["trace"]["paper"], rel=1e-10)
+
+
 def test_a_parts_cross_covariances_are_the_identitys_while_its_own_groups_are_the_identity():
     """The FF part's ``Cross`` depends on the FF permutations only: with those the identity and the
     head permutations and gauges moved, ``Problem.cross`` returns the identity's (no new products), and
