@@ -72,6 +72,8 @@ def test_candidate_graph_on_host_arrays_equals_torchs_reductions(dtype):
     dense = torch.from_numpy(graph.toarray())
     assert torch.equal(dense > 0, mask)
     assert torch.allclose(dense[mask], (score.max() - score + 1.0).double()[mask])
+    torchs = candidate_graph(score.bfloat16(), k, current)  # not a host array: torch's own reductions
+    assert (torchs != graph).nnz == 0 and torchs.nnz == graph.nnz
     perm = torch.randperm(n, generator=g)
     planted = score.clone()
     planted[torch.arange(n), perm] = 100.0
