@@ -205,7 +205,7 @@ def test_the_ff_cross_after_a_few_units_moved_is_the_one_computed_afresh(preset,
         i = torch.randperm(x.size, generator=g)[:6]
         p[i] = p[i.roll(1)]
         second[x.name] = p
-    assert P._unit_layout() is not None
+    assert P.fixed.unit_layout is not None
     calls = []
     full = Problem._moved_units_cross
     P._moved_units_cross = lambda *a: calls.append(1) or full(P, *a)

@@ -10,6 +10,7 @@ Procrustes, FF neurons by assignment.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -275,6 +276,29 @@ class Fixed:
                     self._a_int8[g.name] = Int8Rows(self.A_features[g.name])
         return self._a_int8
 
+    @functools.cached_property
+    def unit_layout(self) -> Optional[dict[str, list[tuple[str, int]]]]:
+        """Each FF group's tensors and their unit axis, where ``Problem._moved_units_cross`` applies:
+        plain permutations of single units, each tensor moved by one group, a matrix's other axis the
+        residual one, a vector (a bias) with none. None otherwise."""
+        layout, seen = {}, set()
+        for g in self.part_groups["ff"]:
+            group = self.spec.groups[g]
+            ok = group.kind == "permutation" and group.structure is None
+            members = []
+            for m in group.members:
+                t = self.A_mov.get(m.param)
+                ok = ok and t is not None and m.block == 1 and m.repeat == 1 and m.param not in seen
+                ok = ok and (
+                    t.ndim == 2 and self.axis.get(m.param, m.axis) != m.axis or t.ndim == 1 and m.param not in self.axis
+                )
+                seen.add(m.param)
+                members.append((m.param, m.axis))
+            if not ok:
+                return None
+            layout[g] = members
+        return layout
+
     @property
     def ff_scores(self) -> str:
         """The FF similarity scores' kind: "int8" (``Int8Rows`` products) or the fast dtype's name."""
@@ -420,12 +444,12 @@ class Problem:
         units' terms are unchanged, so this is the full ``cross`` up to float rounding, at the cost of
         the moved share of its products (a descent's later iterations move few units). None where it
         does not apply: the last one in the difference form, a group moving more than a third of its
-        units, or FF tensors not laid out as one unit axis each (``_unit_layout``)."""
+        units, or FF tensors not laid out as one unit axis each (``Fixed.unit_layout``)."""
         old_key, old = last
-        layout = self._unit_layout()
+        F = self.fixed
+        layout = F.unit_layout
         if old.delta or layout is None:
             return None
-        F = self.fixed
         moved = []
         for g, po, pn in zip(F.part_groups["ff"], old_key, key):
             n = self.spec.groups[g].size
@@ -435,48 +459,22 @@ class Problem:
             if 3 * len(R) > n:  # the full products cost about as much from here on
                 return None
             if len(R):
-                moved.append((g, R, po[R], pn[R]))
+                device = self.A_mov[layout[g][0][0]].device
+                moved.append((g, *(x.to(device) for x in (R, po[R], pn[R]))))
         G, M, constant = old.G.clone(), old.M.clone(), old.constant
         for g, R, po, pn in moved:
             for k, unit_axis in layout[g]:
                 A_k, B_k = self.A_mov[k], self.B_mov[k]
-                R_, po_, pn_ = (x.to(A_k.device) for x in (R, po, pn))
                 # the moved units' slices, gathered along the unit axis (a column gather of a transposed
                 # view would read a cache line per element)
-                a, b_new = A_k.index_select(unit_axis, R_), B_k.index_select(unit_axis, pn_)
-                b_old = B_k.index_select(unit_axis, po_)
-                constant += float((_sq(a - b_new) - _sq(a - b_old)) / F.a_norms[k])
+                a, b_new, b_old = (x.index_select(unit_axis, i) for x, i in ((A_k, R), (B_k, pn), (B_k, po)))
+                constant += float((sq_dist(a, b_new) - sq_dist(a, b_old)) / F.a_norms[k])
                 if k in F.axis:
                     step = b_new.sub_(b_old)
                     C = (a @ step.T if unit_axis == 1 else a.T @ step).to(G.dtype)
                     G += C / F.a_norms[k]
                     M += C / (self.A_mov[k].numel() // self.A_mov[k].shape[F.axis[k]])
         return Cross(constant, G, M)
-
-    def _unit_layout(self) -> Optional[dict[str, list[tuple[str, int]]]]:
-        """Each FF group's tensors and their unit axis, where ``_moved_units_cross`` applies: plain
-        permutations of single units, each tensor moved by one group, a matrix's other axis the residual
-        one, a vector (a bias) with none. None otherwise."""
-        if not hasattr(self, "_layout"):
-            F, layout, seen = self.fixed, {}, set()
-            for g in F.part_groups["ff"]:
-                group = self.spec.groups[g]
-                ok = group.kind == "permutation" and group.structure is None
-                members = []
-                for m in group.members:
-                    t = self.A_mov.get(m.param)
-                    ok = ok and t is not None and m.block == 1 and m.repeat == 1 and m.param not in seen
-                    ok = ok and (
-                        t.ndim == 2 and F.axis.get(m.param, m.axis) != m.axis or t.ndim == 1 and m.param not in F.axis
-                    )
-                    seen.add(m.param)
-                    members.append((m.param, m.axis))
-                if not ok:
-                    layout = None
-                    break
-                layout[g] = members
-            self._layout = layout
-        return self._layout
 
     def rest_value(self, elements: Elements, B_rest: StateDict, exact: bool = False) -> Optional[float]:
         """``cross(elements, "rest").value(O)`` as the distances themselves, ``Σ ‖A − T(B)‖² / ‖A‖²``
@@ -631,11 +629,6 @@ def sq_norm(t: torch.Tensor) -> torch.Tensor:
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack([torch.dot(c, c) for c in flat.split(1 << 14)]).double().sum()
-
-
-def _sq(x: torch.Tensor) -> torch.Tensor:
-    """``‖x‖²`` as a float64 scalar."""
-    return torch.linalg.vector_norm(x, dtype=torch.float64).square()
 
 
 def _same(x: Optional[torch.Tensor], y: Optional[torch.Tensor]) -> bool:
