@@ -156,23 +156,31 @@ def candidate_graph(score: torch.Tensor, candidates: int, current: Optional[torc
     best = _obvious(score)
     if best is not None:
         return best
+    from scipy.sparse import csr_matrix
+
     n = score.shape[0]
     row, col = rank_threshold(score, candidates, 1), rank_threshold(score, candidates, 0)
     a = _host_array(score)
-    if a is not None:
-        m = np.greater_equal(a, row.numpy()[:, None])
-        m |= np.greater_equal(a, col.numpy()[None, :])
-        mask = torch.from_numpy(m)
-    else:
+    if a is None:
         mask = (score >= row[:, None]) | (score >= col[None, :])
+        if current is not None:
+            mask[torch.arange(n, device=score.device), current.to(score.device)] = True
+        rows, cols = mask.nonzero(as_tuple=True)
+        vals = score[rows, cols].to("cpu", torch.float64)
+        cost = (vals.max() - vals + 1.0).numpy()  # positive: the sparse solver reads 0 as "no edge"
+        return csr_matrix((cost, (rows.cpu().numpy(), cols.cpu().numpy())), shape=(n, n))
+    m = np.greater_equal(a, row.numpy()[:, None])
+    m |= np.greater_equal(a, col.numpy()[None, :])
     if current is not None:
-        mask[torch.arange(n, device=score.device), current.to(score.device)] = True
-    rows, cols = mask.nonzero(as_tuple=True)
-    vals = score[rows, cols].to("cpu", torch.float64)
-    cost = (vals.max() - vals + 1.0).numpy()  # positive: the sparse solver reads 0 as "no edge"
-    from scipy.sparse import csr_matrix
-
-    return csr_matrix((cost, (rows.cpu().numpy(), cols.cpu().numpy())), shape=(n, n))
+        m[np.arange(n), current.cpu().numpy()] = True
+    # the edges in row-major order (flat indices: one pass, where a 2-D nonzero takes two), which is
+    # CSR's own order, so the rows' offsets come from their counts
+    flat = np.flatnonzero(m)
+    rows, cols = np.divmod(flat, n)
+    vals = a.ravel()[flat].astype(np.float64)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=n), out=indptr[1:])
+    return csr_matrix((vals.max() - vals + 1.0, cols, indptr), shape=(n, n))
 
 
 def solve_graph(graph: csr_matrix) -> torch.Tensor:
@@ -197,7 +205,8 @@ def rank_threshold(score: torch.Tensor, k: int, dim: int) -> torch.Tensor:
     a = _host_array(sample)
     if a is None:
         return sample.topk(q, dim=dim).values.select(dim, q - 1)
-    a = a if dim == 1 else a.T.copy()  # numpy partitions contiguous rows fastest
+    # numpy partitions contiguous rows fastest (torch transposes a copy faster than numpy)
+    a = a if dim == 1 else sample.T.contiguous().numpy()
     # contiguous: strided thresholds slow the masks' comparisons
     return torch.from_numpy(np.partition(a, s - q, axis=1)[:, s - q].copy())
 
