@@ -68,7 +68,7 @@ def test_candidate_graph_on_host_arrays_equals_torchs_reductions(dtype):
     assert torch.equal(rank_threshold(score, k, 1), row) and torch.equal(rank_threshold(score, k, 0), col)
     mask = (score >= row[:, None]) | (score >= col[None, :])
     mask[torch.arange(n), current] = True
-    assert graph.nnz == int(mask.sum())
+    assert graph.nnz == int(mask.sum()) and graph.has_canonical_format  # CSR built from its own row-major order
     dense = torch.from_numpy(graph.toarray())
     assert torch.equal(dense > 0, mask)
     assert torch.allclose(dense[mask], (score.max() - score + 1.0).double()[mask])
