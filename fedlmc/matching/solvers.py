@@ -205,8 +205,7 @@ def rank_threshold(score: torch.Tensor, k: int, dim: int) -> torch.Tensor:
     a = _host_array(sample)
     if a is None:
         return sample.topk(q, dim=dim).values.select(dim, q - 1)
-    # numpy partitions contiguous rows fastest (torch transposes a copy faster than numpy)
-    a = a if dim == 1 else sample.T.contiguous().numpy()
+    a = a if dim == 1 else sample.T.contiguous().numpy()  # numpy partitions contiguous rows fastest
     # contiguous: strided thresholds slow the masks' comparisons
     return torch.from_numpy(np.partition(a, s - q, axis=1)[:, s - q].copy())
 
