@@ -100,11 +100,16 @@ def _cross(F: "Fixed", part: str, A: StateDict, B: StateDict, axis: dict, B_fast
         if G is None:
             G, M = torch.zeros_like(C), torch.zeros_like(C)
         G += C / nA[k]
-        M += C / (A[k].numel() // A[k].shape[axis[k]])  # ÷ rows
+        M += C / _rows(A[k], axis[k])
     if G is None:  # no tensor with a residual axis: O does not move the value
         d, dev = F.cfg.d_model, next(iter(F.A.values())).device
         G, M = torch.zeros(d, d, dtype=F.dtype, device=dev), torch.zeros(d, d, dtype=F.dtype, device=dev)
     return Cross(constant, G, M, delta)
+
+
+def _rows(t: torch.Tensor, axis: int) -> int:
+    """How many rows ``as_rows(t, axis)`` has (the divisor of a tensor's part of ``Cross.M``)."""
+    return t.numel() // t.shape[axis]
 
 
 class _Cast(dict):
@@ -473,7 +478,7 @@ class Problem:
                     step = b_new.sub_(b_old)
                     C = (a @ step.T if unit_axis == 1 else a.T @ step).to(G.dtype)
                     G += C / F.a_norms[k]
-                    M += C / (self.A_mov[k].numel() // self.A_mov[k].shape[F.axis[k]])
+                    M += C / _rows(A_k, F.axis[k])
         return Cross(constant, G, M)
 
     def rest_value(self, elements: Elements, B_rest: StateDict, exact: bool = False) -> Optional[float]:
