@@ -26,6 +26,7 @@ from wm_gpt2_small import pair  # noqa: E402
 from fedlmc.allocator import retain_freed_memory
 from fedlmc.cpu import SAMPLE_SECONDS
 from fedlmc.matching import weight_matching
+from fedlmc.options import Universe
 from fedlmc.universe import universe_merge
 
 
@@ -53,7 +54,7 @@ def main() -> None:
         return weight_matching(ca, b).info["threads"]
 
     def run_universe() -> int:
-        _, Ts = universe_merge(copies, iterations=2)
+        _, Ts = universe_merge(copies, universe=Universe(iterations=2, keep_layernorm=False))
         return max(T.info.get("threads", 1) for T in Ts[1:])
 
     res = {

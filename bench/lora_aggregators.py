@@ -356,7 +356,7 @@ def markdown(results: list[dict]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         if "test_loss_server_product" in res["rows"].get("fedlmc", {}):
             final = res["rows"]["fedlmc"]["test_loss_server_product"][-1]
-            lines += ["", f"fedlmc's exact product merged into the base (what residual=keep holds): {final:.4f}."]
+            lines += ["", f"fedlmc's exact product merged into the base (what tail=keep holds): {final:.4f}."]
         lines.append("")
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ Replies are PEFT LoRA states (keyed, float32) of two adapters: the Llama-style t
 harness (d 64, 2 layers, rank 8 on q, k, v, o, gate, up, down) and a GPT-2-small-shaped one (d 768,
 12 layers, rank 16 on c_attn, c_proj, c_fc and the FF's c_proj), from 4 and 8 clients. The factors are
 random (the aggregation's cost depends on the shapes and ranks, not on the values); fedlmc's server
-first runs 3 rounds so that its kept residual is at its steady size (4 × the rank). Each setting times
+first runs 3 rounds so that its kept tail is at its steady size (4 × the rank). Each setting times
 ``LoraFedAvg.aggregate_train`` and ``FedAvg.aggregate_train`` on freshly built copies of the same
 messages, interleaved, and reports their medians and the ratio, with a fixed 512 × 512 float32 GEMM
 timed in the same run as the machine's speed reference. Writes results/lora_server_time.json.

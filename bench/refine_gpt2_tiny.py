@@ -22,7 +22,7 @@ from _results import environment, write_results  # noqa: E402  (bench/, the scri
 from fedlmc.data import load
 from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
-from fedlmc.options import Refinement
+from fedlmc.options import Refinement, Universe
 from fedlmc.universe import universe_merge
 
 
@@ -55,7 +55,9 @@ def main() -> None:
         with profiling() as prof:
             t0 = time.time()
             refine = Refinement(data=data, steps=args.steps, check_every=0)  # a fixed budget, every step
-            _, Ts = universe_merge(models, None, base, refine=refine, iterations=2, progress=False)
+            _, Ts = universe_merge(
+                models, None, base, refine=refine, progress=False, universe=Universe(iterations=2, keep_layernorm=False)
+            )
             secs = time.time() - t0
         refine = max(T.info.get("seconds", 0.0) for T in Ts)
         runs.append({"seconds": round(secs, 2), "refinement_seconds": round(refine, 2), "profile_seconds": prof})

@@ -24,7 +24,7 @@ from _results import write_results  # noqa: E402  (bench/, the script's own fold
 
 from fedlmc.averaging import merge
 from fedlmc.federated import Settings, client_data, evaluate_model, global_model, halves, local_train, splits_for
-from fedlmc.options import Refinement
+from fedlmc.options import Refinement, Universe
 from fedlmc.strategies.aligned import refine_split
 from fedlmc.universe import universe_merge
 
@@ -64,7 +64,7 @@ def main() -> None:
         for name, kw in variants(refine_half).items():
             t0 = time.time()
             scored[name], Ts = universe_merge(
-                replies, weights=weights, start=G, iterations=3, keep_layernorm=True, **kw
+                replies, weights=weights, start=G, **kw, universe=Universe(iterations=3, keep_layernorm=True)
             )
             info = next((T.info for T in Ts if T.info.get("method") == "refined"), {})
             row[name] = {

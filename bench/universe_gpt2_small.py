@@ -24,7 +24,7 @@ from _results import PeakMemory, environment, write_results  # noqa: E402  (benc
 from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
-from fedlmc.options import Matching
+from fedlmc.options import Matching, Universe
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform
 from fedlmc.universe import universe_merge
 
@@ -84,7 +84,10 @@ def main() -> None:
     with profiling() as prof, PeakMemory() as mem:
         t0 = time.time()
         merged, Ts = universe_merge(
-            copies, matching=Matching(keep_identity=args.keep_identity), iterations=args.iterations, progress=True
+            copies,
+            matching=Matching(keep_identity=args.keep_identity),
+            progress=True,
+            universe=Universe(iterations=args.iterations, keep_layernorm=False),
         )
         secs = time.time() - t0
     clean0 = clean_copy(args.layers, 0).state_dict()

@@ -26,7 +26,7 @@ product of weight matching in float32 (``Matching(precision="exact")``, the refe
 fast products: bfloat16 factors, or int8 FF scores); ``+bfloat16`` takes bfloat16 products everywhere
 (``Matching(precision="bfloat16")``: without the difference form ``AᵀA + Aᵀ(B − A)`` that
 ``precision="auto"`` takes for replies near the universe); ``+from-mean`` starts the common replies' universe
-at their plain mean instead of G (``universe_start="mean"``), streamed from the files; ``+at-arrival``
+at their plain mean instead of G (``Universe(start="mean")``), streamed from the files; ``+at-arrival``
 starts it at the mean summed as the replies arrive (``universe.ArrivingMean``, what the strategy does
 with replies on disk): each reply is read once, canonicalised and added before the round's clock starts,
 and that work is reported apart (``arrival_seconds``: a stand-in for the reply coming off the network,
@@ -58,7 +58,7 @@ from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.averaging import streamed_mean
 from fedlmc.matching.profile import profiling
 from fedlmc.models import from_preset
-from fedlmc.options import Matching, Scale
+from fedlmc.options import Matching, Scale, Universe
 from fedlmc.replies import read_ahead, save_model, stored
 from fedlmc.symmetry import apply_transform, canonical, random_transform, rebuild
 from fedlmc.universe import ArrivingMean, universe_merge
@@ -152,7 +152,7 @@ def one_run(args: argparse.Namespace) -> dict:
 
                 descent = weight_module.coordinate_descent
                 weight_module.coordinate_descent = lambda P, el, give_up=None, **kw: descent(P, el, **kw)
-            if "from-mean" in flags:  # the replies' plain mean instead of G (strategy.universe_start = "mean")
+            if "from-mean" in flags:  # the replies' plain mean instead of G (Universe(start="mean"))
                 start = "mean"
             if "at-arrival" in flags:  # that mean summed as the replies arrive: not on the round's clock
                 t_arrival = time.perf_counter()
@@ -163,7 +163,11 @@ def one_run(args: argparse.Namespace) -> dict:
                 arrival_seconds = time.perf_counter() - t_arrival
                 t0 += arrival_seconds
             _, Ts = universe_merge(
-                replies, start=start, iterations=iterations, keep_layernorm=keep, scale=scale, matching=matching
+                replies,
+                start=start,
+                scale=scale,
+                matching=matching,
+                universe=Universe(iterations=iterations, keep_layernorm=keep),
             )
             its = max(T.info.get("universe_iterations", 0) for T in Ts)
             excluded = [T.info["excluded"] for T in Ts if "excluded" in T.info]

@@ -24,7 +24,7 @@ from fedlmc.averaging import merge
 from fedlmc.commands import console, load_splits
 from fedlmc.manyway import excess
 from fedlmc.matching import learned_matching
-from fedlmc.options import Learning, Matching, Refinement
+from fedlmc.options import Learning, Matching, Refinement, Universe
 from fedlmc.symmetry import apply_transform, canonicalize
 from fedlmc.train import evaluate
 from fedlmc.universe import universe_merge
@@ -47,12 +47,17 @@ def variants(refine_steps: int) -> dict[str, Callable]:
     """label -> (models, splits) -> merged model."""
 
     def uni(**kw):
-        return lambda models, splits: universe_merge(models, **kw)[0]
+        return lambda models, splits: universe_merge(
+            models, **kw, universe=Universe(iterations=5, keep_layernorm=False)
+        )[0]
 
     def refined(alpha: float, **kw):
         refine = dict(alpha=alpha, steps=refine_steps, check_every=0)  # a fixed budget, every step
         return lambda models, splits: universe_merge(
-            models, refine=Refinement(data=splits.train, **refine), iterations=10, **kw
+            models,
+            refine=Refinement(data=splits.train, **refine),
+            **kw,
+            universe=Universe(iterations=10, keep_layernorm=False),
         )[0]
 
     return {
@@ -62,7 +67,9 @@ def variants(refine_steps: int) -> dict[str, Callable]:
         "universe, until it stops moving (≤ 50 iterations, tol 1e-6)": uni(iterations=50, tol=1e-6),
         "universe, central anchor": uni(iterations=10, anchor="central"),
         "universe + residual activations": lambda models, splits: universe_merge(
-            models, matching=Matching(residual_data=splits.train), iterations=10
+            models,
+            matching=Matching(residual_data=splits.train),
+            universe=Universe(iterations=10, keep_layernorm=False),
         )[0],
         "universe, circuit merge": uni(iterations=10, form="circuit"),
         "pairwise learned matching to model 0 (300 steps each), averaged": pairwise_learned,

@@ -24,9 +24,8 @@ import torch
 import torch.nn as nn
 
 from .models.layers import TransformerConfig
+from .options import FORMS, REDUCES
 from .symmetry import StateDict, apply_to_state, canonical, layernorm_native, rebuild, spec_for, to_layernorm
-
-FORMS = ("factored", "circuit")
 
 
 def _check_same_shape(models: Sequence[nn.Module]) -> None:
@@ -106,9 +105,6 @@ def streamed_mean(models: Iterable[nn.Module], weights: Sequence[float]) -> nn.M
     if first is None:
         raise ValueError("streamed_mean needs at least one model")
     return rebuild(first, acc.mean(), own=True)
-
-
-REDUCES = ("mean", "median", "trimmed")
 
 
 def robust_state(states: Sequence[StateDict], reduce: str = "median", trim: float = 0.2) -> StateDict:

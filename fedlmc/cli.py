@@ -22,7 +22,9 @@ from .commands import (
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", help="directory holding the data set (else $FEDLMC_DATA, else ../shared/data)")
+    p.add_argument(
+        "--data-dir", help="directory holding the data set (else $FEDLMC_DATA, else the data that ships with fedlmc)"
+    )
     p.add_argument("--dataset", help="override the preset's data set (digits, mnist, cifar10, shakespeare, text)")
     p.add_argument("--text", help="a UTF-8 text file for --dataset text")
 
@@ -53,7 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
         help='the rest of `flwr run`\'s arguments: a SuperLink connection, -c "key=value ...", ...',
     )
     run.set_defaults(func=cmd_run)
+    st = sub.add_parser("strategies", help="the strategies a run_config's `strategy` can name, and what each accepts")
+    st.set_defaults(func=cmd_strategies)
     return p
+
+
+def cmd_strategies(args: argparse.Namespace) -> int:
+    """The registered strategies (``fedlmc.strategies.registry``) as a table."""
+    from rich.table import Table
+
+    from .strategies.registry import CAPABILITY_COLUMNS, REGISTRY
+
+    table = Table(title="fedlmc strategies (run_config `strategy`)")
+    table.add_column("strategy", style="bold", no_wrap=True)
+    table.add_column("what it does")
+    for _, label in CAPABILITY_COLUMNS:
+        table.add_column(label, justify="center")
+    for r in REGISTRY.values():
+        table.add_row(r.name, r.summary, *("✓" if getattr(r.can, f) else "" for f, _ in CAPABILITY_COLUMNS))
+    console.print(table)
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 from rich.console import Console
 
+from fedlmc.options import Universe
+
 from .options import Matching, Refinement
 
 console = Console(stderr=True)
@@ -264,10 +266,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
             args.weights,
             matching=Matching(),
             refine=refine,
-            iterations=args.iterations,
-            form=args.form,
-            keep_layernorm=args.keep_layernorm,
             progress=not args.quiet,
+            universe=Universe(iterations=args.iterations, form=args.form, keep_layernorm=args.keep_layernorm),
         )
     seconds = time.time() - t
     data = getattr(splits, args.split)

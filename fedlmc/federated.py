@@ -15,7 +15,6 @@ from typing import Any, ClassVar, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .averaging import REDUCES
 from .data import Data, DataNotFound, Splits, TokenData, load, split
 from .data.partition import SCHEMES, partition
 from .hf import Logits, hf_model_for
@@ -23,36 +22,22 @@ from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
 from .options import (
     PREDICTION_SCREENS,
+    REDUCES,
     SCREENS,
     UNIVERSE_STARTS,
+    Guard,
     Matching,
     OnClients,
     Refinement,
+    Robust,
     Scale,
     Screen,
+    Universe,
     one_of,
 )
+from .strategies.registry import names, registered
 from .train import TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
-
-STRATEGIES = (
-    "average",
-    "permuted",
-    "aligned",
-    "aligned-clients",
-    "refined",
-    "refined-clients",
-    "hetero",
-    "hetero-permuted",
-    "hetero-refined",
-    "slicing",
-    "krum",
-    "multikrum",
-)
-# strategies whose refinement and guard run on the clients (no server data)
-ON_CLIENTS = ("aligned-clients", "refined-clients")
-# strategies that can screen their replies (``screen``): the weight-matched ones and the refinements after them
-SCREENED = ("permuted", "aligned", "aligned-clients", "refined", "refined-clients")
 
 
 @dataclass
@@ -63,7 +48,7 @@ class Settings:
     experiment layer adds its own (``simulations.experiment.ExperimentSettings``). ``matching()`` and
     ``refinement(data)`` map the keys onto the option objects the strategies take."""
 
-    strategy: str = "average,aligned,refined"  # one of STRATEGIES, or several: a one-shot side-by-side comparison
+    strategy: str = "average,aligned,refined"  # a registered strategy, or several: a one-shot side-by-side comparison
     num_server_rounds: int = 1
     preset: str = "gpt2-tiny"
     dataset: str = ""  # default: the preset's
@@ -81,11 +66,11 @@ class Settings:
     seed: int = 0
     independent_start: bool = True  # round 1: every client starts from its own seed (one-shot / fusion)
     width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
-    iterations: int = 3  # universe iterations
-    universe_start: str = "previous"  # AlignedFedAvg.universe_start: previous | mean (replies trained from it)
+    iterations: int = Universe.iterations  # Universe.iterations
+    universe_start: str = Universe.start  # Universe.start: previous | mean (replies trained from it)
     residual: str = "orthogonal"  # Matching.residual
     min_gain: float = Matching.min_gain  # Matching.min_gain: keep the identity unless alignment gains more
-    guard: bool = True  # do-no-harm: compare with plain averaging on the server's validation split
+    guard: bool = True  # do-no-harm (Guard): compare with plain averaging on the server's validation split
     refine_steps: int = Refinement.steps  # Refinement.steps, at most: the refinement stops on its objective
     clients_per_step: int = OnClients.clients_per_step  # OnClients.clients_per_step (0: every client)
     batches_per_client: int = OnClients.batches_per_client  # OnClients.batches_per_client
@@ -98,8 +83,8 @@ class Settings:
     resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
     # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy small host
     threads: int = 1
-    reduce: str = "mean"  # mean | median | trimmed: how average / permuted / aligned combine (robust aggregation)
-    trim: float = 0.2  # trimmed: the fraction of values cut at each end of every coordinate
+    reduce: str = Robust.reduce  # Robust.reduce: mean | median | trimmed (robust aggregation)
+    trim: float = Robust.trim  # Robust.trim: the fraction of values cut at each end of every coordinate
     vocab_size: int = 0  # 0: the data's; larger pads the vocabulary (50257: GPT-2-small's 124M parameters)
     workers: int = Scale.workers  # Scale.workers: processes aligning a round's replies (1: here; 0: one a core)
     spool: bool = Scale.spool  # Scale.spool: replies wait on disk, memory-mapped (always with workers != 1)
@@ -110,10 +95,10 @@ class Settings:
     malicious: int = Screen.malicious  # Screen.malicious, and the krum / multikrum baselines' f
 
     # Fixed in the production app; the experiment layer makes each a run_config key (ExperimentSettings).
-    form: ClassVar[str] = "factored"  # the merge's form: factored (the clients' shape) or circuit
-    keep_layernorm: ClassVar[bool] = True  # the global model stays an ordinary LayerNorm model
-    guard_batches: ClassVar[int] = 8  # batches the do-no-harm guard scores
-    aggregate_threads: ClassVar[int] = -1  # torch threads while the server combines a round (-1: `threads`)
+    form: ClassVar[str] = Universe.form  # Universe.form: factored (the clients' shape) or circuit
+    keep_layernorm: ClassVar[bool] = Universe.keep_layernorm  # Universe.keep_layernorm
+    guard_batches: ClassVar[int] = Guard.batches  # Guard.batches
+    aggregate_threads: ClassVar[int] = -1  # Scale.threads while the server combines a round (-1: `threads`)
     hf: ClassVar[bool] = False  # clients train the preset's Hugging Face twin under its own keys
 
     @classmethod
@@ -146,39 +131,7 @@ class Settings:
         if len(set(names)) != len(names):
             raise ValueError(f"strategy {self.strategy!r} names a strategy twice")
         for name in names:
-            one_of(name, STRATEGIES, "strategy")
-            if any(f != 1 for f in self.factors()) and name in (
-                "average",
-                "permuted",
-                "aligned",
-                "refined",
-                *ON_CLIENTS,
-            ):
-                raise ValueError(
-                    f"width-factors {self.width_factors!r} make a mixed-width federation: use strategy "
-                    "'hetero' (aligned), 'hetero-permuted', 'hetero-refined' or 'slicing' (HeteroFL "
-                    "baseline), not " + repr(name)
-                )
-            if self.reduce != "mean" and name not in ("average", "permuted", "aligned", "aligned-clients"):
-                raise ValueError(
-                    f"reduce={self.reduce!r} applies to strategies average, permuted, aligned and aligned-clients, "
-                    f"not {name!r}"
-                )
-            if self.screen != "none" and name not in SCREENED:
-                raise ValueError(
-                    f"screen={self.screen!r} screens aligned replies: strategies {', '.join(SCREENED)} "
-                    f"(krum / multikrum are the raw-coordinate baselines), not {name!r}"
-                )
-            if self.screen in ("loss", *PREDICTION_SCREENS) and (name in ON_CLIENTS or not self.guard):
-                raise ValueError(
-                    f"screen={self.screen!r} scores each reply on the server's guard split: strategies permuted, "
-                    f"aligned and refined with guard=true, not {name!r}" + ("" if self.guard else " with guard=false")
-                )
-            if self.universe_start != "previous" and name not in SCREENED:
-                raise ValueError(
-                    f"universe-start={self.universe_start!r} is where the aligned and refined strategies' universe "
-                    f"starts: strategies {', '.join(SCREENED)}, not {name!r}"
-                )
+            self._check_capabilities(registered(name))
         one_of(self.reduce, REDUCES, "reduce")
         one_of(self.universe_start, UNIVERSE_STARTS, "universe-start")
         one_of(self.screen, ("none", *SCREENS), "screen")
@@ -187,22 +140,52 @@ class Settings:
         self.matching()
         self.scale()
 
+    def _check_capabilities(self, r) -> None:
+        """What strategy ``r`` (a registration) is asked to do, against what it accepts."""
+        name, can = repr(r.name), r.can
+        if any(f != 1 for f in self.factors()) and not can.mixed_widths:
+            raise ValueError(
+                f"width-factors {self.width_factors!r} make a mixed-width federation: use one of the strategies "
+                f"{', '.join(names(mixed_widths=True))}, not {name}"
+            )
+        if self.reduce != "mean" and not can.reduce:
+            raise ValueError(
+                f"reduce={self.reduce!r} applies to strategies {', '.join(names(reduce=True))}, not {name}"
+            )
+        if self.screen != "none" and not can.screen:
+            raise ValueError(
+                f"screen={self.screen!r} screens aligned replies: strategies {', '.join(names(screen=True))} "
+                f"(krum / multikrum are the raw-coordinate baselines), not {name}"
+            )
+        if self.screen in ("loss", *PREDICTION_SCREENS) and (can.on_clients or not can.server_data or not self.guard):
+            raise ValueError(
+                f"screen={self.screen!r} scores each reply on the server's guard split: strategies "
+                f"{', '.join(names(screen=True, server_data=True))} with guard=true, not {name}"
+                + ("" if self.guard else " with guard=false")
+            )
+        if self.universe_start != "previous" and not can.universe:
+            raise ValueError(
+                f"universe-start={self.universe_start!r} is where the aligned and refined strategies' universe "
+                f"starts: strategies {', '.join(names(universe=True))}, not {name}"
+            )
+
     def strategies(self) -> list[str]:
         """The strategy, or the strategies a side-by-side comparison aggregates the same replies with."""
         return [x.strip() for x in self.strategy.split(",") if x.strip()]
 
     def matching(self) -> Matching:
-        """Weight matching's options (the permutation-only strategies match with permutations)."""
-        residual = "permutation" if self.strategy in ("permuted", "hetero-permuted") else self.residual
-        return Matching(residual=residual, min_gain=self.min_gain)
+        """Weight matching's options (the permutation-only strategies' builders replace the residual's)."""
+        return Matching(residual=self.residual, min_gain=self.min_gain)
 
     def scale(self) -> Scale:
-        """Where a round's replies wait and who aligns them (aligned / refined strategies)."""
+        """Where a round's replies wait, who aligns them, where and on how many threads."""
         return Scale(
             workers=self.workers,
             spool=self.spool,
             spool_dir=self.spool_dir or None,
             ray_address=self.ray_address or None,
+            threads=self.aggregate_threads if self.aggregate_threads >= 0 else None,
+            device=self.device or None,
         )
 
     def screen_options(self) -> Optional[Screen]:

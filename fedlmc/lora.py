@@ -33,8 +33,8 @@ import torch
 from fedlmc.options import one_of
 
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
-RESIDUALS = ("keep", "fold", "drop")
-KEEP_FACTOR = 4.0  # residual="keep" holds at most 4 × the rank sent per module (the largest components)
+TAILS = ("keep", "fold", "drop")  # what becomes of the SVD tail the rank-r factors cannot carry
+KEEP_FACTOR = 4.0  # tail="keep" holds at most 4 × the rank sent per module (the largest components)
 
 
 class LoraInputError(ValueError):
@@ -415,7 +415,7 @@ class LoraAggregator:
     """A LoRA federation's aggregate, round after round, modulo the adapter's gauge.
 
     Each round the new product is the weighted mean of the clients' ``sᵢ Bᵢ Aᵢ`` (weights normalised).
-    What the rank-r factors sent back cannot carry (the tail of the SVD) is, by ``residual``:
+    What the rank-r factors sent back cannot carry (the tail of the SVD) is, by ``tail``:
 
     * ``"keep"``: held at the server, in factored form, and carried into the next round's product
       (error feedback), each client's update counting from the truncation it was sent. No extra bytes
@@ -432,16 +432,16 @@ class LoraAggregator:
     ----------
     layout : LoraLayout
         The adapter's modules, keys and scaling (``LoraLayout.of``).
-    residual : {"keep", "fold", "drop"}, default "keep"
+    tail : {"keep", "fold", "drop"}, default "keep"
         What truncation drops.
     keep_factor : float, default 4.0
         ``"keep"``: the most singular components held per module, as a multiple of its declared rank
         (``math.inf``: all, exact).
     """
 
-    def __init__(self, layout: LoraLayout, residual: str = "keep", keep_factor: float = KEEP_FACTOR) -> None:
+    def __init__(self, layout: LoraLayout, tail: str = "keep", keep_factor: float = KEEP_FACTOR) -> None:
         self.layout = layout
-        self.residual = one_of(residual, RESIDUALS, "residual")
+        self.tail = one_of(tail, TAILS, "tail")
         if not keep_factor >= 1:
             raise ValueError(f"keep_factor must be at least 1 (the rank sent), got {keep_factor}")
         self.keep_factor = keep_factor
@@ -486,7 +486,7 @@ class LoraAggregator:
         for mod in self.layout.modules:
             stack = [r[mod.name] for r in replies]
             coeffs = [wi * mod.scaling(a.shape[0]) for wi, (_, a) in zip(w, stack)]
-            if self.residual == "keep" and mod.name in self.products:
+            if self.tail == "keep" and mod.name in self.products:
                 # P + Σ wᵢ (sᵢBᵢAᵢ − T_{rᵢ}(P)): each client's update counts from the truncation it
                 # started from, and P − Σ wᵢ T_{rᵢ}(P) lives in P's own singular basis
                 p = self.products[mod.name]
@@ -505,13 +505,13 @@ class LoraAggregator:
                 self._update(mod, U, S, Vh)
 
     def _update(self, mod: LoraModule, U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor) -> None:
-        if self.residual == "keep" and math.isfinite(self.keep_factor):
+        if self.tail == "keep" and math.isfinite(self.keep_factor):
             k = int(self.keep_factor * mod.rank)
             U, S, Vh = U[:, :k], S[:k], Vh[:k]
         r = mod.rank
-        if self.residual == "fold" and len(S) > r:
+        if self.tail == "fold" and len(S) > r:
             self.base[mod.name] = self.base.get(mod.name, 0) + (U[:, r:] * S[r:]) @ Vh[r:]
-        if self.residual != "keep":  # the server holds the adapter it sends, nothing more
+        if self.tail != "keep":  # the server holds the adapter it sends, nothing more
             U, S, Vh = U[:, :r], S[:r], Vh[:r]
         self.products[mod.name] = Product(U.contiguous(), S.contiguous(), Vh.contiguous())
 
@@ -556,7 +556,7 @@ def set_adapter(model, arrays: Mapping[str, Any], adapter_name: str = "default")
 
 
 def apply_base_update(model, arrays: Mapping[str, Any]) -> None:
-    """``residual="fold"``: add the server's accumulated base update (``{base weight key: tensor}``,
+    """``tail="fold"``: add the server's accumulated base update (``{base weight key: tensor}``,
     the message's ``"base-update"`` ArrayRecord) to a freshly built PEFT ``model``'s frozen base."""
     params = dict(model.named_parameters())
     with torch.no_grad():

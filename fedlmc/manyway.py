@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
+from fedlmc.options import Universe
+
 from .averaging import merge
 from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .matching import weight_matching
@@ -129,14 +131,18 @@ def universe_table(
     t = time.time()
     row("vanilla", merge(models, [1 / n] * n), time.time() - t)
     t = time.time()
-    uni, T_wm = universe_merge(models, iterations=iterations, tol=tol, progress=progress)
+    uni, T_wm = universe_merge(
+        models, progress=progress, universe=Universe(iterations=iterations, tol=tol, keep_layernorm=False)
+    )
     row("universe", uni, time.time() - t)
     for form in forms:
         if form != "factored":
             t = time.time()
             row(
                 f"universe ({form})",
-                universe_merge(models, iterations=iterations, tol=tol, form=form)[0],
+                universe_merge(
+                    models, universe=Universe(iterations=iterations, tol=tol, form=form, keep_layernorm=False)
+                )[0],
                 time.time() - t,
             )
     # a fixed budget, every step (the table compares refinement lengths as they are); ``alphas`` override its α
@@ -148,9 +154,8 @@ def universe_table(
         ref, T = universe_merge(
             models,
             refine=replace(refine, data=splits.train, alpha=a),
-            iterations=iterations,
-            tol=tol,
             progress=progress,
+            universe=Universe(iterations=iterations, tol=tol, keep_layernorm=False),
         )
         row(f"refined (α={a:g})" if len(alphas) > 1 else "refined", ref, time.time() - t)
         T_ref = T_ref or T

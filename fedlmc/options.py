@@ -7,7 +7,13 @@
   Dirichlet concentration and when it stops (``universe_merge(refine=...)``, ``RefinedFedAvg``,
   ``HeteroWidthFedAvg``).
 * ``OnClients``: where a refinement's gradients and a guard's losses come from without server data.
-* ``Scale``: how a server aggregates many replies: on disk, aligned by parallel workers.
+* ``Universe``: where a round's universe starts, how long it iterates, the merge's form.
+* ``Guard``: the do-no-harm comparison of the aligned aggregate with the plain one.
+* ``Robust``: the coordinate-wise combination (mean, median, trimmed mean).
+* ``Checks``: what a round accepts: how many valid replies, how large a reply's weights.
+* ``Report``: the opt-in per-round scoring of every reply and candidate on a data set.
+* ``Scale``: how a server aggregates many replies: on disk, aligned by parallel workers, where, on how
+  many threads.
 * ``Screen``: which replies a round leaves out as outliers once they are aligned.
 
 A knob has one name from ``run_config`` down to the optimiser: run_config ``refine-check-sigmas`` is
@@ -26,7 +32,10 @@ GAUGES = ("orthogonal", "invertible", None)
 PRECISIONS = ("auto", "exact", "bfloat16", "int8")
 SCHEDULES = ("constant", "cosine")
 RELAXATIONS = ("ste", "sinkhorn")
-UNIVERSE_STARTS = ("previous", "mean")  # AlignedFedAvg.universe_start: the previous global model, or the replies' mean
+UNIVERSE_STARTS = ("previous", "mean")  # Universe.start: the previous global model, or the replies' mean
+FORMS = ("factored", "circuit")
+REDUCES = ("mean", "median", "trimmed")
+ANCHORS = ("heaviest", "central")
 
 
 def one_of(value: Any, allowed: Iterable[Any], what: str) -> Any:
@@ -50,7 +59,8 @@ class Matching:
         How the intra-head QK / OV gauges are aligned (the factored merge needs them): Procrustes, least
         squares (recovers any invertible gauge), or not at all.
     iterations : int, default 15
-        At most this many coordinate-descent iterations.
+        At most this many coordinate-descent iterations of one alignment (a universe's own iterations
+        are ``Universe.iterations``).
     tol : float, default 2e-3
         A descent stops when an iteration improves its objective by less than this (relative).
     keep_identity : bool, default True
@@ -273,6 +283,11 @@ class Scale:
     retries : int, default 1
         A failed alignment (its worker died, or its reply could not be read) is tried this many times
         more, then its reply is excluded with the reason.
+    threads : int or None, default None
+        Torch threads while a round is combined: None leaves the process's setting alone, 0 uses every
+        core (on a busy shared host, extra OpenMP threads can thrash instead).
+    device : str or None, default None
+        Where the server aligns and refines: CUDA when present, else the CPU.
     """
 
     workers: int = 1
@@ -281,11 +296,15 @@ class Scale:
     spool: bool = False
     spool_dir: Optional[str] = None
     retries: int = 1
+    threads: Optional[int] = None
+    device: Optional[str] = None
 
     def __post_init__(self) -> None:
         one_of(self.backend, BACKENDS, "backend")
         if self.workers < 0 or self.retries < 0:
             raise ValueError(f"workers and retries must be non-negative, got {self.workers} and {self.retries}")
+        if self.threads is not None and self.threads < 0:
+            raise ValueError(f"threads must be non-negative (0: every core) or None, got {self.threads}")
 
     @property
     def parallel(self) -> bool:
@@ -314,12 +333,12 @@ class Screen:
         "distance": a robust z-score of each reply's distance to the coordinate-wise median of the
         aligned replies; replies above ``threshold`` are excluded (none, in a federation of honest
         clients). "loss": the same robust z-score on each reply's loss on the guard's held-out data
-        (the strategy's ``guard_data`` or ``guard_fn``; a loss does not depend on how the reply's
+        (the strategy's ``Guard``, its data or its function; a loss does not depend on how the reply's
         neurons are arranged, so it needs no alignment). "agreement": the same robust z-score on how
         often each reply's top-1 prediction agrees with the others' on the guard's inputs (its labels
-        are not read; ``guard_data`` required), a reply that agrees least being the outlier.
+        are not read; ``Guard(data=...)`` required), a reply that agrees least being the outlier.
         "information": the same on each reply's mean chance-adjusted normalised mutual information
-        with the others' top-1 predictions (``guard_data`` required): an honest client trained on
+        with the others' top-1 predictions (``Guard(data=...)`` required): an honest client trained on
         skewed labels may name a class wrongly, but it still sorts the inputs as the others do, and
         the reply whose predictions tell least about the others' is the outlier. "krum":
         Krum's score (the summed squared distances to each reply's M − f − 2 nearest aligned replies)
@@ -341,4 +360,133 @@ class Screen:
         if not self.threshold > 0 or self.malicious < 0:
             raise ValueError(
                 f"threshold must be positive and malicious non-negative, got {self.threshold}, {self.malicious}"
+            )
+
+
+@dataclass(frozen=True)
+class Universe:
+    """How a round's replies are merged in a shared universe (``universe.universe_merge``,
+    ``AlignedFedAvg``, ``RefinedFedAvg``).
+
+    Parameters
+    ----------
+    iterations : int, default 3
+        At most this many universe iterations (each aligns every reply to the universe, then averages).
+    tol : float, default 1e-4
+        Stop once an iteration moves the universe by less than this (relative Frobenius change).
+    start : {"previous", "mean"}, default "previous"
+        A strategy's universe, when the replies were trained from the previous global model: that
+        model, or the replies' plain weighted mean (FedAvg's aggregate). With ``Matching(min_gain=...)``
+        and replies trained a little from the global model, "mean" settles the round in one iteration
+        instead of two. (``universe_merge`` takes its start as an argument.)
+    form : {"factored", "circuit"}, default "factored"
+        The merge's form: factored (the clients' shape) or circuit (QK / OV products).
+    anchor : {"heaviest", "central"}, default "heaviest"
+        With nothing to start from: the largest-weight model, or the one closest to all others after
+        pairwise weight matching (M(M−1)/2 extra matchings).
+    keep_layernorm : bool, default True
+        Keep every residual map O·1 = 1 and return a LayerNorm model, as the clients train it
+        (LayerNorm models only: an RMSNorm model such as Llama has no centring to keep). False returns
+        the canonical RMSNorm form, with the residual map free.
+    """
+
+    iterations: int = 3
+    tol: float = 1e-4
+    start: str = "previous"
+    form: str = "factored"
+    anchor: str = "heaviest"
+    keep_layernorm: bool = True
+
+    def __post_init__(self) -> None:
+        one_of(self.start, UNIVERSE_STARTS, "universe start")
+        one_of(self.form, FORMS, "form")
+        one_of(self.anchor, ANCHORS, "anchor")
+        if self.iterations < 1:
+            raise ValueError(f"iterations must be at least 1, got {self.iterations}")
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The do-no-harm guard: the aligned aggregate is kept only if it scores no worse than the plain one.
+
+    Parameters
+    ----------
+    data : data set or None, default None
+        A server-side data set (e.g. half a validation split) both candidates are scored on.
+    batches : int or None, default 8
+        How many batches of ``data`` to score (None: all).
+    fn : callable or None, default None
+        Instead of ``data``: ``fn(arrays) -> float``, the loss of an ArrayRecord in the clients' own form,
+        lower is better (Flower's ``evaluate_fn`` convention).
+    """
+
+    data: Any = None
+    batches: Optional[int] = 8
+    fn: Optional[Callable[[Any], float]] = None
+
+    def __post_init__(self) -> None:
+        if self.fn is not None and self.data is not None:
+            raise ValueError("Guard takes data or fn, not both")
+        if self.fn is None and self.data is None:
+            raise ValueError("Guard needs data (a server-side data set) or fn (a loss of the clients' arrays)")
+
+
+@dataclass(frozen=True)
+class Robust:
+    """How aligned (or raw) replies are combined coordinate-wise.
+
+    Parameters
+    ----------
+    reduce : {"mean", "median", "trimmed"}, default "mean"
+        The weighted mean (FedAvg), or the unweighted coordinate-wise median / trimmed mean (Flower's
+        FedMedian / FedTrimmedAvg; among aligned replies: robust aggregation modulo the symmetries).
+    trim : float, default 0.2
+        "trimmed": the fraction cut at each end of every coordinate.
+    """
+
+    reduce: str = "mean"
+    trim: float = 0.2
+
+    def __post_init__(self) -> None:
+        one_of(self.reduce, REDUCES, "reduce")
+        if not 0.0 <= self.trim < 0.5:
+            raise ValueError(f"trim is the fraction cut at each end, in [0, 0.5), got {self.trim}")
+
+
+@dataclass(frozen=True)
+class Report:
+    """An opt-in record, every round, of each reply's, the plain average's and the aggregate's loss.
+
+    Parameters
+    ----------
+    data : data set
+        What they are scored on (e.g. the test split).
+    batches : int or None, default None
+        How many batches to score (None: all).
+    """
+
+    data: Any
+    batches: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What a strategy's round accepts, beyond a reply's own validity (``strategies.validation``).
+
+    Parameters
+    ----------
+    min_replies : int, default 1
+        Fewest valid replies a round aggregates; with fewer, the previous global model is kept.
+    max_norm_ratio : float, default 100.0
+        A reply whose weight norm exceeds this multiple of the global model's is excluded.
+    """
+
+    min_replies: int = 1
+    max_norm_ratio: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.min_replies < 1 or not self.max_norm_ratio > 0:
+            raise ValueError(
+                f"min_replies must be at least 1 and max_norm_ratio positive, got {self.min_replies}, "
+                f"{self.max_norm_ratio}"
             )

@@ -13,14 +13,14 @@ import torch
 import torch.nn as nn
 
 from .allocator import release_freed_memory
-from .averaging import FORMS, REDUCES, RunningSum, add_move, aligned_state, merge, robust_merge
+from .averaging import RunningSum, add_move, aligned_state, merge, robust_merge
 from .cpu import fitting_threads
 from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
 from .matching.profile import section
 from .matching.refine import dirichlet_refine
 from .models import from_config
-from .options import Matching, Refinement, Scale, one_of
+from .options import ANCHORS, Matching, Refinement, Robust, Scale, Universe, one_of
 from .replies import Canonical, ReplyError, ReplyStore, StoredModel, read_ahead, save_model
 from .symmetry import (
     Transform,
@@ -283,13 +283,8 @@ def universe_merge(
     *,
     matching: Optional[Matching] = None,
     refine: Optional[Refinement] = None,
-    iterations: int = 5,
-    tol: float = 1e-4,
-    form: str = "factored",
-    keep_layernorm: bool = False,
-    reduce: str = "mean",
-    trim: float = 0.2,
-    anchor: str = "heaviest",
+    universe: Optional[Universe] = None,
+    robust: Optional[Robust] = None,
     device: Optional[str] = None,
     progress: bool = False,
     scale: Optional[Scale] = None,
@@ -332,24 +327,14 @@ def universe_merge(
     refine : Refinement or None
         Dirichlet refinement after the iterations (on ``refine.data``: a data set, or the clients'
         losses, ``fedlmc.on_clients.ClientLosses``); None: aligned only.
-    iterations : int, default 5
-        At most this many universe iterations.
-    tol : float, default 1e-4
-        Stop once an iteration moves the universe by less than this (relative Frobenius change).
-    form : {"factored", "circuit"}, default "factored"
-        The merge's form: factored (same shape as the models) or circuit (QK / OV products).
-    keep_layernorm : bool, default False
-        Keep every residual map O·1 = 1 and return a LayerNorm model (LayerNorm models only: an RMSNorm
-        model such as Llama has no centring to keep).
-    reduce : {"mean", "median", "trimmed"}, default "mean"
-        "median" / "trimmed" replace every iteration's weighted mean by a coordinate-wise robust
-        combination of the aligned models (unweighted, as Flower's FedMedian / FedTrimmedAvg): robust
-        aggregation modulo the symmetries. Same-width models, factored form, no refinement.
-    trim : float, default 0.2
-        "trimmed": the fraction cut at each end of every coordinate.
-    anchor : {"heaviest", "central"}, default "heaviest"
-        Without ``start``: the largest-weight model, or the one closest to all others after pairwise
-        weight matching (M(M−1)/2 extra matchings).
+    universe : Universe or None
+        The iterations, their stopping tolerance, the merge's form, the anchor and whether the merge is
+        returned as a LayerNorm model (``fedlmc.options.Universe``; default ``Universe()``).
+    robust : Robust or None
+        ``Robust(reduce="median" / "trimmed")`` replaces every iteration's weighted mean by a
+        coordinate-wise robust combination of the aligned models (unweighted, as Flower's FedMedian /
+        FedTrimmedAvg): robust aggregation modulo the symmetries. Same-width models, factored form, no
+        refinement.
     device : str or None
         Where matching and refinement run: CUDA when present, else CPU.
     progress : bool, default False
@@ -370,18 +355,11 @@ def universe_merge(
         Each model's map into the universe.
     """
     m = matching if matching is not None else Matching()
-    keep_layernorm = keep_layernorm and all(layernorm_native(x.config) for x in models)
-    if refine is not None and refine.data is None:
-        raise ValueError(
-            "refine needs data for the Dirichlet refinement: Refinement(data=...), a data set at the server or "
-            "the clients' losses (fedlmc.on_clients.ClientLosses)"
-        )
-    one_of(form, FORMS, "form")
-    one_of(reduce, REDUCES, "reduce")
-    if reduce != "mean" and (refine is not None or form != "factored"):
-        raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, no refinement")
-    if isinstance(start, str):
-        one_of(start, ("mean",), "start")
+    u = universe if universe is not None else Universe()
+    r = robust if robust is not None else Robust()
+    keep_layernorm = u.keep_layernorm and all(layernorm_native(x.config) for x in models)
+    _check_options(refine, u, r, start)
+    iterations, tol, form, anchor, reduce, trim = u.iterations, u.tol, u.form, u.anchor, r.reduce, r.trim
     aligned = None
     if isinstance(start, Aligned):
         if len(start.transforms) != len(models):
@@ -407,6 +385,19 @@ def universe_merge(
             on_disk = [x if isinstance(x, StoredModel) else store.put(x) for x in models]
             mem = Members(**{**mem.__dict__, "models": on_disk, "padded": Canonical(on_disk)})
         return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress, pool, store)
+
+
+def _check_options(refine: Optional[Refinement], u: Universe, r: Robust, start) -> None:
+    """``universe_merge``'s clear errors for options that cannot go together."""
+    if refine is not None and refine.data is None:
+        raise ValueError(
+            "refine needs data for the Dirichlet refinement: Refinement(data=...), a data set at the server or "
+            "the clients' losses (fedlmc.on_clients.ClientLosses)"
+        )
+    if r.reduce != "mean" and (refine is not None or u.form != "factored"):
+        raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, no refinement")
+    if isinstance(start, str):
+        one_of(start, ("mean",), "start")
 
 
 def _merge(
@@ -488,7 +479,7 @@ def _is_mean(start: Union[nn.Module, str, None], mem: Members) -> bool:
 def anchor_index(mem: Members, anchor: str, align: dict) -> int:
     """The model a universe starts from: the heaviest, or the "central" one (least summed relative
     distance to the others, each weight-matched to it; ``align``: ``weight_matching``'s options)."""
-    one_of(anchor, ("heaviest", "central"), "anchor")
+    one_of(anchor, ANCHORS, "anchor")
     live = mem.live
     if anchor == "heaviest" or len(live) < 3:
         return max(range(len(mem.padded)), key=lambda i: mem.weights[i])

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 from rich.console import Console
 
+from fedlmc.strategies.registry import registered
+
 from .experiment import ExperimentSettings as Settings
 from .simulate import run_in_subprocess
 
@@ -174,9 +176,7 @@ def run_all(
     out: dict[str, dict[int, dict]] = {s: {} for s in strategies}
     for seed in seeds:
         for strategy in strategies:
-            # "aligned@median+distance": strategy aligned, reduce median, screen distance
-            base, _, screen = strategy.partition("+")
-            name, _, reduce = base.partition("@")
+            name, reduce, screen = variant(strategy)
             cfg = {
                 **spec["config"],
                 **PRESET_DEFAULTS.get(preset, {}),
@@ -217,6 +217,15 @@ def run_all(
             )
             out[strategy][seed] = doc
     return out
+
+
+def variant(label: str) -> tuple[str, str, str]:
+    """A row's label read as (strategy, reduce, screen): "aligned@median+distance" is the registered
+    strategy aligned with reduce=median and screen=distance; a clear error for a name nobody registered."""
+    base, _, screen = label.partition("+")
+    name, _, reduce = base.partition("@")
+    registered(name)
+    return name, reduce, screen
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
@@ -478,7 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setting", choices=list(SETTINGS), default="oneshot")
     p.add_argument("--preset", default="vit-tiny")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--strategies", nargs="+", help="default: the setting's (baseline first)")
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        help="default: the setting's (baseline first); any registered strategy (`fedlmc strategies`), "
+        "NAME@REDUCE and NAME+SCREEN for its variants",
+    )
     p.add_argument("--clients", type=int, help="number of SuperNodes (default: the setting's)")
     p.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="run_config overrides, e.g. partitioner=iid"
@@ -489,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     spec = SETTINGS[args.setting]
     strategies = args.strategies or spec["strategies"]
+    for label in strategies:  # a typo fails here, before any run starts
+        variant(label)
     extra = {}
     for kv in args.set:
         if "=" not in kv:

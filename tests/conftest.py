@@ -16,6 +16,11 @@ import torch
 MEASURED: list[tuple[str, float, float]] = []
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+# The library looks for data in --data-dir, $FEDLMC_DATA, then what ships with it; the tests (and the
+# processes they start) find the lab's data beside the checkout through FEDLMC_DATA, as CI does.
+_SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+if not os.environ.get("FEDLMC_DATA") and _SHARED_DATA.is_dir():
+    os.environ["FEDLMC_DATA"] = str(_SHARED_DATA)
 
 
 def _unused_ports(n: int, slot: int, low: int = 20000, high: int = 32768) -> list[int]:

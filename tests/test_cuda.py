@@ -16,7 +16,7 @@ from fedlmc.barrier import interpolation_curve
 from fedlmc.data.base import TokenData
 from fedlmc.matching import learned_matching, weight_matching
 from fedlmc.models import from_preset
-from fedlmc.options import Learning
+from fedlmc.options import Learning, Universe
 from fedlmc.symmetry import apply_transform, canonicalize
 from fedlmc.train import TrainConfig, evaluate, pick_device, train
 from fedlmc.universe import universe_merge
@@ -94,7 +94,10 @@ def test_cuda_evaluation_of_an_interpolation_equals_the_cpus():
 def test_cuda_universe_merge_equals_the_cpus():
     models = [make("gpt2", s) for s in range(3)]
     data = _tokens(SHAPES["gpt2"][1]["vocab_size"], n=2048)
-    out = {dev: universe_merge(models, iterations=3, device=dev) for dev in ("cpu", "cuda")}
+    out = {
+        dev: universe_merge(models, device=dev, universe=Universe(iterations=3, keep_layernorm=False))
+        for dev in ("cpu", "cuda")
+    }
     for dev, (merged, transforms) in out.items():
         assert next(merged.parameters()).device.type == "cpu", dev
         assert len(transforms) == 3

@@ -12,7 +12,7 @@ from test_widths import _gpt, _vit
 
 from fedlmc.data.base import ArrayData, TokenData
 from fedlmc.matching import learned_matching, weight_matching
-from fedlmc.options import Learning, Refinement
+from fedlmc.options import Learning, Refinement, Universe
 from fedlmc.symmetry import apply_transform, canonicalize
 from fedlmc.universe import universe_merge
 from fedlmc.widths import into_universe
@@ -69,7 +69,9 @@ def test_refined_universe_transforms_are_exact_also_for_mixed_widths(make_model,
         canonicalize(make_model(2, d_model=16, n_head=2, d_ff=40, d_head=8)),
     ]
     _, Ts = universe_merge(
-        models, refine=Refinement(data=_data(models[0]), steps=6, lr=0.05, relax=relax, check_every=0), iterations=1
+        models,
+        refine=Refinement(data=_data(models[0]), steps=6, lr=0.05, relax=relax, check_every=0),
+        universe=Universe(iterations=1, keep_layernorm=False),
     )
     assert all(T.info.get("relax", relax) == relax for T in Ts)
     x = inputs_for(models[0])

@@ -18,7 +18,11 @@ from hypothesis import strategies as st
 
 from fedlmc.data import load  # noqa: E402
 from fedlmc.models import from_config, from_preset  # noqa: E402
-from fedlmc.options import Refinement  # noqa: E402
+from fedlmc.options import (
+    Checks,
+    Refinement,  # noqa: E402
+    Universe,
+)
 from fedlmc.strategies import (
     AlignedFedAvg,
     HeteroWidthFedAvg,
@@ -112,9 +116,11 @@ def make_reply(kind: str, node: int, pick: int, where: float) -> Message:
 
 STRATEGIES = {
     "average": lambda: ReportingFedAvg(model=CONFIG),
-    "aligned": lambda: AlignedFedAvg(model=CONFIG, iterations=1),
-    "refined": lambda: RefinedFedAvg(model=CONFIG, iterations=1, refine=Refinement(data=DIGITS.val, steps=1)),
-    "hetero": lambda: HeteroWidthFedAvg(model=CONFIG, iterations=1),
+    "aligned": lambda: AlignedFedAvg(model=CONFIG, universe=Universe(iterations=1)),
+    "refined": lambda: RefinedFedAvg(
+        model=CONFIG, refine=Refinement(data=DIGITS.val, steps=1), universe=Universe(iterations=1)
+    ),
+    "hetero": lambda: HeteroWidthFedAvg(model=CONFIG, universe=Universe(iterations=1)),
     "slicing": lambda: SlicingFedAvg(model=CONFIG),
 }
 
@@ -138,7 +144,7 @@ def test_aggregate_train_survives_anything(name, caplog):
     @given(replies_st, st.integers(1, 3))
     def run(spec, min_replies):
         strategy = STRATEGIES[name]()
-        strategy.min_replies = min_replies
+        strategy.checks = Checks(min_replies=min_replies)
         previous = ArrayRecord(torch_state_dict=POOL[0].state_dict())
         strategy._previous = previous
         msgs = [make_reply(kind, node + 1, pick, where) for node, (kind, pick, where) in enumerate(spec)]

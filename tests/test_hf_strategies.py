@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from test_hf import hf_gpt2, hf_llama, hf_vit, inputs, logits, shaken
 
 from fedlmc.hf import from_hf
-from fedlmc.options import Refinement
+from fedlmc.options import Guard, Refinement, Universe
 from fedlmc.strategies import AlignedFedAvg
 from fedlmc.symmetry import apply_transform, random_transform, to_layernorm
 
@@ -50,7 +50,7 @@ def planted_copies(hf, count: int) -> list[dict]:
 def test_aligned_fedavg_on_hf_replies(make, name, record):
     torch.manual_seed(0)
     hf = shaken(make(), seed=4)
-    strategy = AlignedFedAvg(model=hf.config, iterations=2)
+    strategy = AlignedFedAvg(model=hf.config, universe=Universe(iterations=2))
     initial = ArrayRecord(hf.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial
@@ -76,7 +76,7 @@ def test_aligned_fedavg_on_hf_replies(make, name, record):
 def test_tied_gpt2_aggregate_has_one_tensor_for_both_keys():
     torch.manual_seed(0)
     hf = shaken(hf_gpt2(tied=True), seed=5)
-    strategy = AlignedFedAvg(model=hf, iterations=1)
+    strategy = AlignedFedAvg(model=hf, universe=Universe(iterations=1))
     initial = ArrayRecord(hf.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial
@@ -107,7 +107,7 @@ def test_guard_fn_decides_on_the_clients_form():
         seen.append(sorted(sd))
         return float(sd["classifier.bias"].sum())  # any loss of the client's form; lower wins
 
-    strategy = AlignedFedAvg(model=hf.config, iterations=1, guard_fn=guard_fn)
+    strategy = AlignedFedAvg(model=hf.config, universe=Universe(iterations=1), guard=Guard(fn=guard_fn))
     initial = ArrayRecord(hf.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial
@@ -135,8 +135,8 @@ def test_refined_fedavg_on_hf_replies_with_a_batch_source_and_loss_fn():
     tokens = torch.randint(0, 40, (32, 17))
     strategy = RefinedFedAvg(
         model=hf,
-        iterations=1,
         refine=Refinement(data=ArrayData(tokens[:, :-1], tokens[:, 1:]), steps=3, loss_fn=loss_fn),
+        universe=Universe(iterations=1),
     )
     initial = ArrayRecord(hf.state_dict())
     strategy.check_architecture(initial)
@@ -190,7 +190,7 @@ def test_hetero_width_fedavg_on_hf_clients_of_two_widths(record, monkeypatch):
         )
     )
     wide_hf = to_hf(wide)
-    strategy = HeteroWidthFedAvg(model=[narrow.config, wide_hf.config], iterations=2)
+    strategy = HeteroWidthFedAvg(model=[narrow.config, wide_hf.config], universe=Universe(iterations=2))
     initial = ArrayRecord(wide_hf.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial
@@ -252,7 +252,7 @@ def test_hetero_width_fedavg_on_tied_hf_gpt2_clients(monkeypatch):
         )
 
     wide, narrow = gpt2(32, 4, 1), gpt2(16, 2, 2)
-    strategy = HeteroWidthFedAvg(model=[wide, narrow], iterations=1)
+    strategy = HeteroWidthFedAvg(model=[wide, narrow], universe=Universe(iterations=1))
     initial = ArrayRecord(wide.state_dict())
     strategy.check_architecture(initial)
     strategy._previous = initial

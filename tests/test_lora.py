@@ -1,5 +1,5 @@
 """LoRA / PEFT aggregation modulo the adapter's gauge (fedlmc.lora, LoraFedAvg): exactness in float64,
-gauge invariance, factored = dense, PEFT's keys, scaling and fan_in_fan_out, mixed ranks, the residual
+gauge invariance, factored = dense, PEFT's keys, scaling and fan_in_fan_out, mixed ranks, the SVD tail
 options, and bad input refused with a reason."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_lora_aggregate_is_the_weighted_mean_of_the_products_when_the_rank_allow
     layout = LoraLayout.of(llama_peft(r=16)).with_ranks(16)
     clients = [random_adapter(layout, r, seed) for seed, r in enumerate((2, 4, 8))]  # Σr = 14 ≤ 16
     weights = [3.0, 1.0, 2.0]
-    agg = LoraAggregator(layout, residual="drop")
+    agg = LoraAggregator(layout, tail="drop")
     agg.aggregate(clients, weights)
     want, got = weighted_products(layout, clients, weights), agg.factors()
     err = max(float((product_of(layout, got, n) - want[n]).abs().max() / want[n].abs().max()) for n in want)
@@ -156,9 +156,9 @@ def test_lora_mixed_ranks_get_their_best_approximation_eckart_young(record):
     record("lora: rank-r factors attain the Eckart–Young error", worst, 1e-10)
 
 
-def test_lora_keep_residual_follows_fedavg_on_the_products_across_rounds(record):
+def test_lora_keep_tail_follows_fedavg_on_the_products_across_rounds(record):
     layout = LoraLayout.of(llama_peft(r=4))
-    agg = LoraAggregator(layout, residual="keep", keep_factor=math.inf)
+    agg = LoraAggregator(layout, tail="keep", keep_factor=math.inf)
     start = random_adapter(layout, 4, 100, scale=0.0)
     agg.start(start)
     exact = {m.name: torch.zeros(m.out_features, m.in_features, dtype=torch.float64) for m in layout.modules}
@@ -183,19 +183,19 @@ def test_lora_keep_residual_follows_fedavg_on_the_products_across_rounds(record)
             )
         agg.aggregate(clients, weights)
     err = max(float((agg.products[n].dense() - exact[n]).abs().max()) for n in exact)
-    record("lora: residual=keep product = FedAvg on products over 3 rounds", err, 1e-10)
+    record("lora: tail=keep product = FedAvg on products over 3 rounds", err, 1e-10)
     assert any(len(p.S) > 4 * 2 for p in agg.products.values())  # more than the sent rank (4), uncut
-    capped = LoraAggregator(layout, residual="keep")  # the default holds at most 4 × r components
+    capped = LoraAggregator(layout, tail="keep")  # the default holds at most 4 × r components
     capped.start(start)
     capped.aggregate(clients, weights)
     capped.aggregate(clients, weights)
     assert max(len(p.S) for p in capped.products.values()) <= 16
 
 
-def test_lora_fold_residual_puts_the_tail_into_the_base(record):
+def test_lora_fold_tail_puts_the_tail_into_the_base(record):
     layout = LoraLayout.of(gpt2_peft(r=4))
     clients = [random_adapter(layout, 4, seed) for seed in range(3)]
-    agg = LoraAggregator(layout, residual="fold")
+    agg = LoraAggregator(layout, tail="fold")
     agg.aggregate(clients, [1.0, 1.0, 1.0])
     want = weighted_products(layout, clients, [1.0, 1.0, 1.0])
     base = agg.base_update()
@@ -203,7 +203,7 @@ def test_lora_fold_residual_puts_the_tail_into_the_base(record):
     for m in layout.modules:
         folded = base[m.base_key].double().T  # Conv1D: stored in × out
         err = max(err, float((folded + product_of(layout, agg.factors(), m.name) - want[m.name]).abs().max()))
-    record("lora: residual=fold base + adapter = exact mean", err, 1e-5)  # the base update travels in float32
+    record("lora: tail=fold base + adapter = exact mean", err, 1e-5)  # the base update travels in float32
 
 
 def test_lora_balanced_factors_of_a_rank_deficient_product_still_learn():
@@ -292,8 +292,8 @@ def test_peft_bad_adapters_are_refused_before_round_one_naming_what_is_wrong():
         )
     with pytest.raises(LoraInputError, match="needs model="):
         LoraFedAvg()
-    with pytest.raises(ValueError, match="residual"):
-        LoraFedAvg(model=model, residual="average")
+    with pytest.raises(ValueError, match="tail"):
+        LoraFedAvg(model=model, tail="average")
 
 
 def _reply(arrays, node, n=10):
@@ -356,7 +356,7 @@ def test_peft_fold_base_update_travels_and_applies_to_a_fresh_model(record, monk
         monkeypatch.setattr(TaskIdentity, attr, 1)
     model = gpt2_peft(r=2)
     layout = LoraLayout.of(model)
-    strategy = LoraFedAvg(model=model, residual="fold", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
+    strategy = LoraFedAvg(model=model, tail="fold", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
     strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
     clients = [random_adapter(layout, 2, s, scale=0.1) for s in range(3)]
     arrays, _ = strategy.aggregate_train(1, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])

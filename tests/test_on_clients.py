@@ -29,7 +29,7 @@ from fedlmc.matching.optimise import (
 from fedlmc.matching.weight import canonical_state
 from fedlmc.models import from_preset
 from fedlmc.on_clients import REFINE, ClientLosses, answer, client_guard
-from fedlmc.options import Learning, OnClients, Refinement
+from fedlmc.options import Learning, OnClients, Refinement, Universe
 from fedlmc.symmetry import Transform, canonical_config, random_transform
 
 
@@ -209,7 +209,9 @@ def test_client_refine_stops_with_too_few_answers_and_keeps_the_best_checked_ali
     on = OnClients(clients_per_step=2, min_clients=2, timeout=1.0)
     remote = ClientLosses(grid, list(data), on, 6, 1)
     refine = Refinement(steps=20, check_every=1, batch_size=6, check_batches=1, check_sigmas=0.0, patience=50)
-    merged, transforms = universe_merge(models, None, None, refine=replace(refine, data=remote), iterations=1)
+    merged, transforms = universe_merge(
+        models, None, None, refine=replace(refine, data=remote), universe=Universe(iterations=1, keep_layernorm=False)
+    )
     info = transforms[1].info
     assert info["where"] == "remote" and "too few" in info["stopped"]
     assert info["steps_run"] == 2 and set(info["checks"]) == {0, 1, 2}

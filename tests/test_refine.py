@@ -7,7 +7,7 @@ import torch
 from test_universe import _base, _noisy
 
 from fedlmc.data.base import ArrayData
-from fedlmc.options import Refinement
+from fedlmc.options import Refinement, Universe
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.train import evaluate
 from fedlmc.universe import universe_merge
@@ -30,8 +30,12 @@ def test_refine_keeps_a_planted_universe(record):
         _noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
         for s in range(3)
     ]
-    wm, _ = universe_merge(copies, iterations=2)
-    refined, Ts = universe_merge(copies, refine=Refinement(data=data, steps=15, alpha=0.1, check_every=0), iterations=2)
+    wm, _ = universe_merge(copies, universe=Universe(iterations=2, keep_layernorm=False))
+    refined, Ts = universe_merge(
+        copies,
+        refine=Refinement(data=data, steps=15, alpha=0.1, check_every=0),
+        universe=Universe(iterations=2, keep_layernorm=False),
+    )
     assert len(Ts) == 3 and len(Ts[1].info["loss"]) == 15
     for T in Ts:
         O = T["residual"]
@@ -49,4 +53,4 @@ def test_refine_keeps_a_planted_universe(record):
 def test_refine_needs_data():
     base = _base()
     with pytest.raises(ValueError, match="needs data"):
-        universe_merge([base, base], refine=Refinement())
+        universe_merge([base, base], refine=Refinement(), universe=Universe(iterations=5, keep_layernorm=False))

@@ -13,6 +13,7 @@ from test_strategies import _reply
 
 from fedlmc.averaging import robust_state
 from fedlmc.models import from_preset
+from fedlmc.options import Robust, Universe
 from fedlmc.strategies import AlignedFedAvg, ReportingFedAvg
 from fedlmc.strategies.records import model_from_arrays
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform, to_layernorm
@@ -62,8 +63,10 @@ def test_aligned_median_ignores_a_poisoned_reply_that_moves_the_aligned_mean(rec
     x = inputs_for(base)
     ref = base(x)
     with torch.no_grad():
-        med, _ = universe_merge(copies + [bad], reduce="median", keep_layernorm=True, iterations=3)
-        mean, _ = universe_merge(copies + [bad], keep_layernorm=True, iterations=3)
+        med, _ = universe_merge(
+            copies + [bad], universe=Universe(iterations=3, keep_layernorm=True), robust=Robust(reduce="median")
+        )
+        mean, _ = universe_merge(copies + [bad], universe=Universe(iterations=3, keep_layernorm=True))
         raw = from_preset("vit-tiny", **KW).double()
         raw.load_state_dict(robust_state([m.state_dict() for m in copies + [bad]], "median"))
         rel = lambda m: float((m(x) - ref).abs().max() / ref.abs().max())  # noqa: E731
@@ -78,7 +81,7 @@ def test_reporting_fedavg_reduce_is_flowers_fedmedian_and_fedtrimmedavg():
         return [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(copies + [bad])]
 
     for reduce, theirs in (("median", FedMedian()), ("trimmed", FedTrimmedAvg(beta=0.25))):
-        ours = ReportingFedAvg(model=copies[0].config.to_dict(), reduce=reduce, trim=0.25)
+        ours = ReportingFedAvg(model=copies[0].config.to_dict(), robust=Robust(reduce=reduce, trim=0.25))
         a, _ = ours.aggregate_train(1, replies())
         b, _ = theirs.aggregate_train(1, replies())
         sa, sb = a.to_torch_state_dict(), b.to_torch_state_dict()
@@ -88,7 +91,7 @@ def test_reporting_fedavg_reduce_is_flowers_fedmedian_and_fedtrimmedavg():
 def test_aligned_fedavg_reduce_option_and_guard_against_the_plain_robust_aggregate():
     base, copies, bad = _copies_and_a_poisoned_one()
     replies = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(copies + [bad])]
-    strategy = AlignedFedAvg(model=copies[0].config.to_dict(), reduce="median")
+    strategy = AlignedFedAvg(model=copies[0].config.to_dict(), robust=Robust(reduce="median"))
     strategy._previous = ArrayRecord(torch_state_dict=copies[0].float().state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     merged = model_from_arrays(arrays, strategy.global_config)
@@ -96,7 +99,7 @@ def test_aligned_fedavg_reduce_option_and_guard_against_the_plain_robust_aggrega
     with torch.no_grad():
         assert float((merged(x) - base.float()(x)).abs().max() / base.float()(x).abs().max()) < 1e-4
     with pytest.raises(ValueError, match="reduce"):
-        AlignedFedAvg(model=base.config.to_dict(), reduce="mode")
+        AlignedFedAvg(model=base.config.to_dict(), robust=Robust(reduce="mode"))
 
 
 def test_poisoned_clients():
@@ -122,5 +125,7 @@ def test_median_of_different_layernorm_models_goes_back_to_layernorm():
     back onto 1⊥ (``recentre``) so the aggregate is again an ordinary LayerNorm model."""
     models = [perturbed(from_preset("vit-tiny", **KW), s, 0.2).double() for s in range(5)]
     with torch.no_grad():
-        med, _ = universe_merge(models, reduce="median", keep_layernorm=True, iterations=1)
+        med, _ = universe_merge(
+            models, universe=Universe(iterations=1, keep_layernorm=True), robust=Robust(reduce="median")
+        )
     assert med.config.norm == "layernorm"

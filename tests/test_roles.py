@@ -17,7 +17,7 @@ from test_strategies import _reply
 from fedlmc.matching import weight_matching
 from fedlmc.models import register_architecture
 from fedlmc.models.layers import TransformerConfig, make_norm
-from fedlmc.options import Matching
+from fedlmc.options import Matching, Universe
 from fedlmc.strategies import AlignedFedAvg
 from fedlmc.symmetry import Roles, apply_transform, canonicalize, random_transform, register_spec, spec_from_roles
 
@@ -123,7 +123,7 @@ def test_own_transformer_planted_matching_and_a_round(record):
     err = max(float((aligned[k] - v).abs().max() / v.abs().max()) for k, v in a.state_dict().items())
     record("own Transformer: planted recovery, relative parameter error", err, 1e-2)  # as test_matching's
     model = make(2).float()
-    strategy = AlignedFedAvg(model=model, iterations=1)
+    strategy = AlignedFedAvg(model=model, universe=Universe(iterations=1))
     strategy.check_architecture(ArrayRecord(model.state_dict()))
     strategy._previous = ArrayRecord(model.state_dict())
     arrays, _ = strategy.aggregate_train(1, [_reply(make(s).float(), 5, s) for s in (3, 4)])

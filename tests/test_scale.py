@@ -17,7 +17,7 @@ from conftest import perturbed
 from fedlmc.averaging import aligned_state
 from fedlmc.matching import weight_matching
 from fedlmc.models import from_preset
-from fedlmc.options import Matching, Scale
+from fedlmc.options import Guard, Matching, Scale, Universe
 from fedlmc.replies import ReplyError, ReplyStore, StoredModel, mmap_state, save_model, stored, sweep
 from fedlmc.symmetry import Transform, apply_transform, canonicalize, random_transform
 from fedlmc.universe import universe_merge
@@ -77,11 +77,15 @@ def test_mmap_roundtrip_is_exact_and_mapped(tmp_path):
 
 def test_mmap_universe_equals_the_in_memory_one(tmp_path, record):
     models = _copies(4)
-    ref, T_ref = universe_merge(models, iterations=2, matching=Matching(keep_identity=False))
+    ref, T_ref = universe_merge(
+        models, matching=Matching(keep_identity=False), universe=Universe(iterations=2, keep_layernorm=False)
+    )
     with ReplyStore(tmp_path) as store:
         handles = [store.put(m) for m in models]
         assert all(isinstance(h, StoredModel) for h in handles)
-        got, T_got = universe_merge(handles, iterations=2, matching=Matching(keep_identity=False))
+        got, T_got = universe_merge(
+            handles, matching=Matching(keep_identity=False), universe=Universe(iterations=2, keep_layernorm=False)
+        )
     record("universe of memory-mapped replies vs in memory (max |Δ|)", _max_diff(ref, got), 0.0)
     _same_transforms(T_ref, T_got, record, "mmap")
     assert not any(tmp_path.glob("round-*")), "the store's files were not removed"
@@ -98,7 +102,7 @@ def test_mmap_layernorm_replies_go_into_the_memory_of_the_one_before(tmp_path, r
     base = perturbed(from_preset("gpt2-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40))
     models = [_near(base, s, 0.05) for s in range(4)]  # LayerNorm models
     m = Matching(keep_identity=False)
-    ref, T_ref = universe_merge(models, iterations=2, keep_layernorm=True, matching=m)
+    ref, T_ref = universe_merge(models, matching=m, universe=Universe(iterations=2, keep_layernorm=True))
     reused = []
 
     def spy(model, out=None):
@@ -115,7 +119,7 @@ def test_mmap_layernorm_replies_go_into_the_memory_of_the_one_before(tmp_path, r
     )
     with ReplyStore(tmp_path) as store:
         handles = [store.put(x) for x in models]
-        got, T_got = universe_merge(handles, iterations=2, keep_layernorm=True, matching=m)
+        got, T_got = universe_merge(handles, matching=m, universe=Universe(iterations=2, keep_layernorm=True))
     assert dropped == [True, True]
     record("LayerNorm replies recycled from disk vs in memory (max |Δ|)", _max_diff(ref, got), 0.0)
     _same_transforms(T_ref, T_got, record, "recycled")
@@ -127,10 +131,10 @@ def test_mmap_unreadable_reply_is_excluded_with_a_reason(tmp_path, record):
     with ReplyStore(tmp_path) as store:
         handles = [store.put(m) for m in models]
         Path(handles[2].path).write_bytes(Path(handles[2].path).read_bytes()[:5000])  # truncated on disk
-        merged, Ts = universe_merge(handles, iterations=2)
+        merged, Ts = universe_merge(handles, universe=Universe(iterations=2, keep_layernorm=False))
     assert "excluded" in Ts[2].info and "truncated" in Ts[2].info["excluded"]
     assert all("excluded" not in T.info for i, T in enumerate(Ts) if i != 2)
-    ref, _ = universe_merge([models[i] for i in (0, 1, 3)], iterations=2)
+    ref, _ = universe_merge([models[i] for i in (0, 1, 3)], universe=Universe(iterations=2, keep_layernorm=False))
     record("universe without the unreadable reply vs the same three in memory", _max_diff(ref, merged), 1e-12)
     with pytest.raises(ReplyError, match="could not read"):
         StoredModel(str(tmp_path / "missing.safetensors"), models[0].config).load()
@@ -162,9 +166,12 @@ def _parallel_vs_sequential(tmp_path, record, backend: str):
     permutations, and every continuous element and the universe to float64 noise."""
     models = _copies(4)
     m = Matching(keep_identity=False)
-    seq, T_seq = universe_merge(models, iterations=2, matching=m)
+    seq, T_seq = universe_merge(models, matching=m, universe=Universe(iterations=2, keep_layernorm=False))
     par, T_par = universe_merge(
-        models, iterations=2, matching=m, scale=Scale(workers=2, backend=backend, spool_dir=str(tmp_path))
+        models,
+        matching=m,
+        scale=Scale(workers=2, backend=backend, spool_dir=str(tmp_path)),
+        universe=Universe(iterations=2, keep_layernorm=False),
     )
     record(f"universe aligned by 2 workers ({backend}) vs sequential (max |Δ|)", _max_diff(seq, par), 1e-10)
     _same_transforms(T_seq, T_par, record, backend)
@@ -197,19 +204,19 @@ def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, re
     par, T_par = universe_merge(
         replies,
         start=base,
-        iterations=5,
         matching=m,
         scale=Scale(workers=2, backend="process", spool_dir=str(tmp_path)),
+        universe=Universe(iterations=5, keep_layernorm=False),
     )
-    seq, T_seq = universe_merge(replies, start=base, iterations=5, matching=m)
+    seq, T_seq = universe_merge(replies, start=base, matching=m, universe=Universe(iterations=5, keep_layernorm=False))
     assert all(T.elements == {} for T in T_par + T_seq)
     assert T_par[0].info["universe_iterations"] == T_seq[0].info["universe_iterations"] == 2
-    par_mean, T_mean = universe_merge(  # from the plain mean, one iteration settles it
+    par_mean, T_mean = universe_merge(
         replies,
         start="mean",
-        iterations=5,
         matching=m,
         scale=Scale(workers=2, backend="process", spool_dir=str(tmp_path)),
+        universe=Universe(iterations=5, keep_layernorm=False),
     )
     assert all(T.elements == {} for T in T_mean) and T_mean[0].info["universe_iterations"] == 1
     record("min_gain in workers from the mean vs from the start", _max_diff(par_mean, par), 1e-12)
@@ -292,8 +299,8 @@ def test_parallel_dead_worker_is_retried_once_then_excluded(tmp_path, record):
         once = list(handles)
         once[1] = CrashingModel(handles[1].path, handles[1].config)
         scale = Scale(workers=2, backend="process", spool_dir=str(tmp_path))
-        got, Ts = universe_merge(once, iterations=1, matching=m, scale=scale)
-        ref, _ = universe_merge(models, iterations=1, matching=m)
+        got, Ts = universe_merge(once, matching=m, scale=scale, universe=Universe(iterations=1, keep_layernorm=False))
+        ref, _ = universe_merge(models, matching=m, universe=Universe(iterations=1, keep_layernorm=False))
         record("a worker died once: the retried universe vs sequential", _max_diff(ref, got), 1e-10)
         assert all("excluded" not in T.info for T in Ts)
 
@@ -302,10 +309,12 @@ def test_parallel_dead_worker_is_retried_once_then_excluded(tmp_path, record):
         always[2] = CrashingModel(handles[2].path, handles[2].config)
         # a reply whose task runs beside the dying one, on every try: it must not go down with it
         always[3] = SlowModel(handles[3].path, handles[3].config)
-        got, Ts = universe_merge(always, iterations=1, matching=m, scale=scale)
+        got, Ts = universe_merge(always, matching=m, scale=scale, universe=Universe(iterations=1, keep_layernorm=False))
         assert "worker died" in Ts[2].info["excluded"] and "failed 2 times" in Ts[2].info["excluded"]
         assert [i for i, T in enumerate(Ts) if "excluded" in T.info] == [2]
-        ref, _ = universe_merge([models[i] for i in (0, 1, 3)], iterations=1, matching=m)
+        ref, _ = universe_merge(
+            [models[i] for i in (0, 1, 3)], matching=m, universe=Universe(iterations=1, keep_layernorm=False)
+        )
         record("a worker died twice: the universe without that reply", _max_diff(ref, got), 1e-10)
 
 
@@ -356,9 +365,23 @@ def test_parallel_universe_from_the_mean_sums_only_the_replies_that_move(tmp_pat
         for scale in (None, Scale(workers=2, backend="process", spool_dir=str(tmp_path))):
             where = "workers" if scale else "in-process"
             adds.clear()
-            got, Ts = universe_merge(files, weights, start=mean, iterations=2, matching=m, scale=scale)
+            got, Ts = universe_merge(
+                files,
+                weights,
+                start=mean,
+                matching=m,
+                scale=scale,
+                universe=Universe(iterations=2, keep_layernorm=False),
+            )
             summed = list(adds)
-            ref, T_ref = universe_merge(files, weights, start=unmarked, iterations=2, matching=m, scale=scale)
+            ref, T_ref = universe_merge(
+                files,
+                weights,
+                start=unmarked,
+                matching=m,
+                scale=scale,
+                universe=Universe(iterations=2, keep_layernorm=False),
+            )
             assert [bool(T.elements) for T in Ts] == [False, False, False, True]  # the far one moves
             _same_transforms(T_ref, Ts, record, f"from the mean, {where}")
             record(f"universe from the mean, moves only vs every reply summed ({where})", _max_diff(ref, got), 1e-12)
@@ -386,7 +409,13 @@ def test_parallel_universe_from_the_mean_without_a_reply_that_failed(tmp_path, r
         Path(files[2].path + ".crashed").write_text("always")
         files[2] = CrashingModel(files[2].path, files[2].config)
         scale = Scale(workers=2, backend="process", spool_dir=str(tmp_path))
-        got, Ts = universe_merge(files, start=mean, iterations=2, matching=Matching(min_gain=0.3), scale=scale)
+        got, Ts = universe_merge(
+            files,
+            start=mean,
+            matching=Matching(min_gain=0.3),
+            scale=scale,
+            universe=Universe(iterations=2, keep_layernorm=False),
+        )
         assert [i for i, T in enumerate(Ts) if "excluded" in T.info] == [2]
         assert all(not T.elements for i, T in enumerate(Ts) if i != 2)
         others = {k: sum(replies[i].state_dict()[k] for i in (0, 1, 3)) / 3 for k in base.state_dict()}
@@ -562,7 +591,7 @@ def _strategy_round(scale=None, n=4, **kwargs):
 
 def test_mmap_strategy_spools_replies_and_leaves_no_file(tmp_path, record):
     ref, _ = _strategy_round()
-    got, rec = _strategy_round(Scale(spool=True, spool_dir=str(tmp_path)), guard_fn=lambda arrays: 0.0)
+    got, rec = _strategy_round(Scale(spool=True, spool_dir=str(tmp_path)), guard=Guard(fn=lambda arrays: 0.0))
     record(
         "AlignedFedAvg with replies on disk vs in memory",
         max(float((got[k] - v).abs().max()) for k, v in ref.items()),
@@ -699,11 +728,11 @@ def test_mmap_universe_holds_one_reply_at_a_time_whatever_m(tmp_path):
     with ReplyStore(tmp_path) as store:
         handles = [CountedModel(h.path, h.config) for h in (store.put(m) for m in models)]
         CountedModel.alive = CountedModel.most = 0
-        universe_merge(handles, start=models[0], iterations=3)
+        universe_merge(handles, start=models[0], universe=Universe(iterations=3, keep_layernorm=False))
         assert CountedModel.most == 1, f"{CountedModel.most} replies were held at once"
         # seeded by a reply, the universe is that reply during the first iteration: it and one other
         CountedModel.alive = CountedModel.most = 0
-        universe_merge(handles, iterations=3)
+        universe_merge(handles, universe=Universe(iterations=3, keep_layernorm=False))
         assert CountedModel.most == 2, f"{CountedModel.most} replies were held at once"
 
 
@@ -758,7 +787,7 @@ def test_mmap_arriving_mean_is_the_streamed_mean_of_exactly_the_replies_summed(t
 
 
 def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_path, record, monkeypatch):
-    """``universe_start = "mean"`` on replies written to disk as they arrive: the start (the replies'
+    """``Universe(start="mean")`` on replies written to disk as they arrive: the start (the replies'
     mean) and ``start_for``'s cosines are computed while each reply is in memory, so the round reads each
     reply's file once (its one universe iteration) instead of three times, and merges the same model."""
     from flwr.app import ArrayRecord
@@ -777,9 +806,12 @@ def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_pa
     results = {}
     for name, scale in (("memory", None), ("disk", Scale(spool=True, spool_dir=str(tmp_path)))):
         strategy = AlignedFedAvg(
-            model=base.config.to_dict(), scale=scale, matching=Matching(min_gain=0.5), fraction_evaluate=0.0
+            model=base.config.to_dict(),
+            scale=scale,
+            matching=Matching(min_gain=0.5),
+            universe=Universe(start="mean"),
+            fraction_evaluate=0.0,
         )
-        strategy.universe_start = "mean"
         loads.clear()
         result = strategy.start(
             grid=ReplyingGrid(near), initial_arrays=ArrayRecord(torch_state_dict=base.state_dict()), num_rounds=1
@@ -874,10 +906,19 @@ def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatc
             out += ([("prefetch", files[k + 1])] if k + 1 < len(files) else []) + [("load", f)]
         return out
 
-    universe_merge([stored(p) for p in paths], iterations=1, matching=Matching(keep_identity=False))
+    universe_merge(
+        [stored(p) for p in paths],
+        matching=Matching(keep_identity=False),
+        universe=Universe(iterations=1, keep_layernorm=False),
+    )
     assert events == [("load", paths[0])] + one_ahead(paths[::-1]), events  # the anchor, then the iteration's pass
     events.clear()
-    universe_merge([stored(p) for p in paths], start="mean", iterations=1, matching=Matching(keep_identity=False))
+    universe_merge(
+        [stored(p) for p in paths],
+        start="mean",
+        matching=Matching(keep_identity=False),
+        universe=Universe(iterations=1, keep_layernorm=False),
+    )
     assert events == one_ahead(paths[::-1]) + one_ahead(paths), events  # the streamed mean, then the iteration
     events.clear()
     items = [(i, stored(p), None, 0.25) for i, p in enumerate(paths[:3])]

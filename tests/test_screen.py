@@ -13,7 +13,7 @@ from test_strategies import _reply
 
 from fedlmc.averaging import aligned_state
 from fedlmc.models import from_preset
-from fedlmc.options import Screen
+from fedlmc.options import Guard, Robust, Screen, Universe
 from fedlmc.screen import krum_scores, multikrum_selection, screen, squared_distances
 from fedlmc.strategies import AlignedFedAvg, KrumFedAvg
 from fedlmc.strategies.records import model_from_arrays
@@ -44,7 +44,9 @@ def _federation(poisoned: bool = True, n: int = 5, seed: int = 0):
 
 
 def _aligned(replies):
-    merged, transforms = universe_merge(replies, reduce="median", keep_layernorm=True, iterations=3)
+    merged, transforms = universe_merge(
+        replies, universe=Universe(iterations=3, keep_layernorm=True), robust=Robust(reduce="median")
+    )
     return [aligned_state(canonical(m), T) for m, T in zip(replies, transforms)]
 
 
@@ -104,10 +106,12 @@ def test_aligned_fedavg_screen_excludes_the_outlier_and_merges_the_rest():
         return model_from_arrays(arrays, strategy.global_config), strategy.history[-1]
 
     for reduce in ("mean", "median"):
-        screened, rec = run(AlignedFedAvg(model=cfg, reduce=reduce, screen=Screen()), list(enumerate(replies)))
+        screened, rec = run(
+            AlignedFedAvg(model=cfg, screen=Screen(), robust=Robust(reduce=reduce)), list(enumerate(replies))
+        )
         assert rec["screen"]["excluded"] == [POISONED + 1]
         assert [e["node"] for e in rec["excluded"]] == [POISONED + 1] and "screen" in rec["excluded"][0]["reason"]
-        honest, _ = run(AlignedFedAvg(model=cfg, reduce=reduce), list(enumerate(replies))[:POISONED])
+        honest, _ = run(AlignedFedAvg(model=cfg, robust=Robust(reduce=reduce)), list(enumerate(replies))[:POISONED])
         a, b = screened.state_dict(), honest.state_dict()
         assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
@@ -184,7 +188,9 @@ def test_refined_fedavg_refines_from_the_screens_weight_matching_when_nobody_is_
     monkeypatch.setattr("fedlmc.universe.weight_matching", spy)
     out = {}
     for name, screen_ in (("screened", Screen()), ("plain", None)):
-        strategy = RefinedFedAvg(model=cfg, screen=screen_, refine=Refinement(data=data, steps=4), iterations=2)
+        strategy = RefinedFedAvg(
+            model=cfg, screen=screen_, refine=Refinement(data=data, steps=4), universe=Universe(iterations=2)
+        )
         msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
         matchings.clear()
         arrays, _ = strategy.aggregate_replies(1, msgs, previous)
@@ -269,7 +275,7 @@ def test_loss_screen_excludes_the_reply_that_computes_worst(monkeypatch):
     real_merge = aligned_module.universe_merge
     spy = lambda models, *a, **kw: merged_with.append(len(models)) or real_merge(models, *a, **kw)  # noqa: E731
     monkeypatch.setattr(aligned_module, "universe_merge", spy)
-    strategy = AlignedFedAvg(model=cfg, screen=Screen(method="loss"), guard_fn=gap)
+    strategy = AlignedFedAvg(model=cfg, screen=Screen(method="loss"), guard=Guard(fn=gap))
     msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
     strategy.aggregate_replies(1, msgs, previous)
     rec = strategy.history[-1]
@@ -281,7 +287,7 @@ def test_loss_screen_excludes_the_reply_that_computes_worst(monkeypatch):
 
     honest = screen([], Screen(method="loss"), losses=[1.0, 1.1, 0.9, 1.05, 0.95])
     assert honest.excluded == {} and len(honest.scores) == 5
-    with pytest.raises(ValueError, match="guard_data or guard_fn"):
+    with pytest.raises(ValueError, match="guard=Guard"):
         AlignedFedAvg(model=cfg, screen=Screen(method="loss"))
     from fedlmc.federated import Settings
 
@@ -302,7 +308,7 @@ def test_agreement_screen_excludes_the_reply_whose_predictions_agree_least(metho
     """Screen(method="agreement" / "information"): each reply's top-1 predictions on the guard's inputs
     (labels unread), its mean agreement (mutual information) with the others', and the robust z-score
     of a low one; the planted attacker among rotated and permuted honest replies is excluded and no
-    honest reply is; without guard_data the strategy refuses the screen."""
+    honest reply is; without the guard's data the strategy refuses the screen."""
     from fedlmc.data import ArrayData
     from fedlmc.screen import agreement
 
@@ -311,7 +317,7 @@ def test_agreement_screen_excludes_the_reply_whose_predictions_agree_least(metho
     previous = ArrayRecord(torch_state_dict={k: v.float() for k, v in base.state_dict().items()})
     x = torch.randn(256, 1, 12, 12, generator=torch.Generator().manual_seed(5))
     guard = ArrayData(x, torch.full((256,), -1))  # labels that no loss could use: the screen never reads them
-    strategy = AlignedFedAvg(model=cfg, screen=Screen(method=method), guard_data=guard, guard_batches=None)
+    strategy = AlignedFedAvg(model=cfg, screen=Screen(method=method), guard=Guard(data=guard, batches=None))
     strategy.guard_loss = lambda model: 0.0  # the do-no-harm guard is not what this test is about
     msgs = [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(replies)]
     strategy.aggregate_replies(1, msgs, previous)
@@ -323,8 +329,8 @@ def test_agreement_screen_excludes_the_reply_whose_predictions_agree_least(metho
 
     P = [torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2, 0]), torch.tensor([3, 3, 3, 3])]
     assert agreement(P).tolist() == pytest.approx([(0.75 + 0.25) / 2, (0.75 + 0) / 2, (0.25 + 0) / 2])
-    with pytest.raises(ValueError, match="guard_data"):
-        AlignedFedAvg(model=cfg, screen=Screen(method=method), guard_fn=lambda arrays: 0.0)
+    with pytest.raises(ValueError, match="guard's data"):
+        AlignedFedAvg(model=cfg, screen=Screen(method=method), guard=Guard(fn=lambda arrays: 0.0))
 
 
 def test_information_screen_excludes_the_reply_whose_predictions_tell_nothing_about_the_others():
@@ -359,7 +365,7 @@ def test_information_screen_excludes_the_reply_whose_predictions_tell_nothing_ab
     assert mutual_information(tokens, tokens) == pytest.approx(1.0)
     other = torch.randint(0, 50257, (4096,), generator=g)  # most tokens once: the plug-in I is near H, chance too
     assert mutual_information(tokens, other) < 0.05
-    with pytest.raises(ValueError, match="guard_data"):
+    with pytest.raises(ValueError, match="guard's data"):
         AlignedFedAvg(model=from_preset("vit-tiny", **KW).config.to_dict(), screen=Screen(method="information"))
 
 
@@ -390,11 +396,15 @@ def test_universe_merge_from_an_earlier_merges_alignment_skips_the_matching(monk
     """``universe_merge(start=Aligned(universe, transforms))``: the universe an earlier merge returned, with
     its transforms, and no weight matching; a transform per model missing is refused."""
     _, replies = _federation(poisoned=False, n=3)
-    universe, transforms = universe_merge(replies, keep_layernorm=True, iterations=2)
+    universe, transforms = universe_merge(replies, universe=Universe(iterations=2, keep_layernorm=True))
     monkeypatch.setattr("fedlmc.universe.weight_matching", lambda *a, **kw: pytest.fail("matched again"))
-    again, same = universe_merge(replies, start=Aligned(universe, transforms), keep_layernorm=True)
+    again, same = universe_merge(
+        replies, start=Aligned(universe, transforms), universe=Universe(keep_layernorm=True, iterations=5)
+    )
     a, b = universe.state_dict(), again.state_dict()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-12
     assert all(s is t for s, t in zip(same, transforms))
     with pytest.raises(ValueError, match="one transform per model"):
-        universe_merge(replies, start=Aligned(universe, transforms[:2]))
+        universe_merge(
+            replies, start=Aligned(universe, transforms[:2]), universe=Universe(iterations=5, keep_layernorm=False)
+        )

@@ -182,7 +182,7 @@ def test_run_config_sets_how_the_refinement_stops():
 
 
 def test_universe_start_reaches_the_aligned_and_refined_strategies_and_nothing_else():
-    """run_config ``universe-start`` is ``AlignedFedAvg.universe_start`` (``RefinedFedAvg``'s too); a
+    """run_config ``universe-start`` is ``Universe.start`` of ``AlignedFedAvg`` (``RefinedFedAvg``'s too); a
     strategy without a universe refuses it, and an unknown start is a clear error."""
     from fedlmc.data import load
     from fedlmc.models import from_preset
@@ -192,13 +192,13 @@ def test_universe_start_reaches_the_aligned_and_refined_strategies_and_nothing_e
     for strategy in ("aligned", "refined", "refined-clients", "permuted"):
         cfg = {"strategy": strategy, "preset": "vit-digits", "universe-start": "mean"}
         got = build_strategy(Settings.from_run_config(cfg), model.config.to_dict(), load("digits"))
-        assert got.universe_start == "mean", strategy
+        assert got.universe.start == "mean", strategy
     default = build_strategy(
         Settings.from_run_config({"preset": "vit-digits", "strategy": "aligned"}),
         model.config.to_dict(),
         load("digits"),
     )
-    assert default.universe_start == "previous"
+    assert default.universe.start == "previous"
     for strategy in ("average", "hetero", "krum"):
         with pytest.raises(ValueError, match="universe-start"):
             Settings.from_run_config({"strategy": strategy, "universe-start": "mean"})

@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp.strategy import FedAvg
 
 from fedlmc.models import from_preset
-from fedlmc.options import Refinement
+from fedlmc.options import Guard, Refinement, Report, Scale, Universe
 from fedlmc.strategies import AlignedFedAvg
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform, to_layernorm
@@ -71,14 +71,14 @@ def test_planted_replies_aggregate_to_the_model(record):
     assert len(rec["moved"]) == 3 and max(rec["moved"]) > 0.5  # the planted clients had to be moved
 
 
-def test_aggregate_threads_0_combines_on_every_core_and_the_apps_threads_come_back():
-    """The simulations run each app on one torch thread; ``aggregate_threads=0`` combines a round on
+def test_scale_threads_0_combines_on_every_core_and_the_apps_threads_come_back():
+    """The simulations run each app on one torch thread; ``Scale(threads=0)`` combines a round on
     every core (the clients wait) and restores the app's setting after; the default leaves it alone."""
     base, clients = _planted_clients()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        strategy = AlignedFedAvg(model=base.config.to_dict(), aggregate_threads=0)
+        strategy = AlignedFedAvg(model=base.config.to_dict(), scale=Scale(threads=0))
         strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
         assert strategy.history[0]["threads"] == len(os.sched_getaffinity(0))
         assert torch.get_num_threads() == 1
@@ -124,7 +124,10 @@ def test_refined_strategy_on_planted_replies(record):
     data = _labelled(base)
     replies = [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)]
     strategy = RefinedFedAvg(
-        model=base.config.to_dict(), refine=Refinement(data=data, steps=10), guard_data=data, report_data=data
+        model=base.config.to_dict(),
+        refine=Refinement(data=data, steps=10),
+        guard=Guard(data=data),
+        report=Report(data=data),
     )
     strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
@@ -213,14 +216,15 @@ def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_tr
     strategy.aggregate_train(1, [_reply(m, 50, node=i + 1) for i, m in enumerate(near)])
     assert strategy.history[0]["start"] == "previous"
 
-    # universe_start="mean": replies trained from the global model start the universe at their plain mean
+    # Universe(start="mean"): replies trained from the global model start the universe at their plain mean
     # (with min_gain they keep the identity there, and one universe iteration settles the round)
     from fedlmc.options import Matching
 
     merged = {}
     for start in ("previous", "mean"):
-        strategy = AlignedFedAvg(model=base.config.to_dict(), matching=Matching(min_gain=0.5))
-        strategy.universe_start = start
+        strategy = AlignedFedAvg(
+            model=base.config.to_dict(), matching=Matching(min_gain=0.5), universe=Universe(start=start)
+        )
         strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
         seen = []
         merge = strategy.align
@@ -235,9 +239,9 @@ def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_tr
     strategy._previous = ArrayRecord(torch_state_dict=unrelated.state_dict())  # one-shot: still from a reply
     strategy.aggregate_train(2, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
     assert strategy.history[1]["start"] == "reply"
-    with pytest.raises(ValueError, match="universe_start"):
-        strategy.universe_start = "median"
-    assert AlignedFedAvg(model=base.config.to_dict()).universe_start == "previous"
+    with pytest.raises(ValueError, match="universe start"):
+        Universe(start="median")
+    assert AlignedFedAvg(model=base.config.to_dict()).universe.start == "previous"
 
 
 def test_guard_keeps_plain_average_when_alignment_is_worse():
@@ -259,7 +263,7 @@ def test_guard_keeps_plain_average_when_alignment_is_worse():
                     p.add_(torch.randn_like(p))
             return merged, transforms
 
-    strategy = BrokenAlignment(model=base.config.to_dict(), guard_data=data)
+    strategy = BrokenAlignment(model=base.config.to_dict(), guard=Guard(data=data))
     strategy._previous = ArrayRecord(torch_state_dict=base.state_dict())
     arrays, _ = strategy.aggregate_train(1, replies)
     rec = strategy.history[0]
@@ -277,7 +281,7 @@ def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
     and the guard keeps it."""
     base, clients = _planted_clients()
     data = _labelled(base)
-    strategy = AlignedFedAvg(model=base.config.to_dict(), guard_data=data)
+    strategy = AlignedFedAvg(model=base.config.to_dict(), guard=Guard(data=data))
     strategy._previous = ArrayRecord(torch_state_dict=clients[0].state_dict())
     strategy.aggregate_train(1, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
     rec = strategy.history[0]
@@ -499,7 +503,7 @@ def test_hetero_guard_keeps_slicing_when_it_is_better_and_then_everyone_slices(m
         .eval()
     )
     small = slice_prefix(glob, width_config(glob.config, 2))
-    strategy = HeteroWidthFedAvg(model=glob.config.to_dict(), guard_data=_labelled(glob))
+    strategy = HeteroWidthFedAvg(model=glob.config.to_dict(), guard=Guard(data=_labelled(glob)))
     strategy._previous = ArrayRecord(torch_state_dict=glob.state_dict())
     assert len(_sent(strategy, [1, 2], monkeypatch)) == 2 and strategy._sliced == {1, 2}
     arrays, _ = strategy.aggregate_train(
@@ -519,7 +523,7 @@ def test_hetero_guard_keeps_the_universe_when_it_is_better_and_only_compares_sli
     from fedlmc.strategies import HeteroWidthFedAvg
 
     narrow, wide, wide_cfg = _narrow_and_moved_wide()
-    strategy = HeteroWidthFedAvg(model=wide_cfg.to_dict(), guard_data=_labelled(narrow))
+    strategy = HeteroWidthFedAvg(model=wide_cfg.to_dict(), guard=Guard(data=_labelled(narrow)))
     prev = canonicalize(
         from_preset(
             "vit-tiny",

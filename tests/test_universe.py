@@ -7,7 +7,7 @@ import torch
 from conftest import inputs_for, perturbed
 
 from fedlmc.models import from_preset
-from fedlmc.options import Matching
+from fedlmc.options import Matching, Universe
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform
 from fedlmc.universe import universe_merge
 
@@ -36,7 +36,7 @@ def test_planted_universe_recovers_the_model(record):
         _noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
         for s in range(4)
     ]
-    merged, Ts = universe_merge(copies, iterations=3)
+    merged, Ts = universe_merge(copies, universe=Universe(iterations=3, keep_layernorm=False))
     assert len(Ts) == 4
     # the merged model is the original up to one shared symmetry: compare functions
     with torch.no_grad():
@@ -50,7 +50,9 @@ def test_one_hot_weights_return_that_model(record):
     base = _base()
     x = inputs_for(base)
     others = [_noisy(apply_transform(base, random_transform(base, seed=s)), 0.3, s) for s in range(3)]
-    merged, _ = universe_merge([others[0], others[1], others[2]], weights=[0, 1, 0])
+    merged, _ = universe_merge(
+        [others[0], others[1], others[2]], weights=[0, 1, 0], universe=Universe(iterations=5, keep_layernorm=False)
+    )
     with torch.no_grad():
         record("universe with one-hot weights vs that model", float((merged(x) - others[1](x)).abs().max()), 1e-10)
 
@@ -101,7 +103,11 @@ def test_central_anchor_is_the_least_noisy_copy_and_residual_data_still_recovers
         torch.randn(64, c.channels, c.image_size, c.image_size, generator=g, dtype=torch.float64),
         torch.randint(0, 10, (64,), generator=g),
     )
-    merged, _ = universe_merge(copies, matching=Matching(residual_data=data), iterations=2, anchor="central")
+    merged, _ = universe_merge(
+        copies,
+        matching=Matching(residual_data=data),
+        universe=Universe(iterations=2, anchor="central", keep_layernorm=False),
+    )
     with torch.no_grad():
         record(
             "universe (central anchor, residual data) of 4 planted copies: relative |Δlogits|",
@@ -109,7 +115,7 @@ def test_central_anchor_is_the_least_noisy_copy_and_residual_data_still_recovers
             5e-2,
         )
     with pytest.raises(ValueError, match="anchor"):
-        universe_merge(copies, anchor="median")
+        universe_merge(copies, universe=Universe(anchor="median", iterations=5, keep_layernorm=False))
 
 
 def test_the_streamed_average_is_the_average_of_the_aligned_models(record):
@@ -140,18 +146,22 @@ def test_min_gain_keeps_replies_from_the_global_model_and_still_aligns_planted_c
     base = _base()
     common = [_noisy(canonicalize(base), 0.01, 10 + s) for s in range(4)]
     m = Matching(min_gain=0.3)  # at d 32 the gauges and the rotation fit ~20 % of a noisy reply's distance
-    merged, Ts = universe_merge(common, start=base, matching=m, iterations=5)
+    merged, Ts = universe_merge(common, start=base, matching=m, universe=Universe(iterations=5, keep_layernorm=False))
     assert all(T.elements == {} for T in Ts) and Ts[0].info["universe_iterations"] == 2
     mean = {k: sum(c.state_dict()[k] for c in common) / 4 for k in base.state_dict()}
     assert max(float((merged.state_dict()[k] - v).abs().max()) for k, v in mean.items()) < 1e-12
-    _, plain = universe_merge(common, start=base, iterations=5)  # without min_gain the gauges fit the noise
+    _, plain = universe_merge(
+        common, start=base, universe=Universe(iterations=5, keep_layernorm=False)
+    )  # without min_gain the gauges fit the noise
     assert all(T.elements for T in plain)
 
-    from_mean, Ts_mean = universe_merge(common, start="mean", matching=m, iterations=5)  # one iteration does
+    from_mean, Ts_mean = universe_merge(
+        common, start="mean", matching=m, universe=Universe(iterations=5, keep_layernorm=False)
+    )  # one iteration does
     assert all(T.elements == {} for T in Ts_mean) and Ts_mean[0].info["universe_iterations"] == 1
     assert max(float((from_mean.state_dict()[k] - v).abs().max()) for k, v in mean.items()) < 1e-12
     with pytest.raises(ValueError, match="start"):
-        universe_merge(common, start="median")
+        universe_merge(common, start="median", universe=Universe(iterations=5, keep_layernorm=False))
 
     planted = [
         _noisy(apply_transform(base, random_transform(base, seed=s, groups=["residual", "heads", "ff"])), 1e-3, s)
@@ -243,10 +253,10 @@ def test_a_long_universe_iteration_reports_its_progress_without_being_asked(monk
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        universe_merge(copies, iterations=1)  # short iterations: quiet
+        universe_merge(copies, universe=Universe(iterations=1, keep_layernorm=False))  # short iterations: quiet
         assert not [x for x in lines if x.startswith("universe iteration")]
         monkeypatch.setattr(universe_module, "PROGRESS_EVERY", 0.0)  # every iteration is "long"
-        universe_merge(copies, iterations=1)
+        universe_merge(copies, universe=Universe(iterations=1, keep_layernorm=False))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

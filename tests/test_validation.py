@@ -11,6 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from test_strategies import _reply
 
 from fedlmc.models import from_preset
+from fedlmc.options import Checks, Universe
 from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, ReportingFedAvg
 from fedlmc.strategies.records import config_record
 
@@ -70,7 +71,7 @@ KINDS = [
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_reply_is_excluded_and_named(kind, caplog):
     good = [_model(1), _model(2)]
-    strategy = AlignedFedAvg(model=good[0].config.to_dict(), iterations=1)
+    strategy = AlignedFedAvg(model=good[0].config.to_dict(), universe=Universe(iterations=1))
     strategy._previous = ArrayRecord(torch_state_dict=good[0].state_dict())
     replies = [_reply(g, 10, node=i + 1) for i, g in enumerate(good)] + [_bad(kind)]
     with caplog.at_level(logging.WARNING, logger="flwr"):
@@ -85,7 +86,7 @@ def test_bad_reply_is_excluded_and_named(kind, caplog):
 
 def test_too_few_valid_replies_keep_the_previous_model(caplog):
     good = _model(1)
-    strategy = AlignedFedAvg(model=good.config.to_dict(), min_replies=2)
+    strategy = AlignedFedAvg(model=good.config.to_dict(), checks=Checks(min_replies=2))
     strategy._previous = ArrayRecord(torch_state_dict=good.state_dict())
     with caplog.at_level(logging.WARNING, logger="flwr"):
         arrays, metrics = strategy.aggregate_train(3, [_reply(good, 10, node=1), _bad("nan")])
@@ -96,7 +97,7 @@ def test_too_few_valid_replies_keep_the_previous_model(caplog):
 
 def test_hetero_accepts_declared_narrower_widths_but_not_lies():
     wide = _model(1)
-    strategy = HeteroWidthFedAvg(model=wide.config.to_dict(), iterations=1)
+    strategy = HeteroWidthFedAvg(model=wide.config.to_dict(), universe=Universe(iterations=1))
     strategy._previous = ArrayRecord(torch_state_dict=wide.state_dict())
     arrays, _ = strategy.aggregate_train(
         1, [_reply(wide, 10, node=1), _bad("declared other width"), _bad("width mismatch")]

@@ -7,6 +7,7 @@ import torch
 from conftest import inputs_for, perturbed
 
 from fedlmc.models import from_preset
+from fedlmc.options import Universe
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform
 from fedlmc.universe import project, universe_merge
 from fedlmc.widths import common_shape, pad, shape_of, unit_masks, unpad
@@ -65,7 +66,7 @@ def test_mixed_width_universe_recovers_and_projects(record):
     with torch.no_grad():
         for p in wide.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-4)
-    merged, Ts = universe_merge([wide, small], iterations=3)
+    merged, Ts = universe_merge([wide, small], universe=Universe(iterations=3, keep_layernorm=False))
     assert shape_of(merged.config) == shape_of(wide.config)
     with torch.no_grad():
         ref = small(x).abs().max()
@@ -95,7 +96,7 @@ def test_mixed_width_one_hot_weight_returns_the_narrow_model(record):
     small = _vit(2, d_model=16, n_head=2, d_ff=32, d_head=8)
     big = _vit(3)
     x = inputs_for(small)
-    merged, Ts = universe_merge([big, small], weights=[0, 1])
+    merged, Ts = universe_merge([big, small], weights=[0, 1], universe=Universe(iterations=5, keep_layernorm=False))
     with torch.no_grad():
         record("mixed widths, one-hot weight on the narrow model", float((merged(x) - small(x)).abs().max()), 1e-10)
         record("... projected back", float((project(merged, Ts[1])(x) - small(x)).abs().max()), 1e-10)
@@ -136,7 +137,7 @@ def test_layernorm_universe_of_mixed_widths(make, record):
         U @ torch.cat([torch.ones(16), torch.zeros(16)]).double() / 4, torch.ones(32, dtype=U.dtype) / 32**0.5
     )
     with torch.no_grad():
-        merged, Ts = universe_merge([wide, narrow], keep_layernorm=True, iterations=2)
+        merged, Ts = universe_merge([wide, narrow], universe=Universe(iterations=2, keep_layernorm=True))
         assert merged.config.norm == "layernorm" and merged.config.d_model == 32
         for T, m in zip(Ts, (wide, narrow)):
             back = project(merged, T)

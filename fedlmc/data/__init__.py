@@ -1,10 +1,9 @@
 """Data: where it lives, the loaders, and federated partitions.
 
-Search order for a data directory: the explicit ``data_dir`` (``--data-dir``), then ``$FEDLMC_DATA``,
-then ``../shared/data`` next to the working directory or the project checkout, and last the data that
-ships with the package (``fedlmc/data/``: Tiny Shakespeare, public domain; scikit-learn's digits come
-with scikit-learn). MNIST and CIFAR-10 do not ship: they are looked for, with one clear error naming
-every place.
+Search order for a data directory: the explicit ``data_dir`` (``--data-dir``, run_config
+``data-dir``), then ``$FEDLMC_DATA``, and last the data that ships with the package (``fedlmc/data/``:
+Tiny Shakespeare, public domain; scikit-learn's digits come with scikit-learn). MNIST and CIFAR-10
+do not ship: they are looked for, with one clear error naming every place.
 """
 
 from __future__ import annotations
@@ -29,9 +28,6 @@ def search_dirs(data_dir: Union[str, Path, None] = None) -> list[Path]:
         dirs.append(Path(data_dir).expanduser())
     if os.environ.get("FEDLMC_DATA"):
         dirs.append(Path(os.environ["FEDLMC_DATA"]).expanduser())
-    project = Path(__file__).resolve().parents[2]
-    for base in (Path.cwd(), project):
-        dirs.append((base / ".." / "shared" / "data").resolve())
     dirs.append(PACKAGED)
     return list(dict.fromkeys(dirs))
 

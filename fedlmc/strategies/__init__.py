@@ -1,6 +1,7 @@
 """Flower strategies (Message API) that aggregate client Transformers modulo their symmetries.
 
-All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used.
+All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used. The ones a
+``run_config`` can name are registered in ``registry`` (``register`` adds one).
 """
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
@@ -8,6 +9,7 @@ from .base import FedlmcStrategy
 from .fedavg import KrumFedAvg, ReportingFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 from .lora import LoraFedAvg
+from .registry import register
 
 __all__ = [
     "AlignedFedAvg",
@@ -18,4 +20,5 @@ __all__ = [
     "KrumFedAvg",
     "FedlmcStrategy",
     "LoraFedAvg",
+    "register",
 ]

@@ -6,7 +6,7 @@ a universe seeded by the previous global model when the replies were trained fro
 (weighted by ``num-examples``) and sends back a model of the clients' own shape (LayerNorm kept by
 default). ``RefinedFedAvg`` adds Dirichlet learned refinement on a small server-side data set.
 
-Do no harm: with a server-side ``guard_data`` set, the strategy also builds the plain average and keeps
+Do no harm: with a server-side ``guard`` set, the strategy also builds the plain average and keeps
 whichever has the lower loss there (and logs which won, by how much); with ``on_clients`` and no server
 data, the clients score both (``fedlmc.on_clients.client_guard``); without either, weight matching's
 data-free identity guard applies (the identity transform — plain averaging — is one of its candidates).
@@ -18,26 +18,27 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from logging import INFO
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 from flwr.supercore import log
 
-from fedlmc.averaging import FORMS, REDUCES, aligned_state, merge, robust_merge, streamed_mean
+from fedlmc.averaging import aligned_state, merge, robust_merge, streamed_mean
 from fedlmc.data import split
 from fedlmc.on_clients import ClientLosses
 from fedlmc.on_clients import client_guard as score_on_clients
 from fedlmc.options import (
     PREDICTION_SCREENS,
     RAW_SCREENS,
-    UNIVERSE_STARTS,
+    Guard,
     Matching,
     OnClients,
     Refinement,
+    Robust,
     Screen,
-    one_of,
+    Universe,
 )
 from fedlmc.replies import StoredModel
 from fedlmc.screen import screen as screen_replies
@@ -56,53 +57,33 @@ class AlignedFedAvg(FedlmcStrategy):
     matching : Matching, optional
         Weight matching's knobs (``fedlmc.options.Matching``); ``Matching(residual="permutation")`` is
         the permutation-only peers' method.
-    iterations : int, default 3
-        Universe iterations per round.
-    form : {"factored", "circuit"}, default "factored"
-    keep_layernorm : bool, default True
-        The global model stays an ordinary LayerNorm model.
-    guard_data : data set, optional
-        A server-side data set (e.g. a validation split) on which the aligned aggregate must beat the
-        plain one to be kept.
-    guard_batches : int, optional, default 8
-        How many batches of ``guard_data`` to score.
-    guard_fn : callable, optional
-        Instead of ``guard_data``: ``guard_fn(arrays) -> float``, the loss of an ArrayRecord in the
-        clients' own form, lower is better (Flower's ``evaluate_fn`` convention).
-    device : str, optional
-        Where matching runs: CUDA when present, else CPU.
-    reduce : {"mean", "median", "trimmed"}, default "mean"
-        "median" / "trimmed": the coordinate-wise median or trimmed mean among the *aligned* replies
-        (robust aggregation modulo the symmetries; the guard compares it with Flower's plain FedMedian /
-        FedTrimmedAvg).
-    trim : float, default 0.2
-        "trimmed": the fraction cut at each end of every coordinate.
+    universe : Universe, optional
+        Where each round's universe starts ("previous": the previous global model when the replies were
+        trained from it; "mean": their plain weighted mean; otherwise a reply), how many iterations it
+        runs, the merge's form and whether the global model stays a LayerNorm model
+        (``fedlmc.options.Universe``). With replies on disk and ``start="mean"`` the mean is summed as the
+        replies arrive, while each is in memory anyway (``fedlmc.universe.ArrivingMean``).
+    guard : Guard, optional
+        The do-no-harm guard on the server (``fedlmc.options.Guard``): the aligned aggregate is kept only
+        if it scores no worse than the plain one on ``guard.data`` (or by ``guard.fn``).
+    robust : Robust, optional
+        ``Robust(reduce="median" / "trimmed")``: the coordinate-wise median or trimmed mean among the
+        *aligned* replies (robust aggregation modulo the symmetries; the guard compares it with Flower's
+        plain FedMedian / FedTrimmedAvg).
     on_clients : OnClients, optional
-        With no ``guard_data`` / ``guard_fn``: the guard's candidates are scored by the round's clients
-        on their held-out data (``evaluate`` messages their ClientApp answers; ``fedlmc.options.OnClients``
-        says how many clients, the loss metric's key, the timeout).
+        With no ``guard``: the guard's candidates are scored by the round's clients on their held-out
+        data (``evaluate`` messages their ClientApp answers; ``fedlmc.options.OnClients`` says how many
+        clients, the loss metric's key, the timeout).
     screen : Screen, optional
         Screen the replies (``fedlmc.options.Screen``): the outliers among them are excluded with the
-        reason logged, and the rest are merged with the same ``reduce``. The distance screens compare
+        reason logged, and the rest are merged with the same reduction. The distance screens compare
         the weight-matched replies (holding the round's aligned replies in memory), and the round is
-        merged again without the outliers; the loss screen scores each reply on ``guard_data`` /
-        ``guard_fn`` (one of them is then required), the agreement and information screens compare
-        their predictions on ``guard_data``'s inputs (then required): these score the replies as they
-        came, before the one alignment of the replies they keep.
+        merged again without the outliers; the loss screen scores each reply with the guard (then
+        required), the agreement and information screens compare their predictions on ``guard.data``'s
+        inputs (then required): these score the replies as they came, before the one alignment of the
+        replies they keep.
     **kwargs
-        ``FedlmcStrategy``'s (``model``, ``report_data``, ``scale``...) and Flower's ``FedAvg``'s parameters.
-
-    Attributes
-    ----------
-    universe_start : {"previous", "mean"}, default "previous"
-        Where the universe starts when the replies were trained from the previous global model
-        (``start_for``; otherwise it starts from a reply): that model, or the replies' plain weighted
-        mean (FedAvg's aggregate). With ``Matching(min_gain=...)`` and replies trained a little from the
-        global model, "mean" settles the round in one universe iteration instead of two. With replies on
-        disk (``Scale(spool=True)`` or workers) the mean is summed as the replies arrive, while each is
-        in memory anyway (``fedlmc.universe.ArrivingMean``), so the merge reads every reply's file once
-        only; otherwise it is streamed at the merge. Set it on the strategy
-        (``strategy.universe_start = "mean"``; run_config ``universe-start``).
+        ``FedlmcStrategy``'s (``model``, ``report``, ``scale``...) and Flower's ``FedAvg``'s parameters.
     """
 
     needs_architecture = True
@@ -112,55 +93,34 @@ class AlignedFedAvg(FedlmcStrategy):
         self,
         *,
         matching: Optional[Matching] = None,
-        iterations: int = 3,
-        form: str = "factored",
-        keep_layernorm: bool = True,
-        guard_data=None,
-        guard_batches: Optional[int] = 8,
-        guard_fn: Optional[Callable[[ArrayRecord], float]] = None,
-        device: Optional[str] = None,
-        reduce: str = "mean",
-        trim: float = 0.2,
+        universe: Optional[Universe] = None,
+        guard: Optional[Guard] = None,
+        robust: Optional[Robust] = None,
         on_clients: Optional[OnClients] = None,
         screen: Optional[Screen] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.on_clients = on_clients
-        self.screen = screen
-        self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
-        if guard_fn is not None and guard_data is not None:
-            raise ValueError("pass guard_data or guard_fn, not both")
-        self.guard_fn = guard_fn
         self.matching = matching if matching is not None else Matching()
-        self.form, self.keep_layernorm = one_of(form, FORMS, "form"), keep_layernorm
-        self.iterations, self.guard_data, self.guard_batches = iterations, guard_data, guard_batches
-        self.universe_start = "previous"
+        self.universe = universe if universe is not None else Universe()
+        self.guard = guard
+        self.robust = robust if robust is not None else Robust()
+        self.on_clients, self.screen = on_clients, screen
         self._arriving: Optional[ArrivingMean] = None  # this round's replies' mean, summed as they arrive
-        self.device = device
-        if screen is not None and screen.method == "loss" and guard_fn is None and guard_data is None:
+        if screen is not None and screen.method == "loss" and guard is None:
+            raise ValueError("Screen(method='loss') scores each reply with the guard: pass guard=Guard(data or fn)")
+        if screen is not None and screen.method in PREDICTION_SCREENS and (guard is None or guard.data is None):
             raise ValueError(
-                "Screen(method='loss') scores each reply on the guard's held-out data: pass guard_data or guard_fn"
-            )
-        if screen is not None and screen.method in PREDICTION_SCREENS and guard_data is None:
-            raise ValueError(
-                f"Screen(method={screen.method!r}) compares the replies' predictions on guard_data: pass it"
+                f"Screen(method={screen.method!r}) compares the replies' predictions on the guard's data: pass "
+                "guard=Guard(data=...)"
             )
 
     refines = False  # RefinedFedAvg: the final alignment learns more than the screen's weight matching
 
-    @property
-    def universe_start(self) -> str:
-        return self._universe_start
-
-    @universe_start.setter
-    def universe_start(self, value: str) -> None:
-        self._universe_start = one_of(value, UNIVERSE_STARTS, "universe_start")
-
     def on_arrival(self, handle: StoredModel, model: nn.Module, weight: float) -> None:
         """Also adds the reply to the round's ``ArrivingMean`` when the universe may start at the mean."""
         super().on_arrival(handle, model, weight)
-        if self.universe_start == "mean":
+        if self.universe.start == "mean":
             if self._arriving is None:
                 self._arriving = ArrivingMean()
             self._arriving.add(handle.path, model, weight)
@@ -200,20 +160,17 @@ class AlignedFedAvg(FedlmcStrategy):
             weights,
             self.start_model(models, weights, start),
             matching=self.matching,
-            iterations=self.iterations,
-            form=self.form,
-            keep_layernorm=self.keep_layernorm,
-            device=self.device,
-            reduce=self.reduce,
-            trim=self.trim,
+            universe=self.universe,
+            robust=self.robust,
+            device=self.scale.device,
             scale=self.scale,
         )
 
     def plain(self, models: list, weights: list[float]) -> nn.Module:
         """The unaligned counterpart: FedAvg's weighted mean, or Flower's FedMedian / FedTrimmedAvg
         (replies on disk: the mean streamed, one reply at a time)."""
-        if self.reduce != "mean":
-            return robust_merge([loaded(m) for m in models], self.reduce, self.trim)
+        if self.robust.reduce != "mean":
+            return robust_merge([loaded(m) for m in models], self.robust.reduce, self.robust.trim)
         total = sum(weights)
         if not any(isinstance(m, StoredModel) for m in models):
             return merge(models, [w / total for w in weights])
@@ -233,7 +190,7 @@ class AlignedFedAvg(FedlmcStrategy):
         self.candidates = {}
         self.server_round, self.remote_record = server_round, None
         previous = self.start_for(models)
-        start = "mean" if previous is not None and self.universe_start == "mean" else previous
+        start = "mean" if previous is not None and self.universe.start == "mean" else previous
         raw = self.screen is not None and self.screen.method in RAW_SCREENS  # the replies as they came
         screened = self._screen(server_round, replies, models, weights, None) if raw else None
         if self.screen is None or raw:
@@ -245,13 +202,13 @@ class AlignedFedAvg(FedlmcStrategy):
             screened = self._screen(server_round, replies, models, weights, transforms)
             if screened["excluded"] or self.refines:  # merged again without the outliers, or refined
                 # nobody excluded: the refinement starts from the screen's universe, not a second matching
-                reuse = not screened["excluded"] and self.form == "factored"
+                reuse = not screened["excluded"] and self.universe.form == "factored"
                 merged, transforms = self.align(models, weights, start, (merged, transforms) if reuse else None)
                 self._drop_failed(server_round, replies, models, weights, transforms)
         fields: dict[str, Any] = {
             "align_seconds": time.time() - t0,
             "kept": "aligned",
-            "start": "reply" if start is None else self.universe_start,
+            "start": "reply" if start is None else self.universe.start,
             "moved": [transform_distance(T, spec_for(merged)) for T in transforms],
         }
         if screened is not None:
@@ -263,7 +220,7 @@ class AlignedFedAvg(FedlmcStrategy):
                 fields["refine_stopped"] = refined["stopped"]
         if self.remote_record is not None:
             fields["refine_clients"] = self.remote_record
-        on_server = self.guard_data is not None or self.guard_fn is not None
+        on_server = self.guard is not None
         guarded = on_server or (self.on_clients is not None and self.on_clients.guard)
         plain = self.plain(models, weights) if guarded or self.report_data is not None else None
         result = merged
@@ -336,7 +293,7 @@ class AlignedFedAvg(FedlmcStrategy):
         if self.screen.method == "loss":  # held-out losses: the same for a reply and its aligned self
             found = screen_replies([], self.screen, losses=[self.guard_loss(loaded(m)) for m in models])
         elif self.screen.method in PREDICTION_SCREENS:  # top-1 predictions on the guard's inputs
-            preds = [predictions(loaded(m), self.guard_data, max_batches=self.guard_batches) for m in models]
+            preds = [predictions(loaded(m), self.guard.data, max_batches=self.guard.batches) for m in models]
             found = screen_replies([], self.screen, predictions=preds)
         else:
             states = [aligned_state(canonical(loaded(m)), T) for m, T in zip(models, transforms)]
@@ -355,10 +312,10 @@ class AlignedFedAvg(FedlmcStrategy):
         }
 
     def guard_loss(self, model: nn.Module) -> float:
-        """The do-no-harm loss: ``guard_fn`` on the clients' form of ``model``, else the loss on ``guard_data``."""
-        if self.guard_fn is not None:
-            return float(self.guard_fn(self.arrays_of(model)))
-        return self.loss(model, self.guard_data, self.guard_batches)
+        """The do-no-harm loss: ``guard.fn`` on the clients' form of ``model``, else the loss on ``guard.data``."""
+        if self.guard.fn is not None:
+            return float(self.guard.fn(self.arrays_of(model)))
+        return self.loss(model, self.guard.data, self.guard.batches)
 
 
 class RefinedFedAvg(AlignedFedAvg):
@@ -368,7 +325,7 @@ class RefinedFedAvg(AlignedFedAvg):
     The refinement stops on its objective: every ``refine.check_every`` steps the aggregate (the merge
     at the replies' weights) is scored on held-out batches (the last quarter of ``refine.data``, split
     off by ``refine_split``), the best alignment scored (the weight-matched start included) is kept,
-    and it stops after ``refine.patience`` checks without a significant improvement. Keep ``guard_data``
+    and it stops after ``refine.patience`` checks without a significant improvement. Keep ``guard.data``
     disjoint from ``refine.data`` so the do-no-harm comparison stays honest.
 
     With no server data (``refine.data`` None) and ``on_clients``, the clients compute the refinement:
@@ -391,14 +348,14 @@ class RefinedFedAvg(AlignedFedAvg):
         ``on_clients``, only their clients are asked). After a distance screen that excluded nobody it
         starts from the screen's weight matching (no second one).
     **kwargs
-        ``AlignedFedAvg``'s parameters (``reduce`` must stay "mean": refinement learns weighted means).
+        ``AlignedFedAvg``'s parameters (``robust`` must stay the mean: refinement learns weighted means).
     """
 
     refines = True
 
     def __init__(self, *, refine: Refinement, on_clients: Optional[OnClients] = None, **kwargs: Any) -> None:
         super().__init__(on_clients=on_clients, **kwargs)
-        if self.reduce != "mean":
+        if self.robust.reduce != "mean":
             raise ValueError(
                 "RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'"
             )
@@ -430,10 +387,8 @@ class RefinedFedAvg(AlignedFedAvg):
                 self.start_model(models, weights, start) if matched is None else Aligned(*matched),
                 matching=self.matching,
                 refine=refine_split(self.refine) if remote is None else replace(self.refine, data=remote),
-                iterations=self.iterations,
-                form=self.form,
-                keep_layernorm=self.keep_layernorm,
-                device=self.device,
+                universe=self.universe,
+                device=self.scale.device,
                 scale=self.scale,
             )
         finally:

@@ -26,7 +26,7 @@ from fedlmc.hf import HFAdapter, recognise
 from fedlmc.hf.adapter import key_mismatch
 from fedlmc.models import from_config
 from fedlmc.models.layers import TransformerConfig
-from fedlmc.options import Scale, one_of
+from fedlmc.options import Checks, Report, Scale, one_of
 from fedlmc.replies import ReplyError, ReplyStore, StoredModel
 from fedlmc.train import evaluate
 
@@ -65,29 +65,26 @@ class FedlmcStrategy(FedAvg):
         or a ``transformers`` GPT-2, ViT or Llama model or config. With a Hugging Face model, replies
         come, and the aggregate goes back, under that model's own keys (``fedlmc.hf.HFAdapter``). The
         config travels to the clients with every message.
-    report_data : data set, optional
-        When given (e.g. the test split), every round also records each client model's loss, the plain
-        average's and the aggregate's (costly: opt-in).
-    report_batches : int, optional
-        How many batches of ``report_data`` to score (default: all).
-    min_replies : int, default 1
-        Fewest valid replies a round aggregates (else the previous model is kept).
-    max_norm_ratio : float, default 100.0
-        A reply whose weight norm exceeds this multiple of the global model's is excluded.
+    report : Report, optional
+        ``Report(data, batches)`` (e.g. the test split): every round also records each client model's
+        loss, the plain average's and the aggregate's (costly: opt-in).
+    checks : Checks, optional
+        What a round accepts (``fedlmc.options.Checks``): the fewest valid replies it aggregates (else
+        the previous model is kept), and the largest weight norm a reply may have, as a multiple of the
+        global model's.
     fallback : {"error", "average"}, default "error"
         What ``start`` does with a model the strategy cannot align (no ``model``, or initial arrays that
         are not a model of it): stop with an error that names the fix, or average plainly (warned about
         every round).
-    aggregate_threads : int, optional
-        Torch threads while a round is combined: None leaves the process's setting alone, 0 uses every
-        core (on a busy shared host, extra OpenMP threads can thrash instead).
     scale : Scale, optional
         Many replies: ``Scale(spool=True)`` writes each accepted reply to disk and reads it back
         (memory-mapped) when needed, so the server holds a few models whatever their number;
         ``Scale(workers=n)`` also aligns them in ``n`` worker processes (or Ray tasks on the cluster at
         ``ray_address``). A reply that cannot be written or read, or whose alignment fails twice, is
         excluded with the reason (``fedlmc.options.Scale``). Replies on disk are for the aligned
-        strategies (``AlignedFedAvg``, ``RefinedFedAvg``); the others refuse them.
+        strategies (``AlignedFedAvg``, ``RefinedFedAvg``); the others refuse them. ``Scale(threads=0)``
+        combines a round on every core (None leaves the process's torch threads alone), and
+        ``Scale(device=...)`` says where the alignments run (CUDA when present, else the CPU).
     **fedavg
         Flower's ``FedAvg`` parameters (``fraction_train``, ``min_available_nodes``...).
     """
@@ -100,23 +97,19 @@ class FedlmcStrategy(FedAvg):
         self,
         *,
         model: Any = None,
-        report_data=None,
-        report_batches: Optional[int] = None,
-        min_replies: int = 1,
-        max_norm_ratio: float = 100.0,
+        report: Optional[Report] = None,
+        checks: Optional[Checks] = None,
         fallback: str = "error",
-        aggregate_threads: Optional[int] = None,
         scale: Optional[Scale] = None,
         **fedavg: Any,
     ) -> None:
         super().__init__(**fedavg)
-        self.aggregate_threads = aggregate_threads
         one_of(fallback, ("error", "average"), "fallback")
         self.adapter, self.client_keys, self.unknown_model = None, None, None
         self.global_config = self._config_of(model, fallback)
         self.fallback, self.plain_reason = fallback, None
-        self.report_data, self.report_batches = report_data, report_batches
-        self.min_replies, self.max_norm_ratio = max(1, int(min_replies)), max_norm_ratio
+        self.report_data, self.report_batches = (report.data, report.batches) if report is not None else (None, None)
+        self.checks = checks if checks is not None else Checks()
         self.history: list[dict[str, Any]] = []
         self.round_offset = 0  # rounds completed before this run started (a resumed run continues numbering)
         self._previous: Optional[ArrayRecord] = None
@@ -318,7 +311,7 @@ class FedlmcStrategy(FedAvg):
         if self.global_config is None:
             self.global_config = models[0].config.to_dict()
         t0 = time.time()
-        with torch_threads(self.aggregate_threads) as threads:
+        with torch_threads(self.scale.threads) as threads:
             result, fields, plain = self.combine(server_round, valid, models, weights)
         record = self.round_record(
             server_round, nodes=[m.metadata.src_node_id for m in valid], threads=threads, **fields
@@ -356,7 +349,7 @@ class FedlmcStrategy(FedAvg):
         """The replies that pass validation (see ``strategies.validation``) as (messages, models, weights);
         each excluded reply gets one log line naming its node and the reason, and every failed message is
         logged and recorded. Returns None (and logs that the previous global model is kept) when fewer
-        than ``min_replies`` remain."""
+        than ``checks.min_replies`` remain."""
         replies = list(replies)
         ok, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
         ok.sort(key=reply_order)
@@ -387,14 +380,14 @@ class FedlmcStrategy(FedAvg):
             kept.append(msg)
             models.append(model)
             weights.append(w)
-        if len(kept) < self.min_replies:
+        if len(kept) < self.checks.min_replies:
             log(
                 WARNING,
                 "%s round %d: only %d valid replies (minimum %d): keeping the previous global model",
                 type(self).__name__,
                 server_round,
                 len(kept),
-                self.min_replies,
+                self.checks.min_replies,
             )
             self.history.append(self.round_record(server_round, kept="previous", align_seconds=0.0))
             return None
@@ -420,7 +413,7 @@ class FedlmcStrategy(FedAvg):
             reference_config=self.global_config,
             reference_norm=ref_norm,
             same_shape=self.same_shape,
-            max_norm_ratio=self.max_norm_ratio,
+            max_norm_ratio=self.checks.max_norm_ratio,
             adapter=self.adapter_for(msg),
         )
         model = from_config(cfg)
@@ -480,7 +473,7 @@ class FedlmcStrategy(FedAvg):
     def report(
         self, record: dict[str, Any], models: list[nn.Module], result: nn.Module, plain: Optional[nn.Module]
     ) -> None:
-        """With ``report_data``: each client's loss, the aggregate's, its excess over the mean client,
+        """With a ``report``: each client's loss, the aggregate's, its excess over the mean client,
         the plain average's (when built), each guard candidate's (``report_aligned``, ``report_average``:
         the report's verdict on the guard's choice) and the clients' output ensemble's loss and accuracy."""
         if self.report_data is None:

@@ -8,8 +8,8 @@ from typing import Any, Optional
 from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from fedlmc.averaging import REDUCES, robust_merge
-from fedlmc.options import one_of
+from fedlmc.averaging import robust_merge
+from fedlmc.options import Robust
 
 from .base import FedlmcStrategy
 
@@ -20,22 +20,20 @@ class ReportingFedAvg(FedlmcStrategy):
 
     Parameters
     ----------
-    reduce : {"mean", "median", "trimmed"}, default "mean"
-        "median" / "trimmed" take the coordinate-wise median / trimmed mean instead, as Flower's
-        FedMedian / FedTrimmedAvg do.
-    trim : float, default 0.2
-        "trimmed": the fraction cut at each end of every coordinate.
+    robust : Robust, optional
+        ``Robust(reduce="median" / "trimmed")`` takes the coordinate-wise median / trimmed mean instead,
+        as Flower's FedMedian / FedTrimmedAvg do (``fedlmc.options.Robust``).
     **kwargs
         ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
     """
 
-    def __init__(self, *, reduce: str = "mean", trim: float = 0.2, **kwargs: Any) -> None:
+    def __init__(self, *, robust: Optional[Robust] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.reduce, self.trim = one_of(reduce, REDUCES, "reduce"), trim
+        self.robust = robust if robust is not None else Robust()
 
     def combine(self, server_round, replies, models, weights):
-        if self.reduce != "mean":
-            return robust_merge(models, self.reduce, self.trim), {"kept": self.reduce}, None
+        if self.robust.reduce != "mean":
+            return robust_merge(models, self.robust.reduce, self.robust.trim), {"kept": self.robust.reduce}, None
         arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
         return self.model_of(arrays), {"kept": "average"}, None
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from logging import INFO
 from typing import Any, Optional
 
@@ -19,7 +20,7 @@ from flwr.supercore import log
 
 from fedlmc.hf import HFAdapter
 from fedlmc.models import from_config
-from fedlmc.options import Matching, Refinement
+from fedlmc.options import Guard, Matching, Refinement, Universe
 from fedlmc.symmetry import spec_for
 from fedlmc.universe import project, universe_merge
 from fedlmc.widths import prefix_average
@@ -45,15 +46,15 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         class and width, under its own keys.
     matching : Matching, optional
         Weight matching's knobs, as ``AlignedFedAvg``'s.
-    iterations : int, default 3
-    device : str, optional
-    guard_data : data set, optional
+    universe : Universe, optional
+        The universe's iterations, as ``AlignedFedAvg``'s (a universe of fedlmc models is merged in the
+        canonical form, whatever ``keep_layernorm`` says; one of Hugging Face models stays LayerNorm).
+    guard : Guard, optional
         fedlmc models: in a round where every replying client had sliced the global model (HeteroFL's
         prefixes: the first round of a shared-init federation, or after the guard chose slicing), the
         slicing aggregate (``SlicingFedAvg``'s) is also built and whichever has the lower loss on
-        ``guard_data`` is kept. Choosing slicing drops every client's transform, so the next round's
+        ``guard.data`` is kept. Choosing slicing drops every client's transform, so the next round's
         clients slice again and both aggregates can be compared.
-    guard_batches : int, optional, default 8
     refine : Refinement, optional
         Dirichlet refinement of every client's alignment into the universe, as ``RefinedFedAvg``'s.
     **kwargs
@@ -69,10 +70,8 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         *,
         model: Any = None,
         matching: Optional[Matching] = None,
-        iterations: int = 3,
-        device: Optional[str] = None,
-        guard_data=None,
-        guard_batches: Optional[int] = 8,
+        universe: Optional[Universe] = None,
+        guard: Optional[Guard] = None,
         refine: Optional[Refinement] = None,
         **kwargs: Any,
     ) -> None:
@@ -92,15 +91,17 @@ class HeteroWidthFedAvg(FedlmcStrategy):
                 "HeteroWidthFedAvg aligns Hugging Face GPT-2 and ViT clients of several widths; "
                 "Llama-style models (RoPE, grouped-query attention) are not supported yet"
             )
-        if guard_data is not None and self.adapters:
+        if guard is not None and self.adapters:
             raise ValueError(
                 "HeteroWidthFedAvg's slicing guard is for fedlmc models; Hugging Face clients are not sliced"
             )
         if refine is not None and refine.data is None:
             raise ValueError("HeteroWidthFedAvg(refine=...) needs Refinement(data=...) (a small server-side data set)")
         self.matching = matching if matching is not None else Matching()
-        self.iterations, self.device = iterations, device
-        self.guard_data, self.guard_batches = guard_data, guard_batches
+        self.universe = universe if universe is not None else Universe()
+        if guard is not None and guard.data is None:
+            raise ValueError("HeteroWidthFedAvg's slicing guard scores models on data: Guard(data=...)")
+        self.guard = guard
         self.refine = refine
         self._sliced: set[int] = set()  # nodes sent the global model itself this round (they slice it)
         self.adapter_of: dict[int, int] = {}  # client -> index of the adapter its replies are read with
@@ -198,9 +199,8 @@ class HeteroWidthFedAvg(FedlmcStrategy):
             start,
             matching=self.matching,
             refine=refine,
-            iterations=self.iterations,
-            device=self.device,
-            keep_layernorm=bool(self.adapters),
+            universe=replace(self.universe, keep_layernorm=self.universe.keep_layernorm and bool(self.adapters)),
+            device=self.scale.device,
         )  # HF: LayerNorm models
         widths = [int(m.config.d_model) for m in models]
         fields = {
@@ -220,13 +220,13 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         nodes = [int(m.metadata.src_node_id) for m in replies]
         previous = self._previous.to_torch_state_dict() if self._previous is not None else {}
         if (
-            self.guard_data is not None
+            self.guard is not None
             and all(n in self._sliced for n in nodes)  # replies are prefixes of it
             and all(m.state_dict().keys() == previous.keys() for m in models)
         ):
             sliced = slicing_aggregate(models, weights, previous, self.global_config)
-            l_aligned = self.loss(universe, self.guard_data, self.guard_batches)
-            l_sliced = self.loss(sliced, self.guard_data, self.guard_batches)
+            l_aligned = self.loss(universe, self.guard.data, self.guard.batches)
+            l_sliced = self.loss(sliced, self.guard.data, self.guard.batches)
             fields.update(guard_aligned=l_aligned, guard_slicing=l_sliced)
             log(
                 INFO,

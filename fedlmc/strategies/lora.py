@@ -15,7 +15,7 @@ from flwr.supercore import log
 
 from fedlmc.lora import KEEP_FACTOR, LoraAggregator, LoraInputError, LoraLayout, nbytes
 
-BASE_UPDATE_KEY = "base-update"  # residual="fold": the accumulated dense update of the base weights
+BASE_UPDATE_KEY = "base-update"  # tail="fold": the accumulated dense update of the base weights
 
 
 class LoraFedAvg(FedAvg):
@@ -38,13 +38,13 @@ class LoraFedAvg(FedAvg):
         ``initial_arrays`` (keyless arrays need ``model``).
     adapter_name : str, default "default"
         The PEFT adapter aggregated.
-    residual : {"keep", "fold", "drop"}, default "keep"
+    tail : {"keep", "fold", "drop"}, default "keep"
         What the rank-r truncation of the mean drops: kept at the server for the next round, folded
         into the base weights (FedEx-LoRA: every message then carries a dense ``"base-update"``
         ArrayRecord for the clients to add to their base, see ``fedlmc.lora.apply_base_update``), or
         dropped (FlexLoRA).
     keep_factor : float, default 4.0
-        ``residual="keep"``: the most singular components held per module, as a multiple of its rank
+        ``tail="keep"``: the most singular components held per module, as a multiple of its rank
         (the largest are kept; ``math.inf``: all, which is FedAvg on the products exactly).
     mixed_ranks : bool, default False
         Accept clients of different ranks; each is sent the best approximation of the aggregate at
@@ -61,7 +61,7 @@ class LoraFedAvg(FedAvg):
         model: Any = None,
         lora_config: Any = None,
         adapter_name: str = "default",
-        residual: str = "keep",
+        tail: str = "keep",
         keep_factor: float = KEEP_FACTOR,
         mixed_ranks: bool = False,
         **fedavg: Any,
@@ -73,8 +73,8 @@ class LoraFedAvg(FedAvg):
             LoraLayout.of(model, adapter_name=adapter_name) if model is not None else None
         )
         self.lora_config, self.adapter_name = lora_config, adapter_name
-        self.residual, self.keep_factor, self.mixed_ranks = residual, keep_factor, mixed_ranks
-        LoraAggregator(self.layout or LoraLayout((), ()), residual, keep_factor)  # validates both
+        self.tail, self.keep_factor, self.mixed_ranks = tail, keep_factor, mixed_ranks
+        LoraAggregator(self.layout or LoraLayout((), ()), tail, keep_factor)  # validates both
         self.aggregator: Optional[LoraAggregator] = None
         self.keyless = False
         self.node_ranks: dict[int, dict[str, int]] = {}
@@ -95,7 +95,7 @@ class LoraFedAvg(FedAvg):
         if self.layout is None:
             self.layout = LoraLayout.of(config=self.lora_config, arrays=initial_arrays, adapter_name=self.adapter_name)
         factors = self.layout.read(initial_arrays)
-        self.aggregator = LoraAggregator(self.layout, self.residual, self.keep_factor)
+        self.aggregator = LoraAggregator(self.layout, self.tail, self.keep_factor)
         self.aggregator.start(factors)
 
     # ---- each round -------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ class LoraFedAvg(FedAvg):
         return records[0], float(weight)
 
     def base_update(self) -> dict[str, torch.Tensor]:
-        """``residual="fold"``: the base weights' accumulated update ``{base key: tensor}``."""
+        """``tail="fold"``: the base weights' accumulated update ``{base key: tensor}``."""
         return self.aggregator.base_update() if self.aggregator is not None else {}
 
     @property

@@ -1,0 +1,328 @@
+"""The docs' results and performance tables, generated from the files under ``results/``.
+
+    python -m bench.tables            # rewrite every generated table in README.md and docs/*.md
+    python -m bench.tables --check    # exit 1 if a page differs from what its files give (the tests run this)
+
+A page holds a generated table between two markers::
+
+    <!-- table: main-job -->
+    ...
+    <!-- /table -->
+
+and the name picks a ``Table`` below: the results file it reads, the command that regenerates that file,
+and how the table is rendered. Rerun a bench, then this, and the pages say what the files say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def _load(name: str) -> dict:
+    return json.loads((ROOT / "results" / name).read_text())
+
+
+def _bench(module: str):
+    """A bench script as a module (they import their helpers from bench/ itself)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return __import__(module)
+
+
+def _ms(values: list[float], fmt: str = ".3f", sign: str = "") -> str:
+    return ", ".join(f"{v:{sign}{fmt}}" for v in values)
+
+
+# ---- renderers: a results document in, a Markdown table (and its condition line) out -----------------
+
+
+def main_job(doc: dict) -> str:
+    seeds = doc["seeds"]
+    lines = [
+        "| strategy | test loss (mean of 3) | test acc | excess per seed | excess ÷ FedAvg's per seed "
+        "| aggregation s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, m in doc["mean"].items():
+        ex = [s["strategies"][name]["test_loss"] - s["mean_client_test_loss"] for s in seeds.values()]
+        base = [s["strategies"]["average"]["test_loss"] - s["mean_client_test_loss"] for s in seeds.values()]
+        agg = [s["strategies"][name]["aggregation_seconds"] for s in seeds.values()]
+        ratio = "1" if name == "average" else _ms([e / b for e, b in zip(ex, base)])
+        lines.append(
+            f"| {name} | {m['test_loss']:.4f} | {m['test_acc']:.3f} | {_ms(ex, '.3f', '+')} | {ratio} | "
+            f"{_ms(agg, '.1f')} |"
+        )
+    clients = _ms([s["mean_client_test_loss"] for s in seeds.values()])
+    walls = _ms(list(doc["wall_seconds"].values()), ".0f")
+    lines += ["", f"Seeds {', '.join(seeds)}; the clients' own mean test loss {clients}; {walls} s a run "]
+    lines[-1] += f"({doc['cpus']} CPU cores, {doc['machine']}, nothing else running)."
+    return "\n".join(lines)
+
+
+def reproduce(doc: dict) -> str:
+    from fedlmc.reproduce import markdown
+
+    test = {int(k): v["loss"] for k, v in doc["test"].items()}
+    return markdown(doc["preset"], doc["summary"], doc["pairs"], doc["dataset"] != "shakespeare", test).strip()
+
+
+def universe(doc: dict) -> str:
+    from fedlmc.manyway import universe_markdown
+
+    return "\n".join(universe_markdown(doc["preset"], doc, doc["seeds"]).splitlines()[2:])
+
+
+def widths(doc: dict) -> str:
+    from fedlmc.manyway import width_markdown
+
+    return "\n".join(width_markdown(doc["preset"], doc, doc["d"]).splitlines()[2:])
+
+
+def compare(doc: dict) -> str:
+    from simulations.compare import markdown
+
+    md = markdown(
+        doc["setting"], doc["preset"], doc["rows"], doc["seeds"], doc["config"], doc.get("ensemble"), doc.get("clients")
+    )
+    return "\n".join(md.splitlines()[2:])
+
+
+def screen(doc: dict) -> str:
+    from simulations.screen import markdown
+
+    return markdown(doc).strip()
+
+
+def lora(docs: list[dict]) -> str:
+    return _bench("lora_aggregators").markdown(docs).strip()
+
+
+def wm_pair(doc: dict) -> str:
+    lines = [
+        "| pair | seconds (median of 3) | × GEMM reference | iterations | FF layers solved / certified |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in doc["runs"].items():
+        its = ", ".join(f"{k} {v}" for k, v in r["iterations"].items())
+        ff = f"{r['ff_steps']['solved']} / {r['ff_steps']['certified']}"
+        lines.append(f"| {name} | {r['seconds']:.1f} | {r['seconds_in_gemms']:.1f} | {its} | {ff} |")
+    lines += ["", f"{doc['processor']}, {doc['threads']} threads, {doc['device']}, torch {doc['torch']}."]
+    return "\n".join(lines)
+
+
+def universe_scale(doc: dict) -> str:
+    text = _bench("universe_scale").table(doc).strip()
+    return text + f"\n\n{doc['processor']}, {doc['threads']} threads, torch {doc['torch']}."
+
+
+def busy_host(doc: dict) -> str:
+    lines = [
+        "| CPU-bound neighbours | GEMM s | pair s, fitted threads | pair s, unfitted | universe s, fitted | "
+        "universe s, unfitted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["runs"]:
+        lines.append(
+            f"| {r['competitors']} | {r['gemm_seconds']:.2f} | {r['pair_fitted_seconds']:.1f} | "
+            f"{r['pair_unfitted_seconds']:.1f} | {r['universe_fitted_seconds']:.1f} | "
+            f"{r.get('universe_unfitted_seconds', float('nan')):.1f} |"
+        )
+    lines += ["", f"{doc['what']}; {doc['processor']}, {doc['cores']} cores."]
+    return "\n".join(lines)
+
+
+def lora_server_time(doc: dict) -> str:
+    lines = [
+        "| adapters | clients | rank | LoraFedAvg s | FedAvg s | ratio | server state KB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["runs"]:
+        lines.append(
+            f"| {r['setting']} | {r['clients']} | {r['rank']} | {r['lorafedavg_seconds'] * 1e3:.1f} ms | "
+            f"{r['fedavg_seconds'] * 1e3:.1f} ms | {r['ratio']:.1f} | {r['server_state_bytes'] / 1024:.0f} |"
+        )
+    env = doc["environment"]
+    lines += ["", f"Median of {doc['repeats']}; {env['threads']} thread, {env['device']}, torch {env['torch']}."]
+    return "\n".join(lines)
+
+
+def _peak(peak: dict[str, float], prefix: str) -> str:
+    return f"{max((v for k, v in peak.items() if k.startswith(prefix)), default=float('nan')):.0f}"
+
+
+def deploy(docs: list[dict]) -> str:
+    lines = [
+        "| state database | wall s | round s | peak ServerApp MB | peak ClientApp MB | peak SuperLink MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for d in docs:
+        peak = d["peak_rss_mb"]
+        link = max(_peak(peak, "flower-superlink"), _peak(peak, "fedlmc-superlink"), key=lambda s: s != "nan")
+        lines.append(
+            f"| {d['database']} | {d['wall_seconds']:.0f} | {d['rounds'][-1]['round_seconds']:.0f} | "
+            f"{_peak(peak, 'flwr-serverapp')} | {_peak(peak, 'flwr-clientapp')} | {link} |"
+        )
+    return "\n".join(lines)
+
+
+def gpu(doc: dict) -> str:
+    dev, ref, tests = doc["device"], doc["reference"], doc["tests"]
+    lines = ["| what | figure |", "|---|---|"]
+    lines.append(f"| device | {dev['name']}, {dev['memory_gb']} GB, torch {dev['torch']} |")
+    lines.append(
+        f"| GEMM reference | {ref['tflops']['float32']} TFLOP/s float32, {ref['tflops']['bfloat16']} bfloat16 |"
+    )
+    paper = doc.get("paper", {})
+    trained = paper.get("trained")
+    if trained:
+        losses = sorted(s["test"]["loss"] for s in trained["seeds"].values())
+        lines.append(
+            f"| the paper's GPT-2, 3 seeds | {trained['steps']} steps in {trained['wall_seconds']:.0f} s; "
+            f"test loss {losses[0]:.2f}–{losses[-1]:.2f} |"
+        )
+    for name, b in (paper.get("barriers") or {}).items():
+        lines.append(f"| barrier, {name} | {b} |")
+    if paper.get("error"):
+        lines.append(f"| the paper's barriers | not measured: {paper['error'].strip().splitlines()[-1]} |")
+    lines.append(
+        f"| everyday suite, CUDA visible | {tests['passed']} passed, {tests['failed']} failed, "
+        f"{tests['errors']} collection errors |"
+    )
+    for name, b in doc.get("bench", {}).items():
+        lines.append(f"| `{name}` bench | {'exit 0' if b['exit'] == 0 else 'failed'} in {b['seconds']:.0f} s |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A generated table: the results file(s) it reads, the command that writes each, its renderer (one
+    document in, or the list of them for a table of several files)."""
+
+    files: tuple[str, ...]
+    commands: tuple[str, ...]
+    render: Callable
+    several: bool = False
+
+    def markdown(self) -> str:
+        docs = [_load(f) for f in self.files]
+        body = self.render(docs if self.several else docs[0])
+        made = "; ".join(dict.fromkeys(f"`{c}`" for c in self.commands))
+        files = ", ".join(f"`results/{f}`" for f in self.files)
+        return f"{made} → {files}\n\n{body}\n"
+
+
+def one(file: str, command: str, render: Callable) -> Table:
+    return Table((file,), (command,), render)
+
+
+def _compare(stem: str, extra: str = "") -> Table:
+    doc = _load(f"{stem}.json")
+    command = f"python -m simulations.compare --setting {doc['setting']} --preset {doc['preset']}" + extra
+    return one(f"{stem}.json", command, compare)
+
+
+def _scale_command(file: str) -> str:
+    """The universe-scale bench's command for a results file: its plan is the file's runs, in order."""
+    plan = ",".join(dict.fromkeys(f"{r['M']}:{r['kind']}:{r['strategy']}" for r in _load(file)["runs"]))
+    return f"python bench/universe_scale.py --repeats 3 --plan {plan} --out results/{file}"
+
+
+LORA = ("speaker-r8-steps100", "iid-r8-steps100", "speaker-r8-steps10", "speaker-r8-steps500", "speaker-mixed-steps100")
+TABLES: dict[str, Table] = {
+    "main-job": one("main_job.json", "python bench/main_job.py", main_job),
+    "reproduce-vit": one("reproduce_vit-tiny.json", "fedlmc reproduce --preset vit-tiny --pairs 3", reproduce),
+    "reproduce-gpt2": one("reproduce_gpt2-tiny.json", "fedlmc reproduce --preset gpt2-tiny --pairs 3", reproduce),
+    "universe-vit": one(
+        "universe_vit-tiny.json",
+        "fedlmc universe --preset vit-tiny --models 4 --forms factored circuit --alpha 0.1 1.0",
+        universe,
+    ),
+    "universe-gpt2": one(
+        "universe_gpt2-tiny.json",
+        "fedlmc universe --preset gpt2-tiny --models 4 --forms factored circuit --alpha 0.1 1.0",
+        universe,
+    ),
+    "widths-gpt2": one("widths_gpt2-tiny.json", "fedlmc widths --preset gpt2-tiny", widths),
+    "oneshot-dirichlet": _compare("compare_oneshot_vit-tiny"),
+    "oneshot-iid": _compare("compare_oneshot_vit-tiny_partitioner-iid", " --set partitioner=iid"),
+    "oneshot-gpt2-speaker": _compare(
+        "compare_oneshot_gpt2-tiny_hf-True_local-steps-1500_partitioner-speaker",
+        " --set partitioner=speaker local-steps=1500 hf=true",
+    ),
+    "multiround": _compare("compare_multiround_vit-tiny"),
+    "multiround-drift": _compare("compare_multiround_vit-tiny_local-epochs-10", " --set local-epochs=10"),
+    "widths": _compare("compare_widths_vit-tiny"),
+    "widths-independent": _compare("compare_widths-independent_vit-tiny"),
+    "robust": _compare("compare_robust_vit-tiny"),
+    "robust-multiround": _compare("compare_robust-multiround_vit-tiny"),
+    **{
+        f"screen{tag}": one(f"screen_screen{tag}.json", f"python -m simulations.screen --settings screen{tag}", screen)
+        for tag in ("", "-flip", "-multiround")
+    },
+    "lora": Table(tuple(f"lora_{s}.json" for s in LORA), ("python bench/lora_aggregators.py",), lora, several=True),
+    "gpu": one("gpu/gpu_check.json", "make gpu-check", gpu),
+    "wm-pair": one("bench_wm_gpt2_small.json", "python bench/wm_gpt2_small.py --repeats 3", wm_pair),
+    "universe-scale": one(
+        "bench_universe_scale_amd_curve.json", _scale_command("bench_universe_scale_amd_curve.json"), universe_scale
+    ),
+    "busy-host": one("bench_load.json", "python bench/busy_host.py", busy_host),
+    "lora-server-time": one("lora_server_time.json", "python bench/lora_server_time.py", lora_server_time),
+    "deploy": Table(
+        ("deploy_gpt2_small_memory.json", "deploy_gpt2_small_sqlite_load4.json"),
+        (
+            "python bench/deploy_gpt2_small.py --database memory",
+            "python bench/deploy_gpt2_small.py --database sqlite --burners 4",
+        ),
+        deploy,
+        several=True,
+    ),
+}
+
+
+def regenerate(text: str) -> str:
+    """``text`` with every generated table block rendered anew (an unknown name is an error)."""
+
+    def one(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in TABLES:
+            raise KeyError(f"no generated table {name!r}; known: {', '.join(TABLES)}")
+        return m.group(1) + TABLES[name].markdown() + m.group(4)
+
+    return BLOCK.sub(one, text)
+
+
+def prose(text: str) -> str:
+    """A page without its generated tables (what its authors wrote)."""
+    return BLOCK.sub("", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page is out of date")
+    args = p.parse_args(argv)
+    stale = []
+    for page in PAGES:
+        old = page.read_text()
+        new = regenerate(old)
+        if new != old:
+            stale.append(page.relative_to(ROOT))
+            if not args.check:
+                page.write_text(new)
+    verb = "out of date" if args.check else "rewritten"
+    print(f"{len(stale)} page(s) {verb}" + (": " + ", ".join(map(str, stale)) if stale else ""))
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,307 @@
+"""The strategies a ``run_config`` can name: one registration each, read by everything that lists,
+checks or builds them.
+
+A registration maps the name (run_config ``strategy``) to a builder and to what the strategy accepts.
+``fedlmc.federated.Settings.validate`` checks a run's keys against these capabilities, the apps' factory
+(``strategies/factory.py``) calls the builder, the comparison runner (``simulations.compare``) checks its
+strategy lists here, ``fedlmc strategies`` prints the table, and docs/strategies.md's table is generated
+from it (``python -m bench.tables``). Adding a strategy is its class plus one ``register`` call::
+
+    from fedlmc.strategies import register
+
+    @register("my-fedavg", summary="FedAvg with my twist", reduce=True)
+    def _my_fedavg(b):
+        return MyFedAvg(**b.common(), **b.robust())
+
+A builder takes a ``Build`` (the run's settings, the global model's config, the data splits and the
+clients' model when it is not a fedlmc one) and returns the Flower strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+from fedlmc.data import split
+from fedlmc.options import Guard, Matching, Report, Robust, Universe
+
+from .aligned import AlignedFedAvg, RefinedFedAvg
+from .fedavg import KrumFedAvg, ReportingFedAvg
+from .hetero import HeteroWidthFedAvg, SlicingFedAvg
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a registered strategy accepts beyond Flower's FedAvg's own parameters.
+
+    Parameters
+    ----------
+    server_data : bool, default False
+        It can learn or guard on the server's held-out data (the guard, a refinement on the server).
+    on_clients : bool, default False
+        Its refinement and guard run on the clients (no server data).
+    reduce : bool, default False
+        It takes ``reduce`` median / trimmed (robust aggregation).
+    screen : bool, default False
+        It can screen its replies (``screen``) once they are aligned.
+    universe : bool, default False
+        It merges in a universe whose start can be chosen (``universe-start``).
+    mixed_widths : bool, default False
+        It aggregates clients of several widths (``width-factors``); the others need one width.
+    """
+
+    server_data: bool = False
+    on_clients: bool = False
+    reduce: bool = False
+    screen: bool = False
+    universe: bool = False
+    mixed_widths: bool = False
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One registration: the run_config name, a one-line summary, the builder and the capabilities."""
+
+    name: str
+    summary: str
+    build: Callable[["Build"], Any]
+    can: Capabilities
+
+
+REGISTRY: dict[str, Registered] = {}
+
+
+def register(name: str, *, summary: str, override: bool = False, **capabilities: bool):
+    """Register the decorated builder under run_config name ``name`` (a clear error if it is taken,
+    unless ``override``); ``capabilities`` are ``Capabilities``' fields."""
+
+    def decorate(build: Callable[["Build"], Any]) -> Callable[["Build"], Any]:
+        if name in REGISTRY and not override:
+            raise ValueError(f"strategy {name!r} is registered already; pass override=True to replace it")
+        if not name or "," in name or "@" in name or "+" in name:
+            raise ValueError(f"a strategy's name has no ',', '@' or '+' (the runners' separators): {name!r}")
+        REGISTRY[name] = Registered(name, summary, build, Capabilities(**capabilities))
+        return build
+
+    return decorate
+
+
+def unregister(name: str) -> None:
+    """Remove a registration (a test's, or one a user replaces)."""
+    REGISTRY.pop(name, None)
+
+
+def registered(name: str) -> Registered:
+    """The registration of ``name``, or a ``ValueError`` that lists every registered name."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(map(repr, REGISTRY))}")
+    return REGISTRY[name]
+
+
+def names(**capabilities: bool) -> list[str]:
+    """The registered names, in registration order, that have every capability given as True."""
+    return [n for n, r in REGISTRY.items() if all(getattr(r.can, k) == v for k, v in capabilities.items())]
+
+
+@dataclass
+class Build:
+    """What a builder gets: the run's ``Settings``, the global fedlmc model's config, the data splits and
+    the clients' model when it is not a fedlmc one (a Hugging Face twin). Its methods turn the settings
+    into the strategies' parameters, each option object built in one place."""
+
+    settings: Any
+    model_config: Any
+    splits: Any
+    model: Any = None
+
+    def common(self) -> dict[str, Any]:
+        """Flower's FedAvg parameters and fedlmc's base ones (the model, the report)."""
+        s = self.settings
+        out: dict[str, Any] = dict(
+            fraction_train=s.fraction_train,
+            fraction_evaluate=s.fraction_evaluate,
+            min_train_nodes=s.min_nodes,
+            min_available_nodes=s.min_nodes,
+            min_evaluate_nodes=s.min_nodes if s.fraction_evaluate > 0 else 0,
+            model=self.model if self.model is not None else self.model_config,
+            scale=s.scale(),
+        )
+        report = s.report_data(self.splits)
+        if report is not None:
+            out.update(report=Report(report, batches=s.eval_batches or None))
+        return out
+
+    def halves(self) -> tuple[Any, Any]:
+        """The server's validation split cut in two: the refinement learns on the first half, the guard
+        judges on the second (so the guard never scores a model on data it was refined on)."""
+        return split(self.splits.val, 0.5)
+
+    def guard(self) -> Optional[Guard]:
+        """The do-no-harm guard on the server's guard half (None with ``guard=false``)."""
+        s = self.settings
+        return Guard(data=self.halves()[1], batches=s.guard_batches or None) if s.guard else None
+
+    def robust(self) -> dict[str, Any]:
+        return dict(robust=Robust(reduce=self.settings.reduce, trim=self.settings.trim))
+
+    def matching(self, permutations: bool = False) -> Matching:
+        """Weight matching's options; ``permutations``: the residual stream's group is permutations only."""
+        m = self.settings.matching()
+        return replace(m, residual="permutation") if permutations else m
+
+    def aligned(self, on_clients: bool = False, permutations: bool = False) -> dict[str, Any]:
+        """``AlignedFedAvg``'s options; ``on_clients``: the guard's losses come from the clients."""
+        s = self.settings
+        universe = Universe(
+            iterations=s.iterations, start=s.universe_start, form=s.form, keep_layernorm=s.keep_layernorm
+        )
+        out: dict[str, Any] = dict(matching=self.matching(permutations), universe=universe, screen=s.screen_options())
+        if on_clients:
+            out.update(guard=None, on_clients=s.on_clients())
+        else:
+            out.update(guard=self.guard())
+        return out
+
+
+# ---- the built-in strategies ------------------------------------------------------------------------
+
+
+@register("average", summary="Flower's FedAvg (FedMedian / FedTrimmedAvg with reduce)", reduce=True)
+def _average(b: Build):
+    return ReportingFedAvg(**b.common(), **b.robust())
+
+
+@register(
+    "permuted",
+    summary="permutations only (heads, FF, the residual's coordinates), then averaging: the Git Re-Basin / "
+    "FedMA-style peer",
+    server_data=True,
+    reduce=True,
+    screen=True,
+    universe=True,
+)
+def _permuted(b: Build):
+    return AlignedFedAvg(**b.common(), **b.aligned(permutations=True), **b.robust())
+
+
+@register(
+    "aligned",
+    summary="weight matching along every symmetry (orthogonal residual, head and FF permutations, "
+    "QK/OV gauges) to a universe, then averaging",
+    server_data=True,
+    reduce=True,
+    screen=True,
+    universe=True,
+)
+def _aligned(b: Build):
+    return AlignedFedAvg(**b.common(), **b.aligned(), **b.robust())
+
+
+@register(
+    "aligned-clients",
+    summary="aligned, its do-no-harm guard scored by the clients (no server data)",
+    on_clients=True,
+    reduce=True,
+    screen=True,
+    universe=True,
+)
+def _aligned_clients(b: Build):
+    return AlignedFedAvg(**b.common(), **b.aligned(on_clients=True), **b.robust())
+
+
+@register(
+    "refined",
+    summary="aligned, then Dirichlet refinement of the alignments on the server's data",
+    server_data=True,
+    screen=True,
+    universe=True,
+)
+def _refined(b: Build):
+    return RefinedFedAvg(**b.common(), **b.aligned(), refine=b.settings.refinement(b.halves()[0]))
+
+
+@register(
+    "refined-clients",
+    summary="refined with the refinement's gradients and the guard computed by the clients (no server data)",
+    on_clients=True,
+    screen=True,
+    universe=True,
+)
+def _refined_clients(b: Build):
+    return RefinedFedAvg(**b.common(), **b.aligned(on_clients=True), refine=b.settings.refinement(None))
+
+
+def _hetero(b: Build, refine: bool, permutations: bool = False):
+    s = b.settings
+    guard = b.guard() if b.model is None else None  # Hugging Face widths: no server-side guard model
+    return HeteroWidthFedAvg(
+        **b.common(),
+        matching=b.matching(permutations),
+        universe=Universe(iterations=s.iterations),
+        guard=guard,
+        refine=s.refinement(b.halves()[0]) if refine else None,
+    )
+
+
+@register(
+    "hetero",
+    summary="clients of several widths aligned into the widest one's universe (exact zero-padding lifts)",
+    server_data=True,
+    mixed_widths=True,
+)
+def _hetero_aligned(b: Build):
+    return _hetero(b, refine=False)
+
+
+@register("hetero-permuted", summary="hetero with permutations only", server_data=True, mixed_widths=True)
+def _hetero_permuted(b: Build):
+    return _hetero(b, refine=False, permutations=True)
+
+
+@register("hetero-refined", summary="hetero, then Dirichlet refinement", server_data=True, mixed_widths=True)
+def _hetero_refined(b: Build):
+    return _hetero(b, refine=True)
+
+
+@register("slicing", summary="HeteroFL: each width is the wide model's leading slice", mixed_widths=True)
+def _slicing(b: Build):
+    return SlicingFedAvg(**b.common())
+
+
+@register("krum", summary="Flower's Krum on the raw replies (f = malicious)")
+def _krum(b: Build):
+    return KrumFedAvg(**b.common(), num_malicious_nodes=b.settings.malicious, num_nodes_to_select=1)
+
+
+@register("multikrum", summary="Flower's Multi-Krum on the raw replies (keeps all but f = malicious)")
+def _multikrum(b: Build):
+    return KrumFedAvg(**b.common(), num_malicious_nodes=b.settings.malicious, num_nodes_to_select=None)
+
+
+def build(settings: Any, config: Any, splits: Any, model: Any = None):
+    """The strategy ``settings.strategy`` names, built by its registration (``config``: the global fedlmc
+    model's config)."""
+    return registered(settings.strategy).build(Build(settings, config, splits, model))
+
+
+CAPABILITY_COLUMNS = (
+    ("server_data", "server data"),
+    ("on_clients", "on clients"),
+    ("reduce", "reduce"),
+    ("screen", "screen"),
+    ("universe", "universe-start"),
+    ("mixed_widths", "mixed widths"),
+)
+
+
+def table() -> str:
+    """The registered strategies as a Markdown table (docs/strategies.md's; ``fedlmc strategies`` prints it)."""
+    cols = CAPABILITY_COLUMNS
+    lines = [
+        "| strategy | what it does | " + " | ".join(c for _, c in cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for r in REGISTRY.values():
+        marks = " | ".join("✓" if getattr(r.can, f) else "" for f, _ in cols)
+        lines.append(f"| `{r.name}` | {r.summary} | {marks} |")
+    return "\n".join(lines)
