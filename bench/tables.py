@@ -10,7 +10,8 @@ A page holds a generated table between two markers::
     <!-- /table -->
 
 and the name picks a ``Table`` below: the results file it reads, the command that regenerates that file,
-and how the table is rendered. Rerun a bench, then this, and the pages say what the files say.
+and how the table is rendered (the strategies' table is the registry's). Rerun a bench, then this, and
+the pages say what the files say.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), BENCH / "README.md"]
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
@@ -192,7 +193,8 @@ def gpu(doc: dict) -> str:
             f"test loss {losses[0]:.2f}–{losses[-1]:.2f} |"
         )
     for name, b in (paper.get("barriers") or {}).items():
-        lines.append(f"| barrier, {name} | {b} |")
+        pairs = ", ".join(f"{p[name]:.3f}" for p in paper.get("per_pair", []))
+        lines.append(f"| barrier, {name} | {b['ours']:.3f} ± {b['se']:.3f} (pairs {pairs}); the paper's {b['paper']} |")
     if paper.get("error"):
         lines.append(f"| the paper's barriers | not measured: {paper['error'].strip().splitlines()[-1]} |")
     lines.append(
@@ -215,6 +217,8 @@ class Table:
     several: bool = False
 
     def markdown(self) -> str:
+        if not self.files:  # not a results file: the code's own registry
+            return self.render(None) + "\n"
         docs = [_load(f) for f in self.files]
         body = self.render(docs if self.several else docs[0])
         made = "; ".join(dict.fromkeys(f"`{c}`" for c in self.commands))
@@ -239,7 +243,23 @@ def _scale_command(file: str) -> str:
 
 
 LORA = ("speaker-r8-steps100", "iid-r8-steps100", "speaker-r8-steps10", "speaker-r8-steps500", "speaker-mixed-steps100")
+
+
+def strategies(_) -> str:
+    from fedlmc.strategies.registry import table
+
+    return table()
+
+
+def benches(_) -> str:
+    from bench.__main__ import table
+
+    return table()
+
+
 TABLES: dict[str, Table] = {
+    "strategies": Table((), (), strategies),
+    "benches": Table((), (), benches),
     "main-job": one("main_job.json", "python bench/main_job.py", main_job),
     "reproduce-vit": one("reproduce_vit-tiny.json", "fedlmc reproduce --preset vit-tiny --pairs 3", reproduce),
     "reproduce-gpt2": one("reproduce_gpt2-tiny.json", "fedlmc reproduce --preset gpt2-tiny --pairs 3", reproduce),

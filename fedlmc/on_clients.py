@@ -42,11 +42,11 @@ POLL_FIRST, POLL_MAX = 0.1, 1.0
 def exchange(grid, messages: list[Message], timeout: Optional[float]) -> list[Message]:
     """``grid.send_and_receive(messages, timeout=timeout)``: the replies that came within ``timeout``
     seconds (None: all of them). On a Flower ``Grid`` the replies are pulled ``POLL_FIRST`` to
-    ``POLL_MAX`` seconds apart (``strategies.base.ArrivalGrid``); any other grid (a test double)
+    ``POLL_MAX`` seconds apart (``arrivals.ArrivalGrid``); any other grid (a test double)
     answers through its own ``send_and_receive``."""
     from flwr.serverapp import Grid
 
-    from .strategies.base import ArrivalGrid
+    from .arrivals import ArrivalGrid
 
     if isinstance(grid, Grid):
         grid = ArrivalGrid(grid, poll=POLL_FIRST, poll_max=POLL_MAX, one_at_a_time=False)

@@ -291,22 +291,17 @@ def universe_merge(
 ) -> tuple[nn.Module, list[Transform]]:
     """Merge M models in a shared "universe" (many-model weight matching), optionally refined.
 
-    The universe starts as ``start`` or the ``anchor`` model. Every iteration aligns each model to it
-    by weight matching (from the second iteration on, each descent starts from the model's previous
-    transform), then sets it to the weighted mean of the aligned models, until it moves by less than
-    ``tol`` or ``iterations`` are done. With ``refine``, every model's alignment is then learned by
-    Dirichlet refinement (``matching.refine``).
+    The universe starts as ``start`` or the anchor model. Every iteration aligns each model to it by
+    weight matching (warm-started from the model's last transform), then sets it to the weighted mean of
+    the aligned models, until it moves by less than ``universe.tol`` or ``universe.iterations`` are
+    done. With ``refine``, every alignment is then learned by Dirichlet refinement.
 
-    Models may differ in width (``d_model``, ``d_ff``, ``n_head``, ``d_head``; depth and architecture
-    must agree): each is padded exactly into the largest shape (``widths.pad``), its padded heads and
-    FF neurons are masked out of the averages, and its transform maps *its own* shape into the universe
-    (a rectangular residual map), so ``project(universe, T)`` returns a model of the client's shape.
-
-    Models may wait on disk (``fedlmc.replies.StoredModel``): models of one shape are then read one at a
-    time (memory-mapped) whenever an alignment or the average needs them, so the merge holds a few
-    models whatever their number (mixed widths, a robust ``reduce`` and a refinement read them all).
-    A model that cannot be read, or whose alignment fails in a worker twice, is excluded (its
-    transform's ``info["excluded"]`` says why) and the others' weights are rescaled.
+    Models may differ in width (depth and architecture must agree): each is padded exactly into the
+    largest shape, its padded units masked out of the averages, and its transform maps *its own* shape
+    into the universe, so ``project(universe, T)`` returns a model of the client's shape. Models may wait
+    on disk (``fedlmc.replies.StoredModel``), read one at a time (memory-mapped) when needed. A model
+    that cannot be read, or whose alignment fails in a worker twice, is excluded (its transform's
+    ``info["excluded"]`` says why) and the others' weights are rescaled.
 
     Parameters
     ----------
@@ -360,16 +355,7 @@ def universe_merge(
     keep_layernorm = u.keep_layernorm and all(layernorm_native(x.config) for x in models)
     _check_options(refine, u, r, start)
     iterations, tol, form, anchor, reduce, trim = u.iterations, u.tol, u.form, u.anchor, r.reduce, r.trim
-    aligned = None
-    if isinstance(start, Aligned):
-        if len(start.transforms) != len(models):
-            raise ValueError(f"Aligned: one transform per model, got {len(start.transforms)} for {len(models)}")
-        aligned, start = start.transforms, start.universe
-    mem = members(models, weights, None if isinstance(start, str) else start, keep_layernorm)
-    if aligned is not None and mem.hetero:
-        raise ValueError("Aligned: models of one shape (a mixed-width universe is padded anew)")
-    if reduce != "mean" and mem.hetero:
-        raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
+    mem, start, aligned = _members_for(models, weights, start, keep_layernorm, reduce)
     align = dict(matching=m, keep_layernorm=keep_layernorm, device=device)
     sc = scale if scale is not None else Scale()
     parallel = sc.parallel and not mem.hetero and m.residual_data is None and aligned is None
@@ -385,6 +371,22 @@ def universe_merge(
             on_disk = [x if isinstance(x, StoredModel) else store.put(x) for x in models]
             mem = Members(**{**mem.__dict__, "models": on_disk, "padded": Canonical(on_disk)})
         return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress, pool, store)
+
+
+def _members_for(models, weights, start, keep_layernorm: bool, reduce: str):
+    """``universe_merge``'s members, its start and, when the start is an ``Aligned``, the transforms
+    the models already have into it (else None)."""
+    aligned = None
+    if isinstance(start, Aligned):
+        if len(start.transforms) != len(models):
+            raise ValueError(f"Aligned: one transform per model, got {len(start.transforms)} for {len(models)}")
+        aligned, start = start.transforms, start.universe
+    mem = members(models, weights, None if isinstance(start, str) else start, keep_layernorm)
+    if aligned is not None and mem.hetero:
+        raise ValueError("Aligned: models of one shape (a mixed-width universe is padded anew)")
+    if reduce != "mean" and mem.hetero:
+        raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
+    return mem, start, aligned
 
 
 def _check_options(refine: Optional[Refinement], u: Universe, r: Robust, start) -> None:

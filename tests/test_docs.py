@@ -119,3 +119,166 @@ def test_results_holds_only_files_the_docs_cite():
     ]
     assert not uncited, uncited
     assert not [f for f in files if f.endswith(".log") or "_try" in f]
+
+
+# ---- the generated tables, the pages' length, and the snippets that build strategies ------------------
+
+
+def test_the_generated_tables_are_their_results_files():
+    """Every ``<!-- table: NAME -->`` block is what ``python -m bench.tables`` renders from the results
+    files today (rerun it after a bench), and every name is known."""
+    from bench.tables import PAGES as TABLE_PAGES
+    from bench.tables import regenerate
+
+    stale = [str(p.relative_to(ROOT)) for p in TABLE_PAGES if regenerate(p.read_text()) != p.read_text()]
+    assert not stale, f"run `python -m bench.tables`: {stale}"
+
+
+def test_the_docs_are_a_guide_not_a_notebook():
+    """docs/ holds at most about 1,500 lines of prose besides its generated tables."""
+    from bench.tables import prose
+
+    lines = sum(len(prose(p.read_text()).splitlines()) for p in (ROOT / "docs").glob("*.md"))
+    assert lines <= 1600, lines
+
+
+def test_the_gpu_table_reads_a_successful_check_as_well_as_a_failed_one():
+    """``make gpu-check``'s file renders whether its paper step finished (barriers beside the paper's)
+    or stopped (the error's last line), with the suite's counts either way."""
+    from bench.tables import gpu
+
+    failed = json.loads((ROOT / "results/gpu/gpu_check.json").read_text())
+    assert "not measured:" in gpu(failed) and f"{failed['tests']['passed']} passed" in gpu(failed)
+    ok = {
+        **failed,
+        "paper": {
+            "trained": failed["paper"]["trained"],
+            "barriers": {
+                "vanilla": {"ours": 2.01, "se": 0.05, "paper": 2.02},
+                "learned": {"ours": 0.03, "se": 0.01, "paper": 0.02},
+            },
+            "per_pair": [{"vanilla": 2.0, "learned": 0.03}] * 3,
+        },
+        "tests": {**failed["tests"], "passed": 230, "failed": 0, "errors": 0},
+    }
+    table = gpu(ok)
+    assert "| barrier, vanilla | 2.010 ± 0.050 (pairs 2.000, 2.000, 2.000); the paper's 2.02 |" in table
+    assert "230 passed, 0 failed, 0 collection errors" in table and "not measured" not in table
+
+
+def test_every_bench_script_is_listed():
+    from bench.__main__ import BENCHES
+
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_") and p.stem != "tables"}
+    assert scripts == set(BENCHES)
+
+
+SNIPPET_PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "examples").glob("*/README.md")),
+]
+
+
+def _snippets():
+    for page in SNIPPET_PAGES:
+        for m in FENCE.finditer(page.read_text()):
+            if m.group(1) == "python":
+                yield page.relative_to(ROOT), m.group(2)
+
+
+@pytest.fixture(scope="module")
+def names():
+    """What the snippets call their inputs: tiny models of every kind, data, a grid of two nodes."""
+    import torch
+    import transformers
+    from flwr.app import Message
+    from flwr.serverapp.strategy import FedAvg
+    from peft import LoraConfig, get_peft_model
+
+    from fedlmc.data import ArrayData
+    from fedlmc.models import from_preset
+    from fedlmc.strategies import AlignedFedAvg, LoraFedAvg
+
+    torch.manual_seed(0)
+    kw = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, image_size=8, patch_size=4)
+    a, b = (from_preset("vit-tiny", **kw) for _ in range(2))
+    half = from_preset("vit-tiny", **{**kw, "d_model": 8, "d_ff": 16})
+    data = ArrayData(torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,)))
+    gpt2 = lambda: transformers.GPT2LMHeadModel(  # noqa: E731
+        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
+    )
+    peft_model = get_peft_model(gpt2(), LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"]))
+
+    class EchoGrid:
+        """Two nodes that send back what they were sent, as if they had trained for zero steps."""
+
+        def get_node_ids(self):
+            return [1, 2]
+
+        def send_and_receive(self, messages, timeout=None):
+            from conftest import metadata
+            from flwr.app import MetricRecord, RecordDict
+
+            out = []
+            for m in messages:
+                content = RecordDict({"metrics": MetricRecord({"num-examples": 10, "eval-loss": 1.0})})
+                if m.metadata.message_type == "train":
+                    content["arrays"] = m.content.array_records["arrays"]
+                md = metadata(m.metadata.dst_node_id, message_type=m.metadata.message_type)
+                out.append(Message(content=content, metadata=md))
+            return out
+
+    return {
+        "model": gpt2(),
+        "config": a.config.to_dict(),
+        "peft_model": peft_model,
+        "grid": EchoGrid(),
+        "refine_half": data,
+        "guard_half": data,
+        "train_data": data,
+        "x_val": data.x,
+        "y_val": data.y,
+        "a": a,
+        "b": b,
+        "models": [a, b],
+        "weights": [1.0, 2.0],
+        "wide": a,
+        "half": half,
+        "my_held_out_examples": lambda context: (data.x, data.y),
+        "FedAvg": FedAvg,
+        "AlignedFedAvg": AlignedFedAvg,
+        "LoraFedAvg": LoraFedAvg,
+        "fraction": 1.0,
+    }
+
+
+@pytest.mark.parametrize("page,code", list(_snippets()), ids=lambda v: str(v)[:50] if isinstance(v, Path) else "")
+def test_every_python_snippet_runs(page, code, names, monkeypatch):
+    """Each Python block of the README, docs/ and the examples runs as written, on tiny models; every
+    public function it defines is called when its parameters are inputs the snippets name
+    (``run(grid, model)`` runs the strategy on two nodes that send back what they get). So a strategy
+    built with a wrong parameter cannot ship in the docs."""
+    import inspect
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedlmc.strategies.registry import REGISTRY
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1, raising=False)
+    registered = set(REGISTRY)
+    scope = dict(names)
+    if "flowertune" in str(page):
+        scope["model"] = names["peft_model"]
+    try:
+        exec(compile(code, str(page), "exec"), scope)
+        for name, fn in list(scope.items()):
+            mine = inspect.isfunction(fn) and fn.__code__.co_filename == str(page)
+            if mine and not name.startswith("_") and name not in names:
+                params = list(inspect.signature(fn).parameters)
+                if params and all(p in names for p in params):
+                    fn(*(names["peft_model"] if p == "peft_model" else scope.get(p, names[p]) for p in params))
+    finally:
+        for name in set(REGISTRY) - registered:
+            REGISTRY.pop(name)

@@ -1,5 +1,6 @@
-"""The house's layers: no import cycle inside ``fedlmc/`` (function-local imports count too, so a cycle
-cannot hide behind one), and each module stays small."""
+"""The house's layers: every module of ``fedlmc/`` imports only from its own layer or the layers below it
+(docs/DESIGN.md draws the same map), no import cycle (function-local imports count too, so neither can
+hide behind one), and no function grows past the house's limit."""
 
 from __future__ import annotations
 
@@ -73,6 +74,60 @@ def test_the_cycle_finder_finds_cycles():
 def test_fedlmc_has_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert not cycle, "import cycle: " + " → ".join(cycle)
+
+
+# docs/DESIGN.md's layers, bottom first: a module belongs to the layer of its longest matching prefix
+LAYERS = [
+    ("ground", ["fedlmc", "fedlmc.models", "fedlmc.data", "fedlmc.io", "fedlmc.allocator", "fedlmc.cpu"]),
+    ("ground", ["fedlmc.options", "fedlmc.train"]),
+    ("symmetry", ["fedlmc.symmetry"]),
+    ("adapters", ["fedlmc.hf"]),
+    ("widths", ["fedlmc.widths"]),
+    ("averaging", ["fedlmc.averaging", "fedlmc.barrier", "fedlmc.ensemble"]),
+    ("matching", ["fedlmc.matching"]),
+    ("lora", ["fedlmc.lora", "fedlmc.lora_baselines"]),
+    ("universe", ["fedlmc.replies", "fedlmc.workers", "fedlmc.universe", "fedlmc.screen"]),
+    ("universe", ["fedlmc.manyway", "fedlmc.reproduce"]),
+    ("on_clients", ["fedlmc.arrivals", "fedlmc.on_clients"]),
+    ("strategies", ["fedlmc.strategies"]),
+    ("apps", ["fedlmc.federated", "fedlmc.commands", "fedlmc.cli", "fedlmc.launch", "fedlmc.superlink"]),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index of ``module``'s layer in ``LAYERS`` (its longest matching prefix); a module in none fails."""
+    found = [
+        (len(p), i)
+        for i, (_, prefixes) in enumerate(LAYERS)
+        for p in prefixes
+        if module == p or module.startswith(p + ".")
+    ]
+    assert found, f"{module} is in no layer of LAYERS: place it (and in docs/DESIGN.md)"
+    index = max(found)[1]
+    return [name for name, _ in LAYERS].index(LAYERS[index][0])
+
+
+def test_every_module_imports_only_from_its_layer_or_below():
+    graph = import_graph()
+    upward = sorted(
+        f"{m} ({LAYERS[layer_of(m)][0]}) imports {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if layer_of(d) > layer_of(m)
+    )
+    assert not upward, upward
+
+
+def test_no_function_is_longer_than_the_house_limit():
+    """About 90 lines a function, its docstring included: a longer one is a function to split."""
+    long = {}
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 95:
+                    long[f"{path.relative_to(ROOT)}:{node.name}"] = n
+    assert not long, long
 
 
 def test_the_core_imports_without_flower():

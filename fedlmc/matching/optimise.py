@@ -302,7 +302,8 @@ def learn_alignments(
                 snaps[n] = al.exact()
             return check is not None and check.after(n)
 
-        trace = _descend(states, cfg, data, opts, al.optimiser(), al.align_all, sample_weights, label, on_step=on_step)
+        gradient = _local_gradient(states, cfg, data, opts, al.align_all, sample_weights)
+        trace, _ = _descend(opts, al.optimiser(), gradient, label, on_step)
         if check is None:
             return Learned(al.exact(), trace, time.time() - t0, snaps, {}, len(trace))
         if len(trace) not in check.scores:  # the last steps since the last check
@@ -411,48 +412,59 @@ def merged_template(states: Sequence[StateDict], cfg, form: str) -> torch.nn.Mod
     return from_config(merged_cfg).to(next(iter(states[0].values())).device).eval()
 
 
-def _descend(
-    states,
-    cfg,
-    data,
-    opts: Options,
-    opt,
-    align_all: Callable[[], list[tuple[StateDict, Optional[dict]]]],
-    sample_weights,
-    label: str,
-    on_step: Callable[[int], bool] = lambda n: False,
-) -> list[float]:
-    """The training loop: each step aligns every model (``align_all``: each model's aligned state and
-    mask), merges at fresh weights, steps on the loss; ``on_step(n)`` runs after the n-th step and
-    stops the loop by returning True."""
+def _local_gradient(states, cfg, data, opts: Options, align_all, sample_weights) -> Callable[[int], float]:
+    """One step's gradient here: every model aligned (``align_all``: each model's aligned state and mask),
+    merged at fresh weights, the loss on the next batch of ``data`` back-propagated into the latents."""
     dev = next(iter(states[0].values())).device
     template = merged_template(states, cfg, opts.form)
     batches = endless_batches(data, opts.learn.batch_size, torch.Generator().manual_seed(opts.learn.seed))
+
+    def gradient(step: int) -> float:
+        x, y = next(batches)
+        x, y = x.to(dev), y.to(dev)
+        with section("learned: aligned models (solves, gauges, actions)"):
+            pairs = align_all()
+        with section("learned: merge, forward and backward"):
+            sd = merged_pairs(pairs, sample_weights(), cfg, opts.form)
+            loss = merged_loss(opts.learn, functional_call(template, sd, (x,)), y)
+            loss.backward()
+        return float(loss.detach())
+
+    return gradient
+
+
+def _descend(
+    opts: Options,
+    opt,
+    gradient: Callable[[int], Optional[float]],
+    label: str,
+    on_step: Callable[[int], bool] = lambda n: False,
+) -> tuple[list[float], Optional[str]]:
+    """The one training loop of learned matching and refinement, here or on the clients: each step
+    ``gradient(step)`` leaves the loss's gradient in the latents and returns the loss (None: too few
+    answers, the loop stops), the learning rates follow the schedule, the optimiser steps, and
+    ``on_step(n)`` runs after the n-th step and stops the loop by returning True. Returns the loss trace
+    and why it stopped early (None: it did not, or ``on_step`` stopped it)."""
     trace: list[float] = []
     running = None
     base_lrs = [g["lr"] for g in opt.param_groups]
     with _progress(opts.progress) as bar:
         task = bar.add_task(label, total=opts.learn.steps, info="")
         for step in range(opts.learn.steps):
-            x, y = next(batches)
-            x, y = x.to(dev), y.to(dev)
-            with section("learned: aligned models (solves, gauges, actions)"):
-                pairs = align_all()
-            with section("learned: merge, forward and backward"):
-                sd = merged_pairs(pairs, sample_weights(), cfg, opts.form)
-                loss = merged_loss(opts.learn, functional_call(template, sd, (x,)), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
+            opt.zero_grad(set_to_none=True)
+            loss = gradient(step)
+            if loss is None:
+                return trace, f"step {step + 1}: too few answers"
             if opts.learn.schedule == "cosine":
                 for g, lr in zip(opt.param_groups, base_lrs):
                     g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / opts.learn.steps))
             opt.step()
-            trace.append(float(loss.detach()))
+            trace.append(loss)
             running = trace[-1] if running is None else 0.9 * running + 0.1 * trace[-1]
             bar.update(task, completed=step + 1, info=f"loss {running:.4f}")
             if on_step(step + 1):
                 break
-    return trace
+    return trace, None
 
 
 class Remote(Protocol):
@@ -501,7 +513,6 @@ def learn_alignments_remote(
     without checks, the current alignment)."""
     t0, learn = time.time(), opts.learn
     weights = list(check_weights or [1.0 / len(states)] * len(states))
-    trace: list[float] = []
     stopped: Optional[str] = None
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
         al = Alignments(states, cfg, warm_starts, fixed, opts, masks, reference, pool)
@@ -509,37 +520,31 @@ def learn_alignments_remote(
         check = _RemoteChecks(remote, al, weights, opts) if learn.check_every else None
         if check is not None and check.failed:  # not even the start could be scored: keep it
             return Learned(check.best, [], time.time() - t0, {}, {}, 0, "the first check: too few answers")
-        opt = al.optimiser()
-        base_lrs = [g["lr"] for g in opt.param_groups]
-        with _progress(opts.progress) as bar:
-            task = bar.add_task(label, total=learn.steps, info="")
-            for step in range(learn.steps):
-                with section("learned: aligned models (solves, gauges, actions)"):
-                    pairs = al.align_all()
-                    merged = [merged_pairs(pairs, sample_weights(), cfg, opts.form) for _ in range(samples)]
-                with section("learned: remote gradients"):
-                    got = remote.gradients([{k: v.detach() for k, v in sd.items()} for sd in merged], step)
-                if got is None:
-                    stopped = f"step {step + 1}: too few answers"
-                    break
-                grads, loss = got
-                with section("learned: back-propagation through the merge"):
-                    opt.zero_grad(set_to_none=True)
-                    backpropagate(merged, grads)
-                del merged, pairs
-                if learn.schedule == "cosine":
-                    for group, lr in zip(opt.param_groups, base_lrs):
-                        group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / learn.steps))
-                opt.step()
-                trace.append(float(loss))
-                bar.update(task, completed=step + 1, info=f"loss {loss:.4f}")
-                if check is not None and (step + 1) % learn.check_every == 0:
-                    check.score(step + 1)
-                    if check.failed:
-                        stopped = f"check at step {step + 1}: too few answers"
-                        break
-                    if check.stale >= learn.patience:
-                        break
+
+        def gradient(step: int) -> Optional[float]:
+            with section("learned: aligned models (solves, gauges, actions)"):
+                pairs = al.align_all()
+                merged = [merged_pairs(pairs, sample_weights(), cfg, opts.form) for _ in range(samples)]
+            with section("learned: remote gradients"):
+                got = remote.gradients([{k: v.detach() for k, v in sd.items()} for sd in merged], step)
+            if got is None:
+                return None
+            grads, loss = got
+            with section("learned: back-propagation through the merge"):
+                backpropagate(merged, grads)
+            return float(loss)
+
+        def on_step(n: int) -> bool:
+            nonlocal stopped
+            if check is None or n % learn.check_every:
+                return False
+            check.score(n)
+            if check.failed:
+                stopped = f"check at step {n}: too few answers"
+            return check.failed or check.stale >= learn.patience
+
+        trace, failed = _descend(opts, al.optimiser(), gradient, label, on_step)
+        stopped = stopped or failed
         if check is None:
             out = Learned(al.exact(), trace, time.time() - t0, {}, {}, len(trace))
         else:

@@ -918,20 +918,8 @@ def weight_matching(
             with section("objective"):
                 opts["give_up"] = (1.0 - m.min_gain / 2) * P.objective({})
         found, info = _descents(P, warm_start, m.keep_identity, opts)
-        best = min(info["objective"], key=info["objective"].get)
-        obj = info["objective"]
-        if m.min_gain > 0 and "identity" in obj and best != "identity" and guard_data is None:
-            gain = 1.0 - obj[best] / max(obj["identity"], 1e-30)
-            info["gain"] = gain
-            if gain <= m.min_gain:  # the descent only fitted noise: nothing worth applying
-                best = "identity"
-        if guard_data is not None and len(found) > 1:
-            losses = {
-                k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches)
-                for k, el in found.items()
-            }
-            info["midpoint_loss"] = losses
-            best = min(losses, key=losses.get)
+        guard = (guard_data, form, guard_batches)
+        best = _chosen(found, info, m, model_a, model_b, guard)
         info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
         info["ff_steps"] = dict(P.ff_counts)  # layers whose FF step the certificate settled, and solved ones
         info["heads_steps"] = dict(P.heads_counts)
@@ -940,6 +928,28 @@ def weight_matching(
         T = Transform({k: v.cpu() for k, v in found[best].items()}, info)
     T.info["threads"] = threads
     return T
+
+
+def _chosen(found: dict, info: dict, m: Matching, model_a: nn.Module, model_b: nn.Module, guard: tuple) -> str:
+    """Which candidate ``weight_matching`` returns: the lowest objective, the identity unless the descent
+    gained more than ``m.min_gain`` (``info["gain"]``), or with guard data (``guard``: data, form,
+    batches) the lowest λ = 0.5 loss (``info["midpoint_loss"]``)."""
+    guard_data, form, guard_batches = guard
+    obj = info["objective"]
+    best = min(obj, key=obj.get)
+    if m.min_gain > 0 and "identity" in obj and best != "identity" and guard_data is None:
+        gain = 1.0 - obj[best] / max(obj["identity"], 1e-30)
+        info["gain"] = gain
+        if gain <= m.min_gain:  # the descent only fitted noise: nothing worth applying
+            best = "identity"
+    if guard_data is not None and len(found) > 1:
+        losses = {
+            k: midpoint_loss(model_a, model_b, Transform(el), guard_data, form, guard_batches)
+            for k, el in found.items()
+        }
+        info["midpoint_loss"] = losses
+        best = min(losses, key=losses.get)
+    return best
 
 
 def fixed_side(

@@ -186,25 +186,9 @@ class AlignedFedAvg(FedlmcStrategy):
 
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
-        self.round_nodes = [int(m.metadata.src_node_id) for m in replies]
-        self.candidates = {}
-        self.server_round, self.remote_record = server_round, None
         previous = self.start_for(models)
         start = "mean" if previous is not None and self.universe.start == "mean" else previous
-        raw = self.screen is not None and self.screen.method in RAW_SCREENS  # the replies as they came
-        screened = self._screen(server_round, replies, models, weights, None) if raw else None
-        if self.screen is None or raw:
-            merged, transforms = self.align(models, weights, start)
-            self._drop_failed(server_round, replies, models, weights, transforms)
-        else:  # a distance screen compares the weight-matched replies
-            merged, transforms = self.weight_matched(models, weights, start)
-            self._drop_failed(server_round, replies, models, weights, transforms)
-            screened = self._screen(server_round, replies, models, weights, transforms)
-            if screened["excluded"] or self.refines:  # merged again without the outliers, or refined
-                # nobody excluded: the refinement starts from the screen's universe, not a second matching
-                reuse = not screened["excluded"] and self.universe.form == "factored"
-                merged, transforms = self.align(models, weights, start, (merged, transforms) if reuse else None)
-                self._drop_failed(server_round, replies, models, weights, transforms)
+        merged, transforms, screened = self._merge_screened(server_round, replies, models, weights, start)
         fields: dict[str, Any] = {
             "align_seconds": time.time() - t0,
             "kept": "aligned",
@@ -218,45 +202,9 @@ class AlignedFedAvg(FedlmcStrategy):
             fields.update(refine_steps_run=refined["steps_run"], refine_best_step=refined["best_step"])
             if "stopped" in refined:
                 fields["refine_stopped"] = refined["stopped"]
-        if self.remote_record is not None:
-            fields["refine_clients"] = self.remote_record
-        on_server = self.guard is not None
-        guarded = on_server or (self.on_clients is not None and self.on_clients.guard)
-        plain = self.plain(models, weights) if guarded or self.report_data is not None else None
-        result = merged
-        losses = None
-        if on_server:
-            losses = {"aligned": self.guard_loss(merged), "average": self.guard_loss(plain)}
-        elif guarded:
-            losses, cost = score_on_clients(
-                self.require_grid(),
-                self.round_nodes,
-                {"aligned": self.arrays_of(merged), "average": self.arrays_of(plain)},
-                self._with_config(ConfigRecord({"server-round": server_round})),
-                self.on_clients,
-            )
-            fields["guard_clients"] = cost
-            if losses is None:
-                fields["guard"] = "no verdict (too few clients answered): kept the aligned aggregate"
-        if losses is not None:
-            self.candidates = {"aligned": merged, "average": plain}  # the report scores both (the guard's verdict)
-            l_aligned, l_plain = losses["aligned"], losses["average"]
-            fields.update(
-                guard_aligned=l_aligned, guard_average=l_plain, guard_where="server" if on_server else "clients"
-            )
-            if l_plain < l_aligned:
-                result, fields["kept"] = plain, "average"
-            log(
-                INFO,
-                "%s round %d: kept %s (%s loss aligned %.4f vs average %.4f, Δ %+.4f)",
-                type(self).__name__,
-                server_round,
-                fields["kept"],
-                fields["guard_where"],
-                l_aligned,
-                l_plain,
-                l_aligned - l_plain,
-            )
+        if self.round.clients_cost is not None:
+            fields["refine_clients"] = self.round.clients_cost
+        result, plain = self._guarded(server_round, merged, models, weights, fields)
         log(
             INFO,
             "%s round %d: aligned %d replies in %.2fs, mean distance from identity %.4f",
@@ -268,12 +216,60 @@ class AlignedFedAvg(FedlmcStrategy):
         )
         return result, fields, plain
 
+    def _merge_screened(self, server_round, replies, models, weights, start):
+        """The round's aligned merge and transforms, with the screen's outliers left out (in place) and
+        its record (None without a screen)."""
+        raw = self.screen is not None and self.screen.method in RAW_SCREENS  # the replies as they came
+        screened = self._screen(server_round, replies, models, weights, None) if raw else None
+        if self.screen is None or raw:
+            merged, transforms = self.align(models, weights, start)
+            self._drop_failed(server_round, replies, models, weights, transforms)
+            return merged, transforms, screened
+        # a distance screen compares the weight-matched replies
+        merged, transforms = self.weight_matched(models, weights, start)
+        self._drop_failed(server_round, replies, models, weights, transforms)
+        screened = self._screen(server_round, replies, models, weights, transforms)
+        if screened["excluded"] or self.refines:  # merged again without the outliers, or refined
+            # nobody excluded: the refinement starts from the screen's universe, not a second matching
+            reuse = not screened["excluded"] and self.universe.form == "factored"
+            merged, transforms = self.align(models, weights, start, (merged, transforms) if reuse else None)
+            self._drop_failed(server_round, replies, models, weights, transforms)
+        return merged, transforms, screened
+
+    def _guarded(self, server_round, merged, models, weights, fields):
+        """The aggregate the guard keeps (the aligned one, or the plain average when it scores better on
+        the server's guard or the clients' held-out data) and the plain average when one was built."""
+        on_server = self.guard is not None
+        guarded = on_server or (self.on_clients is not None and self.on_clients.guard)
+        plain = self.plain(models, weights) if guarded or self.report_data is not None else None
+        losses = None
+        if on_server:
+            losses = {"aligned": self.guard_loss(self.guard, merged), "average": self.guard_loss(self.guard, plain)}
+        elif guarded:
+            losses, cost = score_on_clients(
+                self.require_grid(),
+                self.round.nodes,
+                {"aligned": self.arrays_of(merged), "average": self.arrays_of(plain)},
+                self._with_config(ConfigRecord({"server-round": server_round})),
+                self.on_clients,
+            )
+            fields["guard_clients"] = cost
+            if losses is None:
+                fields["guard"] = "no verdict (too few clients answered): kept the aligned aggregate"
+        if losses is None:
+            return merged, plain
+        kept, verdict = self.guard_verdict(
+            {"aligned": merged, "average": plain}, losses, "server" if on_server else "clients"
+        )
+        fields.update(verdict, kept=kept)
+        return (plain if kept == "average" else merged), plain
+
     def _drop_failed(self, server_round, replies, models, weights, transforms) -> None:
         """Exclude the replies the merge could not use (unreadable, or failed in a worker), in place: the
         round's record, metrics and report see only the replies aggregated."""
         gone = [i for i, T in enumerate(transforms) if "excluded" in T.info]
         for i in gone:
-            self.exclude(server_round, self.round_nodes[i], transforms[i].info["excluded"])
+            self.exclude(server_round, self.round.nodes[i], transforms[i].info["excluded"])
         if gone:
             self._drop(gone, replies, models, weights, transforms)
 
@@ -281,7 +277,7 @@ class AlignedFedAvg(FedlmcStrategy):
         """Leave the replies at indices ``gone`` out of the round, in place (``transforms``: None before
         the alignment)."""
         keep = [i for i in range(len(models)) if i not in gone]
-        for seq in (replies, models, weights, transforms, self.round_nodes):
+        for seq in (replies, models, weights, transforms, self.round.nodes):
             if seq is not None:
                 seq[:] = [seq[i] for i in keep]
 
@@ -291,7 +287,7 @@ class AlignedFedAvg(FedlmcStrategy):
         each node's score and the nodes excluded."""
         t0 = time.time()
         if self.screen.method == "loss":  # held-out losses: the same for a reply and its aligned self
-            found = screen_replies([], self.screen, losses=[self.guard_loss(loaded(m)) for m in models])
+            found = screen_replies([], self.screen, losses=[self.guard_loss(self.guard, loaded(m)) for m in models])
         elif self.screen.method in PREDICTION_SCREENS:  # top-1 predictions on the guard's inputs
             preds = [predictions(loaded(m), self.guard.data, max_batches=self.guard.batches) for m in models]
             found = screen_replies([], self.screen, predictions=preds)
@@ -299,7 +295,7 @@ class AlignedFedAvg(FedlmcStrategy):
             states = [aligned_state(canonical(loaded(m)), T) for m, T in zip(models, transforms)]
             found = screen_replies(states, self.screen)
             del states
-        nodes = list(self.round_nodes)
+        nodes = list(self.round.nodes)
         for i, reason in sorted(found.excluded.items()):
             self.exclude(server_round, nodes[i], f"screen ({found.method}): {reason}")
         self._drop(sorted(found.excluded), replies, models, weights, transforms)
@@ -310,12 +306,6 @@ class AlignedFedAvg(FedlmcStrategy):
             "excluded": [nodes[i] for i in sorted(found.excluded)],
             "seconds": time.time() - t0,
         }
-
-    def guard_loss(self, model: nn.Module) -> float:
-        """The do-no-harm loss: ``guard.fn`` on the clients' form of ``model``, else the loss on ``guard.data``."""
-        if self.guard.fn is not None:
-            return float(self.guard.fn(self.arrays_of(model)))
-        return self.loss(model, self.guard.data, self.guard.batches)
 
 
 class RefinedFedAvg(AlignedFedAvg):
@@ -373,12 +363,12 @@ class RefinedFedAvg(AlignedFedAvg):
         if self.refine.data is None:
             remote = ClientLosses(
                 self.require_grid(),
-                self.round_nodes,
+                self.round.nodes,
                 self.on_clients,
                 self.refine.batch_size,
                 self.refine.check_batches,
                 seed=self.refine.seed,
-                server_round=self.server_round,
+                server_round=self.round.server_round,
             )
         try:
             return universe_merge(
@@ -392,7 +382,7 @@ class RefinedFedAvg(AlignedFedAvg):
                 scale=self.scale,
             )
         finally:
-            self.remote_record = remote.record() if remote is not None else None
+            self.round.clients_cost = remote.record() if remote is not None else None
 
 
 def refine_split(refine: Refinement) -> Refinement:

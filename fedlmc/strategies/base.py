@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Optional
 
@@ -20,13 +21,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedlmc.arrivals import ArrivalGrid
 from fedlmc.cpu import available_cores
 from fedlmc.ensemble import Ensemble
 from fedlmc.hf import HFAdapter, recognise
 from fedlmc.hf.adapter import key_mismatch
 from fedlmc.models import from_config
 from fedlmc.models.layers import TransformerConfig
-from fedlmc.options import Checks, Report, Scale, one_of
+from fedlmc.options import Checks, Guard, Report, Scale, one_of
 from fedlmc.replies import ReplyError, ReplyStore, StoredModel
 from fedlmc.train import evaluate
 
@@ -53,6 +55,19 @@ def weight_cosine(model: nn.Module, reference: nn.Module) -> float:
         a, b = a.double(), b[tuple(slice(0, n) for n in a.shape)].double()
         dot, norm_a, norm_b = dot + float((a * b).sum()), norm_a + float(a.pow(2).sum()), norm_b + float(b.pow(2).sum())
     return dot / (norm_a * norm_b) ** 0.5 if norm_a > 0 and norm_b > 0 else 0.0
+
+
+@dataclass
+class RoundState:
+    """What one round's aggregation carries from step to step: the round, the nodes aggregated (in the
+    replies' order, shortened as replies are left out), the candidates the guard chose between (the
+    report scores them) and what asking the clients cost. Made anew by every ``aggregate_train``;
+    nothing of it outlives the round."""
+
+    server_round: int
+    nodes: list[int]
+    candidates: dict[str, nn.Module] = field(default_factory=dict)
+    clients_cost: Optional[dict[str, Any]] = None
 
 
 class FedlmcStrategy(FedAvg):
@@ -113,7 +128,7 @@ class FedlmcStrategy(FedAvg):
         self.history: list[dict[str, Any]] = []
         self.round_offset = 0  # rounds completed before this run started (a resumed run continues numbering)
         self._previous: Optional[ArrayRecord] = None
-        self.candidates: dict[str, nn.Module] = {}  # what a guard chose between this round (for the report)
+        self.round: Optional[RoundState] = None  # the round being aggregated (None between rounds)
         self.grid = None  # the round's grid (configure_train's): strategies that ask the clients more use it
         self._excluded: list[dict[str, Any]] = []
         self._partitions: dict[str, int] = {}
@@ -311,14 +326,21 @@ class FedlmcStrategy(FedAvg):
         if self.global_config is None:
             self.global_config = models[0].config.to_dict()
         t0 = time.time()
-        with torch_threads(self.scale.threads) as threads:
-            result, fields, plain = self.combine(server_round, valid, models, weights)
+        self.round = RoundState(server_round, [int(m.metadata.src_node_id) for m in valid])
+        try:
+            with torch_threads(self.scale.threads) as threads:
+                result, fields, plain = self.combine(server_round, valid, models, weights)
+            return self._recorded(server_round, valid, models, result, fields, plain, threads, t0)
+        finally:
+            self.round = None
+
+    def _recorded(self, server_round, valid, models, result, fields, plain, threads, t0):
+        """The round's record (with the report's scores), its train metrics and the aggregate's arrays."""
         record = self.round_record(
             server_round, nodes=[m.metadata.src_node_id for m in valid], threads=threads, **fields
         )
         record.setdefault("align_seconds", time.time() - t0)
         self.report(record, models, result, plain)
-        self.candidates = {}  # the guard's candidates, kept for the report only: not held between rounds
         record["seconds"] = time.time() - t0
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         record["train_metrics"] = dict(metrics) if metrics is not None else {}
@@ -470,6 +492,33 @@ class FedlmcStrategy(FedAvg):
     def loss(self, model: nn.Module, data, batches: Optional[int]) -> float:
         return float(evaluate(model, data, max_batches=batches)["loss"])
 
+    def guard_loss(self, guard: Guard, model: nn.Module) -> float:
+        """A model's do-no-harm loss: ``guard.fn`` on the clients' form of it, else its loss on ``guard.data``."""
+        if guard.fn is not None:
+            return float(guard.fn(self.arrays_of(model)))
+        return self.loss(model, guard.data, guard.batches)
+
+    def guard_verdict(
+        self, candidates: dict[str, nn.Module], losses: dict[str, float], where: str
+    ) -> tuple[str, dict[str, Any]]:
+        """The do-no-harm guard, for every strategy that has one: the first candidate (the strategy's own
+        aggregate) is kept unless another scores strictly lower. Returns the name kept and the round
+        record's fields (``guard_<name>`` losses, ``guard_where``); logs the verdict; the report scores
+        every candidate."""
+        self.round.candidates = dict(candidates)
+        first = next(iter(candidates))
+        kept = min(losses, key=lambda name: (losses[name], name != first))
+        log(
+            INFO,
+            "%s round %d: kept %s (%s loss %s)",
+            type(self).__name__,
+            self.round.server_round,
+            kept,
+            where,
+            " vs ".join(f"{name} {loss:.4f}" for name, loss in losses.items()),
+        )
+        return kept, {**{f"guard_{name}": loss for name, loss in losses.items()}, "guard_where": where}
+
     def report(
         self, record: dict[str, Any], models: list[nn.Module], result: nn.Module, plain: Optional[nn.Module]
     ) -> None:
@@ -486,7 +535,7 @@ class FedlmcStrategy(FedAvg):
         if plain is not None:
             record["average_loss"] = self.loss(plain, self.report_data, self.report_batches)
             record["average_excess"] = record["average_loss"] - record["mean_client_loss"]
-        for name, model in self.candidates.items():  # what the guard chose between
+        for name, model in self.round.candidates.items():  # what the guard chose between
             record[f"report_{name}"] = self.loss(model, self.report_data, self.report_batches)
         if len(models) > 1:  # the output ensemble: the reference a single merged model tries to reach
             ens = evaluate(Ensemble([loaded(m) for m in models]), self.report_data, max_batches=self.report_batches)
@@ -500,50 +549,6 @@ class FedlmcStrategy(FedAvg):
     def load_state(self, state: dict[str, Any], round_offset: int) -> None:
         """Continue from ``state()`` after ``round_offset`` completed rounds."""
         self.global_config, self.history, self.round_offset = state["global_config"], state["history"], round_offset
-
-
-class ArrivalGrid:
-    """A Flower grid whose ``send_and_receive`` hands every reply to ``on_reply`` as soon as it arrives
-    and returns what ``on_reply`` made of it (None: the reply itself); everything else is the wrapped
-    grid's. Replies are pulled one message at a time (``one_at_a_time``; else all that have come at
-    once); when none had come it looks again ``poll`` seconds later, each wait 1.5 times the last up
-    to ``poll_max`` (None: ``poll`` throughout). ``FedlmcStrategy`` uses it to write train replies to
-    disk as they come; ``on_clients.exchange`` to hear the clients soon after they answer."""
-
-    def __init__(
-        self,
-        grid,
-        on_reply=None,
-        poll: float = 1.0,
-        poll_max: Optional[float] = None,
-        one_at_a_time: bool = True,
-    ) -> None:
-        self._grid, self._on_reply, self._one = grid, on_reply or (lambda msg: msg), one_at_a_time
-        self._poll, self._poll_max = poll, poll if poll_max is None else poll_max
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._grid, name)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: Optional[float] = None) -> list[Message]:
-        pending = set(self._grid.push_messages(messages))
-        del messages
-        end = None if timeout is None else time.monotonic() + timeout
-        out: list[Message] = []
-        wait = self._poll
-        while pending:
-            got = False
-            for ids in [[mid] for mid in sorted(pending)] if self._one else [sorted(pending)]:
-                for msg in self._grid.pull_messages(ids):
-                    pending.discard(msg.metadata.reply_to_message_id)
-                    out.append(self._on_reply(msg))
-                    got = True
-            left = None if end is None else end - time.monotonic()
-            if not pending or (left is not None and left <= 0):
-                break
-            if not got:
-                time.sleep(wait if left is None else min(wait, left))
-                wait = min(self._poll_max, wait * 1.5)
-        return out
 
 
 def arrival_key(msg: Message) -> tuple[int, str]:

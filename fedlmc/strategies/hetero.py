@@ -225,17 +225,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
             and all(m.state_dict().keys() == previous.keys() for m in models)
         ):
             sliced = slicing_aggregate(models, weights, previous, self.global_config)
-            l_aligned = self.loss(universe, self.guard.data, self.guard.batches)
-            l_sliced = self.loss(sliced, self.guard.data, self.guard.batches)
-            fields.update(guard_aligned=l_aligned, guard_slicing=l_sliced)
-            log(
-                INFO,
-                "HeteroWidthFedAvg round %d: server loss aligned %.4f vs slicing %.4f",
-                server_round,
-                l_aligned,
-                l_sliced,
-            )
-            if l_sliced < l_aligned:  # every client slices the new global next round (no projections)
+            candidates = {"aligned": universe, "slicing": sliced}
+            losses = {name: self.guard_loss(self.guard, m) for name, m in candidates.items()}
+            kept, verdict = self.guard_verdict(candidates, losses, "server")
+            fields.update(verdict)
+            if kept == "slicing":  # every client slices the new global next round (no projections)
                 self._universe, self.transforms, fields["kept"] = None, {}, "slicing"
                 return sliced, fields, None
         self._universe = universe

@@ -166,15 +166,19 @@ class Build:
 # ---- the built-in strategies ------------------------------------------------------------------------
 
 
-@register("average", summary="Flower's FedAvg (FedMedian / FedTrimmedAvg with reduce)", reduce=True)
+@register(
+    "average",
+    summary="`ReportingFedAvg`: Flower's FedAvg of the validated replies (FedMedian / FedTrimmedAvg with reduce)",
+    reduce=True,
+)
 def _average(b: Build):
     return ReportingFedAvg(**b.common(), **b.robust())
 
 
 @register(
     "permuted",
-    summary="permutations only (heads, FF, the residual's coordinates), then averaging: the Git Re-Basin / "
-    "FedMA-style peer",
+    summary="`AlignedFedAvg` with permutations only (heads, FF, the residual's coordinates): the Git "
+    "Re-Basin / FedMA-style peer",
     server_data=True,
     reduce=True,
     screen=True,
@@ -186,8 +190,8 @@ def _permuted(b: Build):
 
 @register(
     "aligned",
-    summary="weight matching along every symmetry (orthogonal residual, head and FF permutations, "
-    "QK/OV gauges) to a universe, then averaging",
+    summary="`AlignedFedAvg`: weight matching along every symmetry (orthogonal residual, head and FF "
+    "permutations, QK/OV gauges) to a universe, then averaging; guarded by the plain average",
     server_data=True,
     reduce=True,
     screen=True,
@@ -199,7 +203,7 @@ def _aligned(b: Build):
 
 @register(
     "aligned-clients",
-    summary="aligned, its do-no-harm guard scored by the clients (no server data)",
+    summary="`AlignedFedAvg(on_clients=OnClients())`: aligned, its guard scored by the clients (no server data)",
     on_clients=True,
     reduce=True,
     screen=True,
@@ -211,7 +215,7 @@ def _aligned_clients(b: Build):
 
 @register(
     "refined",
-    summary="aligned, then Dirichlet refinement of the alignments on the server's data",
+    summary="`RefinedFedAvg`: aligned, then Dirichlet refinement of the alignments on the server's data",
     server_data=True,
     screen=True,
     universe=True,
@@ -222,7 +226,8 @@ def _refined(b: Build):
 
 @register(
     "refined-clients",
-    summary="refined with the refinement's gradients and the guard computed by the clients (no server data)",
+    summary="`RefinedFedAvg(on_clients=OnClients())`: the refinement's gradients and the guard computed by "
+    "the clients (no server data)",
     on_clients=True,
     screen=True,
     universe=True,
@@ -245,7 +250,8 @@ def _hetero(b: Build, refine: bool, permutations: bool = False):
 
 @register(
     "hetero",
-    summary="clients of several widths aligned into the widest one's universe (exact zero-padding lifts)",
+    summary="`HeteroWidthFedAvg`: clients of several widths aligned into the widest one's universe, each "
+    "sent its own-width projection",
     server_data=True,
     mixed_widths=True,
 )
@@ -253,27 +259,32 @@ def _hetero_aligned(b: Build):
     return _hetero(b, refine=False)
 
 
-@register("hetero-permuted", summary="hetero with permutations only", server_data=True, mixed_widths=True)
+@register("hetero-permuted", summary="`HeteroWidthFedAvg` with permutations only", server_data=True, mixed_widths=True)
 def _hetero_permuted(b: Build):
     return _hetero(b, refine=False, permutations=True)
 
 
-@register("hetero-refined", summary="hetero, then Dirichlet refinement", server_data=True, mixed_widths=True)
+@register(
+    "hetero-refined",
+    summary="`HeteroWidthFedAvg(refine=...)`: hetero, then Dirichlet refinement",
+    server_data=True,
+    mixed_widths=True,
+)
 def _hetero_refined(b: Build):
     return _hetero(b, refine=True)
 
 
-@register("slicing", summary="HeteroFL: each width is the wide model's leading slice", mixed_widths=True)
+@register("slicing", summary="`SlicingFedAvg`: HeteroFL, each width the wide model's leading slice", mixed_widths=True)
 def _slicing(b: Build):
     return SlicingFedAvg(**b.common())
 
 
-@register("krum", summary="Flower's Krum on the raw replies (f = malicious)")
+@register("krum", summary="`KrumFedAvg`: Flower's Krum on the raw replies (f = malicious)")
 def _krum(b: Build):
     return KrumFedAvg(**b.common(), num_malicious_nodes=b.settings.malicious, num_nodes_to_select=1)
 
 
-@register("multikrum", summary="Flower's Multi-Krum on the raw replies (keeps all but f = malicious)")
+@register("multikrum", summary="`KrumFedAvg`: Flower's Multi-Krum on the raw replies (all but f = malicious)")
 def _multikrum(b: Build):
     return KrumFedAvg(**b.common(), num_malicious_nodes=b.settings.malicious, num_nodes_to_select=None)
 

@@ -1,0 +1,163 @@
+"""The benches, one entry point.
+
+    python -m bench                      # list them: what each measures, how long, which results file
+    python -m bench NAME [OPTIONS...]    # run bench/NAME.py with its own options (NAME --help lists them)
+
+``python -m bench.tables`` then regenerates the docs' tables from the files they write.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Bench:
+    what: str
+    writes: str
+    about: str
+
+
+BENCHES: dict[str, Bench] = {
+    "main_job": Bench(
+        "the main job (`make run`) on seeds 0, 1, 2: each strategy's test loss on the same replies; fails unless "
+        "aligned beats FedAvg by 0.25 on each",
+        "`results/main_job.{json,png}`",
+        "6 min",
+    ),
+    "wm_gpt2_small": Bench(
+        "weight matching of a gpt2-small-shaped pair: independent, planted, a reply trained a little from A; "
+        "`--repeats 3` keeps the median beside a GEMM reference, with a profile per section",
+        "`results/bench_wm_gpt2_small.json` (`--out` for the profile and the looser stops)",
+        "8 min",
+    ),
+    "wm_stopping": Bench(
+        "what stopping weight matching's descent earlier costs on trained gpt2-tiny pairs (`--width` for wider)",
+        "`results/bench_wm_stopping_gpt2-tiny{,_w256}.{json,png}`",
+        "15–50 min",
+    ),
+    "precision_quality": Bench(
+        "the barrier weight matching reaches at each product precision (bfloat16, int8, float32)",
+        "`results/bench_precision_quality_gpt2-tiny.json`",
+        "20 min",
+    ),
+    "min_gain_precision": Bench(
+        "`Matching(min_gain=…)`'s gains and choices on 8 near GPT-2-small replies, fast products against float32",
+        "`results/bench_min_gain_precision.json`",
+        "3 min",
+    ),
+    "universe_gpt2_small": Bench(
+        "a universe of 8 planted gpt2-small-shaped copies: seconds, peak memory",
+        "`results/bench_universe_gpt2_small.json`",
+        "3 min",
+    ),
+    "universe_scale": Bench(
+        "aggregation of M = 8 … 64 GPT-2-small-shaped replies on disk: in the server, in worker processes, "
+        "FedAvg; seconds and peak memory against M (`--plan` picks the runs)",
+        "`results/bench_universe_scale*.{json,png}`",
+        "1 h",
+    ),
+    "busy_host": Bench(
+        "an independent gpt2-small pair and an 8-model universe idle and beside 2 and 4 CPU-bound processes",
+        "`results/bench_load.json`",
+        "30 min",
+    ),
+    "refine_gpt2_tiny": Bench(
+        "one Dirichlet refinement of 4 gpt2-tiny replies, 100 steps",
+        "`results/bench_refine_gpt2_tiny.json`",
+        "3 min",
+    ),
+    "refine_rounds": Bench(
+        "what refinement does to a federation's aggregate, round by round",
+        "`results/bench_refine_rounds_gpt2-tiny.json`",
+        "15 min",
+    ),
+    "round_share": Bench(
+        "the server's aggregation as a share of a federated round (aligned, refined)",
+        "`results/bench_round_share_gpt2-tiny.json`",
+        "15 min",
+    ),
+    "load_clients": Bench(
+        "a simulation of 20 clients: peak memory of every process, seconds per round",
+        "`results/bench_load_20_clients.json`",
+        "10 min",
+    ),
+    "deploy_gpt2_small": Bench(
+        "a real deployment round (SuperLink, 2 SuperNodes) with 622 MB messages; `--superlink flower`, `--burners N`",
+        "`results/deploy_gpt2_small_<database>[_flower][_loadN].json`",
+        "5 min",
+    ),
+    "deploy_gpt2_small_persistent": Bench(
+        "the restart story at GPT-2-small size (TLS, node auth, sqlite state): SuperLink killed in round 2, "
+        "restarted, resumed",
+        "`results/deploy_gpt2_small_persistent.json`",
+        "30 min",
+    ),
+    "hf_pairs": Bench(
+        "pairwise barriers of two trained Hugging Face GPT-2 / ViT / Llama models",
+        "`results/bench_hf_pair_{gpt2,vit,llama}*.json`",
+        "30–60 min",
+    ),
+    "learned_budget": Bench(
+        "barrier against learned-matching steps and one-epoch recipes",
+        "`results/learned_budget_*.{md,json,png}`",
+        "1–3 h",
+    ),
+    "width_study": Bench(
+        "barriers of one trained pair per width (d = 32 … 256)",
+        "`results/width_study_{vit,gpt2}.{md,json,png}`",
+        "10 min – 3 h",
+    ),
+    "universe_variants": Bench(
+        "every universe / refinement variant on the same 4 trained models",
+        "`results/universe_variants_*.{md,json}`",
+        "1 h",
+    ),
+    "lora_aggregators": Bench(
+        "PEFT LoRA federations: FedIT, FFA-LoRA, FedSA-LoRA, FLoRA, FlexLoRA, FedEx-LoRA and `LoraFedAvg` on the "
+        "same clients, 5 settings × 3 seeds",
+        "`results/lora_<setting>.{json,png}`, `results/lora_summary.md`",
+        "40 min",
+    ),
+    "lora_server_time": Bench(
+        "`LoraFedAvg`'s server seconds per round against Flower's FedAvg on the same replies",
+        "`results/lora_server_time.json`",
+        "1 min",
+    ),
+    "gpu_check": Bench(
+        "`make gpu-check` on a CUDA machine: the paper's GPT-2 setting, the everyday suite with CUDA visible, "
+        "the speed benches",
+        "`results/gpu/*.json`",
+        "`--budget` s",
+    ),
+}
+
+
+def table() -> str:
+    """The benches as a Markdown table (bench/README.md's)."""
+    lines = ["| bench | what it measures | writes | about |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | {b.what} | {b.writes} | {b.about} |" for name, b in BENCHES.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + table())
+        return 0
+    name, args = argv[0], argv[1:]
+    if name not in BENCHES:
+        print(f"no bench {name!r}; choose one of {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    sys.argv = [str(HERE / f"{name}.py"), *args]
+    sys.path.insert(0, str(HERE))  # the benches import their helpers from bench/ itself
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
