@@ -62,6 +62,12 @@ BENCHES: dict[str, Bench] = {
         "`results/bench_universe_scale*.{json,png}`",
         "1 h",
     ),
+    "dp_spool": Bench(
+        "peak server memory of a `Scale(spool=True)` round under its own `start` and inside Flower's client- "
+        "and server-side DP wrappers, against replies in memory",
+        "`results/bench_dp_spool.json`",
+        "5 min",
+    ),
     "busy_host": Bench(
         "an independent gpt2-small pair and an 8-model universe idle and beside 2 and 4 CPU-bound processes",
         "`results/bench_load.json`",

@@ -143,6 +143,24 @@ def busy_host(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def dp_spool(doc: dict) -> str:
+    what = {
+        "spool": "`Scale(spool=True)`, the strategy's own `start`",
+        "client-dp": "`Scale(spool=True)` inside `DifferentialPrivacyClientSideFixedClipping`",
+        "server-dp": "`Scale(spool=True)` inside `DifferentialPrivacyServerSideFixedClipping`",
+        "memory": "replies in memory",
+    }
+    lines = ["| round | peak memory above the start | in models |", "|---|---|---|"]
+    for r in doc["runs"]:
+        lines.append(f"| {what[r['condition']]} | {r['peak_bytes'] / 2**30:.2f} GiB | {r['peak_models']:.1f} |")
+    lines += [
+        "",
+        f"{doc['replies']} replies of a {doc['layers']}-layer GPT-2-small-shaped model "
+        f"({doc['runs'][0]['model_bytes'] / 2**20:.0f} MiB); {doc['processor']}, {doc['threads']} threads.",
+    ]
+    return "\n".join(lines)
+
+
 def lora_server_time(doc: dict) -> str:
     lines = [
         "| adapters | clients | rank | LoraFedAvg s | FedAvg s | ratio | server state KB |",
@@ -297,6 +315,7 @@ TABLES: dict[str, Table] = {
         "bench_universe_scale_amd_curve.json", _scale_command("bench_universe_scale_amd_curve.json"), universe_scale
     ),
     "busy-host": one("bench_load.json", "python bench/busy_host.py", busy_host),
+    "dp-spool": one("bench_dp_spool.json", "python bench/dp_spool.py --replies 8 --layers 2", dp_spool),
     "lora-server-time": one("lora_server_time.json", "python bench/lora_server_time.py", lora_server_time),
     "deploy": Table(
         ("deploy_gpt2_small_memory.json", "deploy_gpt2_small_sqlite_load4.json"),

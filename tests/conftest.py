@@ -165,8 +165,11 @@ def inputs_for(model: torch.nn.Module, seed: int = 0, batch: int = 3) -> torch.T
     return torch.randn(batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g, dtype=torch.float64)
 
 
-def metadata(src: int, dst: int = 0, message_type: str = "train", message_id: str = "", ttl: float = 3600.0):
-    """Flower message metadata for a crafted reply (from node ``src``) or query (to node ``dst``)."""
+def metadata(
+    src: int, dst: int = 0, message_type: str = "train", message_id: str = "", ttl: float = 3600.0, reply_to: str = "i"
+):
+    """Flower message metadata for a crafted reply (from node ``src``, answering ``reply_to``) or query
+    (to node ``dst``)."""
     import time
 
     from flwr.app import Metadata
@@ -176,7 +179,7 @@ def metadata(src: int, dst: int = 0, message_type: str = "train", message_id: st
         message_id=message_id or f"m{src}",
         src_node_id=src,
         dst_node_id=dst,
-        reply_to_message_id="i",
+        reply_to_message_id=reply_to,
         group_id="1",
         created_at=time.time(),
         ttl=ttl,

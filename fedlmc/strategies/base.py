@@ -7,6 +7,7 @@ global model's config attached to every message, reply validation (baselines inc
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -15,10 +16,17 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
-from flwr.serverapp.strategy import FedAvg
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    FedAvg,
+)
+from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from flwr.supercore import log
 
 from fedlmc.arrivals import ArrivalGrid
@@ -28,12 +36,12 @@ from fedlmc.hf import HFAdapter, recognise
 from fedlmc.hf.adapter import key_mismatch
 from fedlmc.models import from_config
 from fedlmc.models.layers import TransformerConfig
-from fedlmc.options import Checks, Guard, Report, Scale, one_of
+from fedlmc.options import Checks, Guard, Report, Robust, Scale, one_of
 from fedlmc.replies import ReplyError, ReplyStore, StoredModel
 from fedlmc.train import evaluate
 
 from .records import MODEL_CONFIG_KEY, model_from_arrays, state_arrays
-from .validation import InvalidReply, check_reply
+from .validation import InvalidReply, check_arrays, check_reply
 
 # A reply trained from the global model keeps a clear correlation with it (gpt2-tiny: weight cosine 0.82
 # after 100 local steps, 0.43 after 1500); an independently started one has none (|cos| ≤ 0.01), and
@@ -123,6 +131,8 @@ class FedlmcStrategy(FedAvg):
         self.adapter, self.client_keys, self.unknown_model = None, None, None
         self.global_config = self._config_of(model, fallback)
         self.fallback, self.plain_reason = fallback, None
+        self._ready = False  # check_architecture has run (start(), or the first configure / aggregate call)
+        self._returned: Optional[ArrayRecord] = None  # the last aggregate this strategy returned
         self.report_data, self.report_batches = (report.data, report.batches) if report is not None else (None, None)
         self.checks = checks if checks is not None else Checks()
         self.history: list[dict[str, Any]] = []
@@ -202,10 +212,18 @@ class FedlmcStrategy(FedAvg):
             self.grid = grid
         return self.aggregate_train(server_round, replies)
 
+    def _ensure_ready(self, arrays: Optional[ArrayRecord]) -> None:
+        """What ``start`` does before round 1, on first use instead when a wrapper (Flower's DP wrappers)
+        calls ``configure_train`` / ``aggregate_train`` directly: the architecture check and the fallback
+        decision, on the arrays Flower passes."""
+        if not self._ready:
+            self.check_architecture(arrays)
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        self._ensure_ready(arrays)
         self._previous = arrays  # this round's aggregate starts from (and is checked against) the global model
         self.grid = grid
-        if self.scale.on_disk:  # the round's replies are written here as they arrive (``ArrivalGrid``)
+        if self.scale.on_disk and self.plain_reason is None:  # replies written to disk as they arrive
             self._close_store()
             self.store, self._arrived = ReplyStore(self.scale.spool_dir), {}
         msgs = super().configure_train(self.real_round(server_round), arrays, self._with_config(config), grid)
@@ -228,6 +246,38 @@ class FedlmcStrategy(FedAvg):
             return super().start(grid, initial_arrays, *args, **kwargs)
         finally:
             self._close_store()
+
+    def summary(self) -> None:
+        """Flower's summary; under a wrapper (Flower's DP wrappers call it from their ``start``, which
+        this strategy's own never runs), ``Scale(spool=True)`` also hooks the grid that ``start`` runs
+        on, so that train replies are written to disk as they arrive, as under this strategy's own
+        ``start``."""
+        super().summary()
+        if self.scale.on_disk:
+            wrapper, grid = _starting(self)
+            if wrapper is not None:
+                self._hook_grid(wrapper, grid)
+
+    def _hook_grid(self, wrapper, grid) -> None:
+        """Spool this strategy's train replies as they arrive through ``grid`` (its ``send_and_receive``
+        goes through an ``ArrivalGrid``; every other message passes through unchanged, and so does every
+        message outside this strategy's rounds), provided ``wrapper`` hands the replies on unchanged
+        (Flower's client-side DP wrappers). A wrapper that rewrites them first (server-side clipping)
+        needs them in memory: they are then written to disk when this strategy reads them."""
+        if not isinstance(wrapper, PASS_THROUGH):
+            log(
+                INFO,
+                "%s: %s rewrites the replies before they are aggregated, so they wait in memory until then",
+                type(self).__name__,
+                type(wrapper).__name__,
+            )
+            return
+        if grid is None or not all(hasattr(grid, f) for f in ("push_messages", "pull_messages")):
+            return  # a grid of replies all at once: they are written to disk when read
+        try:
+            grid.send_and_receive = ArrivalGrid(grid, self.arrived).send_and_receive
+        except AttributeError:  # a grid that takes no attribute: replies are written when read
+            pass
 
     def arrived(self, msg: Message) -> Message:
         """A reply as it arrives (``ArrivalGrid``): a train reply is read, validated and written to this
@@ -257,57 +307,76 @@ class FedlmcStrategy(FedAvg):
             self.store, self._arrived = None, {}
         self._cosines, self._previous_for_arrivals = {}, None
 
-    def check_architecture(self, arrays: ArrayRecord) -> None:
+    def check_architecture(self, arrays: Optional[ArrayRecord]) -> None:
         """A model the strategy cannot align is an error before the first round (naming the fix), not a
         federation that silently stops learning because every reply is excluded; with
-        ``fallback="average"`` it is averaged plainly instead, with a warning every round."""
-        if self.adapter is not None:
+        ``fallback="average"`` it is averaged plainly instead, with a warning every round. A strategy
+        that needs no architecture (``ReportingFedAvg``, ``KrumFedAvg``) averages such replies as
+        Flower's FedAvg does. ``arrays``: the global arrays (None: not known yet)."""
+        self._ready = True
+        if self.adapter is not None and arrays is not None:
             self.client_keys = sorted(arrays.keys())
-        if not self.needs_architecture:
+        reason = self._unreadable(arrays)
+        if reason is None:
             return
-        name = type(self).__name__
-        hf_class = recognise(arrays.keys()) if self.global_config is None else None
-        if hf_class is not None:
-            reason = (
-                f"{name}: these are a Hugging Face {hf_class}'s weights, whose head count is not in the "
-                f"weights: pass model=<your {hf_class} or its config>"
-            )
-        elif self.unknown_model is not None:
-            reason = self.unknown_model
-        elif self.global_config is None:
-            reason = (
-                f"{name} needs the model's architecture to align replies and was given none: pass "
-                "model=<your model or its config> (a fedlmc, Hugging Face GPT-2 / ViT / Llama model), or "
-                "describe your own Transformer (fedlmc.models.register_architecture + fedlmc.symmetry.register_spec)"
-            )
-        elif self.adapter is not None:
-            mismatch = self.adapter.mismatch(arrays.keys())
-            if not mismatch:
-                return
-            reason = f"{name}: the initial arrays are not a {self.adapter.describe()} of the given model ({mismatch})"
-        else:
-            try:
-                model_from_arrays(arrays, self.global_config)
-                return
-            except Exception as e:  # noqa: BLE001 -- any mismatch is reported with its cause
-                why = _key_mismatch(arrays, self.global_config) or e
-                reason = f"{name}: the initial arrays are not a model of the given model ({why})"
+        if not self.needs_architecture:
+            self.plain_reason = reason
+            log(INFO, "%s: %s; its replies are averaged as Flower's FedAvg averages them", type(self).__name__, reason)
+            return
         if self.fallback == "error":
             raise ValueError(reason + "; or pass fallback='average' to average such a model plainly")
         self.plain_reason = reason
         log(WARNING, "%s; averaging plainly (fallback='average')", reason)
 
+    def _unreadable(self, arrays: Optional[ArrayRecord]) -> Optional[str]:
+        """Why this strategy cannot read ``arrays`` as its model (None: it can, or cannot tell yet)."""
+        name = type(self).__name__
+        hf_class = recognise(arrays.keys()) if self.global_config is None and arrays is not None else None
+        if hf_class is not None:
+            return (
+                f"{name}: these are a Hugging Face {hf_class}'s weights, whose head count is not in the "
+                f"weights: pass model=<your {hf_class} or its config>"
+            )
+        if self.unknown_model is not None:
+            return self.unknown_model
+        if self.global_config is None:
+            if not self.needs_architecture:
+                return f"{name} has no model (model=...)"
+            return (
+                f"{name} needs the model's architecture to align replies and was given none: pass "
+                "model=<your model or its config> (a fedlmc, Hugging Face GPT-2 / ViT / Llama model), or "
+                "describe your own Transformer (fedlmc.models.register_architecture + fedlmc.symmetry.register_spec)"
+            )
+        if arrays is None:
+            return None
+        if self.adapter is not None:
+            mismatch = self.adapter.mismatch(arrays.keys())
+            if not mismatch:
+                return None
+            return f"{name}: the initial arrays are not a {self.adapter.describe()} of the given model ({mismatch})"
+        try:
+            model_from_arrays(arrays, self.global_config)
+            return None
+        except Exception as e:  # noqa: BLE001 -- any mismatch is reported with its cause
+            why = _key_mismatch(arrays, self.global_config) or e
+            return f"{name}: the initial arrays are not a model of the given model ({why})"
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        self._ensure_ready(self._previous)
         if self.plain_reason is not None:
-            log(
-                WARNING,
-                "round %d: averaging plainly, not aligning: %s",
-                self.real_round(server_round),
-                self.plain_reason,
-            )
-            return FedAvg.aggregate_train(self, server_round, replies)
+            if self.needs_architecture:
+                log(
+                    WARNING,
+                    "round %d: averaging plainly, not aligning: %s",
+                    self.real_round(server_round),
+                    self.plain_reason,
+                )
+            try:
+                return self._plain_round(self.real_round(server_round), replies)
+            finally:
+                self._close_store()
         server_round = self.real_round(server_round)
         if self.scale.on_disk and self.store is None:  # outside Flower's loop (aggregate_replies)
             self.store = ReplyStore(self.scale.spool_dir)
@@ -348,7 +417,54 @@ class FedlmcStrategy(FedAvg):
         record["model_bytes"] = sum(a.numel() * a.element_size() for a in arrays.to_torch_state_dict().values())
         self.history.append(record)
         self.global_config = result.config.to_dict()
+        self._returned = arrays
         return arrays, metrics
+
+    # ---- replies that are not a model this strategy reads: Flower's aggregation, validated ------------------
+    def _plain_round(self, server_round: int, replies: Iterable[Message]):
+        """Flower's aggregation of the replies (``combine_arrays``), after what can be validated without a
+        model: each reply's weight, its arrays' keys and shapes against the global arrays sent (else the
+        first reply's), finite values and the norm bound. The round is recorded as the others are."""
+        replies = sorted(self._received(server_round, replies), key=reply_order)
+        self._excluded = []
+        reference = self._previous if self._previous is not None and len(self._previous) else None
+        shapes = None if reference is None else {k: tuple(a.shape) for k, a in reference.items()}
+        kept, weights = [], []
+        for msg in replies:
+            try:
+                sd, w = check_arrays(
+                    msg.content,
+                    arrays_key=self.arrayrecord_key,
+                    weight_key=self.weighted_by_key,
+                    reference=shapes,
+                    reference_norm=self._reference_norm(),
+                    max_norm_ratio=self.checks.max_norm_ratio,
+                )
+            except InvalidReply as e:
+                self.exclude(server_round, msg.metadata.src_node_id, str(e))
+                continue
+            shapes = shapes or {k: tuple(v.shape) for k, v in sd.items()}
+            kept.append(msg)
+            weights.append(w)
+        if len(kept) < self.checks.min_replies:
+            return self._too_few(server_round, len(kept))
+        t0 = time.time()
+        arrays, fields = self.combine_arrays(server_round, kept, weights)
+        metrics = self.train_metrics_aggr_fn([m.content for m in kept], self.weighted_by_key)
+        record = self.round_record(server_round, nodes=[m.metadata.src_node_id for m in kept], plain=True, **fields)
+        record.update(align_seconds=time.time() - t0, train_metrics=dict(metrics) if metrics is not None else {})
+        self.history.append(record)
+        self._returned = arrays
+        return arrays, metrics
+
+    def combine_arrays(self, server_round: int, replies: list[Message], weights: list[float]):
+        """The aggregate of replies read as arrays only, and the round record's fields: Flower's weighted
+        mean (``aggregate_arrayrecords``), or with ``robust`` its FedMedian / FedTrimmedAvg result."""
+        robust = getattr(self, "robust", None)
+        contents = [m.content for m in replies]
+        if robust is None or robust.reduce == "mean":
+            return aggregate_arrayrecords(contents, self.weighted_by_key), {"kept": "average"}
+        return robust_arrays([c[self.arrayrecord_key] for c in contents], robust), {"kept": robust.reduce}
 
     def adapter_for(self, msg: Message) -> Optional[HFAdapter]:
         """The adapter a reply is read with (None: fedlmc keys); mixed-width strategies pick by shapes."""
@@ -372,22 +488,7 @@ class FedlmcStrategy(FedAvg):
         each excluded reply gets one log line naming its node and the reason, and every failed message is
         logged and recorded. Returns None (and logs that the previous global model is kept) when fewer
         than ``checks.min_replies`` remain."""
-        replies = list(replies)
-        ok, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
-        ok.sort(key=reply_order)
-        self._failures = [{"node": m.metadata.src_node_id, "reason": str(m.error.reason)} for m in failed]
-        # who each node is (the partition its client declares), excluded replies included
-        self._partitions = {
-            str(m.metadata.src_node_id): p for m in ok for p in [declared_partition(m)] if p is not None
-        }
-        log(
-            INFO,
-            "%s round %d: replies from nodes %s; failures from nodes %s",
-            type(self).__name__,
-            server_round,
-            sorted(m.metadata.src_node_id for m in ok) or "none",
-            [f["node"] for f in self._failures] or "none",
-        )
+        ok = sorted(self._received(server_round, replies), key=reply_order)
         ref_norm = self._reference_norm() if any(arrival_key(m) not in self._arrived for m in ok) else None
         kept, models, weights, self._excluded = [], [], [], []
         for msg in ok:
@@ -403,17 +504,40 @@ class FedlmcStrategy(FedAvg):
             models.append(model)
             weights.append(w)
         if len(kept) < self.checks.min_replies:
-            log(
-                WARNING,
-                "%s round %d: only %d valid replies (minimum %d): keeping the previous global model",
-                type(self).__name__,
-                server_round,
-                len(kept),
-                self.checks.min_replies,
-            )
-            self.history.append(self.round_record(server_round, kept="previous", align_seconds=0.0))
-            return None
+            return self._too_few(server_round, len(kept))
         return kept, models, weights
+
+    def _received(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The replies that are not errors, with the failed messages logged and recorded, and who each
+        node is (the partition its client declares)."""
+        ok, failed = self._check_and_log_replies(list(replies), is_train=True, validate=False)
+        self._failures = [{"node": m.metadata.src_node_id, "reason": str(m.error.reason)} for m in failed]
+        self._partitions = {
+            str(m.metadata.src_node_id): p for m in ok for p in [declared_partition(m)] if p is not None
+        }
+        log(
+            INFO,
+            "%s round %d: replies from nodes %s; failures from nodes %s",
+            type(self).__name__,
+            server_round,
+            sorted(m.metadata.src_node_id for m in ok) or "none",
+            [f["node"] for f in self._failures] or "none",
+        )
+        return ok
+
+    def _too_few(self, server_round: int, valid: int) -> None:
+        """A round with fewer valid replies than ``checks.min_replies``: the previous model is kept, said
+        in the log and the history."""
+        log(
+            WARNING,
+            "%s round %d: only %d valid replies (minimum %d): keeping the previous global model",
+            type(self).__name__,
+            server_round,
+            valid,
+            self.checks.min_replies,
+        )
+        self.history.append(self.round_record(server_round, kept="previous", align_seconds=0.0))
+        return None
 
     def _reference_norm(self) -> Optional[float]:
         """The global model's weight norm (a reply's norm is checked against it), once per global model."""
@@ -549,6 +673,50 @@ class FedlmcStrategy(FedAvg):
     def load_state(self, state: dict[str, Any], round_offset: int) -> None:
         """Continue from ``state()`` after ``round_offset`` completed rounds."""
         self.global_config, self.history, self.round_offset = state["global_config"], state["history"], round_offset
+
+
+# wrappers that hand the replies on to the strategy they wrap as the clients sent them (Flower's client-side
+# DP wrappers: the clients clip); a server-side clipping wrapper rewrites every reply's arrays first
+PASS_THROUGH = (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyClientSideAdaptiveClipping)
+
+
+def _wrapper_of(strategy: Any) -> Any:
+    """The strategy that wraps ``strategy`` (holds it as ``.strategy``) and is calling it now, if any."""
+    return _starting(strategy, only_wrapper=True)[0]
+
+
+def _starting(strategy: Any, only_wrapper: bool = False) -> tuple[Any, Any]:
+    """The strategy that wraps ``strategy`` and is calling it now, and the grid its ``start`` runs on
+    (None, None: no wrapper is calling; the grid is None when the call does not come from ``start``)."""
+    from flwr.serverapp.strategy import Strategy
+
+    frame = inspect.currentframe()
+    wrapper = None
+    try:
+        f = frame.f_back if frame is not None else None
+        while f is not None:
+            caller = f.f_locals.get("self")
+            if wrapper is None and caller is not strategy and getattr(caller, "strategy", None) is strategy:
+                wrapper = caller
+                if only_wrapper:
+                    return wrapper, None
+            if wrapper is not None and caller is wrapper and f.f_code is Strategy.start.__code__:
+                return wrapper, f.f_locals.get("grid")
+            f = f.f_back
+        return wrapper, None
+    finally:
+        del frame
+
+
+def robust_arrays(records: list[ArrayRecord], robust: Robust) -> ArrayRecord:
+    """Flower's FedMedian / FedTrimmedAvg of ArrayRecords: the unweighted coordinate-wise median or
+    trimmed mean (``robust.trim`` cut at each end), key by key, with Flower's own ``trim_mean``."""
+    out = ArrayRecord()
+    for key in records[0].keys():
+        stacked = np.stack([r[key].numpy() for r in records])
+        value = np.median(stacked, axis=0) if robust.reduce == "median" else trim_mean(stacked, robust.trim)
+        out[key] = Array(np.asarray(value))
+    return out
 
 
 def arrival_key(msg: Message) -> tuple[int, str]:

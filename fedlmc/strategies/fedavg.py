@@ -64,6 +64,19 @@ class KrumFedAvg(ReportingFedAvg):
         self.num_malicious_nodes, self.num_nodes_to_select = num_malicious_nodes, num_nodes_to_select
 
     def combine(self, server_round, replies, models, weights):
+        keep, fields = self._select(server_round, replies)
+        for seq in (replies, models, weights):
+            seq[:] = [seq[i] for i in keep]
+        arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
+        return self.model_of(arrays), fields, None
+
+    def combine_arrays(self, server_round, replies, weights):
+        keep, fields = self._select(server_round, replies)
+        return aggregate_arrayrecords([replies[i].content for i in keep], self.weighted_by_key), fields
+
+    def _select(self, server_round: int, replies: list) -> tuple[list[int], dict]:
+        """The indices of the replies Flower's Multi-Krum selection keeps (the others are excluded, each
+        with a reason) and the round record's fields."""
         contents = [m.content for m in replies]
         f = self.num_malicious_nodes
         select = self.num_nodes_to_select or max(1, len(replies) - f)
@@ -72,9 +85,6 @@ class KrumFedAvg(ReportingFedAvg):
         left_out = [i for i, c in enumerate(contents) if id(c) not in chosen]
         for i in left_out:
             self.exclude(server_round, nodes[i], f"Krum (raw coordinates, f={f}): not among the {select} selected")
-        keep = [i for i in range(len(replies)) if i not in left_out]
-        for seq in (replies, models, weights):
-            seq[:] = [seq[i] for i in keep]
-        arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
         screened = {"method": "krum-raw", "excluded": [nodes[i] for i in left_out]}
-        return self.model_of(arrays), {"kept": "krum" if select == 1 else "multikrum", "screen": screened}, None
+        keep = [i for i in range(len(replies)) if i not in left_out]
+        return keep, {"kept": "krum" if select == 1 else "multikrum", "screen": screened}

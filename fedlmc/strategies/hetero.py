@@ -126,6 +126,8 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         return project(universe, T)
 
     def configure_train(self, server_round: int, arrays, config: ConfigRecord, grid) -> list[Message]:
+        if arrays is not self._returned:  # not this strategy's aggregate (a wrapper changed it, or a restart):
+            self._universe = None  # every projection is made from the global model Flower passes
         self.learn_partitions(grid)
         return list(super().configure_train(server_round, arrays, config, grid))
 

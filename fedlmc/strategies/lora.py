@@ -15,6 +15,8 @@ from flwr.supercore import log
 
 from fedlmc.lora import KEEP_FACTOR, LoraAggregator, LoraInputError, LoraLayout, nbytes
 
+from .base import _wrapper_of
+
 BASE_UPDATE_KEY = "base-update"  # tail="fold": the accumulated dense update of the base weights
 
 
@@ -80,6 +82,8 @@ class LoraFedAvg(FedAvg):
         self.node_ranks: dict[int, dict[str, int]] = {}
         self.history: list[dict[str, Any]] = []
         self._sent = 0
+        self._initial: Optional[ArrayRecord] = None  # the adapter set_initial read
+        self._returned: Optional[ArrayRecord] = None  # the last aggregate this strategy returned
 
     # ---- before round 1 ---------------------------------------------------------------------------
     def start(self, grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any):
@@ -97,9 +101,33 @@ class LoraFedAvg(FedAvg):
         factors = self.layout.read(initial_arrays)
         self.aggregator = LoraAggregator(self.layout, self.tail, self.keep_factor)
         self.aggregator.start(factors)
+        self._initial = initial_arrays
+
+    def _sync(self, arrays: ArrayRecord) -> None:
+        """The adapter Flower passes is the global one: it is read on first use (a wrapper such as
+        Flower's DP wrappers never calls ``start``), and read again when it is not the aggregate this
+        strategy returned (a wrapper changed it, e.g. added noise), so what the server keeps agrees with
+        what the clients are sent. ``tail="fold"`` under a wrapper is refused: its dense base update
+        travels beside the adapter, where a DP wrapper's noise does not reach it."""
+        wrapper = _wrapper_of(self)
+        if wrapper is not None and self.tail == "fold":
+            raise ValueError(
+                f"LoraFedAvg(tail='fold') sends every client a dense base update that {type(wrapper).__name__} "
+                "does not see (nor add noise to): use tail='keep' or 'drop' under a wrapper"
+            )
+        if self.aggregator is not None and (arrays is self._returned or arrays is self._initial):
+            return
+        if self.aggregator is not None:
+            log(
+                INFO,
+                "LoraFedAvg: the global adapter is not the aggregate it returned (a wrapper changed it): "
+                "its state restarts from it",
+            )
+        self.set_initial(arrays)
 
     # ---- each round -------------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        self._sync(arrays)
         msgs = list(super().configure_train(server_round, arrays, config, grid))
         out, self._sent = [], 0
         base = self.aggregator.base_update() if self.aggregator is not None else {}
@@ -139,7 +167,10 @@ class LoraFedAvg(FedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         if self.aggregator is None:
-            raise RuntimeError("LoraFedAvg.aggregate_train before start(): call set_initial(initial_arrays) first")
+            raise RuntimeError(
+                "LoraFedAvg.aggregate_train before any adapter was given: run it through start() or "
+                "configure_train(), or call set_initial(initial_arrays) first"
+            )
         t0 = time.perf_counter()
         ok, _ = self._check_and_log_replies(list(replies), is_train=True, validate=False)
         accepted, factors, weights, excluded, received = [], [], [], [], 0
@@ -174,6 +205,7 @@ class LoraFedAvg(FedAvg):
         seconds = time.perf_counter() - t0
         self.history.append({**record, "seconds": seconds, "server_state_bytes": self.aggregator.state_bytes})
         log(INFO, "LoraFedAvg: round %d aggregated %d adapters in %.3f s", server_round, len(accepted), seconds)
+        self._returned = arrays
         return arrays, metrics
 
     def _unpack(self, msg: Message) -> tuple[ArrayRecord, float]:

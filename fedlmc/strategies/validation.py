@@ -40,6 +40,75 @@ def declared_config(content, default: Optional[dict[str, Any]]) -> dict[str, Any
     return default
 
 
+def reply_weight(content, weight_key: str) -> float:
+    """A reply's weight, the ``weight_key`` entry of its metrics: any positive finite number, as Flower
+    weighs replies, and a whole one where the key is ``num-examples`` (an example count)."""
+    metrics = list(content.metric_records.values())
+    if not metrics or weight_key not in metrics[0]:
+        raise InvalidReply(f"its metrics have no '{weight_key}'")
+    weight = metrics[0][weight_key]
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(float(weight)):
+        raise InvalidReply(f"'{weight_key}' is {weight!r}, not a finite number")
+    if float(weight) <= 0:
+        raise InvalidReply(f"'{weight_key}' is {weight!r}, not positive")
+    if weight_key == "num-examples" and float(weight) != int(weight):
+        raise InvalidReply(f"'{weight_key}' is {weight!r}, not a whole number of examples")
+    return float(weight)
+
+
+def check_values(
+    sd: dict[str, torch.Tensor], reference_norm: Optional[float], max_norm_ratio: float, max_abs: float = 1e6
+) -> None:
+    """``InvalidReply`` when a floating-point tensor holds NaN or Inf, an entry above ``max_abs``, or the
+    whole exceeds ``max_norm_ratio`` times ``reference_norm`` (the global model's weight norm)."""
+    total = 0.0
+    for k, v in sd.items():
+        if not v.is_floating_point():
+            continue
+        if not bool(torch.isfinite(v).all()):
+            raise InvalidReply(f"{k} contains NaN or Inf")
+        peak = float(v.abs().max()) if v.numel() else 0.0
+        if peak > max_abs:
+            raise InvalidReply(f"{k} has an entry of magnitude {peak:.3g} (> {max_abs:.0g})")
+        total += float(v.double().pow(2).sum())
+    norm = total**0.5
+    if reference_norm is not None and reference_norm > 0 and norm > max_norm_ratio * reference_norm:
+        raise InvalidReply(
+            f"its weight norm {norm:.3g} is {norm / reference_norm:.0f}× the global model's (limit {max_norm_ratio:g}×)"
+        )
+
+
+def check_arrays(
+    content,
+    *,
+    arrays_key: str,
+    weight_key: str,
+    reference: Optional[dict[str, tuple[int, ...]]],
+    reference_norm: Optional[float] = None,
+    max_norm_ratio: float = 100.0,
+) -> tuple[dict[str, torch.Tensor], float]:
+    """What can be checked of a reply without a model (the arrays Flower's FedAvg would average): its
+    weight, its ArrayRecord, the keys and shapes of ``reference`` (the global arrays sent, key → shape),
+    finite values and the norm bound. Returns (tensors, weight) or raises ``InvalidReply``."""
+    weight = reply_weight(content, weight_key)
+    if arrays_key not in content.array_records:
+        raise InvalidReply(f"it carries no ArrayRecord '{arrays_key}'")
+    try:
+        sd = content[arrays_key].to_torch_state_dict()
+    except Exception as e:  # a malformed record must not take the round down
+        raise InvalidReply(f"its arrays cannot be read ({type(e).__name__}: {e})") from None
+    if reference is not None:
+        missing, extra = sorted(set(reference) - set(sd)), sorted(set(sd) - set(reference))
+        if missing or extra:
+            which = f"misses {missing[0]}" if missing else f"carries {extra[0]}"
+            raise InvalidReply(f"its arrays are not the global model's: it {which}")
+        for k, shape in reference.items():
+            if tuple(sd[k].shape) != shape:
+                raise InvalidReply(f"{k} has shape {tuple(sd[k].shape)}, the global model's is {shape}")
+    check_values(sd, reference_norm, max_norm_ratio)
+    return sd, weight
+
+
 def check_reply(
     content,
     *,
@@ -55,18 +124,7 @@ def check_reply(
     """Return (config, state dict, weight) of a valid reply, else raise ``InvalidReply``. With an
     ``adapter`` (``fedlmc.hf.HFAdapter``) the reply is under the client model's own keys: it is checked
     against that model's keys and shapes, and its state dict is returned in fedlmc's keys."""
-    metrics = list(content.metric_records.values())
-    if not metrics or weight_key not in metrics[0]:
-        raise InvalidReply(f"its metrics have no '{weight_key}'")
-    weight = metrics[0][weight_key]
-    if (
-        isinstance(weight, bool)
-        or not isinstance(weight, (int, float))
-        or not math.isfinite(float(weight))
-        or float(weight) <= 0
-        or float(weight) != int(weight)
-    ):
-        raise InvalidReply(f"'{weight_key}' is {weight!r}, not a positive whole number of examples")
+    weight = reply_weight(content, weight_key)
     if arrays_key not in content.array_records:
         raise InvalidReply(f"it carries no ArrayRecord '{arrays_key}'")
     cfg = adapter.config.to_dict() if adapter is not None else declared_config(content, reference_config)
@@ -111,21 +169,10 @@ def check_reply(
         shape = tuple(t) if isinstance(t, tuple) else tuple(t.shape)
         if tuple(sd[k].shape) != shape:
             raise InvalidReply(f"{k} has shape {tuple(sd[k].shape)}, its declared config needs {shape}")
-    total = 0.0
     for k, v in sd.items():
         if not v.is_floating_point():
             raise InvalidReply(f"{k} is not a floating-point tensor ({v.dtype})")
-        if not bool(torch.isfinite(v).all()):
-            raise InvalidReply(f"{k} contains NaN or Inf")
-        peak = float(v.abs().max()) if v.numel() else 0.0
-        if peak > max_abs:
-            raise InvalidReply(f"{k} has an entry of magnitude {peak:.3g} (> {max_abs:.0g})")
-        total += float(v.double().pow(2).sum())
-    norm = total**0.5
-    if reference_norm is not None and reference_norm > 0 and norm > max_norm_ratio * reference_norm:
-        raise InvalidReply(
-            f"its weight norm {norm:.3g} is {norm / reference_norm:.0f}× the global model's (limit {max_norm_ratio:g}×)"
-        )
+    check_values(sd, reference_norm, max_norm_ratio, max_abs)
     if adapter is not None:
         sd = adapter.to_fedlmc(sd).state_dict()
     return cfg, sd, float(weight)
