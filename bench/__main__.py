@@ -32,24 +32,17 @@ BENCHES: dict[str, Bench] = {
     ),
     "wm_gpt2_small": Bench(
         "weight matching of a gpt2-small-shaped pair: independent, planted, a reply trained a little from A; "
-        "`--repeats 3` keeps the median beside a GEMM reference, with a profile per section",
-        "`results/bench_wm_gpt2_small.json` (`--out` for the profile and the looser stops)",
+        "`--repeats 3` keeps the median beside a GEMM reference, with a profile per section; `--replies 8`: "
+        "`min_gain`'s gains on near replies with the fast products and with float32 ones",
+        "`results/bench_wm_gpt2_small.json` (`--out` for the profile and the looser stops), "
+        "`results/bench_min_gain_precision.json`",
         "8 min",
     ),
-    "wm_stopping": Bench(
-        "what stopping weight matching's descent earlier costs on trained gpt2-tiny pairs (`--width` for wider)",
-        "`results/bench_wm_stopping_gpt2-tiny{,_w256}.{json,png}`",
+    "wm_trained": Bench(
+        "weight matching on independently trained gpt2-tiny pairs (`--width` for wider): the barrier after "
+        "k iterations and at each `Matching.tol`, or at each product precision (`--precisions`)",
+        "`results/bench_wm_stopping_gpt2-tiny{,_w256}.{json,png}`, `results/bench_precision_quality_gpt2-tiny.json`",
         "15–50 min",
-    ),
-    "precision_quality": Bench(
-        "the barrier weight matching reaches at each product precision (bfloat16, int8, float32)",
-        "`results/bench_precision_quality_gpt2-tiny.json`",
-        "20 min",
-    ),
-    "min_gain_precision": Bench(
-        "`Matching(min_gain=…)`'s gains and choices on 8 near GPT-2-small replies, fast products against float32",
-        "`results/bench_min_gain_precision.json`",
-        "3 min",
     ),
     "universe_gpt2_small": Bench(
         "a universe of 8 planted gpt2-small-shaped copies: seconds, peak memory",
@@ -73,20 +66,12 @@ BENCHES: dict[str, Bench] = {
         "`results/bench_load.json`",
         "30 min",
     ),
-    "refine_gpt2_tiny": Bench(
-        "one Dirichlet refinement of 4 gpt2-tiny replies, 100 steps",
-        "`results/bench_refine_gpt2_tiny.json`",
-        "3 min",
-    ),
-    "refine_rounds": Bench(
-        "what refinement does to a federation's aggregate, round by round",
-        "`results/bench_refine_rounds_gpt2-tiny.json`",
-        "15 min",
-    ),
-    "round_share": Bench(
-        "the server's aggregation as a share of a federated round (aligned, refined)",
+    "refine": Bench(
+        "Dirichlet refinement as a federation runs it: one refinement's seconds (`step`), each round's "
+        "aggregate five ways (`rounds`), the aggregation's share of a simulated round (`share`)",
+        "`results/bench_refine_gpt2_tiny.json`, `results/bench_refine_rounds_gpt2-tiny.json`, "
         "`results/bench_round_share_gpt2-tiny.json`",
-        "15 min",
+        "3–15 min",
     ),
     "load_clients": Bench(
         "a simulation of 20 clients: peak memory of every process, seconds per round",

@@ -12,14 +12,21 @@ objective with float32 products ("objective_exact", computed after the timed run
 the time went); "exact" runs the dense assignment solver and float32 products everywhere (the
 reference for the fast path); "independent-float32" the default starts with float32 products
 everywhere (the reference for the CPU's fast products at the same solver); "rtol-1e-3" stops on the
-previous, tighter tolerance, "tol-1e-2" on a looser one (``bench/wm_stopping.py`` measures what it
+previous, tighter tolerance, "tol-1e-2" on a looser one (``bench/wm_trained.py`` measures what it
 costs in barrier on trained pairs). Runs with ``fedlmc.allocator.retain_freed_memory`` as the ServerApp does
 (``--default-allocator``: without).
+
+``--replies N`` measures instead the gain that ``Matching.min_gain`` compares, on N replies trained a
+little from A (2 % Gaussian noise per tensor, the common round of ``bench/universe_scale.py``), with the
+CPU's fast products (``precision="auto"``) and with float32 ones: per reply and precision the
+identity's objective, the descent's, the gain, whether it gave up, the seconds
+(results/bench_min_gain_precision.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -131,10 +138,87 @@ def run(a, ca, b, planted, noise: float, name: str, repeats: int = 1, common=Non
     return out
 
 
+PRECISIONS = ("auto", "exact")  # --replies: the CPU's fast products, and float32 ones
+
+
+def reply(a: torch.nn.Module, seed: int, noise: float) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    return rebuild(
+        a,
+        {
+            k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
+            for k, v in a.state_dict().items()
+        },
+    )
+
+
+def min_gain_precision(args: argparse.Namespace) -> None:
+    """``--replies N``: the gain ``Matching(min_gain=…)`` compares on N replies trained a little from A
+    (the ``common`` pair's kind, each with its own noise), at each product precision, A's side built
+    once per precision as in a universe iteration (results/bench_min_gain_precision.json)."""
+    retain_freed_memory()
+    args.out = args.out or "results/bench_min_gain_precision.json"
+    torch.manual_seed(0)
+    a = from_preset("gpt2-small", n_layer=args.layers).eval()
+    res = {
+        "model": "gpt2-small shape",
+        "layers": args.layers,
+        "noise": args.noise,
+        "min_gain": args.min_gain,
+        **environment(),
+        "gemm_seconds": [round(gemm_seconds(), 3)],
+        "replies": [],
+    }
+    reuse = {prec: {} for prec in PRECISIONS}
+    for i in range(args.replies):
+        b = reply(a, 100 + i, args.noise)
+        row = {"seed": 100 + i}
+        for prec in PRECISIONS:
+            t0 = time.perf_counter()
+            T = weight_matching(a, b, Matching(min_gain=args.min_gain, precision=prec), reuse=reuse[prec])
+            obj = T.info["objective"]
+            row[prec] = {
+                "seconds": round(time.perf_counter() - t0, 3),
+                "identity": obj["identity"],
+                "descent": obj["paper"],
+                "gain": 1.0 - obj["paper"] / obj["identity"],
+                "gave_up": "gave_up" in T.info,
+                "chosen": T.info["chosen"],
+                # parts whose cross-covariances were AᵀA + Aᵀ(B − A), the difference an int8 product
+                "difference_products": T.info.get("difference_products", []),
+            }
+        res["replies"].append(row)
+        print(
+            f"reply {i + 1}/{args.replies}: gain "
+            + ", ".join(f"{prec} {row[prec]['gain']:.5f} ({row[prec]['seconds']:.2f} s)" for prec in PRECISIONS),
+            flush=True,
+        )
+    res["gemm_seconds"].append(round(gemm_seconds(), 3))
+    rows = res["replies"]
+    res["summary"] = {
+        "max_gain_difference": max(abs(r["auto"]["gain"] - r["exact"]["gain"]) for r in rows),
+        "max_identity_relative_difference": max(
+            abs(r["auto"]["identity"] - r["exact"]["identity"]) / r["exact"]["identity"] for r in rows
+        ),
+        "gains": {prec: [round(r[prec]["gain"], 5) for r in rows] for prec in PRECISIONS},
+        "same_choice": all(r["auto"]["chosen"] == r["exact"]["chosen"] for r in rows),
+        "median_seconds": {prec: statistics.median(r[prec]["seconds"] for r in rows[1:]) for prec in PRECISIONS},
+    }
+    write_results(args.out, res)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--out", default="results/bench_wm_gpt2_small.json")
+    p.add_argument("--out", default=None, help="default: results/bench_wm_gpt2_small.json")
+    p.add_argument(
+        "--replies",
+        type=int,
+        default=0,
+        help="instead of the pairs: min_gain's gains on this many near replies at each precision",
+    )
+    p.add_argument("--noise", type=float, default=0.02, help="--replies: each reply's noise")
+    p.add_argument("--min-gain", type=float, default=0.1, help="--replies: Matching.min_gain")
     p.add_argument(
         "--configs",
         nargs="+",
@@ -151,6 +235,10 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.replies:
+        min_gain_precision(args)
+        return
+    args.out = args.out or "results/bench_wm_gpt2_small.json"
     retained = False if args.default_allocator else retain_freed_memory()
     a, ca, b, planted, noise, common = pair(args.layers)
     results = {

@@ -1,4 +1,5 @@
-"""Barriers of weight matching against where its descent stops, on independently trained pairs.
+"""Barriers of weight matching on independently trained pairs, against where its descent stops, or
+at each precision of its products (``--precisions``).
 
 Weight matching's coordinate descent stops when an iteration improves its objective by less than
 ``Matching.tol`` (relative), or after ``Matching.iterations``. A looser stop saves whole iterations,
@@ -10,9 +11,16 @@ pairs as float32 problems:
   the weight-matched interpolation (λ = 0, 0.1, …, 1 on the test split) and the objective after each;
 * ``tols``: the default stop and looser ones: iterations run, barrier, objective, seconds.
 
-    python bench/wm_stopping.py [--preset gpt2-tiny] [--seeds 0 1 2] [--tols 2e-3 5e-3 1e-2 2e-2]
+    python bench/wm_trained.py [--preset gpt2-tiny] [--seeds 0 1 2] [--tols 2e-3 5e-3 1e-2 2e-2]
     # → results/bench_wm_stopping_{preset}.{json,png}
-    python bench/wm_stopping.py --plot results/bench_wm_stopping_gpt2-tiny.json  # redraw the picture
+    python bench/wm_trained.py --plot results/bench_wm_stopping_gpt2-tiny.json  # redraw the picture
+
+Its fast precisions change only which products round: bfloat16 factors, or int8 FF similarity scores
+(``Matching.precision``). ``--precisions exact int8 bfloat16`` matches each pair at each of them instead
+(default starts, float32 problems): the barrier, the objective, the seconds, and each barrier minus
+float32's (``exact``) on the same pair.
+
+    python bench/wm_trained.py --precisions exact int8 bfloat16   # → results/bench_precision_quality_{preset}.json
 """
 
 from __future__ import annotations
@@ -79,6 +87,37 @@ def plot(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+PRECISIONS = ("exact", "int8", "bfloat16")
+
+
+def precisions(args: argparse.Namespace, splits, models: dict, over) -> None:
+    """``--precisions``: every pair matched at each precision (results/bench_precision_quality_{preset}.json)."""
+    pairs = []
+    for sa, sb in itertools.combinations(args.seeds, 2):
+        ca, cb = canonicalize(models[sa]), canonicalize(models[sb])
+        row = {"seeds": [sa, sb], "precisions": {}}
+        for q in args.precisions:
+            r = row["precisions"][q] = matched(
+                ca, cb, splits, Matching(precision=q, dtype=torch.float32), args.max_batches
+            )
+            print(f"seeds {sa},{sb} {q:<9s} barrier {r['barrier']:.4f}  {r['seconds']:.1f} s", flush=True)
+        pairs.append(row)
+    deltas = {
+        q: [r["precisions"][q]["barrier"] - r["precisions"]["exact"]["barrier"] for r in pairs]
+        for q in args.precisions
+        if q != "exact" and "exact" in args.precisions
+    }
+    doc = {
+        **models_record(args, over),
+        **environment(),
+        "gemm_seconds": gemm_seconds(),
+        "pairs": pairs,
+        "barrier_minus_exact": deltas,
+        "max_abs_barrier_minus_exact": {q: max(abs(d) for d in v) for q, v in deltas.items()},
+    }
+    write_results(results_path(args, "bench_precision_quality"), doc)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2-tiny")
@@ -87,6 +126,7 @@ def main() -> None:
     p.add_argument("--max-iterations", type=int, default=10)
     p.add_argument("--max-batches", type=int, default=None, help="test batches per point of a curve")
     p.add_argument("--plot", metavar="JSON", help="only redraw the picture of a results file")
+    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, help="compare these precisions instead")
     add_model_args(p)
     args = p.parse_args()
     if args.plot:
@@ -95,6 +135,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     splits = load_splits(args.preset, args)
     models, over = trained_models(args, args.seeds, splits)
+    if args.precisions:
+        return precisions(args, splits, models, over)
     base = dict(dtype=torch.float32, keep_identity=False)
     pairs = []
     for sa, sb in itertools.combinations(args.seeds, 2):
