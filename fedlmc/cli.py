@@ -19,6 +19,7 @@ from .commands import (
     cmd_widths,
     console,
 )
+from .options import Refinement, Universe
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -157,9 +158,9 @@ def _add_merge_commands(sub) -> None:
     m.add_argument("--weights", nargs="+", type=float, help="merge weights (default: equal)")
     m.add_argument("--form", default="factored", choices=["factored", "circuit"])
     m.add_argument("--keep-layernorm", action="store_true", help="return an ordinary LayerNorm model")
-    m.add_argument("--iterations", type=int, default=5, help="universe iterations")
-    m.add_argument("--alpha", type=float, default=1.0, help="Dirichlet concentration of the refinement")
-    m.add_argument("--steps", type=int, default=200, help="refinement steps")
+    m.add_argument("--iterations", type=int, default=Universe.iterations, help="universe iterations")
+    m.add_argument("--alpha", type=float, default=Refinement.alpha, help="Dirichlet concentration of the refinement")
+    m.add_argument("--steps", type=int, default=Refinement.steps, help="refinement steps")
     m.add_argument("--split", default="test", choices=["val", "test"], help="where the merge is evaluated")
     m.add_argument("--max-batches", type=int, help="evaluate on at most this many batches")
     m.add_argument("--plot", help="PNG of the loss over the 2-simplex (three models)")

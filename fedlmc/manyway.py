@@ -104,7 +104,7 @@ def universe_table(
     splits,
     refine: Optional[Refinement] = None,
     alphas: Sequence[float] = (1.0,),
-    iterations: int = 5,
+    iterations: int = Universe.iterations,
     log: Callable[[str], None] = print,
     progress: bool = True,
     simplex_n: int = 0,
