@@ -16,7 +16,7 @@ on that partition's other half (``fedlmc.federated.refine_parts``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -98,6 +98,8 @@ def train(
     s, pid, n, cfg = _node(context, overrides or {}, settings)
     data, _ = client_data(s, pid, n)
     rnd = int(msg.content["config"].get("server-round", 1))
+    if "proximal-mu" in msg.content["config"]:  # FedProx: the server says how strongly to stay near its model
+        s = replace(s, proximal_mu=float(msg.content["config"]["proximal-mu"]))
     if s.independent_start and rnd == 1:
         model = fresh_client_model(s, pid, cfg)
     else:

@@ -93,6 +93,7 @@ class Settings:
     screen: str = "none"  # Screen.method (none | distance | loss | agreement | information | krum): outlier replies
     screen_threshold: float = Screen.threshold  # Screen.threshold (distance: robust deviations)
     malicious: int = Screen.malicious  # Screen.malicious, and the krum / multikrum baselines' f
+    proximal_mu: float = 0.0  # fedprox: the proximal term's weight, sent to the clients (TrainConfig.proximal_mu)
 
     # Fixed in the production app; the experiment layer makes each a run_config key (ExperimentSettings).
     form: ClassVar[str] = Universe.form  # Universe.form: factored (the clients' shape) or circuit
@@ -226,7 +227,14 @@ class Settings:
 
     def train_config(self, seed: int) -> TrainConfig:
         budget = dict(steps=self.local_steps) if self.local_steps > 0 else dict(epochs=self.local_epochs)
-        return TrainConfig(lr=self.lr, batch_size=self.batch_size, seed=seed, device=self.device or None, **budget)
+        return TrainConfig(
+            lr=self.lr,
+            batch_size=self.batch_size,
+            seed=seed,
+            device=self.device or None,
+            proximal_mu=self.proximal_mu,
+            **budget,
+        )
 
 
 _SPLITS: dict[tuple, Splits] = {}

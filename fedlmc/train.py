@@ -110,6 +110,7 @@ class TrainConfig:
     eval_every: int = 0  # steps; 0 = only at the end
     keep_best: bool = False  # with val and eval_every: end with the weights of the best validation loss
     device: Optional[str] = None
+    proximal_mu: float = 0.0  # FedProx: adds mu / 2 · ‖w − w_start‖² to the loss (0: nothing is added)
 
     def total_steps(self, data: Data) -> int:
         per_epoch = max(
@@ -156,6 +157,11 @@ def _progress(enabled: bool):
     )
 
 
+def proximal_term(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx's proximal term, ``mu / 2 · ‖w − w_start‖²`` over every parameter."""
+    return 0.5 * mu * sum((p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
+
+
 def train(
     model: nn.Module,
     data: Data,
@@ -181,6 +187,7 @@ def train(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, total, warmup))
     gen = torch.Generator().manual_seed(cfg.seed)
+    anchor = [p.detach().clone() for p in model.parameters()] if cfg.proximal_mu > 0 else None
     hist: dict[str, Any] = {"train_loss": [], "evals": [], "steps": total}
     t0, step, running = time.time(), 0, None
     best: Optional[tuple[dict, dict]] = None  # keep_best: the best evaluation and its weights
@@ -190,6 +197,8 @@ def train(
             for x, y in data.batches(cfg.batch_size, shuffle=True, generator=gen):
                 x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
                 loss, _ = loss_and_correct(model(x), y)
+                if anchor is not None:
+                    loss = loss + proximal_term(model, anchor, cfg.proximal_mu)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.grad_clip:

@@ -28,7 +28,7 @@ def test_unknown_keys_and_values_are_clear_errors():
     with pytest.raises(ValueError, match="unknown run_config key 'rounds'"):
         Settings.from_run_config({"rounds": 3})
     with pytest.raises(ValueError, match="unknown strategy"):
-        Settings.from_run_config({"strategy": "fedprox"})
+        Settings.from_run_config({"strategy": "fedproxy"})
     assert {f.name for f in fields(Settings)} == {k.replace("-", "_") for k in Settings().to_run_config()}
 
 

@@ -6,7 +6,7 @@ All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAv
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
-from .fedavg import KrumFedAvg, ReportingFedAvg
+from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 from .lora import LoraFedAvg
 from .registry import register
@@ -18,6 +18,8 @@ __all__ = [
     "SlicingFedAvg",
     "ReportingFedAvg",
     "KrumFedAvg",
+    "FedProxFedAvg",
+    "ServerOptFedAvg",
     "FedlmcStrategy",
     "LoraFedAvg",
     "register",

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp.strategy import FedAvgM
+from flwr.serverapp.strategy.fedopt import FedOpt
 from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
@@ -88,3 +91,67 @@ class KrumFedAvg(ReportingFedAvg):
         screened = {"method": "krum-raw", "excluded": [nodes[i] for i in left_out]}
         keep = [i for i in range(len(replies)) if i not in left_out]
         return keep, {"kept": "krum" if select == 1 else "multikrum", "screen": screened}
+
+
+class FedProxFedAvg(ReportingFedAvg):
+    """FedProx (Li et al., 2020) as Flower has it: FedAvg's aggregation, and every train message tells the
+    clients the proximal term's weight (config ``proximal-mu``), which fedlmc's ClientApp adds to its
+    local loss as ``mu / 2 · ‖w − w_global‖²`` (``TrainConfig.proximal_mu``).
+
+    Parameters
+    ----------
+    proximal_mu : float, default 0.0
+        The proximal term's weight (0: FedAvg, bit for bit).
+    **kwargs
+        ``ReportingFedAvg``'s parameters.
+    """
+
+    def __init__(self, *, proximal_mu: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if proximal_mu < 0:
+            raise ValueError(f"proximal_mu must be non-negative, got {proximal_mu}")
+        self.proximal_mu = proximal_mu
+
+    def configure_train(self, server_round: int, arrays, config: ConfigRecord, grid):
+        config["proximal-mu"] = self.proximal_mu
+        return super().configure_train(server_round, arrays, config, grid)
+
+
+class ServerOptFedAvg(ReportingFedAvg):
+    """A server optimiser of Flower's (``FedAvgM``, ``FedAdam``, ``FedYogi``, ``FedAdagrad``: Reddi et al.,
+    2021) with fedlmc's validation and history: the valid replies go to the Flower strategy, whose own
+    ``aggregate_train`` takes FedAvg's mean and steps from the previous global model with its state
+    (momentum, moments) kept across rounds.
+
+    Parameters
+    ----------
+    optimiser : flwr.serverapp.strategy.FedAvgM or FedOpt (FedAdam, FedYogi, FedAdagrad)
+        The Flower strategy whose aggregation is used, with its hyper-parameters (``FedAdam(eta=0.01)``).
+    **kwargs
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
+    """
+
+    def __init__(self, *, optimiser: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(optimiser, (FedAvgM, FedOpt)):
+            raise ValueError(f"optimiser must be Flower's FedAvgM, FedAdam, FedYogi or FedAdagrad, got {optimiser!r}")
+        self.optimiser = optimiser
+
+    def _step(self, server_round: int, replies: list) -> ArrayRecord:
+        """The optimiser's aggregate of ``replies``, stepping from the global model sent this round."""
+        if self._previous is None:
+            raise RuntimeError(f"{type(self).__name__} steps from the global model: configure_train first")
+        opt = self.optimiser
+        if isinstance(opt, FedOpt):
+            opt.current_arrays = {k: a.numpy() for k, a in self._previous.items()}
+        else:
+            opt.current_arrays = self._previous
+        arrays, _ = opt.aggregate_train(server_round, replies)
+        return arrays
+
+    def combine(self, server_round, replies, models, weights):
+        name = type(self.optimiser).__name__.lower()
+        return self.model_of(self._step(server_round, replies)), {"kept": name}, None
+
+    def combine_arrays(self, server_round, replies, weights):
+        return self._step(server_round, replies), {"kept": type(self.optimiser).__name__.lower()}

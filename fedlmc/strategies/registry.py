@@ -26,7 +26,7 @@ from fedlmc.data import split
 from fedlmc.options import Guard, Matching, Report, Robust, Universe
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
-from .fedavg import KrumFedAvg, ReportingFedAvg
+from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
 
@@ -287,6 +287,25 @@ def _krum(b: Build):
 @register("multikrum", summary="`KrumFedAvg`: Flower's Multi-Krum on the raw replies (all but f = malicious)")
 def _multikrum(b: Build):
     return KrumFedAvg(**b.common(), num_malicious_nodes=b.settings.malicious, num_nodes_to_select=None)
+
+
+@register("fedprox", summary="`FedProxFedAvg`: FedProx, FedAvg with the clients' proximal term (`proximal-mu`)")
+def _fedprox(b: Build):
+    return FedProxFedAvg(**b.common(), proximal_mu=b.settings.proximal_mu)
+
+
+def _server_opt(name: str, summary: str) -> None:
+    """Register Flower's server optimiser ``name`` (with Flower's default hyper-parameters)."""
+    import flwr.serverapp.strategy as flower
+
+    @register(name.lower(), summary=summary)
+    def _build(b: Build):
+        return ServerOptFedAvg(**b.common(), optimiser=getattr(flower, name)())
+
+
+_server_opt("FedAvgM", "`ServerOptFedAvg(optimiser=FedAvgM())`: FedAvg with server momentum (Flower's)")
+_server_opt("FedAdam", "`ServerOptFedAvg(optimiser=FedAdam())`: the Adam server optimiser (Flower's FedAdam)")
+_server_opt("FedYogi", "`ServerOptFedAvg(optimiser=FedYogi())`: the Yogi server optimiser (Flower's FedYogi)")
 
 
 def build(settings: Any, config: Any, splits: Any, model: Any = None):
