@@ -192,7 +192,6 @@ def names():
     """What the snippets call their inputs: tiny models of every kind, data, a grid of two nodes."""
     import torch
     import transformers
-    from flwr.app import Message
     from flwr.serverapp.strategy import FedAvg
     from peft import LoraConfig, get_peft_model
 
@@ -210,30 +209,13 @@ def names():
     )
     peft_model = get_peft_model(gpt2(), LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"]))
 
-    class EchoGrid:
-        """Two nodes that send back what they were sent, as if they had trained for zero steps."""
-
-        def get_node_ids(self):
-            return [1, 2]
-
-        def send_and_receive(self, messages, timeout=None):
-            from conftest import metadata
-            from flwr.app import MetricRecord, RecordDict
-
-            out = []
-            for m in messages:
-                content = RecordDict({"metrics": MetricRecord({"num-examples": 10, "eval-loss": 1.0})})
-                if m.metadata.message_type == "train":
-                    content["arrays"] = m.content.array_records["arrays"]
-                md = metadata(m.metadata.dst_node_id, message_type=m.metadata.message_type)
-                out.append(Message(content=content, metadata=md))
-            return out
+    from test_flower_contract import Grid
 
     return {
         "model": gpt2(),
         "config": a.config.to_dict(),
         "peft_model": peft_model,
-        "grid": EchoGrid(),
+        "grid": Grid(nodes=2, step=0.0),  # two nodes that send back what they get
         "refine_half": data,
         "guard_half": data,
         "train_data": data,

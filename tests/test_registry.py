@@ -3,16 +3,12 @@ the run's settings check it, the apps' factory builds it and the side-by-side co
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import metadata
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from test_flower_contract import Grid
 
 from fedlmc.federated import Settings, global_model
 from fedlmc.strategies import ReportingFedAvg, register
-from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 from fedlmc.strategies.registry import REGISTRY, names, registered, table, unregister
 
 
@@ -46,34 +42,6 @@ def task_identity(monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, 1, raising=False)
 
 
-class TrainingGrid:
-    """Two nodes that answer a train message with the global model plus a fixed, node-specific step."""
-
-    def get_node_ids(self):
-        return [1, 2]
-
-    def send_and_receive(self, messages, timeout=None):
-        out = []
-        for m in messages:
-            node = m.metadata.dst_node_id
-            model = model_from_arrays(
-                m.content.array_records["arrays"], json.loads(m.content["config"][MODEL_CONFIG_KEY])
-            )
-            g = torch.Generator().manual_seed(node)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.05 * torch.randn(p.shape, generator=g))
-            content = RecordDict(
-                {
-                    "arrays": ArrayRecord(torch_state_dict=model.state_dict()),
-                    "metrics": MetricRecord({"num-examples": 10 * node}),
-                    "model": config_record(model),
-                }
-            )
-            out.append(Message(content=content, metadata=metadata(node)))
-        return out
-
-
 def test_a_registered_strategy_is_checked_built_and_compared(half_step, tmp_path):
     from server.app import write_json
     from server.comparison import run_comparison
@@ -92,7 +60,7 @@ def test_a_registered_strategy_is_checked_built_and_compared(half_step, tmp_path
         Settings.from_run_config({**run, "strategy": half_step, "width-factors": "1,2"})
 
     doc = run_comparison(
-        TrainingGrid(), Settings.from_run_config({**run, "strategy": f"average,{half_step}"}), write_json
+        Grid(nodes=2, step=0.05), Settings.from_run_config({**run, "strategy": f"average,{half_step}"}), write_json
     )
     rows = doc["strategies"]
     assert set(rows) == {"average", half_step} and rows[half_step]["kept"] == "half-step"
