@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import torch
 
 from fedlmc.data import DataNotFound, TokenData, load, partition, partition_indices, read_idx, search_dirs
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-needs_shared = pytest.mark.skipif(not (SHARED / "mnist").is_dir(), reason="../shared/data not present")
+SHARED = Path(os.environ.get("FEDLMC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+needs_shared = pytest.mark.skipif(not (SHARED / "mnist").is_dir(), reason="no MNIST test set in $FEDLMC_DATA")
 
 
 def write_idx(path: Path, arr: np.ndarray) -> None:
