@@ -490,3 +490,38 @@ class Checks:
                 f"min_replies must be at least 1 and max_norm_ratio positive, got {self.min_replies}, "
                 f"{self.max_norm_ratio}"
             )
+
+
+TASK_MERGES = ("task-arithmetic", "ties", "dare", "model-stock")
+
+
+@dataclass(frozen=True)
+class TaskMerge:
+    """How task vectors (clients' models minus the shared base) are merged (``fedlmc.task_vectors``).
+
+    Parameters
+    ----------
+    method : {"task-arithmetic", "ties", "dare", "model-stock"}, default "task-arithmetic"
+        Task Arithmetic (the weighted sum, FedAvg at ``scale=1``), TIES (trim, elect sign, disjoint
+        mean), DARE (random drop and rescale, then Task Arithmetic) or Model Stock (interpolate between
+        the base and the clients' mean by how much their task vectors agree).
+    scale : float, default 1.0
+        λ, the merged task vector's scale (task-arithmetic, ties, dare).
+    density : float, default 0.2
+        TIES: the fraction of each task vector's largest-magnitude entries kept.
+    drop : float, default 0.9
+        DARE: the probability of dropping each entry.
+    seed : int, default 0
+        DARE's random drops.
+    """
+
+    method: str = "task-arithmetic"
+    scale: float = 1.0
+    density: float = 0.2
+    drop: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        one_of(self.method, TASK_MERGES, "task merge")
+        if not 0.0 < self.density <= 1.0 or not 0.0 <= self.drop < 1.0:
+            raise ValueError(f"density must be in (0, 1] and drop in [0, 1), got {self.density}, {self.drop}")

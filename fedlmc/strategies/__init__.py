@@ -6,7 +6,7 @@ All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAv
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
-from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg
+from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 from .lora import LoraFedAvg
 from .registry import register
@@ -20,6 +20,7 @@ __all__ = [
     "KrumFedAvg",
     "FedProxFedAvg",
     "ServerOptFedAvg",
+    "TaskVectorFedAvg",
     "FedlmcStrategy",
     "LoraFedAvg",
     "register",

@@ -12,9 +12,10 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedlmc.averaging import robust_merge
-from fedlmc.options import Robust
+from fedlmc.options import Robust, TaskMerge
+from fedlmc.task_vectors import task_vector_merge
 
-from .base import FedlmcStrategy
+from .base import FedlmcStrategy, loaded
 
 
 class ReportingFedAvg(FedlmcStrategy):
@@ -155,3 +156,42 @@ class ServerOptFedAvg(ReportingFedAvg):
 
     def combine_arrays(self, server_round, replies, weights):
         return self._step(server_round, replies), {"kept": type(self.optimiser).__name__.lower()}
+
+
+class TaskVectorFedAvg(ReportingFedAvg):
+    """Task-vector merges for federations that fine-tune one shared base (Task Arithmetic, TIES, DARE,
+    Model Stock: ``fedlmc.task_vectors``): each reply's task vector is its model minus the global model
+    the round sent, and the merged task vector is added to that model.
+
+    Parameters
+    ----------
+    merge : TaskMerge, optional
+        The method and its knobs (``fedlmc.options.TaskMerge``); default Task Arithmetic at λ = 1, which
+        is FedAvg.
+    **kwargs
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
+    """
+
+    def __init__(self, *, merge: Optional[TaskMerge] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.merge = merge if merge is not None else TaskMerge()
+
+    def _base(self):
+        if self._previous is None:
+            raise RuntimeError(
+                f"{type(self).__name__} merges task vectors from the global model: configure_train first"
+            )
+        return self._previous
+
+    def combine(self, server_round, replies, models, weights):
+        self._base()
+        base = self.previous_model()
+        states = [loaded(m).state_dict() for m in models]
+        base.load_state_dict(task_vector_merge(base.state_dict(), states, weights, self.merge))
+        return base, {"kept": self.merge.method}, None
+
+    def combine_arrays(self, server_round, replies, weights):
+        base = self._base().to_torch_state_dict()
+        states = [m.content[self.arrayrecord_key].to_torch_state_dict() for m in replies]
+        merged = task_vector_merge(base, states, weights, self.merge)
+        return ArrayRecord(torch_state_dict=merged), {"kept": self.merge.method}

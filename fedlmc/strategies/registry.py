@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from fedlmc.data import split
-from fedlmc.options import Guard, Matching, Report, Robust, Universe
+from fedlmc.options import Guard, Matching, Report, Robust, TaskMerge, Universe
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
-from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg
+from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
 
@@ -306,6 +306,20 @@ def _server_opt(name: str, summary: str) -> None:
 _server_opt("FedAvgM", "`ServerOptFedAvg(optimiser=FedAvgM())`: FedAvg with server momentum (Flower's)")
 _server_opt("FedAdam", "`ServerOptFedAvg(optimiser=FedAdam())`: the Adam server optimiser (Flower's FedAdam)")
 _server_opt("FedYogi", "`ServerOptFedAvg(optimiser=FedYogi())`: the Yogi server optimiser (Flower's FedYogi)")
+
+
+def _task_merge(method: str, summary: str) -> None:
+    """Register the task-vector merge ``method`` (``TaskMerge``'s defaults)."""
+
+    @register(method, summary=summary)
+    def _build(b: Build):
+        return TaskVectorFedAvg(**b.common(), merge=TaskMerge(method=method))
+
+
+_task_merge("task-arithmetic", "`TaskVectorFedAvg`: Task Arithmetic, the clients' task vectors summed (λ = 1: FedAvg)")
+_task_merge("ties", "`TaskVectorFedAvg`: TIES, task vectors trimmed to 20 %, sign elected, agreeing entries averaged")
+_task_merge("dare", "`TaskVectorFedAvg`: DARE, 90 % of each task vector dropped at random, the rest rescaled")
+_task_merge("model-stock", "`TaskVectorFedAvg`: Model Stock, the clients' mean pulled to the base by their angle")
 
 
 def build(settings: Any, config: Any, splits: Any, model: Any = None):
