@@ -26,7 +26,7 @@ from _results import environment, write_results  # noqa: E402  (bench/, the scri
 
 FAMILY, BASE_STEPS, ALPHA, LR, BATCH, CLIENTS, TEST_BATCHES = "llama", 1500, 16, 3e-3, 16, 4, 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-HOMOGENEOUS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedlmc", "fedlmc-fold")
+HOMOGENEOUS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedrot-lora", "fedlmc", "fedlmc-fold")
 SETTINGS = {
     "speaker-r8-steps10": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=10, rounds=8, methods=HOMOGENEOUS),
     "speaker-r8-steps100": dict(
@@ -171,7 +171,7 @@ def run(setting: str, seed: int) -> dict:
             for i, r in enumerate(ranks):
                 if rnd == 1 and method not in ("ffa-lora", "fedsa-lora"):  # every method's first start
                     s = init[r]
-                elif method in ("fedit", "hetlora", "fedex-lora"):
+                elif method in ("fedit", "hetlora", "fedex-lora", "fedrot-lora"):
                     s = {n: lb.pad(b, a, r) for n, (b, a) in g.items()}
                 elif method == "ffa-lora":
                     s = {n: (g[n][0], init[r][n][1]) for n in g}
@@ -196,6 +196,8 @@ def run(setting: str, seed: int) -> dict:
                 delta = {n: (delta or {}).get(n, 0) + p for n, p in lb.stacked_product(stack).items()}
             elif method == "flexlora":
                 g = lb.flexlora(layout, replies, weights, rmax)
+            elif method == "fedrot-lora":  # rotated onto the adapter the round sent, then FedIT's means
+                g = lb.fedrot_lora(layout, replies, weights, g, rmax)
             elif method == "fedex-lora":
                 g, residual = lb.fedex_lora(layout, replies, weights, rmax)
                 delta = {n: (delta or {}).get(n, 0) + p for n, p in residual.items()}

@@ -11,6 +11,9 @@ says what every client starts the next round from.
   ``A = Vᵀ``).
 * FedEx-LoRA: FedIT's factors plus the residual ``mean(s B A) − s mean(B) mean(A)``, dense, folded
   into the base.
+* FedRot-LoRA: every client's factors first rotated, ``A → Rᵀ A``, ``B → B R`` (its product unchanged),
+  by the rotation that best maps its ``A`` onto the reference's (the global adapter sent: orthogonal
+  Procrustes, a proper rotation), then FedIT's means.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from fedlmc.lora import LoraLayout
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
-METHODS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora")
+METHODS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedrot-lora")
 
 
 def _normalised(weights: Sequence[float]) -> list[float]:
@@ -91,3 +94,33 @@ def flora(layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[floa
 
 def stacked_product(factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {n: b @ a for n, (b, a) in factors.items()}
+
+
+def procrustes_rotation(a: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """The rotation ``R`` (r × r, det +1) that minimises ``‖Rᵀ a − reference‖``: from the SVD
+    ``a referenceᵀ = U S Vᵀ``, ``R = U Vᵀ``, with the last singular pair's sign turned where that gives a
+    reflection."""
+    U, _, Vh = torch.linalg.svd(a @ reference.T)
+    R = U @ Vh
+    if float(torch.linalg.det(R)) < 0:
+        U = U.clone()
+        U[:, -1] = -U[:, -1]
+        R = U @ Vh
+    return R
+
+
+def fedrot_lora(
+    layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[float], reference: Factors, rank: int
+) -> Factors:
+    """FedRot-LoRA: each client's ``(B, A)`` rotated to ``(B R, Rᵀ A)`` with ``R`` the rotation of its ``A``
+    onto the reference's (``procrustes_rotation``; the reference cut or padded to the client's rank), then
+    FedIT's means. A client's product ``B A`` is unchanged; only the factors' gauge moves."""
+    rotated = []
+    for r in replies:
+        out = {}
+        for name, (b, a) in r.items():
+            ref_a = pad(*reference[name], a.shape[0])[1]
+            R = procrustes_rotation(a, ref_a)
+            out[name] = (b @ R, R.T @ a)
+        rotated.append(out)
+    return factor_mean(layout, rotated, weights, rank)

@@ -124,6 +124,32 @@ def test_lora_aggregate_is_invariant_to_each_clients_gauge(record):
     record("lora: aggregate factors invariant to client gauges G", err, 1e-10)
 
 
+def test_fedrot_lora_undoes_a_rotation_of_one_adapter(record):
+    """FedRot-LoRA on planted clients: every client holds the same adapter (B₀, A₀) behind its own
+    rotation Q (B₀Q, QᵀA₀); rotated onto the reference A₀ they are the adapter again, so their factor
+    means are (B₀, A₀) exactly, where FedIT's means of the same factors are not."""
+    from fedlmc import lora_baselines as lb
+    from fedlmc.symmetry.random import random_orthogonal
+
+    layout = LoraLayout.of(gpt2_peft(r=4))
+    planted = random_adapter(layout, 4, seed=1)
+    clients = []
+    for s in range(3):
+        g = torch.Generator().manual_seed(100 + s)
+        rotations = {m.name: random_orthogonal(4, 4, g, torch.float64) for m in layout.modules}
+        for Q in rotations.values():
+            if float(torch.linalg.det(Q)) < 0:  # a rotation, as FedRot-LoRA's alignment returns
+                Q[:, 0] = -Q[:, 0]
+        clients.append({n: (b @ rotations[n], rotations[n].T @ a) for n, (b, a) in planted.items()})
+    got = lb.fedrot_lora(layout, clients, [1.0, 2.0, 3.0], planted, 4)
+    err = max(float((got[n][i] - planted[n][i]).abs().max()) for n in planted for i in (0, 1))
+    record("FedRot-LoRA: rotated copies of one adapter give it back (float64)", err, 1e-10)
+    fedit = lb.factor_mean(layout, clients, [1.0, 2.0, 3.0], 4)
+    assert max(float((fedit[n][1] - planted[n][1]).abs().max()) for n in planted) > 0.1
+    R = lb.procrustes_rotation(clients[0][layout.modules[0].name][1], planted[layout.modules[0].name][1])
+    assert float(torch.linalg.det(R)) == pytest.approx(1.0) and torch.allclose(R.T @ R, torch.eye(4, dtype=R.dtype))
+
+
 def test_lora_factored_svd_equals_the_dense_one(record):
     g = torch.Generator().manual_seed(3)
     factors = [
