@@ -26,7 +26,17 @@ from _results import environment, write_results  # noqa: E402  (bench/, the scri
 
 FAMILY, BASE_STEPS, ALPHA, LR, BATCH, CLIENTS, TEST_BATCHES = "llama", 1500, 16, 3e-3, 16, 4, 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-HOMOGENEOUS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedrot-lora", "fedlmc", "fedlmc-fold")
+HOMOGENEOUS = (
+    "fedit",
+    "ffa-lora",
+    "fedsa-lora",
+    "flora",
+    "flexlora",
+    "fedex-lora",
+    "fedrot-lora",
+    "fedlmc",
+    "fedlmc-fold",
+)
 SETTINGS = {
     "speaker-r8-steps10": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=10, rounds=8, methods=HOMOGENEOUS),
     "speaker-r8-steps100": dict(
@@ -40,7 +50,11 @@ SETTINGS = {
     "iid-r8-steps100": dict(scheme="iid", ranks=[8] * CLIENTS, steps=100, rounds=3, methods=HOMOGENEOUS),
     # FedIT with mixed ranks is HetLoRA's zero-padding; FFA-LoRA, FedSA-LoRA and FedEx-LoRA define none
     "speaker-mixed-steps100": dict(
-        scheme="speaker", ranks=[2, 4, 8, 16], steps=100, rounds=3, methods=("hetlora", "flora", "flexlora", "fedlmc")
+        scheme="speaker",
+        ranks=[2, 4, 8, 16],
+        steps=100,
+        rounds=3,
+        methods=("hetlora", "flora", "flexlora", "fedrot-lora", "fedlmc"),
     ),
 }
 
@@ -116,6 +130,15 @@ def fbytes(factors, part="both") -> int:
     return sum(4 * (b.numel() * (part != "A") + a.numel() * (part != "B")) for b, a in factors.values())
 
 
+def held_updates(layout, g, delta, rank: int) -> dict[str, torch.Tensor]:
+    """The global adapter's dense update per module (s·B·A at ``rank``), plus any base update ``delta``."""
+    out = {}
+    for m in layout.modules:
+        b, a = g[m.name]
+        out[m.name] = m.scaling(rank) * b.double() @ a.double() + (delta or {}).get(m.name, 0)
+    return out
+
+
 def dense_bytes(layout) -> int:
     return sum(4 * m.out_features * m.in_features for m in layout.modules)
 
@@ -156,7 +179,7 @@ def run(setting: str, seed: int) -> dict:
 
     for method in cfg["methods"]:
         t_start = time.perf_counter()
-        losses, up, down, server_s, held, product_losses = [], [], [], [], [], []
+        losses, up, down, server_s, held, product_losses, energy = [], [], [], [], [], [], []
         g = init[rmax]  # the global factors (FedIT's means, FlexLoRA's cut...)
         delta = None  # a base update (FLoRA's stacks, FedEx-LoRA's residuals, fedlmc-fold)
         local_b = [init[r] for r in ranks]  # FedSA-LoRA's personal B
@@ -221,6 +244,9 @@ def run(setting: str, seed: int) -> dict:
                 losses.append(world.loss(rmax, zero, delta, test))
             else:
                 losses.append(world.loss(rmax, g, delta, test))
+            if len(set(ranks)) > 1:  # mixed ranks: where the global update's energy sits, per client rank
+                held_update = dict(delta or {}) if method == "flora" else held_updates(layout, g, delta, rmax)
+                energy.append(lb.energy_shares(held_update, sorted(set(ranks))))
             if method == "fedlmc":  # the server's exact product merged into the base (what "keep" holds)
                 full = {n: agg.products[n].dense() for n in agg.products}
                 product_losses.append(world.loss(rmax, zero, full, test))
@@ -248,6 +274,7 @@ def run(setting: str, seed: int) -> dict:
             "server_held_bytes": held,
             "server_dense_bytes": dense_bytes(layout) if method in ("flexlora", "fedex-lora") else 0,
             "test_loss_server_product": product_losses,
+            "energy_shares": energy,
             "wall_seconds": time.perf_counter() - t_start,
         }
         print(f"  {setting} seed {seed} {method}: " + " ".join(f"{x:.4f}" for x in losses), flush=True)
@@ -273,6 +300,9 @@ def summarise(setting: str, runs: list[dict]) -> dict:
             "server_held_bytes": max(x for p in per_seed for x in p["server_held_bytes"]),
             "server_dense_bytes": per_seed[0]["server_dense_bytes"],
         }
+        shares = [p["energy_shares"][-1] for p in per_seed if p.get("energy_shares")]
+        if shares:  # the last round's energy per client rank, mean over seeds
+            rows[method]["energy_shares"] = {r: statistics.mean(s[r] for s in shares) for r in shares[0]}
         products = [p["test_loss_server_product"] for p in per_seed if p["test_loss_server_product"]]
         if products:
             rows[method]["test_loss_server_product"] = [
@@ -356,6 +386,12 @@ def markdown(results: list[dict]) -> str:
                 f"{row['server_seconds_per_round']:.3f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
+        energy = {m: row["energy_shares"] for m, row in res["rows"].items() if row.get("energy_shares")}
+        if energy:
+            ranks = list(next(iter(energy.values())))
+            lines += ["", "Share of the global update's energy in its leading r components (last round):", ""]
+            lines += ["| method | " + " | ".join(f"r = {r}" for r in ranks) + " |", "|---|" + "---|" * len(ranks)]
+            lines += [f"| {m} | " + " | ".join(f"{e[r]:.3f}" for r in ranks) + " |" for m, e in energy.items()]
         if "test_loss_server_product" in res["rows"].get("fedlmc", {}):
             final = res["rows"]["fedlmc"]["test_loss_server_product"][-1]
             lines += ["", f"fedlmc's exact product merged into the base (what tail=keep holds): {final:.4f}."]

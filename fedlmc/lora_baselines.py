@@ -124,3 +124,17 @@ def fedrot_lora(
             out[name] = (b @ R, R.T @ a)
         rotated.append(out)
     return factor_mean(layout, rotated, weights, rank)
+
+
+def energy_shares(updates: Mapping[str, torch.Tensor], ranks: Sequence[int]) -> dict[int, float]:
+    """How an aggregate's energy spreads over ranks: for each rank r, the share of the squared singular
+    values of the dense updates (out × in, summed over modules) in each module's leading r components.
+    A collapse onto the smallest rank (as raFLoRA reports for SVD redistribution) shows as a share near 1
+    at that rank."""
+    total, within = 0.0, {r: 0.0 for r in ranks}
+    for update in updates.values():
+        s2 = torch.linalg.svdvals(update.double()) ** 2
+        total += float(s2.sum())
+        for r in ranks:
+            within[r] += float(s2[:r].sum())
+    return {r: (within[r] / total if total > 0 else 0.0) for r in ranks}

@@ -150,6 +150,17 @@ def test_fedrot_lora_undoes_a_rotation_of_one_adapter(record):
     assert float(torch.linalg.det(R)) == pytest.approx(1.0) and torch.allclose(R.T @ R, torch.eye(4, dtype=R.dtype))
 
 
+def test_energy_shares_are_the_leading_squared_singular_values():
+    from fedlmc.lora_baselines import energy_shares
+
+    g = torch.Generator().manual_seed(0)
+    U = torch.linalg.qr(torch.randn(6, 3, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(5, 3, generator=g, dtype=torch.float64))[0]
+    update = U @ torch.diag(torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)) @ V.T  # energies 9, 4, 1
+    shares = energy_shares({"m": update, "zero": torch.zeros(4, 4)}, [1, 2, 3])
+    assert shares == pytest.approx({1: 9 / 14, 2: 13 / 14, 3: 1.0})
+
+
 def test_lora_factored_svd_equals_the_dense_one(record):
     g = torch.Generator().manual_seed(3)
     factors = [
