@@ -48,13 +48,13 @@ lint: $(STAMP)
 # Everything (what CI runs: .ci/run): lint, the fast suite and the slow tests (real Ray simulations,
 # deployments, training, the main job's claim on seed 0), in two pytest-xdist workers: the deployments
 # and simulations spend much of their time waiting on processes and polls, which the other worker fills.
-# On a 2-core machine: 14-16 minutes of tests idle, 17-22 beside one other CPU-bound process (three
-# workers are no faster).
+# On a 2-core machine: about 24 minutes of tests beside one other CPU-bound process (three workers are
+# no faster).
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 
 # The everyday suite (no test marked slow): exactness, matching on tiny models, strategies on crafted
-# replies, data. In two workers: 2.5-3 minutes on an idle 2-core machine.
+# replies, data. In two workers: about 2 minutes on an idle 2-core machine.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not slow"
 
