@@ -170,7 +170,7 @@ class Grid:
     grid gives them)."""
 
     def __init__(self, nodes: int = 4, step: float = 0.01) -> None:
-        self.nodes, self.step, self.sent, self._waiting = list(range(1, nodes + 1)), step, [], {}
+        self.nodes, self.step, self._waiting = list(range(1, nodes + 1)), step, {}
 
     def get_node_ids(self):
         return list(self.nodes)
@@ -179,8 +179,6 @@ class Grid:
         return self.pull_messages(self.push_messages(messages))
 
     def push_messages(self, messages):
-        messages = list(messages)
-        self.sent.append(messages)
         ids = []
         for m in messages:
             mid = f"q{len(self._waiting)}-{m.metadata.dst_node_id}"
