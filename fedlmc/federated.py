@@ -25,6 +25,7 @@ from .options import (
     REDUCES,
     SCREENS,
     UNIVERSE_STARTS,
+    Distill,
     Guard,
     Matching,
     OnClients,
@@ -93,7 +94,14 @@ class Settings:
     screen: str = "none"  # Screen.method (none | distance | loss | agreement | information | krum): outlier replies
     screen_threshold: float = Screen.threshold  # Screen.threshold (distance: robust deviations)
     malicious: int = Screen.malicious  # Screen.malicious, and the krum / multikrum baselines' f
-    proximal_mu: float = 0.0  # fedprox: the proximal term's weight, sent to the clients (TrainConfig.proximal_mu)
+    # FedProx's proximal term, sent to the clients in every round's train config (TrainConfig.proximal_mu):
+    # any strategy's clients can train with it (0: none; `fedprox` is `average` with it)
+    proximal_mu: float = 0.0
+    distill_steps: int = Distill.steps  # Distill.steps (feddf, *-distilled)
+    distill_lr: float = Distill.lr  # Distill.lr
+    distill_temperature: float = Distill.temperature  # Distill.temperature
+    server_lr: float = 0.0  # the server optimisers' learning rate (0: Flower's default, FedAvgM 1.0, FedOpt 0.1)
+    server_momentum: float = 0.0  # FedAvgM's server momentum (Flower's default 0: FedAvg)
 
     # Fixed in the production app; the experiment layer makes each a run_config key (ExperimentSettings).
     form: ClassVar[str] = Universe.form  # Universe.form: factored (the clients' shape) or circuit
@@ -138,6 +146,11 @@ class Settings:
         one_of(self.screen, ("none", *SCREENS), "screen")
         self.screen_options()
         one_of(self.partitioner, SCHEMES, "partitioner")
+        if self.proximal_mu < 0 or self.server_lr < 0 or not 0 <= self.server_momentum < 1:
+            raise ValueError(
+                "proximal-mu and server-lr must be non-negative and server-momentum in [0, 1): got "
+                f"{self.proximal_mu}, {self.server_lr}, {self.server_momentum}"
+            )
         self.matching()
         self.scale()
 

@@ -15,6 +15,8 @@
 * ``Scale``: how a server aggregates many replies: on disk, aligned by parallel workers, where, on how
   many threads.
 * ``Screen``: which replies a round leaves out as outliers once they are aligned.
+* ``Distill``: ensemble distillation of a round's aggregate onto its replies' outputs on server data
+  (``fedlmc.distill``, ``DistilledFedAvg``).
 
 A knob has one name from ``run_config`` down to the optimiser: run_config ``refine-check-sigmas`` is
 ``Settings.refine_check_sigmas`` is ``Refinement.check_sigmas``, the one the optimiser reads.
@@ -36,6 +38,8 @@ UNIVERSE_STARTS = ("previous", "mean")  # Universe.start: the previous global mo
 FORMS = ("factored", "circuit")
 REDUCES = ("mean", "median", "trimmed")
 ANCHORS = ("heaviest", "central")
+DISTILL_STARTS = ("average", "merge")  # Distill.start: FedAvg's mean (FedDF), or the strategy's own merge
+TEACHERS = ("logits", "probabilities")  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
 
 
 def one_of(value: Any, allowed: Iterable[Any], what: str) -> Any:
@@ -525,3 +529,68 @@ class TaskMerge:
         one_of(self.method, TASK_MERGES, "task merge")
         if not 0.0 < self.density <= 1.0 or not 0.0 <= self.drop < 1.0:
             raise ValueError(f"density must be in (0, 1] and drop in [0, 1), got {self.density}, {self.drop}")
+
+
+@dataclass(frozen=True)
+class Distill:
+    """Ensemble distillation (FedDF: Lin et al., NeurIPS 2020): a round's aggregate is trained on
+    unlabelled server data toward the output ensemble of the replies it was built from.
+
+    Parameters
+    ----------
+    data : data set or None, default None
+        What the student is distilled on (labels are not read); the strategies split off its last
+        quarter for the checks, as the refinement's (``check_data``).
+    check_data : data set or None, default None
+        Held-out batches the checks score (default: ``data``).
+    start : {"average", "merge"}, default "merge"
+        The student's start: the replies' plain weighted mean (FedDF), or the strategy's own aggregate
+        (the aligned or refined merge).
+    refine : Refinement or None, default None
+        With ``start="merge"``: refine the aligned merge on this first (``RefinedFedAvg``'s refinement);
+        None distils from the weight-matched merge.
+    steps : int, default 100
+        At most this many Adam steps on the student's weights (the refinement's budget).
+    lr : float, default 1e-4
+        Adam's learning rate on the weights.
+    temperature : float, default 1.0
+        The softmax temperature of teacher and student (the loss is scaled by its square).
+    teacher : {"logits", "probabilities"}, default "logits"
+        The ensemble: the replies' mean logits (FedDF's) or their mean probabilities (the output
+        ensemble the results tables report).
+    batch_size : int, default 64
+    seed : int, default 0
+        Seeds the batch order.
+    check_every : int, default 10
+        Every this many steps (and at the start) the student's loss to the ensemble is scored on the
+        first ``check_batches`` batches of the check data; the best student scored is returned (the start
+        included). 0: never, the last is returned.
+    check_batches : int, default 4
+    patience : int, default 2
+        Stop after this many checks in a row that did not improve on the best.
+    """
+
+    data: Any = None
+    check_data: Any = None
+    start: str = "merge"
+    refine: Optional[Refinement] = None
+    steps: int = 100
+    lr: float = 1e-4
+    temperature: float = 1.0
+    teacher: str = "logits"
+    batch_size: int = 64
+    seed: int = 0
+    check_every: int = 10
+    check_batches: int = 4
+    patience: int = 2
+
+    def __post_init__(self) -> None:
+        one_of(self.start, DISTILL_STARTS, "distillation start")
+        one_of(self.teacher, TEACHERS, "teacher")
+        if self.steps < 0 or self.check_every < 0 or self.temperature <= 0 or self.lr <= 0:
+            raise ValueError(
+                "Distill needs steps, check_every >= 0 and temperature, lr > 0: got "
+                f"{self.steps}, {self.check_every}, {self.temperature}, {self.lr}"
+            )
+        if self.refine is not None and self.start != "merge":
+            raise ValueError("Distill(refine=...) refines the merge the student starts from: start must be 'merge'")

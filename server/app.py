@@ -126,7 +126,8 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
         grid=grid,
         initial_arrays=initial,
         num_rounds=remaining,
-        train_config=ConfigRecord({}),
+        # FedProx's proximal term for any strategy's clients (fedlmc's ClientApp reads it, as Flower's FedProx sends it)
+        train_config=ConfigRecord({"proximal-mu": s.proximal_mu} if s.proximal_mu > 0 else {}),
         evaluate_config=ConfigRecord({}),
         timeout=s.round_timeout,
         evaluate_fn=evaluate_fn,

@@ -181,6 +181,7 @@ def run_all(
                 **spec["config"],
                 **PRESET_DEFAULTS.get(preset, {}),
                 **extra,
+                **row_config(strategy),
                 "preset": preset,
                 "seed": seed,
                 "strategy": name,
@@ -191,7 +192,7 @@ def run_all(
             }
             alpha = cfg.get("alpha", "") if cfg["partitioner"] == "dirichlet" else ""
             tag = f"{setting}-{preset}-{cfg['partitioner']}{alpha}"
-            run_dir = runs / tag / f"{strategy.replace('@', '-').replace('+', '-')}-s{seed}"
+            run_dir = runs / tag / f"{''.join(c if c.isalnum() or c in '.-' else '-' for c in strategy)}-s{seed}"
             cfg["out-dir"] = str(run_dir.resolve())
             if cfg["num-server-rounds"] == 1:  # one-shot: every strategy aggregates the same clients
                 cfg.setdefault("client-cache", str((runs / tag / "clients").resolve()))
@@ -219,10 +220,23 @@ def run_all(
     return out
 
 
+def row_config(label: str) -> dict[str, Any]:
+    """The run_config keys a row's label sets after its first ':' ("refined:proximal-mu=0.01" is refined
+    whose clients train with FedProx's proximal term; several keys are separated by ':')."""
+    out: dict[str, Any] = {}
+    for kv in label.split(":")[1:]:
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            raise ValueError(f"row {label!r}: expected STRATEGY:KEY=VALUE, got {kv!r}")
+        out[key] = _parse_value(value)
+    return out
+
+
 def variant(label: str) -> tuple[str, str, str]:
     """A row's label read as (strategy, reduce, screen): "aligned@median+distance" is the registered
-    strategy aligned with reduce=median and screen=distance; a clear error for a name nobody registered."""
-    base, _, screen = label.partition("+")
+    strategy aligned with reduce=median and screen=distance ("…:KEY=VALUE" sets run_config keys for this
+    row only: ``row_config``); a clear error for a name nobody registered."""
+    base, _, screen = label.split(":")[0].partition("+")
     name, _, reduce = base.partition("@")
     registered(name)
     return name, reduce, screen
@@ -245,6 +259,7 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
     for strategy, by_seed in docs.items():
         finals, accs, excess, ratio, worst_gap, round_s, align_s, kept = [], [], [], [], [], [], [], []
         recovered: list[float] = []
+        reach: list[Optional[int]] = []
         for seed, doc in by_seed.items():
             last = doc["rounds"][-1]
             finals.append(last["test_loss"])
@@ -264,6 +279,9 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
             if base_doc and strategy != baseline:
                 gaps = [a["test_loss"] - b["test_loss"] for a, b in zip(doc["rounds"][1:], base_doc["rounds"][1:])]
                 worst_gap.append(max(gaps) if gaps else float("nan"))
+            if base_doc and len(doc["rounds"]) > 2:  # rounds to the baseline's final test loss on this seed
+                target = base_doc["rounds"][-1]["test_loss"]
+                reach.append(next((i for i, r in enumerate(doc["rounds"]) if i and r["test_loss"] <= target), None))
             rs = [r["round_seconds"] for r in doc["rounds"][1:]]
             round_s.append(sum(rs) / len(rs) if rs else float("nan"))
             al = [(r.get("strategy") or {}).get("align_seconds", float("nan")) for r in doc["rounds"][1:]]
@@ -289,6 +307,7 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
             "excess_ratio": _mean_se(ratio),
             "excess_per_seed": excess,
             "final_loss_per_seed": finals,
+            "rounds_to_baseline_per_seed": reach,
             "worst_gap_to_baseline": max(worst_gap) if worst_gap else None,
             "round_seconds": _mean_se(round_s),
             "aggregation_seconds": _mean_se(align_s),
@@ -428,6 +447,13 @@ def markdown(
                 for k in ("client_comm_per_fedavg_round", "client_messaging_seconds", "client_refine_steps")
             )
             lines.append(f"| {n} | {ms(steps, '.0f')} | {ms(comm, '.1f')} | {ms(sec, '.1f')} | {agree} |")
+    reach = {n: r["rounds_to_baseline_per_seed"] for n, r in rows.items() if r.get("rounds_to_baseline_per_seed")}
+    if reach:
+        lines += [
+            "",
+            "Per seed, the first round whose test loss is at most the baseline's final one (– never): "
+            + "; ".join(f"{n}: " + ", ".join("–" if x is None else str(x) for x in v) for n, v in reach.items()),
+        ]
     lines += [
         "",
         "Per seed, excess over the mean client loss (last round): "
@@ -491,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         "--strategies",
         nargs="+",
         help="default: the setting's (baseline first); any registered strategy (`fedlmc strategies`), "
-        "NAME@REDUCE and NAME+SCREEN for its variants",
+        "NAME@REDUCE and NAME+SCREEN for its variants, NAME:KEY=VALUE for run_config keys of that row only "
+        "(fedprox:proximal-mu=0.01)",
     )
     p.add_argument("--clients", type=int, help="number of SuperNodes (default: the setting's)")
     p.add_argument(
@@ -505,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     strategies = args.strategies or spec["strategies"]
     for label in strategies:  # a typo fails here, before any run starts
         variant(label)
+        row_config(label)
     extra = {}
     for kv in args.set:
         if "=" not in kv:

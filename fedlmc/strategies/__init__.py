@@ -6,6 +6,7 @@ All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAv
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
+from .distilled import DistilledFedAvg
 from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 from .lora import LoraFedAvg
@@ -14,6 +15,7 @@ from .registry import register
 __all__ = [
     "AlignedFedAvg",
     "RefinedFedAvg",
+    "DistilledFedAvg",
     "HeteroWidthFedAvg",
     "SlicingFedAvg",
     "ReportingFedAvg",

@@ -23,9 +23,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from fedlmc.data import split
-from fedlmc.options import Guard, Matching, Report, Robust, TaskMerge, Universe
+from fedlmc.options import Distill, Guard, Matching, Report, Robust, TaskMerge, Universe
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
+from .distilled import DistilledFedAvg
 from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
@@ -236,6 +237,51 @@ def _refined_clients(b: Build):
     return RefinedFedAvg(**b.common(), **b.aligned(on_clients=True), refine=b.settings.refinement(None))
 
 
+def _distilled(b: Build, start: str, refine: bool = False):
+    s = b.settings
+    data = b.halves()[0]  # the refinement's half: the same server data, the same budget of steps
+    options = Distill(
+        data=data,
+        start=start,
+        refine=s.refinement(data) if refine else None,
+        steps=s.distill_steps,
+        lr=s.distill_lr,
+        temperature=s.distill_temperature,
+    )
+    return DistilledFedAvg(**b.common(), **b.aligned(), distill=options)
+
+
+@register(
+    "feddf",
+    summary="`DistilledFedAvg(distill=Distill(start='average'))`: FedDF, FedAvg's mean distilled toward the "
+    "replies' ensemble on the server's unlabelled data",
+    server_data=True,
+)
+def _feddf(b: Build):
+    return _distilled(b, "average")
+
+
+@register(
+    "aligned-distilled",
+    summary="`DistilledFedAvg`: the aligned merge distilled toward the replies' ensemble on the server's data",
+    server_data=True,
+    universe=True,
+)
+def _aligned_distilled(b: Build):
+    return _distilled(b, "merge")
+
+
+@register(
+    "refined-distilled",
+    summary="`DistilledFedAvg(distill=Distill(refine=...))`: the refined merge distilled toward the replies' "
+    "ensemble on the server's data",
+    server_data=True,
+    universe=True,
+)
+def _refined_distilled(b: Build):
+    return _distilled(b, "merge", refine=True)
+
+
 def _hetero(b: Build, refine: bool, permutations: bool = False):
     s = b.settings
     guard = b.guard() if b.model is None else None  # Hugging Face widths: no server-side guard model
@@ -300,12 +346,15 @@ def _server_opt(name: str, summary: str) -> None:
 
     @register(name.lower(), summary=summary)
     def _build(b: Build):
-        return ServerOptFedAvg(**b.common(), optimiser=getattr(flower, name)())
+        s = b.settings
+        lr = {"server_learning_rate" if name == "FedAvgM" else "eta": s.server_lr} if s.server_lr > 0 else {}
+        momentum = {"server_momentum": s.server_momentum} if name == "FedAvgM" else {}
+        return ServerOptFedAvg(**b.common(), optimiser=getattr(flower, name)(**lr, **momentum))
 
 
-_server_opt("FedAvgM", "`ServerOptFedAvg(optimiser=FedAvgM())`: FedAvg with server momentum (Flower's)")
-_server_opt("FedAdam", "`ServerOptFedAvg(optimiser=FedAdam())`: the Adam server optimiser (Flower's FedAdam)")
-_server_opt("FedYogi", "`ServerOptFedAvg(optimiser=FedYogi())`: the Yogi server optimiser (Flower's FedYogi)")
+_server_opt("FedAvgM", "`ServerOptFedAvg(optimiser=FedAvgM())`: FedAvg with server momentum (Flower's; `server-momentum`)")
+_server_opt("FedAdam", "`ServerOptFedAvg(optimiser=FedAdam())`: the Adam server optimiser (Flower's; `server-lr`)")
+_server_opt("FedYogi", "`ServerOptFedAvg(optimiser=FedYogi())`: the Yogi server optimiser (Flower's; `server-lr`)")
 
 
 def _task_merge(method: str, summary: str) -> None:
