@@ -83,7 +83,7 @@ LAYERS = [
     ("symmetry", ["fedlmc.symmetry"]),
     ("adapters", ["fedlmc.hf"]),
     ("widths", ["fedlmc.widths"]),
-    ("averaging", ["fedlmc.averaging", "fedlmc.barrier", "fedlmc.ensemble", "fedlmc.task_vectors"]),
+    ("averaging", ["fedlmc.averaging", "fedlmc.barrier", "fedlmc.ensemble", "fedlmc.task_vectors", "fedlmc.distill"]),
     ("matching", ["fedlmc.matching"]),
     ("lora", ["fedlmc.lora", "fedlmc.lora_baselines"]),
     ("universe", ["fedlmc.replies", "fedlmc.workers", "fedlmc.universe", "fedlmc.screen"]),

@@ -95,3 +95,40 @@ def test_the_peers_are_registered_strategies():
     for name, cls in (("fedavgm", FedAvgM), ("fedadam", FedAdam), ("fedyogi", FedYogi)):
         got = build(Settings.from_run_config({"strategy": name}), model.config.to_dict(), None)
         assert isinstance(got, ServerOptFedAvg) and type(got.optimiser) is cls
+
+
+class _Recording(Grid):
+    """The scripted grid, keeping the config of every train message it is sent."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.configs: list[dict] = []
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self.configs += [dict(m.content["config"]) for m in messages if m.metadata.message_type == "train"]
+        return super().push_messages(messages)
+
+
+def test_any_strategys_clients_get_the_proximal_term_from_the_run_config(tmp_path):
+    """``proximal-mu`` travels in the server app's train config to every strategy's clients (FedProx
+    clients under aligned aggregation), and not at all when it is 0."""
+    from server.app import run_federation
+
+    run = {"preset": "vit-digits", "num-server-rounds": 1, "eval-batches": 2, "independent-start": False}
+    for strategy, mu in (("aligned", 0.05), ("average", 0.0)):
+        grid = _Recording(nodes=2, step=0.01)
+        s = Settings.from_run_config({**run, "strategy": strategy, "proximal-mu": mu, "out-dir": str(tmp_path / strategy)})
+        run_federation(grid, s)
+        assert grid.configs and all(("proximal-mu" in c) == (mu > 0) for c in grid.configs)
+        assert all(c.get("proximal-mu", 0.0) == mu for c in grid.configs)
+
+
+def test_the_server_optimisers_take_their_knobs_from_the_run_config():
+    model = from_preset("vit-digits")
+    got = build(Settings.from_run_config({"strategy": "fedadam", "server-lr": 0.003}), model.config.to_dict(), None)
+    assert got.optimiser.eta == 0.003
+    got = build(Settings.from_run_config({"strategy": "fedavgm", "server-momentum": 0.9}), model.config.to_dict(), None)
+    assert got.optimiser.server_momentum == 0.9 and got.optimiser.server_learning_rate == 1.0
+    with pytest.raises(ValueError, match="server-momentum"):
+        Settings.from_run_config({"strategy": "fedavgm", "server-momentum": 1.0})
