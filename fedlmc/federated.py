@@ -29,6 +29,7 @@ from .options import (
     Guard,
     Matching,
     OnClients,
+    OTFusion,
     Refinement,
     Robust,
     Scale,
@@ -97,6 +98,7 @@ class Settings:
     # FedProx's proximal term, sent to the clients in every round's train config (TrainConfig.proximal_mu):
     # any strategy's clients can train with it (0: none; `fedprox` is `average` with it)
     proximal_mu: float = 0.0
+    ot_reg: float = OTFusion.reg  # OTFusion.reg (ot-fusion): Sinkhorn's regularisation, 0: exact maps
     distill_steps: int = Distill.steps  # Distill.steps (feddf, *-distilled)
     distill_lr: float = Distill.lr  # Distill.lr
     distill_temperature: float = Distill.temperature  # Distill.temperature

@@ -15,6 +15,7 @@
 * ``Scale``: how a server aggregates many replies: on disk, aligned by parallel workers, where, on how
   many threads.
 * ``Screen``: which replies a round leaves out as outliers once they are aligned.
+* ``OTFusion``: optimal-transport fusion's soft maps (``fedlmc.ot_fusion``, ``OTFusionFedAvg``).
 * ``Distill``: ensemble distillation of a round's aggregate onto its replies' outputs on server data
   (``fedlmc.distill``, ``DistilledFedAvg``).
 
@@ -39,7 +40,8 @@ FORMS = ("factored", "circuit")
 REDUCES = ("mean", "median", "trimmed")
 ANCHORS = ("heaviest", "central")
 DISTILL_STARTS = ("average", "merge")  # Distill.start: FedAvg's mean (FedDF), or the strategy's own merge
-TEACHERS = ("logits", "probabilities")  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
+TEACHERS = ("logits", "probabilities")
+RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual: how maps meet at a residual sum  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
 
 
 def one_of(value: Any, allowed: Iterable[Any], what: str) -> Any:
@@ -594,3 +596,36 @@ class Distill:
             )
         if self.refine is not None and self.start != "merge":
             raise ValueError("Distill(refine=...) refines the merge the student starts from: start must be 'merge'")
+
+
+@dataclass(frozen=True)
+class OTFusion:
+    """Optimal-transport fusion of Transformers (Imfeld et al., ICLR 2024), weight-based: every model is
+    aligned to an anchor layer by layer with transport maps between units, then averaged.
+
+    Parameters
+    ----------
+    reg : float, default 0.06
+        Sinkhorn's entropic regularisation of each transport problem (costs are scaled to at most 1):
+        soft maps. 0: exact optimal transport, which between equal numbers of units with uniform mass is
+        a permutation (hard maps).
+    residual : {"mean", "transported", "residual"}, default "mean"
+        At a residual sum the stream's map becomes the mean of the skip's map and the block output's
+        ("mean", the paper's), the block output's ("transported") or the skip's ("residual").
+    anchor : {"heaviest", "central"}, default "heaviest"
+        The model the others are aligned to: the reply of largest weight, or the one whose weights are
+        nearest the plain average's.
+    iterations : int, default 2000
+        At most this many Sinkhorn iterations per map (it stops once the marginals match to 1e-9).
+    """
+
+    reg: float = 0.06
+    residual: str = "mean"
+    anchor: str = "heaviest"
+    iterations: int = 2000
+
+    def __post_init__(self) -> None:
+        one_of(self.residual, RESIDUAL_POLICIES, "residual policy")
+        one_of(self.anchor, ANCHORS, "anchor")
+        if self.reg < 0 or self.iterations < 1:
+            raise ValueError(f"OTFusion needs reg >= 0 and iterations >= 1, got {self.reg} and {self.iterations}")

@@ -84,7 +84,7 @@ LAYERS = [
     ("adapters", ["fedlmc.hf"]),
     ("widths", ["fedlmc.widths"]),
     ("averaging", ["fedlmc.averaging", "fedlmc.barrier", "fedlmc.ensemble", "fedlmc.task_vectors", "fedlmc.distill"]),
-    ("matching", ["fedlmc.matching"]),
+    ("matching", ["fedlmc.matching", "fedlmc.ot_fusion"]),
     ("lora", ["fedlmc.lora", "fedlmc.lora_baselines"]),
     ("universe", ["fedlmc.replies", "fedlmc.workers", "fedlmc.universe", "fedlmc.screen"]),
     ("universe", ["fedlmc.manyway", "fedlmc.reproduce"]),

@@ -7,6 +7,7 @@ All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAv
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
 from .distilled import DistilledFedAvg
+from .fusion import OTFusionFedAvg
 from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 from .lora import LoraFedAvg
@@ -16,6 +17,7 @@ __all__ = [
     "AlignedFedAvg",
     "RefinedFedAvg",
     "DistilledFedAvg",
+    "OTFusionFedAvg",
     "HeteroWidthFedAvg",
     "SlicingFedAvg",
     "ReportingFedAvg",

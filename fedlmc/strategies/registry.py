@@ -23,10 +23,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from fedlmc.data import split
-from fedlmc.options import Distill, Guard, Matching, Report, Robust, TaskMerge, Universe
+from fedlmc.options import Distill, Guard, Matching, OTFusion, Report, Robust, TaskMerge, Universe
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .distilled import DistilledFedAvg
+from .fusion import OTFusionFedAvg
 from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
@@ -235,6 +236,16 @@ def _refined(b: Build):
 )
 def _refined_clients(b: Build):
     return RefinedFedAvg(**b.common(), **b.aligned(on_clients=True), refine=b.settings.refinement(None))
+
+
+@register(
+    "ot-fusion",
+    summary="`OTFusionFedAvg`: optimal-transport fusion (Imfeld et al., ICLR 2024), replies carried onto an "
+    "anchor by soft transport maps layer by layer, then averaged; guarded by the plain average",
+    server_data=True,
+)
+def _ot_fusion(b: Build):
+    return OTFusionFedAvg(**b.common(), fusion=OTFusion(reg=b.settings.ot_reg), guard=b.guard())
 
 
 def _distilled(b: Build, start: str, refine: bool = False):

@@ -1,0 +1,189 @@
+"""Optimal-transport fusion of Transformers (Imfeld et al., "Transformer Fusion with Optimal Transport",
+ICLR 2024), weight-based, written from the paper for fedlmc's GPT-2 and ViT models.
+
+A model is aligned to an anchor one layer at a time, in the order the signal flows. Each linear layer's
+input side is first carried by the map of the units feeding it; then the cost between its output units
+(the rows of the two weight matrices, each scaled to unit norm, Euclidean distances divided by their
+maximum) defines a transport problem with uniform mass on both sides, solved by Sinkhorn with
+regularisation ``reg`` (soft maps) or exactly (``reg = 0``: a permutation). The map ``T`` (model's
+units × anchor's units, scaled so that each anchor unit receives a convex combination) carries the
+layer's rows and bias: ``W' = Tᵀ W T_in``. The residual stream has no layer of its own: at each sum its
+map becomes the mean of the skip's and the block output's maps (the paper's "mean" policy); LayerNorm
+gains and biases, the class token and the head's input side follow it. Q, K and V get maps of their own
+over all their output units; the attention output's input side follows V's. Aligned models are then
+averaged with the replies' weights.
+
+Between equal numbers of units, exact transport with uniform mass is a permutation, so with ``reg = 0``
+a planted copy (residual coordinates, heads and FF neurons permuted) is mapped back exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+from scipy.optimize import linear_sum_assignment
+
+from .options import OTFusion
+
+Maps = dict[str, torch.Tensor]
+
+
+def ground_cost(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Distances between the rows of ``x`` and of ``y`` (each scaled to unit norm), divided by their
+    largest: every cost lies in [0, 1]."""
+    a = x / (x.norm(dim=1, keepdim=True) + 1e-12)
+    b = y / (y.norm(dim=1, keepdim=True) + 1e-12)
+    c = torch.cdist(a, b)
+    top = c.max()
+    return c / top if top > 0 else c
+
+
+def transport(cost: torch.Tensor, reg: float, iterations: int = 2000) -> torch.Tensor:
+    """The transport plan between uniform masses on the rows and the columns of ``cost``: exact
+    (``reg = 0``, equal sizes: a permutation / n) or entropic, by log-domain Sinkhorn iterations."""
+    n0, n1 = cost.shape
+    if reg == 0:
+        if n0 != n1:
+            raise ValueError(f"exact transport here is between equal numbers of units, got {n0} and {n1}")
+        rows, cols = linear_sum_assignment(cost.detach().cpu().numpy())
+        plan = torch.zeros_like(cost)
+        plan[torch.as_tensor(rows), torch.as_tensor(cols)] = 1.0 / n0
+        return plan
+    K = -cost / reg
+    log_mu = torch.full((n0,), -torch.log(torch.tensor(float(n0))), dtype=cost.dtype)
+    log_nu = torch.full((n1,), -torch.log(torch.tensor(float(n1))), dtype=cost.dtype)
+    f, g = torch.zeros_like(log_mu), torch.zeros_like(log_nu)
+    for i in range(iterations):
+        f = log_mu - torch.logsumexp(K + g[None, :], dim=1)
+        g = log_nu - torch.logsumexp(K + f[:, None], dim=0)
+        if i % 10 == 9:
+            rows = torch.logsumexp(K + f[:, None] + g[None, :], dim=1).exp()
+            if float((rows - log_mu.exp()).abs().max()) < 1e-9:
+                break
+    return (K + f[:, None] + g[None, :]).exp()
+
+
+def unit_map(cost: torch.Tensor, options: OTFusion) -> torch.Tensor:
+    """The transport plan scaled by the number of units: each anchor unit's column sums to one."""
+    return transport(cost, options.reg, options.iterations) * cost.shape[0]
+
+
+def _linear(w, b, anchor_w, t_in, options, last=False):
+    """A linear layer (rows: output units) carried to the anchor: input side by ``t_in``, output side
+    by a new map (none for the last layer). Returns the weight, the bias and the map."""
+    w = w if t_in is None else w @ t_in
+    if last:
+        return w, b, None
+    T = unit_map(ground_cost(w, anchor_w), options)
+    return T.T @ w, (T.T @ b if b is not None else None), T
+
+
+def _columns(e, anchor_e, options):
+    """An embedding table whose columns are the residual units: its map and its aligned table."""
+    T = unit_map(ground_cost(e.T, anchor_e.T), options)
+    return e @ T, T
+
+
+def _meet(skip: torch.Tensor, block: torch.Tensor, policy: str) -> torch.Tensor:
+    """The residual stream's map after a sum of the skip (map ``skip``) and a block output (``block``)."""
+    return {"mean": 0.5 * (skip + block), "transported": block, "residual": skip}[policy]
+
+
+def _embeddings(sd: dict, anchor: dict, out: dict, options: OTFusion) -> torch.Tensor:
+    """Align the embeddings (GPT-2: token and position tables; ViT: patch projection, positions, class
+    token) into ``out``; returns the residual stream's map."""
+    out["pos_emb"], t_pos = _columns(sd["pos_emb"], anchor["pos_emb"], options)
+    if "tok_emb.weight" in sd:
+        out["tok_emb.weight"], t_in = _columns(sd["tok_emb.weight"], anchor["tok_emb.weight"], options)
+    else:
+        w, b, t_in = _linear(sd["patch_emb.weight"], sd["patch_emb.bias"], anchor["patch_emb.weight"], None, options)
+        out["patch_emb.weight"], out["patch_emb.bias"] = w, b
+    t_res = _meet(t_pos, t_in, options.residual)
+    if "cls_token" in sd:
+        out["cls_token"] = sd["cls_token"] @ t_res
+    return t_res
+
+
+def _norm(sd, out, name, t_res):
+    for part in ("weight", "bias"):
+        key = f"{name}.{part}"
+        if key in sd:
+            out[key] = sd[key] @ t_res
+
+
+def _block(sd: dict, anchor: dict, out: dict, i: int, t_res: torch.Tensor, options: OTFusion, maps: Maps):
+    """Align block ``i`` into ``out``; returns the residual stream's map after it."""
+    p = f"blocks.{i}."
+    _norm(sd, out, p + "ln1", t_res)
+    for name in ("q", "k", "v"):
+        key = p + f"attn.{name}"
+        out[key + ".weight"], out[key + ".bias"], maps[key] = _linear(
+            sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], t_res, options
+        )
+    key = p + "attn.o"
+    out[key + ".weight"], out[key + ".bias"], maps[key] = _linear(
+        sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], maps[p + "attn.v"], options
+    )
+    t_res = _meet(t_res, maps[key], options.residual)
+    _norm(sd, out, p + "ln2", t_res)
+    t_in = t_res
+    for name in ("fc1", "fc2"):
+        key = p + f"mlp.{name}"
+        out[key + ".weight"], out[key + ".bias"], maps[key] = _linear(
+            sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], t_in, options
+        )
+        t_in = maps[key]
+    return _meet(t_res, t_in, options.residual)
+
+
+def ot_align(model: nn.Module, anchor: nn.Module, options: Optional[OTFusion] = None) -> tuple[dict, Maps]:
+    """``model``'s weights carried onto ``anchor``'s units (float64) and the maps used (key → map)."""
+    options = options or OTFusion()
+    sd = {k: v.detach().double() for k, v in model.state_dict().items()}
+    ref = {k: v.detach().double() for k, v in anchor.state_dict().items()}
+    if not ("tok_emb.weight" in sd or "patch_emb.weight" in sd) or any(".mlp.gate" in k for k in sd):
+        raise ValueError("OT fusion is written for fedlmc's GPT-2 and ViT models (LayerNorm, GELU FFs)")
+    out: dict = {}
+    maps: Maps = {"residual.embedding": _embeddings(sd, ref, out, options)}
+    t_res = maps["residual.embedding"]
+    for i in range(model.config.n_layer):
+        t_res = maps[f"residual.{i}"] = _block(sd, ref, out, i, t_res, options, maps)
+    _norm(sd, out, "ln_f", t_res)
+    out["head.weight"], out["head.bias"], _ = _linear(sd["head.weight"], sd.get("head.bias"), None, t_res, options, True)
+    missing = set(sd) - set(out)
+    if missing:
+        raise ValueError(f"OT fusion left parameters unaligned: {sorted(missing)}")
+    return out, maps
+
+
+def pick_anchor(models: Sequence[nn.Module], weights: Sequence[float], how: str) -> int:
+    """The anchor's index: the largest weight, or the model nearest the plain weighted mean."""
+    if how == "heaviest":
+        return max(range(len(models)), key=lambda i: (weights[i], -i))
+    flat = [torch.cat([p.detach().double().flatten() for p in m.parameters()]) for m in models]
+    total = sum(weights)
+    mean = sum(w * f for w, f in zip(weights, flat)) / total
+    return min(range(len(models)), key=lambda i: float((flat[i] - mean).norm()))
+
+
+def ot_fusion(models: Sequence[nn.Module], weights: Sequence[float], options: Optional[OTFusion] = None) -> nn.Module:
+    """The weighted average of ``models`` once each is carried onto the anchor's units (``ot_align``)."""
+    options = options or OTFusion()
+    if len(models) != len(weights) or not models:
+        raise ValueError("ot_fusion needs one weight per model, and at least one model")
+    a = pick_anchor(models, weights, options.anchor)
+    anchor = models[a]
+    total = float(sum(weights))
+    acc = {k: v.detach().double() * (weights[a] / total) for k, v in anchor.state_dict().items()}
+    for i, (m, w) in enumerate(zip(models, weights)):
+        if i != a:
+            aligned, _ = ot_align(m, anchor, options)
+            for k in acc:
+                acc[k] = acc[k] + aligned[k] * (w / total)
+    fused = copy.deepcopy(anchor)
+    ref = anchor.state_dict()
+    fused.load_state_dict({k: v.to(ref[k].dtype) for k, v in acc.items()})
+    return fused
