@@ -129,3 +129,20 @@ def calibrate_temperature(model: nn.Module, data, batches: int = 8, batch_size: 
 
     best = minimize_scalar(loss, bounds=(-3.0, 3.0), method="bounded")
     return {"temperature": math.exp(best.x), "loss_at_1": loss(0.0), "loss": float(best.fun)}
+
+
+class Tempered(nn.Module):
+    """``model`` with its logits divided by ``temperature`` (the calibrated model the control scores)."""
+
+    def __init__(self, model: nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.model, self.temperature = model, float(temperature)
+        self.config = getattr(model, "config", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) / self.temperature
+
+
+def calibrated(model: nn.Module, data, batches: int = 8, device=None) -> Tempered:
+    """``model`` at the temperature ``calibrate_temperature`` finds on ``data``."""
+    return Tempered(model, calibrate_temperature(model, data, batches=batches, device=device)["temperature"])

@@ -553,7 +553,7 @@ class Distill:
         None distils from the weight-matched merge.
     steps : int, default 100
         At most this many Adam steps on the student's weights (the refinement's budget).
-    lr : float, default 1e-4
+    lr : float, default 3e-4
         Adam's learning rate on the weights.
     temperature : float, default 1.0
         The softmax temperature of teacher and student (the loss is scaled by its square).
@@ -577,7 +577,7 @@ class Distill:
     start: str = "merge"
     refine: Optional[Refinement] = None
     steps: int = 100
-    lr: float = 1e-4
+    lr: float = 3e-4
     temperature: float = 1.0
     teacher: str = "logits"
     batch_size: int = 64

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .averaging import interpolate
 from .barrier import Curve, barrier, interpolation_curve, plot_curves
+from .distill import calibrated
 from .matching import activation_matching, learned_matching, residual_activation_cross, weight_matching
 from .options import Learning, Matching
 from .symmetry import Transform, apply_transform, canonicalize
@@ -53,6 +54,9 @@ def _learned(perms_only: bool) -> Callable:
 # key -> (label, transform builder or None for vanilla, merge form, keep_layernorm)
 METHODS: dict[str, tuple[str, Optional[Callable], str, bool]] = {
     "vanilla": ("vanilla averaging", None, "factored", False),
+    # the width-and-temperature control (Ito et al., ICLR 2026): vanilla averaging, each interpolated
+    # model's softmax temperature calibrated on the validation split
+    "vanilla-temperature": ("vanilla averaging, temperature calibrated", None, "factored", False),
     "activation": ("activation matching (factored)", _act, "factored", False),
     "wm-perm-circuit": (
         "weight matching, permutation residual (circuit)",
@@ -83,6 +87,13 @@ def seed_pairs(pairs: int) -> list[tuple[int, int]]:
     return sorted(itertools.combinations(range(n), 2), key=lambda p: (p[1], p[0]))[:pairs]
 
 
+def _calibrated_on(data) -> Callable:
+    def run(a, b, lam):
+        return calibrated(interpolate(a, b, lam), data)
+
+    return run
+
+
 def pair_curves(
     a: nn.Module,
     b: nn.Module,
@@ -105,7 +116,9 @@ def pair_curves(
     for key in order:
         label, build, form, keep = METHODS[key]
         t0 = time.time()
-        if build is None:
+        if key == "vanilla-temperature":
+            curve = interpolation_curve(a, b, splits.test, interpolate=_calibrated_on(splits.val), device=dev)
+        elif build is None:
             curve = interpolation_curve(a, b, splits.test, device=dev)
         else:
             T: Transform = ctx.get(key) or build(a, b, splits, ctx)
