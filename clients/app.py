@@ -32,8 +32,9 @@ from fedlmc.federated import (
     local_train,
     refine_parts,
 )
-from fedlmc.hf import hf_model_for
+from fedlmc.hf import Logits, hf_model_for
 from fedlmc.on_clients import answer
+from fedlmc.scaffold import CONTROL_KEY, client_round, pack, remove, unpack
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 from fedlmc.widths import shape_of, slice_prefix
 
@@ -105,7 +106,11 @@ def train(
     else:
         model = _received(msg, cfg, s)
     t0 = time.time()
-    hist = fit_fn(model, data, s, Round(pid, n, rnd, seed=1000 * (s.seed + 1) + 100 * rnd + pid))
+    scaffold = _scaffold_start(msg, context, model, data, s)
+    try:
+        hist = fit_fn(model, data, s, Round(pid, n, rnd, seed=1000 * (s.seed + 1) + 100 * rnd + pid))
+    finally:
+        remove(scaffold[2] if scaffold else ())
     last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
     # only quantities whose num-examples-weighted mean means something are metrics; who the client is
     # (partition, width) and how long it took travel as configuration
@@ -115,7 +120,22 @@ def train(
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict=state), "metrics": metrics, "client": client})
     if not s.hf:  # a Hugging Face client declares nothing: the server knows its model (model=)
         content["model"] = config_record(model)
+    if scaffold:  # SCAFFOLD: keep c_i⁺ for the next round, answer with Δc_i
+        context.state[CONTROL_KEY] = ConfigRecord({"control": pack(scaffold[0])})
+        content[CONTROL_KEY] = ConfigRecord({"delta": pack(scaffold[1])})
     return Message(content=content, reply_to=msg)
+
+
+def _scaffold_start(msg: Message, context: Context, model, data, s: Settings) -> Optional[tuple]:
+    """SCAFFOLD (the server sent its control variate ``c``): this client's new variate, its change and
+    the hooks that correct its gradients by ``c − c_i`` while it trains (``fedlmc.scaffold``); None
+    for every other strategy."""
+    config = msg.content["config"]
+    if CONTROL_KEY not in config:
+        return None
+    mine = unpack(context.state[CONTROL_KEY]["control"]) if CONTROL_KEY in context.state else {}
+    trained = Logits(model) if s.hf else model
+    return client_round(trained, data, s.batch_size, unpack(config[CONTROL_KEY]), mine, s.device or None)
 
 
 def evaluate(

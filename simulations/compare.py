@@ -99,6 +99,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
             # the cures for client drift (hyper-parameters chosen on held-out seed 5: PEERS_TUNED), and
             # FedProx's clients under refined aggregation
             *PEERS_TUNED,
+            "scaffold",
             "refined:proximal-mu=0.1",
         ],
         clients=4,

@@ -8,7 +8,7 @@ from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
 from .distilled import DistilledFedAvg
 from .fusion import OTFusionFedAvg
-from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg, TaskVectorFedAvg
+from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ScaffoldFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 from .lora import LoraFedAvg
 from .registry import register
@@ -24,6 +24,7 @@ __all__ = [
     "KrumFedAvg",
     "FedProxFedAvg",
     "ServerOptFedAvg",
+    "ScaffoldFedAvg",
     "TaskVectorFedAvg",
     "FedlmcStrategy",
     "LoraFedAvg",

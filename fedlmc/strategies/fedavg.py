@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import FedAvgM
 from flwr.serverapp.strategy.fedopt import FedOpt
@@ -13,6 +14,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedlmc.averaging import robust_merge
 from fedlmc.options import Robust, TaskMerge
+from fedlmc.scaffold import CONTROL_KEY, pack, unpack
 from fedlmc.task_vectors import task_vector_merge
 
 from .base import FedlmcStrategy, loaded
@@ -195,3 +197,66 @@ class TaskVectorFedAvg(ReportingFedAvg):
         states = [m.content[self.arrayrecord_key].to_torch_state_dict() for m in replies]
         merged = task_vector_merge(base, states, weights, self.merge)
         return ArrayRecord(torch_state_dict=merged), {"kept": self.merge.method}
+
+
+class ScaffoldFedAvg(ReportingFedAvg):
+    """SCAFFOLD (Karimireddy et al., ICML 2020) on Flower's Message API: every train message carries the
+    server's control variate ``c`` (config key ``scaffold``, safetensors bytes); fedlmc's ClientApp
+    keeps its own variate in the node's ``context.state``, corrects its gradients by ``c − c_i`` and
+    answers with ``Δc_i`` (``fedlmc.scaffold``). The model is aggregated as FedAvg's (global learning
+    rate 1) and ``c ← c + |S|/N · mean Δc_i`` over the S replies of N nodes. A reply without ``Δc_i`` (a
+    ClientApp that does not run SCAFFOLD) is aggregated and counted as ``Δc_i = 0``, and the round
+    records its node.
+
+    Parameters
+    ----------
+    **kwargs
+        ``ReportingFedAvg``'s parameters (``reduce`` must stay the mean).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self.robust.reduce != "mean":
+            raise ValueError("SCAFFOLD averages the replies and their control variates: reduce must be 'mean'")
+        self.control: dict = {}
+        self._nodes = 0
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid):
+        config[CONTROL_KEY] = pack(self.control)
+        self._nodes = len(list(grid.get_node_ids()))
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def combine(self, server_round, replies, models, weights):
+        merged, fields, plain = super().combine(server_round, replies, models, weights)
+        return merged, {**fields, **self._update_control(replies)}, plain
+
+    def combine_arrays(self, server_round, replies, weights):
+        arrays, fields = super().combine_arrays(server_round, replies, weights)
+        return arrays, {**fields, **self._update_control(replies)}
+
+    def _update_control(self, replies: list) -> dict[str, Any]:
+        """``c ← c + |S|/N · mean Δc_i`` from the replies; the round record's fields."""
+        deltas, missing = [], []
+        for msg in replies:
+            rec = msg.content.config_records.get(CONTROL_KEY)
+            if rec is None or "delta" not in rec:
+                missing.append(int(msg.metadata.src_node_id))
+                continue
+            deltas.append(unpack(rec["delta"]))
+        share = len(replies) / max(self._nodes, len(replies))
+        for name in set().union(*deltas) if deltas else ():
+            mean = sum(d[name] for d in deltas if name in d) / len(replies)
+            self.control[name] = self.control.get(name, torch.zeros_like(mean)) + share * mean
+        fields: dict[str, Any] = {
+            "scaffold_control_norm": float(sum(float(c.pow(2).sum()) for c in self.control.values()) ** 0.5)
+        }
+        if missing:
+            fields["scaffold_missing"] = missing
+        return fields
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "scaffold_control": {k: v.tolist() for k, v in self.control.items()}}
+
+    def load_state(self, state: dict[str, Any], round_offset: int) -> None:
+        super().load_state(state, round_offset)
+        self.control = {k: torch.tensor(v) for k, v in state.get("scaffold_control", {}).items()}

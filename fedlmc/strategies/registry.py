@@ -28,7 +28,7 @@ from fedlmc.options import Distill, Guard, Matching, OTFusion, Report, Robust, T
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .distilled import DistilledFedAvg
 from .fusion import OTFusionFedAvg
-from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ServerOptFedAvg, TaskVectorFedAvg
+from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ScaffoldFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
 
@@ -349,6 +349,15 @@ def _multikrum(b: Build):
 @register("fedprox", summary="`FedProxFedAvg`: FedProx, FedAvg with the clients' proximal term (`proximal-mu`)")
 def _fedprox(b: Build):
     return FedProxFedAvg(**b.common(), proximal_mu=b.settings.proximal_mu)
+
+
+@register(
+    "scaffold",
+    summary="`ScaffoldFedAvg`: SCAFFOLD, the clients' gradients corrected by control variates (c − c_i) that "
+    "travel with the messages",
+)
+def _scaffold(b: Build):
+    return ScaffoldFedAvg(**b.common())
 
 
 def _server_opt(name: str, summary: str) -> None:
