@@ -122,20 +122,21 @@ def train(
         content["model"] = config_record(model)
     if scaffold:  # SCAFFOLD: keep c_i⁺ for the next round, answer with Δc_i
         context.state[CONTROL_KEY] = ConfigRecord({"control": pack(scaffold[0])})
-        content[CONTROL_KEY] = ConfigRecord({"delta": pack(scaffold[1])})
+        content[CONTROL_KEY] = ConfigRecord({"delta": pack(scaffold[1]), "had-variate": scaffold[3]})
     return Message(content=content, reply_to=msg)
 
 
 def _scaffold_start(msg: Message, context: Context, model, data, s: Settings) -> Optional[tuple]:
-    """SCAFFOLD (the server sent its control variate ``c``): this client's new variate, its change and
-    the hooks that correct its gradients by ``c − c_i`` while it trains (``fedlmc.scaffold``); None
-    for every other strategy."""
+    """SCAFFOLD (the server sent its control variate ``c``): this client's new variate, its change, the
+    hooks that correct its gradients by ``c − c_i`` while it trains (``fedlmc.scaffold``) and whether it
+    had a variate already (kept in the node's state since an earlier round); None for every other
+    strategy."""
     config = msg.content["config"]
     if CONTROL_KEY not in config:
         return None
     mine = unpack(context.state[CONTROL_KEY]["control"]) if CONTROL_KEY in context.state else {}
     trained = Logits(model) if s.hf else model
-    return client_round(trained, data, s.batch_size, unpack(config[CONTROL_KEY]), mine, s.device or None)
+    return (*client_round(trained, data, s.batch_size, unpack(config[CONTROL_KEY]), mine, s.device or None), bool(mine))
 
 
 def evaluate(

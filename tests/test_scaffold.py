@@ -135,9 +135,11 @@ def test_the_clientapp_keeps_its_variate_in_the_node_state_and_answers_with_its_
     delta = unpack(first.content[CONTROL_KEY]["delta"])
     assert set(mine) == set(delta) and all(torch.equal(mine[k], delta[k]) for k in mine)
     assert len(first.content.array_records) == 1  # what Flower's strategies check
+    assert first.content[CONTROL_KEY]["had-variate"] is False
     control = {k: torch.ones_like(v) for k, v in mine.items()}
     second = train(message(ConfigRecord({**dict(config), CONTROL_KEY: pack(control)})), ctx)
     moved = second.content["arrays"].to_torch_state_dict()
     assert any(not torch.equal(moved[k], a[k]) for k in a)  # the correction changed the training
+    assert second.content[CONTROL_KEY]["had-variate"] is True
     again = unpack(second.content[CONTROL_KEY]["delta"])
     assert all(np.allclose(again[k], 0.0, atol=1e-6) for k in again)  # same start, same data: c_i⁺ = c_i

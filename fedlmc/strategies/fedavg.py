@@ -236,13 +236,15 @@ class ScaffoldFedAvg(ReportingFedAvg):
 
     def _update_control(self, replies: list) -> dict[str, Any]:
         """``c ← c + |S|/N · mean Δc_i`` from the replies; the round record's fields."""
-        deltas, missing = [], []
+        deltas, missing, fresh = [], [], []
         for msg in replies:
             rec = msg.content.config_records.get(CONTROL_KEY)
             if rec is None or "delta" not in rec:
                 missing.append(int(msg.metadata.src_node_id))
                 continue
             deltas.append(unpack(rec["delta"]))
+            if not rec.get("had-variate", True):
+                fresh.append(int(msg.metadata.src_node_id))
         share = len(replies) / max(self._nodes, len(replies))
         for name in set().union(*deltas) if deltas else ():
             mean = sum(d[name] for d in deltas if name in d) / len(replies)
@@ -252,6 +254,8 @@ class ScaffoldFedAvg(ReportingFedAvg):
         }
         if missing:
             fields["scaffold_missing"] = missing
+        if fresh:  # clients with no variate of their own yet (their first round, or a node that lost its state)
+            fields["scaffold_new_variates"] = fresh
         return fields
 
     def state(self) -> dict[str, Any]:
