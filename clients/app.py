@@ -15,6 +15,7 @@ on that partition's other half (``fedlmc.federated.refine_parts``).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -33,6 +34,7 @@ from fedlmc.federated import (
     refine_parts,
 )
 from fedlmc.hf import Logits, hf_model_for
+from fedlmc.distill import Taught
 from fedlmc.on_clients import answer
 from fedlmc.scaffold import CONTROL_KEY, client_round, pack, remove, unpack
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
@@ -120,6 +122,8 @@ def train(
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict=state), "metrics": metrics, "client": client})
     if not s.hf:  # a Hugging Face client declares nothing: the server knows its model (model=)
         content["model"] = config_record(model)
+    if msg.content["config"].get("keep-model"):  # distillation on the clients: this model is the teacher
+        context.state[TEACHER_KEY] = ArrayRecord(torch_state_dict=state)
     if scaffold:  # SCAFFOLD: keep c_i⁺ for the next round, answer with Δc_i
         context.state[CONTROL_KEY] = ConfigRecord({"control": pack(scaffold[0])})
         content[CONTROL_KEY] = ConfigRecord({"delta": pack(scaffold[1]), "had-variate": scaffold[3]})
@@ -159,10 +163,28 @@ def refine(
 ) -> Message:
     """A refinement query of a ``*-clients`` strategy: the gradient at the merged model it carries on this
     node's refinement data, or the held-out losses for a check (``fedlmc.on_clients.answer``)."""
-    s, pid, n, _ = _node(context, overrides or {}, settings)
+    s, pid, n, cfg = _node(context, overrides or {}, settings)
     _, val = client_data(s, pid, n)
     train_part, check_part, _ = refine_parts(val)
+    if msg.content["config"].get("target") == "own-model":  # distillation: the soft targets of this round's model
+        teacher = _teacher(context, cfg, s, str(msg.content["config"]["model-config"]))
+        train_part, check_part = Taught(train_part, teacher, s.device or None), Taught(check_part, teacher, s.device or None)
     return answer(msg, train_part, check_part, device=s.device or None)
+
+
+TEACHER_KEY = "teacher"  # the node state's copy of the model it trained last (distillation on the clients)
+
+
+def _teacher(context: Context, own_cfg, s: Settings, model_config: str):
+    """The model this node trained in the round (kept in its state), as the teacher of a distillation."""
+    if TEACHER_KEY not in context.state:
+        raise ValueError("a distillation query, but this node kept no model: the round's train config had no keep-model")
+    state = context.state[TEACHER_KEY].to_torch_state_dict()
+    if s.hf:
+        model = hf_model_for(own_cfg)
+        model.load_state_dict(state, strict=True)
+        return Logits(model)
+    return model_from_arrays(ArrayRecord(torch_state_dict=state), json.loads(model_config))
 
 
 def query(msg: Message, context: Context) -> Message:

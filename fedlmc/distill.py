@@ -146,3 +146,76 @@ class Tempered(nn.Module):
 def calibrated(model: nn.Module, data, batches: int = 8, device=None) -> Tempered:
     """``model`` at the temperature ``calibrate_temperature`` finds on ``data``."""
     return Tempered(model, calibrate_temperature(model, data, batches=batches, device=device)["temperature"])
+
+
+class Taught:
+    """``data`` with its targets replaced by ``teacher``'s predicted distributions (soft targets, computed
+    batch by batch): what a client distils on when its own trained model is the teacher. Exposes the
+    ``batches(batch_size, shuffle, generator)`` of fedlmc's data sets."""
+
+    def __init__(self, data, teacher: nn.Module, device=None) -> None:
+        self.data, self.device = data, pick_device(device)
+        self.teacher = teacher.to(self.device).eval()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batches(self, batch_size: int, shuffle: bool = False, generator=None):
+        for x, _ in self.data.batches(batch_size, shuffle=shuffle, generator=generator):
+            with torch.no_grad():
+                y = torch.softmax(self.teacher(x.to(self.device)).float(), dim=-1).cpu()
+            yield x, y
+
+
+def _state(model: nn.Module) -> dict:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _remote_check(remote, model: nn.Module, step: int) -> Optional[float]:
+    losses = remote.losses(_state(model), step)
+    if losses is None:
+        return None
+    per = torch.cat([v.reshape(-1) for v in losses.values()])
+    return float(per.mean()) if len(per) else None
+
+
+def distill_on_clients(student: nn.Module, remote, options: Distill) -> tuple[nn.Module, dict]:
+    """``student`` (a copy) distilled by the clients: every step the round's clients (``remote``, a
+    ``fedlmc.on_clients.ClientLosses`` asking for the distillation loss to each client's own model on
+    its data) answer with the gradient at the student, and Adam steps on their weighted mean; the checks
+    score the same loss on the clients' held-out batches. Stops when too few clients answer."""
+    student = copy.deepcopy(student).cpu().float()
+    remote.begin(student.config)
+    params = dict(student.named_parameters())
+    opt = torch.optim.Adam(params.values(), lr=options.lr)
+    best = _remote_check(remote, student, 0) if options.check_every else None
+    record = {"steps_run": 0, "best_step": 0, "check_start": best, "check_best": best}
+    best_state, stale = copy.deepcopy(student.state_dict()), 0
+    for step in range(1, options.steps + 1):
+        got = remote.gradients([_state(student)], step)
+        if got is None:
+            record["stopped"] = f"too few clients answered at step {step}"
+            break
+        grads, _ = got
+        for name, p in params.items():
+            p.grad = grads[0][name].to(p.dtype) if name in grads[0] else None
+        opt.step()
+        record["steps_run"] = step
+        if options.check_every and step % options.check_every == 0:
+            now = _remote_check(remote, student, step)
+            if now is None:
+                record["stopped"] = f"too few clients scored the check at step {step}"
+                break
+            if best is None or now < best:
+                best, best_state, stale = now, copy.deepcopy(student.state_dict()), 0
+                record.update(best_step=step, check_best=now)
+            else:
+                stale += 1
+                if stale >= options.patience:
+                    record["stopped"] = f"no better check in {options.patience} checks"
+                    break
+    if options.check_every:
+        student.load_state_dict(best_state)
+    else:
+        record["best_step"] = record["steps_run"]
+    return student, record

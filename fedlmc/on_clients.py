@@ -183,6 +183,10 @@ class ClientLosses:
         Seeds which clients a step asks and their batches.
     server_round : int
         Recorded in each query (``server-round``).
+    target : str, default ""
+        What the clients' loss compares the model's outputs with: their labels (""), or ``"own-model"``,
+        the distributions predicted by the model each client trained this round (distillation; fedlmc's
+        ClientApp keeps it when the round's train config asks ``keep-model``).
     """
 
     def __init__(
@@ -194,10 +198,11 @@ class ClientLosses:
         check_batches: int,
         seed: int = 0,
         server_round: int = 0,
+        target: str = "",
     ) -> None:
         if not nodes:
             raise ValueError("the refinement on the clients needs at least one client")
-        self.grid, self.nodes, self.on = grid, sorted(int(n) for n in nodes), on
+        self.grid, self.nodes, self.on, self.target = grid, sorted(int(n) for n in nodes), on, target
         self.batch_size, self.check_batches, self.seed, self.round = batch_size, check_batches, seed, server_round
         self.samples = on.samples_per_message
         self.check_nodes = self.nodes if not on.check_clients else self.nodes[: on.check_clients]
@@ -235,6 +240,7 @@ class ClientLosses:
             "seed": int(self.seed * 1_000_003 + self.round * 10_007 + step),
             "server-round": int(self.round),
             "step": int(step),
+            **({"target": self.target} if self.target else {}),
         }
         msgs = [
             Message(content=RecordDict({**records, "config": ConfigRecord(config)}), dst_node_id=n, message_type=REFINE)

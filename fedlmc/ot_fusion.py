@@ -24,8 +24,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
-from scipy.optimize import linear_sum_assignment
-
 from .options import OTFusion
 
 Maps = dict[str, torch.Tensor]
@@ -46,6 +44,8 @@ def transport(cost: torch.Tensor, reg: float, iterations: int = 2000) -> torch.T
     (``reg = 0``, equal sizes: a permutation / n) or entropic, by log-domain Sinkhorn iterations."""
     n0, n1 = cost.shape
     if reg == 0:
+        from scipy.optimize import linear_sum_assignment  # here: a ClientApp imports strategies, not solvers
+
         if n0 != n1:
             raise ValueError(f"exact transport here is between equal numbers of units, got {n0} and {n1}")
         rows, cols = linear_sum_assignment(cost.detach().cpu().numpy())

@@ -23,8 +23,13 @@ def pick_device(device: Optional[str] = None) -> torch.device:
 
 
 def loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy and the number of correct argmax predictions (sequence or class logits)."""
+    """Mean cross-entropy and the number of correct argmax predictions (sequence or class logits).
+    Floating-point ``y`` of the logits' shape are soft targets (a distribution per prediction, as a
+    teacher's in distillation): the cross-entropy to them, and agreement with their argmax."""
     logits = logits.reshape(-1, logits.shape[-1])
+    if y.is_floating_point():
+        y = y.reshape(-1, logits.shape[-1])
+        return F.cross_entropy(logits, y), (logits.argmax(-1) == y.argmax(-1)).sum()
     y = y.reshape(-1)
     return F.cross_entropy(logits, y), (logits.argmax(-1) == y).sum()
 

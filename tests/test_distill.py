@@ -129,3 +129,43 @@ def test_feddf_and_the_distilled_merges_run_on_the_same_replies(task_identity, t
         assert row["distill_steps_run"] > 0 and row["distill_check_best"] <= row["distill_check_start"], row
     assert records["feddf"]["distill_from"] == "average" and records["refined-distilled"]["distill_from"] == "aligned"
     assert records["refined-distilled"]["refine_steps_run"] > 0  # refined first, then distilled
+
+
+def test_distillation_by_the_clients_each_toward_its_own_model_lowers_their_held_out_loss(task_identity):
+    """With no server data, the clients answer with the gradient of the cross-entropy to the soft
+    predictions of the model each trained (``Taught``), on their own data: the student moves toward
+    both teachers on both clients' held-out batches."""
+    from test_on_clients import FakeGrid
+
+    from fedlmc.distill import Taught, distill_on_clients
+    from fedlmc.on_clients import ClientLosses, answer
+    from fedlmc.options import OnClients
+
+    teachers = {1: _model(1).eval(), 2: _model(2).eval()}
+    for t in teachers.values():  # confident teachers: their soft targets are far from the student's
+        with torch.no_grad():
+            t.head.weight.mul_(30.0)
+    data = {n: (_data(256, seed=10 + n), _data(64, seed=20 + n)) for n in teachers}
+
+    def handler(node):
+        train_part, check_part = data[node]
+        return lambda msg: answer(msg, Taught(train_part, teachers[node]), Taught(check_part, teachers[node]))
+
+    grid = FakeGrid({n: handler(n) for n in teachers})
+    remote = ClientLosses(grid, [1, 2], OnClients(min_clients=2), batch_size=32, check_batches=2, target="own-model")
+    options = Distill(steps=30, lr=3e-3, check_every=5, patience=100)
+    student, record = distill_on_clients(_model(7), remote, options)
+    assert record["steps_run"] == 30 and record["best_step"] > 0
+    assert record["check_best"] < record["check_start"] - 0.2, record
+    assert all(m.content["config"]["target"] == "own-model" for m in grid.sent)
+
+
+def test_a_client_without_a_kept_model_refuses_a_distillation_query():
+    from flwr.app import Context, RecordDict
+
+    from clients.app import _teacher
+    from fedlmc.federated import Settings
+
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(ValueError, match="keep-model"):
+        _teacher(ctx, None, Settings(), "{}")

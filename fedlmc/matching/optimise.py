@@ -400,6 +400,9 @@ def example_losses(learn: Learning, out: torch.Tensor, y: torch.Tensor) -> torch
     the units a check's significance is judged on; with ``learn.loss_fn`` (one number per batch) per batch."""
     if learn.loss_fn is not None:
         return merged_loss(learn, out, y).reshape(1)
+    if y.is_floating_point():  # soft targets (distillation): the cross-entropy to them, per example
+        per = -(y * torch.log_softmax(out.float(), dim=-1)).sum(-1)
+        return per.reshape(y.shape[0], -1).mean(1)
     per = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view(y.shape[0], -1)
     valid = (y != -100).reshape(y.shape[0], -1)  # cross-entropy's default ignore_index
     return (per * valid).sum(1) / valid.sum(1).clamp_min(1)

@@ -1,10 +1,12 @@
-"""Ensemble distillation at the server: FedDF, and distillation started from the aligned or refined merge.
+"""Ensemble distillation: FedDF, and distillation started from the aligned or refined merge, at the
+server or by the clients.
 
 ``DistilledFedAvg`` builds its start as ``AlignedFedAvg`` does (or as ``RefinedFedAvg`` does, with
 ``distill.refine``), or takes the replies' plain mean (``distill.start="average"``: FedDF, Lin et al.,
-NeurIPS 2020), then trains it on the server's unlabelled data toward the output ensemble of the very
-replies it merged (``fedlmc.distill``). The do-no-harm guard then compares the distilled model with the
-plain average on the guard's data, as the aligned strategies' guard does.
+NeurIPS 2020), then trains it toward the replies' outputs (``fedlmc.distill``): on the server's
+unlabelled data toward their ensemble, or, with no server data, by the clients, each on its own data
+toward the model it trained this round (``on_clients``). The do-no-harm guard then compares the
+distilled model with the plain average, on the server's guard data or the clients' held-out data.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 from typing import Any
 
 from fedlmc.distill import distill as distill_model
+from fedlmc.distill import distill_on_clients
+from fedlmc.on_clients import ClientLosses
 from fedlmc.options import Distill
 
 from .aligned import AlignedFedAvg, RefinedFedAvg, refine_split
@@ -20,28 +24,38 @@ from .base import loaded
 
 
 class DistilledFedAvg(AlignedFedAvg):
-    """Server-side ensemble distillation of each round's aggregate.
+    """Ensemble distillation of each round's aggregate.
 
     Parameters
     ----------
     distill : Distill
-        The distillation's data (the server's, unlabelled), start (``"average"``: FedDF; ``"merge"``:
-        this strategy's aligned merge, refined first when ``distill.refine`` is given), budget,
-        temperature and stopping rule (``fedlmc.options.Distill``). Its last quarter is held out for
-        the checks unless ``check_data`` is given.
+        The distillation's data (the server's, unlabelled; None with ``on_clients``), start
+        (``"average"``: FedDF; ``"merge"``: this strategy's aligned merge, refined first when
+        ``distill.refine`` is given), budget, temperature and stopping rule (``fedlmc.options.Distill``).
+        Its last quarter is held out for the checks unless ``check_data`` is given.
     **kwargs
-        ``AlignedFedAvg``'s parameters (the matching, universe and guard of the merge it starts from).
+        ``AlignedFedAvg``'s parameters (the matching, universe and guard of the merge it starts from;
+        ``on_clients``: the refinement, the distillation and the guard by the clients).
     """
 
     def __init__(self, *, distill: Distill, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if distill is None or distill.data is None:
-            raise ValueError("DistilledFedAvg distils on server data: distill=Distill(data=...)")
-        if distill.refine is not None and distill.refine.data is None:
-            raise ValueError("Distill(refine=...) refines on the server: give the refinement data too")
-        self.distill = refine_split(distill)
-        self.refine = refine_split(distill.refine) if distill.refine is not None else None
+        if distill is None or (distill.data is None and self.on_clients is None):
+            raise ValueError(
+                "DistilledFedAvg distils on server data, distill=Distill(data=...), or by the clients, "
+                "on_clients=OnClients() (their ClientApp keeps its model and answers 'query.refine')"
+            )
+        refine = distill.refine
+        if refine is not None and refine.data is None and self.on_clients is None:
+            raise ValueError("Distill(refine=...) needs the refinement's data, or on_clients")
+        self.distill = refine_split(distill) if distill.data is not None else distill
+        self.refine = refine_split(refine) if refine is not None and refine.data is not None else refine
         self.refines = self.refine is not None
+
+    def configure_train(self, server_round, arrays, config, grid):
+        if self.distill.data is None:  # the clients keep this round's model: it is their teacher
+            config["keep-model"] = True
+        return super().configure_train(server_round, arrays, config, grid)
 
     def align(self, models, weights, start, matched=None):
         if self.refine is None:
@@ -51,21 +65,31 @@ class DistilledFedAvg(AlignedFedAvg):
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
         if self.distill.start == "average":  # FedDF: distil FedAvg's mean
-            start, plain = self.plain(models, weights), None
+            start = self.plain(models, weights)
             fields: dict[str, Any] = {"kept": "average"}
         else:
-            start, fields, plain = super().combine(server_round, replies, models, weights)
-        teachers = [loaded(m) for m in models]
-        student, record = distill_model(start, teachers, self.distill, device=self.scale.device)
-        student = student.cpu()
+            start, fields, _ = super().combine(server_round, replies, models, weights)
+        student, record = self._distilled(start, models)
         fields.update({f"distill_{k}": v for k, v in record.items()}, distill_from=fields.get("kept"))
-        fields["kept"] = "distilled" if record["best_step"] else fields["kept"]
-        if self.guard is not None:
-            plain = plain if plain is not None else self.plain(models, weights)
-            losses = {"distilled": self.guard_loss(self.guard, student), "average": self.guard_loss(self.guard, plain)}
-            kept, verdict = self.guard_verdict({"distilled": student, "average": plain}, losses, "server")
-            fields.update(verdict)
-            if kept == "average":
-                student, fields["kept"] = plain, "average"
+        result, plain = self._guarded(server_round, student, models, weights, fields)
+        fields["kept"] = "distilled" if result is student else "average"
         fields["align_seconds"] = time.time() - t0
-        return student, fields, plain
+        return result, fields, plain
+
+    def _distilled(self, start, models):
+        """The start distilled at the server toward the replies' ensemble, or by the clients."""
+        if self.distill.data is not None:
+            student, record = distill_model(start, [loaded(m) for m in models], self.distill, device=self.scale.device)
+            return student.cpu(), record
+        remote = ClientLosses(
+            self.require_grid(),
+            self.round.nodes,
+            self.on_clients,
+            self.distill.batch_size,
+            self.distill.check_batches,
+            seed=self.distill.seed,
+            server_round=self.round.server_round,
+            target="own-model",
+        )
+        student, record = distill_on_clients(start, remote, self.distill)
+        return student, {**record, "clients": remote.record()}

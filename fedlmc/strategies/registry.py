@@ -248,9 +248,9 @@ def _ot_fusion(b: Build):
     return OTFusionFedAvg(**b.common(), fusion=OTFusion(reg=b.settings.ot_reg), guard=b.guard())
 
 
-def _distilled(b: Build, start: str, refine: bool = False):
+def _distilled(b: Build, start: str, refine: bool = False, on_clients: bool = False):
     s = b.settings
-    data = b.halves()[0]  # the refinement's half: the same server data, the same budget of steps
+    data = None if on_clients else b.halves()[0]  # the refinement's half: the same data, the same budget of steps
     options = Distill(
         data=data,
         start=start,
@@ -259,7 +259,7 @@ def _distilled(b: Build, start: str, refine: bool = False):
         lr=s.distill_lr,
         temperature=s.distill_temperature,
     )
-    return DistilledFedAvg(**b.common(), **b.aligned(), distill=options)
+    return DistilledFedAvg(**b.common(), **b.aligned(on_clients=on_clients), distill=options)
 
 
 @register(
@@ -291,6 +291,17 @@ def _aligned_distilled(b: Build):
 )
 def _refined_distilled(b: Build):
     return _distilled(b, "merge", refine=True)
+
+
+@register(
+    "refined-clients-distilled",
+    summary="`DistilledFedAvg(on_clients=OnClients())`: refined on the clients, then distilled by them, each "
+    "toward the model it trained on its own data (no server data)",
+    on_clients=True,
+    universe=True,
+)
+def _refined_clients_distilled(b: Build):
+    return _distilled(b, "merge", refine=True, on_clients=True)
 
 
 def _hetero(b: Build, refine: bool, permutations: bool = False):
