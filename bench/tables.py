@@ -90,6 +90,14 @@ def widths(doc: dict) -> str:
     return "\n".join(width_markdown(doc["preset"], doc, doc["d"]).splitlines()[2:])
 
 
+def width_study(doc: dict) -> str:
+    import argparse
+
+    args = argparse.Namespace(seeds=doc["seeds"], train_steps=doc["steps"], learned_steps=doc["learned_steps"])
+    md = _bench("width_study").markdown(doc["arch"], doc["rows"], args)
+    return "\n".join(md.splitlines()[2:]).strip()
+
+
 def compare(doc: dict) -> str:
     from simulations.compare import markdown
 

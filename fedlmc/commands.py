@@ -400,9 +400,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .symmetry import to_layernorm
 
     model = load_checkpoint(args.checkpoint)
+    family = model.meta.get("hf_family")  # the Hugging Face family it was imported from (OPT is GPT-2's architecture)
     if model.config.arch in ("gpt2", "vit") and model.config.norm != "layernorm":
         model = to_layernorm(model)
-    hf = to_hf(model, tied=True if args.tied else None)
+    hf = to_hf(model, tied=True if args.tied else None, family=family)
     hf.save_pretrained(args.out)
     console.print(f"wrote {type(hf).__name__} to {args.out} (head fit relative error {hf.fedlmc_fit_error:.2e})")
     return 0
@@ -414,6 +415,6 @@ def cmd_import(args: argparse.Namespace) -> int:
     from .io import save
 
     model = from_hf(args.directory)
-    save(model, args.out, meta={"source": str(args.directory)})
+    save(model, args.out, meta={"source": str(args.directory), "hf_family": model.meta["hf_family"]})
     console.print(f"wrote fedlmc {model.config.arch} checkpoint to {args.out}")
     return 0

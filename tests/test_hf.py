@@ -57,7 +57,24 @@ def hf_llama(tied=False):
     )
 
 
-MAKERS = {"gpt2": hf_gpt2, "vit": hf_vit, "llama": hf_llama}
+def hf_opt(tied=True):
+    return transformers.OPTForCausalLM(
+        transformers.OPTConfig(
+            vocab_size=40,
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=4,
+            max_position_embeddings=16,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            tie_word_embeddings=tied,
+        )
+    )
+
+
+MAKERS = {"gpt2": hf_gpt2, "vit": hf_vit, "llama": hf_llama, "opt": hf_opt}
 
 
 def shaken(model, seed=0, scale=0.05):

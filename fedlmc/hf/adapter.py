@@ -75,7 +75,7 @@ class HFAdapter:
         """``model`` under the client's keys (``keys``: the client's key set; default the template's)."""
         if model.config.arch in ("gpt2", "vit") and model.config.norm != "layernorm":
             model = to_layernorm(model)
-        sd, self.fit_error = hf_state(model, self.tied)
+        sd, self.fit_error = hf_state(model, self.tied, self.family.name)
         if self.fit_error > FIT_WARN and not self._explained:
             self._explained = True
             log.warning(

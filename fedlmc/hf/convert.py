@@ -58,7 +58,9 @@ def from_hf(model_or_dir: Union[nn.Module, str, Path]) -> nn.Module:
     (or a local ``save_pretrained`` directory), in the source's dtype."""
     hf = load_hf(model_or_dir)
     fam = family_of(hf.config)
-    return fedlmc_model(fam, fam.config_from_hf(hf.config), {k: v.detach() for k, v in hf.state_dict().items()})
+    model = fedlmc_model(fam, fam.config_from_hf(hf.config), {k: v.detach() for k, v in hf.state_dict().items()})
+    model.meta = {**getattr(model, "meta", {}), "hf_family": fam.name}  # to_hf writes this family back
+    return model
 
 
 def fedlmc_model(fam, cfg: TransformerConfig, hf_sd: StateDict, dtype: Optional[torch.dtype] = None) -> nn.Module:
@@ -71,15 +73,17 @@ def fedlmc_model(fam, cfg: TransformerConfig, hf_sd: StateDict, dtype: Optional[
     return model.eval()
 
 
-def hf_state(model: nn.Module, tied: bool = False) -> tuple[StateDict, float]:
-    """A fedlmc model's weights under Hugging Face's keys, and the head fit's relative error (see
-    ``head.fit_head``; 0 when the head needed no fitting). LayerNorm families need the LayerNorm form."""
+def hf_state(model: nn.Module, tied: bool = False, family: Optional[str] = None) -> tuple[StateDict, float]:
+    """A fedlmc model's weights under Hugging Face's keys (``family``: the Hugging Face family to write,
+    default the one of the model's architecture; ``"opt"`` for a GPT-2-architecture model), and the head
+    fit's relative error (see ``head.fit_head``; 0 when the head needed no fitting). LayerNorm families
+    need the LayerNorm form."""
     cfg = model.config
     if cfg.arch in ("gpt2", "vit") and cfg.norm != "layernorm":
         raise ValueError(
             "Hugging Face GPT-2 and ViT hold LayerNorm models: convert with fedlmc.symmetry.to_layernorm first"
         )
-    fam = FAMILIES[cfg.arch]
+    fam = FAMILIES[family or cfg.arch]
     sd, error = fit_head(
         {k: v.detach() for k, v in model.state_dict().items()},
         cfg,
@@ -89,15 +93,18 @@ def hf_state(model: nn.Module, tied: bool = False) -> tuple[StateDict, float]:
     return fam.state_to_hf(sd, cfg), error
 
 
-def to_hf(model: nn.Module, tied: Optional[bool] = None):
+def to_hf(model: nn.Module, tied: Optional[bool] = None, family: Optional[str] = None):
     """The ``transformers`` model (``GPT2LMHeadModel``, ``ViTForImageClassification``, ``LlamaForCausalLM``)
     of a fedlmc model of one of those families. ``tied``: tie the head to the embedding (default: when
     they are equal, as for a tied model that came from ``from_hf``); a tied head that differs from the
-    embedding is fitted (``head.fit_head``), and the fit's error is stored as ``model.fedlmc_fit_error``."""
+    embedding is fitted (``head.fit_head``), and the fit's error is stored as ``model.fedlmc_fit_error``.
+    ``family``: another Hugging Face family of the same architecture (``"opt"``: ``OPTForCausalLM``;
+    default the one ``from_hf`` read the model from, kept in ``model.meta``, else the architecture's)."""
     cfg = model.config
-    if cfg.arch not in FAMILIES:
+    family = family or getattr(model, "meta", {}).get("hf_family") or cfg.arch
+    if family not in FAMILIES:
         raise ValueError(f"no Hugging Face class for fedlmc architecture {cfg.arch!r}")
-    fam = FAMILIES[cfg.arch]
+    fam = FAMILIES[family]
     sd = model.state_dict()
     if tied is None:
         tied = (
@@ -105,7 +112,7 @@ def to_hf(model: nn.Module, tied: Optional[bool] = None):
             and torch.equal(sd["head.weight"], sd["tok_emb.weight"])
             and ("head.bias" not in sd or not sd["head.bias"].any())
         )
-    hf_sd, error = hf_state(model, tied)
+    hf_sd, error = hf_state(model, tied, family)
     tf = _transformers()
     ref = next(model.parameters())
     hf = getattr(tf, fam.model_class)(fam.config_to_hf(cfg, tied)).to(ref.dtype)

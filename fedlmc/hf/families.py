@@ -17,7 +17,7 @@ from ..models import GPT2Config, LlamaConfig, ViTConfig
 from ..models.layers import TransformerConfig
 
 StateDict = dict[str, torch.Tensor]
-HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
+HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "relu": "relu"}
 
 
 def _act(name: str) -> str:
@@ -61,7 +61,7 @@ class GPT2Family:
 
         if cfg.n_head * cfg.d_head != cfg.d_model:
             raise ValueError("Hugging Face GPT-2 needs n_head × d_head = d_model (merge in the factored form)")
-        act = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.activation]
+        act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[cfg.activation]
         tok = min(50256, cfg.vocab_size - 1)
         return HF(
             vocab_size=cfg.vocab_size,
@@ -323,5 +323,100 @@ class LlamaFamily:
         return {k: v.contiguous() for k, v in out.items()}
 
 
-FAMILIES = {f.name: f for f in (GPT2Family, ViTFamily, LlamaFamily)}
-HF_TYPES = {"gpt2": "gpt2", "vit": "vit", "llama": "llama"}  # transformers model_type -> family
+class OPTFamily:
+    """OPT (``OPTForCausalLM``): a pre-LayerNorm decoder with learned positions and ReLU FFs, fedlmc's GPT-2
+    architecture with ``activation="relu"``. Its position table has two leading rows no full sequence
+    reads (positions start at offset 2); they are dropped on the way in and written as zeros on the way
+    out. Configs with post-LayerNorm blocks, a projected embedding or no biases are refused."""
+
+    name, model_class, prefix = "opt", "OPTForCausalLM", "model.decoder.layers.0.self_attn.q_proj.weight"
+    embeddings = ("model.decoder.embed_tokens.weight", "lm_head.weight")
+    OFFSET = 2
+    LAYER = {
+        "attn.q": "self_attn.q_proj",
+        "attn.k": "self_attn.k_proj",
+        "attn.v": "self_attn.v_proj",
+        "attn.o": "self_attn.out_proj",
+        "mlp.fc1": "fc1",
+        "mlp.fc2": "fc2",
+        "ln1": "self_attn_layer_norm",
+        "ln2": "final_layer_norm",
+    }
+
+    @staticmethod
+    def config_from_hf(c: Any) -> GPT2Config:
+        if not c.do_layer_norm_before or c.word_embed_proj_dim != c.hidden_size or not c.enable_bias:
+            raise ValueError(
+                "OPT configs with post-LayerNorm blocks (do_layer_norm_before=False), a projected embedding "
+                "(word_embed_proj_dim != hidden_size) or no biases are not supported"
+            )
+        if not c.layer_norm_elementwise_affine or getattr(c, "_remove_final_layer_norm", False):
+            raise ValueError("OPT configs without affine LayerNorms or without the final LayerNorm are not supported")
+        return GPT2Config(
+            n_layer=c.num_hidden_layers,
+            d_model=c.hidden_size,
+            n_head=c.num_attention_heads,
+            d_ff=c.ffn_dim,
+            vocab_size=c.vocab_size,
+            block_size=c.max_position_embeddings,
+            activation=_act(c.activation_function),
+        )
+
+    @staticmethod
+    def config_to_hf(cfg: GPT2Config, tied: bool):
+        from transformers import OPTConfig as HF
+
+        if cfg.n_head * cfg.d_head != cfg.d_model:
+            raise ValueError("Hugging Face OPT needs n_head × d_head = d_model (merge in the factored form)")
+        return HF(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.n_layer,
+            ffn_dim=cfg.d_ff,
+            num_attention_heads=cfg.n_head,
+            max_position_embeddings=cfg.block_size,
+            word_embed_proj_dim=cfg.d_model,
+            activation_function=cfg.activation,
+            dropout=0.0,
+            attention_dropout=0.0,
+            tie_word_embeddings=tied,
+        )
+
+    @classmethod
+    def state_from_hf(cls, hf: StateDict, cfg: GPT2Config) -> StateDict:
+        emb = hf["model.decoder.embed_tokens.weight"]
+        sd = {
+            "tok_emb.weight": emb,
+            "pos_emb": hf["model.decoder.embed_positions.weight"][cls.OFFSET :],
+            "ln_f.weight": hf["model.decoder.final_layer_norm.weight"],
+            "ln_f.bias": hf["model.decoder.final_layer_norm.bias"],
+            "head.weight": hf.get("lm_head.weight", emb),
+            "head.bias": torch.zeros(cfg.vocab_size, dtype=emb.dtype),
+        }
+        for l in range(cfg.n_layer):
+            for mine, theirs in cls.LAYER.items():
+                for part in ("weight", "bias"):
+                    sd[f"blocks.{l}.{mine}.{part}"] = hf[f"model.decoder.layers.{l}.{theirs}.{part}"]
+        return {k: v.clone() for k, v in sd.items()}
+
+    @classmethod
+    def state_to_hf(cls, sd: StateDict, cfg: GPT2Config) -> StateDict:
+        sd = dict(sd)
+        pos = sd["pos_emb"]
+        out = {
+            "model.decoder.embed_tokens.weight": sd["tok_emb.weight"],
+            "model.decoder.embed_positions.weight": torch.cat([pos.new_zeros(cls.OFFSET, pos.shape[1]), pos]),
+            "model.decoder.final_layer_norm.weight": sd["ln_f.weight"],
+            "model.decoder.final_layer_norm.bias": sd["ln_f.bias"],
+            "lm_head.weight": sd["head.weight"],
+        }
+        for l in range(cfg.n_layer):
+            _scale_q(sd, cfg, [f"blocks.{l}.attn.q.weight", f"blocks.{l}.attn.q.bias"])
+            for mine, theirs in cls.LAYER.items():
+                for part in ("weight", "bias"):
+                    out[f"model.decoder.layers.{l}.{theirs}.{part}"] = sd[f"blocks.{l}.{mine}.{part}"]
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+FAMILIES = {f.name: f for f in (GPT2Family, ViTFamily, LlamaFamily, OPTFamily)}
+HF_TYPES = {"gpt2": "gpt2", "vit": "vit", "llama": "llama", "opt": "opt"}  # transformers model_type -> family

@@ -33,6 +33,9 @@ PRESETS: dict[str, tuple[type, dict[str, Any], str]] = {
     ),
     "vit-digits": (ViTConfig, dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=8, patch_size=2), "digits"),
 }
+# ReLU twins of the tiny presets (OPT's nonlinearity), where rescaling an FF neuron is a symmetry too
+PRESETS["gpt2-tiny-relu"] = (GPT2Config, {**PRESETS["gpt2-tiny"][1], "activation": "relu"}, "shakespeare")
+PRESETS["vit-tiny-relu"] = (ViTConfig, {**PRESETS["vit-tiny"][1], "activation": "relu"}, "mnist")
 
 ARCHS: dict[str, tuple[type, type]] = {
     "gpt2": (GPT2Config, GPT2),

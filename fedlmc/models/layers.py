@@ -21,7 +21,8 @@ class TransformerConfig:
 
     ``norm`` is ``"layernorm"`` (trained models) or ``"rmsnorm"`` (the canonical form: parameter-free,
     optionally with a bias; ``norm_gain`` adds Llama's learned gain, which the canonical form folds away).
-    ``activation`` is the FF nonlinearity: ``"gelu"`` (exact) or ``"gelu_tanh"`` (GPT-2's ``gelu_new``).
+    ``activation`` is the FF nonlinearity: ``"gelu"`` (exact), ``"gelu_tanh"`` (GPT-2's ``gelu_new``) or
+    ``"relu"`` (OPT's).
     ``attn_scale`` defaults to ``1/sqrt(d_head)``; it is stored so that a model whose head width changed
     (e.g. a circuit merge) keeps computing the same scores.
     """
@@ -70,7 +71,12 @@ class TransformerConfig:
     arch = "transformer"
 
 
-ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,  # OPT's; positively homogeneous: an FF neuron can be rescaled by c > 0
+}
 
 
 class RMSNorm(nn.Module):
