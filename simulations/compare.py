@@ -81,7 +81,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         strategies=[
             *["average", "permuted", "aligned", "refined", "refined-clients"],
             # the one-shot fusion peers: optimal transport, ensemble distillation (FedDF), and ours distilled
-            *["ot-fusion", "feddf", "aligned-distilled", "refined-distilled"],
+            *["ot-fusion", "feddf", "aligned-distilled", "refined-distilled", "refined-clients-distilled"],
         ],
         clients=4,
         config={
