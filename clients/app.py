@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedlmc.distill import Taught
 from fedlmc.federated import (
     Settings,
     client_config,
@@ -34,7 +35,6 @@ from fedlmc.federated import (
     refine_parts,
 )
 from fedlmc.hf import Logits, hf_model_for
-from fedlmc.distill import Taught
 from fedlmc.on_clients import answer
 from fedlmc.scaffold import CONTROL_KEY, client_round, pack, remove, unpack
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
@@ -168,7 +168,10 @@ def refine(
     train_part, check_part, _ = refine_parts(val)
     if msg.content["config"].get("target") == "own-model":  # distillation: the soft targets of this round's model
         teacher = _teacher(context, cfg, s, str(msg.content["config"]["model-config"]))
-        train_part, check_part = Taught(train_part, teacher, s.device or None), Taught(check_part, teacher, s.device or None)
+        train_part, check_part = (
+            Taught(train_part, teacher, s.device or None),
+            Taught(check_part, teacher, s.device or None),
+        )
     return answer(msg, train_part, check_part, device=s.device or None)
 
 
@@ -178,7 +181,9 @@ TEACHER_KEY = "teacher"  # the node state's copy of the model it trained last (d
 def _teacher(context: Context, own_cfg, s: Settings, model_config: str):
     """The model this node trained in the round (kept in its state), as the teacher of a distillation."""
     if TEACHER_KEY not in context.state:
-        raise ValueError("a distillation query, but this node kept no model: the round's train config had no keep-model")
+        raise ValueError(
+            "a distillation query, but this node kept no model: the round's train config had no keep-model"
+        )
     state = context.state[TEACHER_KEY].to_torch_state_dict()
     if s.hf:
         model = hf_model_for(own_cfg)

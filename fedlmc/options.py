@@ -40,8 +40,8 @@ FORMS = ("factored", "circuit")
 REDUCES = ("mean", "median", "trimmed")
 ANCHORS = ("heaviest", "central")
 DISTILL_STARTS = ("average", "merge")  # Distill.start: FedAvg's mean (FedDF), or the strategy's own merge
-TEACHERS = ("logits", "probabilities")
-RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual: how maps meet at a residual sum  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
+TEACHERS = ("logits", "probabilities")  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
+RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual: how maps meet at a residual sum
 
 
 def one_of(value: Any, allowed: Iterable[Any], what: str) -> Any:

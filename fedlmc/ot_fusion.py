@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
+
 from .options import OTFusion
 
 Maps = dict[str, torch.Tensor]
@@ -152,7 +153,9 @@ def ot_align(model: nn.Module, anchor: nn.Module, options: Optional[OTFusion] = 
     for i in range(model.config.n_layer):
         t_res = maps[f"residual.{i}"] = _block(sd, ref, out, i, t_res, options, maps)
     _norm(sd, out, "ln_f", t_res)
-    out["head.weight"], out["head.bias"], _ = _linear(sd["head.weight"], sd.get("head.bias"), None, t_res, options, True)
+    out["head.weight"], out["head.bias"], _ = _linear(
+        sd["head.weight"], sd.get("head.bias"), None, t_res, options, True
+    )
     missing = set(sd) - set(out)
     if missing:
         raise ValueError(f"OT fusion left parameters unaligned: {sorted(missing)}")

@@ -73,7 +73,12 @@ ROBUST_MULTIROUND: dict[str, Any] = {
 # FedProx's μ ∈ {0.01, 0.1}, FedAvgM's momentum ∈ {0.5, 0.9} (server learning rate 1), FedAdam's server
 # learning rate ∈ {0.001, 0.003, 0.01} (FedYogi takes FedAdam's): the lowest final test loss of the
 # multiround setting on seed 5, which no table reports
-PEERS_TUNED = ["fedprox:proximal-mu=0.1", "fedavgm:server-momentum=0.5", "fedadam:server-lr=0.003", "fedyogi:server-lr=0.003"]
+PEERS_TUNED = [
+    "fedprox:proximal-mu=0.1",
+    "fedavgm:server-momentum=0.5",
+    "fedadam:server-lr=0.003",
+    "fedyogi:server-lr=0.003",
+]
 
 SETTINGS: dict[str, dict[str, Any]] = {
     # one-shot model fusion: independent inits, one round of long local training, one aggregation
@@ -346,17 +351,22 @@ def guard_verdict(rnd: dict) -> Optional[bool]:
 
 
 def client_cost(rnd: dict) -> Optional[dict[str, float]]:
-    """What asking the clients cost a round (the refinement's messages and the guard's): bytes as a
+    """What asking the clients cost a round (the refinement's, the distillation's and the guard's messages): bytes as a
     multiple of one FedAvg round's (every replying client sent the model and sent one back), and the
     seconds spent waiting for the clients; None when the round asked nothing."""
     rec = rnd.get("strategy") or {}
-    refine, guard = rec.get("refine_clients"), rec.get("guard_clients")
-    if (refine is None and guard is None) or not rec.get("model_bytes") or not rec.get("nodes"):
+    refine, guard, distill = rec.get("refine_clients"), rec.get("guard_clients"), rec.get("distill_clients")
+    if (refine is None and guard is None and distill is None) or not rec.get("model_bytes") or not rec.get("nodes"):
         return None
     fedavg = 2 * len(rec["nodes"]) * rec["model_bytes"]
-    sent = sum((c or {}).get("bytes_sent", 0) + (c or {}).get("bytes_received", 0) for c in (refine, guard))
-    seconds = sum((c or {}).get("seconds", 0.0) for c in (refine, guard))
-    return {"comm": sent / fedavg, "seconds": seconds, "steps": (refine or {}).get("steps", 0)}
+    asked = (refine, guard, distill)
+    sent = sum((c or {}).get("bytes_sent", 0) + (c or {}).get("bytes_received", 0) for c in asked)
+    seconds = sum((c or {}).get("seconds", 0.0) for c in asked)
+    return {
+        "comm": sent / fedavg,
+        "seconds": seconds,
+        "steps": sum((c or {}).get("steps", 0) for c in (refine, distill)),
+    }
 
 
 def ensemble_share(rec: dict, base: dict) -> Optional[float]:
@@ -452,8 +462,8 @@ def markdown(
     if asked:
         lines += [
             "",
-            "| strategy | refinement steps on the clients | bytes to and from the clients per round / one FedAvg "
-            "round's | s waiting for the clients per round | guard agrees with the report data |",
+            "| strategy | refinement and distillation steps on the clients | bytes to and from the clients per round "
+            "/ one FedAvg round's | s waiting for the clients per round | guard agrees with the report data |",
             "|---|---|---|---|---|",
         ]
         for n, r in asked.items():

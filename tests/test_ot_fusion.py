@@ -81,7 +81,9 @@ def test_exact_transport_maps_a_planted_copy_back(preset):
 
 def test_sinkhorn_plans_have_the_marginals_and_sharpen_to_the_assignment():
     g = torch.Generator().manual_seed(3)
-    cost = ground_cost(torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randn(12, 5, generator=g, dtype=torch.float64))
+    cost = ground_cost(
+        torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randn(12, 5, generator=g, dtype=torch.float64)
+    )
     soft = transport(cost, reg=0.06)
     assert torch.allclose(soft.sum(1), torch.full((12,), 1 / 12, dtype=soft.dtype), atol=1e-8)
     assert torch.allclose(soft.sum(0), torch.full((12,), 1 / 12, dtype=soft.dtype), atol=1e-8)
@@ -103,7 +105,9 @@ def test_soft_fusion_is_between_the_models_and_the_options_are_checked():
     with pytest.raises(ValueError, match="residual policy"):
         OTFusion(residual="max")
     with pytest.raises(ValueError, match="GPT-2 and ViT"):
-        ot_align(from_preset("llama-tiny", n_layer=1, d_model=16, n_head=2, d_ff=32, vocab_size=11, block_size=8), model)
+        ot_align(
+            from_preset("llama-tiny", n_layer=1, d_model=16, n_head=2, d_ff=32, vocab_size=11, block_size=8), model
+        )
 
 
 @pytest.fixture

@@ -118,7 +118,9 @@ def test_any_strategys_clients_get_the_proximal_term_from_the_run_config(tmp_pat
     run = {"preset": "vit-digits", "num-server-rounds": 1, "eval-batches": 2, "independent-start": False}
     for strategy, mu in (("aligned", 0.05), ("average", 0.0)):
         grid = _Recording(nodes=2, step=0.01)
-        s = Settings.from_run_config({**run, "strategy": strategy, "proximal-mu": mu, "out-dir": str(tmp_path / strategy)})
+        s = Settings.from_run_config(
+            {**run, "strategy": strategy, "proximal-mu": mu, "out-dir": str(tmp_path / strategy)}
+        )
         run_federation(grid, s)
         assert grid.configs and all(("proximal-mu" in c) == (mu > 0) for c in grid.configs)
         assert all(c.get("proximal-mu", 0.0) == mu for c in grid.configs)

@@ -7,8 +7,8 @@ All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAv
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .base import FedlmcStrategy
 from .distilled import DistilledFedAvg
-from .fusion import OTFusionFedAvg
 from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ScaffoldFedAvg, ServerOptFedAvg, TaskVectorFedAvg
+from .fusion import OTFusionFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 from .lora import LoraFedAvg
 from .registry import register

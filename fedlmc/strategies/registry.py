@@ -27,8 +27,8 @@ from fedlmc.options import Distill, Guard, Matching, OTFusion, Report, Robust, T
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .distilled import DistilledFedAvg
-from .fusion import OTFusionFedAvg
 from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ScaffoldFedAvg, ServerOptFedAvg, TaskVectorFedAvg
+from .fusion import OTFusionFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
 
 
@@ -383,7 +383,9 @@ def _server_opt(name: str, summary: str) -> None:
         return ServerOptFedAvg(**b.common(), optimiser=getattr(flower, name)(**lr, **momentum))
 
 
-_server_opt("FedAvgM", "`ServerOptFedAvg(optimiser=FedAvgM())`: FedAvg with server momentum (Flower's; `server-momentum`)")
+_server_opt(
+    "FedAvgM", "`ServerOptFedAvg(optimiser=FedAvgM())`: FedAvg with server momentum (Flower's; `server-momentum`)"
+)
 _server_opt("FedAdam", "`ServerOptFedAvg(optimiser=FedAdam())`: the Adam server optimiser (Flower's; `server-lr`)")
 _server_opt("FedYogi", "`ServerOptFedAvg(optimiser=FedYogi())`: the Yogi server optimiser (Flower's; `server-lr`)")
 
