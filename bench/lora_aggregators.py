@@ -34,6 +34,9 @@ HOMOGENEOUS = (
     "flexlora",
     "fedex-lora",
     "fedrot-lora",
+    "ties-lora",
+    "dare-lora",
+    "model-stock-lora",
     "fedlmc",
     "fedlmc-fold",
 )
@@ -147,6 +150,7 @@ def run(setting: str, seed: int) -> dict:
     """Every method of ``setting`` on one seed's clients."""
     torch.set_num_threads(1)
     from fedlmc import lora_baselines as lb
+    from fedlmc.options import TaskMerge
     from fedlmc.hf.pretrained import finetune_partitions, pretrain_and_finetune_text
     from fedlmc.lora import LoraAggregator
 
@@ -194,7 +198,7 @@ def run(setting: str, seed: int) -> dict:
             for i, r in enumerate(ranks):
                 if rnd == 1 and method not in ("ffa-lora", "fedsa-lora"):  # every method's first start
                     s = init[r]
-                elif method in ("fedit", "hetlora", "fedex-lora", "fedrot-lora"):
+                elif method in ("fedit", "hetlora", "fedex-lora", "fedrot-lora", *lb.TASK_VECTOR_METHODS):
                     s = {n: lb.pad(b, a, r) for n, (b, a) in g.items()}
                 elif method == "ffa-lora":
                     s = {n: (g[n][0], init[r][n][1]) for n in g}
@@ -221,6 +225,9 @@ def run(setting: str, seed: int) -> dict:
                 g = lb.flexlora(layout, replies, weights, rmax)
             elif method == "fedrot-lora":  # rotated onto the adapter the round sent, then FedIT's means
                 g = lb.fedrot_lora(layout, replies, weights, g, rmax)
+            elif method in lb.TASK_VECTOR_METHODS:  # the dense products merged as task vectors, cut to the rank
+                merge = TaskMerge(method=lb.TASK_VECTOR_METHODS[method])
+                g = lb.task_vector_lora(layout, replies, weights, rmax, merge)
             elif method == "fedex-lora":
                 g, residual = lb.fedex_lora(layout, replies, weights, rmax)
                 delta = {n: (delta or {}).get(n, 0) + p for n, p in residual.items()}

@@ -11,6 +11,9 @@ says what every client starts the next round from.
   ``A = Vᵀ``).
 * FedEx-LoRA: FedIT's factors plus the residual ``mean(s B A) − s mean(B) mean(A)``, dense, folded
   into the base.
+* Task-vector merges of the products (Task Arithmetic, TIES, DARE, Model Stock: ``fedlmc.task_vectors``):
+  each client's dense ``sᵢ Bᵢ Aᵢ`` is its task vector from the base; their merge, cut to the rank by
+  its SVD as FlexLoRA's (``B = U S / s``, ``A = Vᵀ``).
 * FedRot-LoRA: every client's factors first rotated, ``A → Rᵀ A``, ``B → B R`` (its product unchanged),
   by the rotation that best maps its ``A`` onto the reference's (the global adapter sent: orthogonal
   Procrustes, a proper rotation), then FedIT's means.
@@ -23,9 +26,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fedlmc.lora import LoraLayout
+from fedlmc.options import TaskMerge
+from fedlmc.task_vectors import task_vector_merge
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
-METHODS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedrot-lora")
+TASK_VECTOR_METHODS = {"ties-lora": "ties", "dare-lora": "dare", "model-stock-lora": "model-stock"}
+METHODS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedrot-lora", *TASK_VECTOR_METHODS)
 
 
 def _normalised(weights: Sequence[float]) -> list[float]:
@@ -68,6 +74,32 @@ def flexlora(layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[f
         m = next(x for x in layout.modules if x.name == name)
         U, S, Vh = torch.linalg.svd(dense, full_matrices=False)
         out[name] = (U[:, :rank] * S[:rank] / m.scaling(rank), Vh[:rank].clone())
+    return out
+
+
+def _cut(m, dense: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    U, S, Vh = torch.linalg.svd(dense, full_matrices=False)
+    return U[:, :rank] * S[:rank] / m.scaling(rank), Vh[:rank].clone()
+
+
+def task_vector_lora(
+    layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[float], rank: int, merge: TaskMerge
+) -> Factors:
+    """The task-vector merge (``merge.method``) of the clients' dense products ``sᵢ Bᵢ Aᵢ`` (each its task
+    vector from the base), cut to ``rank`` by its SVD (Task Arithmetic at λ = 1 is FlexLoRA's)."""
+    zeros = {m.name: torch.zeros(m.out_features, m.in_features, dtype=torch.float64) for m in layout.modules}
+    dense = [
+        {
+            m.name: m.scaling(r[m.name][1].shape[0]) * (r[m.name][0].double() @ r[m.name][1].double())
+            for m in layout.modules
+        }
+        for r in replies
+    ]
+    merged = task_vector_merge(zeros, dense, weights, merge)
+    out = {}
+    for m in layout.modules:
+        b, a = _cut(m, merged[m.name], rank)
+        out[m.name] = (b.to(replies[0][m.name][0].dtype), a.to(replies[0][m.name][1].dtype))
     return out
 
 

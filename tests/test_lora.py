@@ -499,3 +499,43 @@ def test_lora_harness_claims_hold_on_a_small_run():
     assert same["fedlmc"]["test_loss"][-1] <= same["fedit"]["test_loss"][-1] + 0.002, same
     assert mixed["fedlmc"]["test_loss"][-1] < mixed["hetlora"]["test_loss"][-1] - 0.01, mixed
     assert same["fedlmc"]["bytes_down"] == same["fedit"]["bytes_down"]  # no extra bytes on the wire
+
+
+def test_task_vector_merges_of_lora_products_on_hand_made_adapters():
+    """Task Arithmetic of the dense products is FlexLoRA's cut; TIES on two rank-1 products of opposite
+    sign keeps the elected (larger) one alone; DARE at no drop is Task Arithmetic."""
+    from fedlmc import lora_baselines as lb
+    from fedlmc.options import TaskMerge
+
+    layout = LoraLayout.of(gpt2_peft(r=4))
+    clients = [random_adapter(layout, 4, seed) for seed in range(3)]
+    weights = [1.0, 2.0, 3.0]
+    ta = lb.task_vector_lora(layout, clients, weights, 4, TaskMerge(method="task-arithmetic"))
+    flex = lb.flexlora(layout, clients, weights, 4)
+    for m in layout.modules:
+        s = m.scaling(4)
+        assert torch.allclose(s * ta[m.name][0] @ ta[m.name][1], s * flex[m.name][0] @ flex[m.name][1], atol=1e-10)
+    no_drop = lb.task_vector_lora(layout, clients, weights, 4, TaskMerge(method="dare", drop=0.0))
+    for m in layout.modules:
+        assert torch.allclose(no_drop[m.name][0] @ no_drop[m.name][1], ta[m.name][0] @ ta[m.name][1], atol=1e-10)
+    # TIES: client 1's product is +E, client 2's is −2E (E = e₀ e₀ᵀ): the elected sign is −, so the merge
+    # is the mean of the entries that agree with it, −2E, not the weighted mean −E/2
+    m = layout.modules[0]
+    r = 4
+    b1 = torch.zeros(m.out_features, r, dtype=torch.float64)
+    a1 = torch.zeros(r, m.in_features, dtype=torch.float64)
+    b1[0, 0], a1[0, 0] = 1.0, 1.0 / m.scaling(r)
+    one = {
+        n.name: (
+            torch.zeros(n.out_features, r, dtype=torch.float64),
+            torch.zeros(r, n.in_features, dtype=torch.float64),
+        )
+        for n in layout.modules
+    }
+    two = {k: (v[0].clone(), v[1].clone()) for k, v in one.items()}
+    one[m.name], two[m.name] = (b1, a1), (-2 * b1, a1)
+    ties = lb.task_vector_lora(layout, [one, two], [1.0, 1.0], r, TaskMerge(method="ties", density=1.0))
+    product = m.scaling(r) * ties[m.name][0] @ ties[m.name][1]
+    want = torch.zeros_like(product)
+    want[0, 0] = -2.0
+    assert torch.allclose(product, want, atol=1e-12)
