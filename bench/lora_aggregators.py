@@ -150,9 +150,9 @@ def run(setting: str, seed: int) -> dict:
     """Every method of ``setting`` on one seed's clients."""
     torch.set_num_threads(1)
     from fedlmc import lora_baselines as lb
-    from fedlmc.options import TaskMerge
     from fedlmc.hf.pretrained import finetune_partitions, pretrain_and_finetune_text
     from fedlmc.lora import LoraAggregator
+    from fedlmc.options import TaskMerge
 
     cfg = SETTINGS[setting]
     world = Clients()
