@@ -268,6 +268,7 @@ def _scale_command(file: str) -> str:
     return f"python bench/universe_scale.py --repeats 3 --plan {plan} --out results/{file}"
 
 
+WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128 256"
 LORA = ("speaker-r8-steps100", "iid-r8-steps100", "speaker-r8-steps10", "speaker-r8-steps500", "speaker-mixed-steps100")
 
 
@@ -300,6 +301,7 @@ TABLES: dict[str, Table] = {
         universe,
     ),
     "widths-gpt2": one("widths_gpt2-tiny.json", "fedlmc widths --preset gpt2-tiny", widths),
+    "width-control": one("width_study_vit.json", WIDTH_STUDY, width_study),
     "oneshot-dirichlet": _compare("compare_oneshot_vit-tiny"),
     "oneshot-iid": _compare("compare_oneshot_vit-tiny_partitioner-iid", " --set partitioner=iid"),
     "oneshot-gpt2-speaker": _compare(
