@@ -268,7 +268,7 @@ def _scale_command(file: str) -> str:
     return f"python bench/universe_scale.py --repeats 3 --plan {plan} --out results/{file}"
 
 
-WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128 256"
+WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128"
 LORA = ("speaker-r8-steps100", "iid-r8-steps100", "speaker-r8-steps10", "speaker-r8-steps500", "speaker-mixed-steps100")
 
 
