@@ -601,7 +601,8 @@ class Distill:
 @dataclass(frozen=True)
 class OTFusion:
     """Optimal-transport fusion of Transformers (Imfeld et al., ICLR 2024), weight-based: every model is
-    aligned to an anchor layer by layer with transport maps between units, then averaged.
+    aligned layer by layer to an anchor (the reply of largest weight) with transport maps between units,
+    then averaged.
 
     Parameters
     ----------
@@ -612,20 +613,15 @@ class OTFusion:
     residual : {"mean", "transported", "residual"}, default "mean"
         At a residual sum the stream's map becomes the mean of the skip's map and the block output's
         ("mean", the paper's), the block output's ("transported") or the skip's ("residual").
-    anchor : {"heaviest", "central"}, default "heaviest"
-        The model the others are aligned to: the reply of largest weight, or the one whose weights are
-        nearest the plain average's.
     iterations : int, default 2000
         At most this many Sinkhorn iterations per map (it stops once the marginals match to 1e-9).
     """
 
     reg: float = 0.06
     residual: str = "mean"
-    anchor: str = "heaviest"
     iterations: int = 2000
 
     def __post_init__(self) -> None:
         one_of(self.residual, RESIDUAL_POLICIES, "residual policy")
-        one_of(self.anchor, ANCHORS, "anchor")
         if self.reg < 0 or self.iterations < 1:
             raise ValueError(f"OTFusion needs reg >= 0 and iterations >= 1, got {self.reg} and {self.iterations}")

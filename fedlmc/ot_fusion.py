@@ -162,22 +162,12 @@ def ot_align(model: nn.Module, anchor: nn.Module, options: Optional[OTFusion] = 
     return out, maps
 
 
-def pick_anchor(models: Sequence[nn.Module], weights: Sequence[float], how: str) -> int:
-    """The anchor's index: the largest weight, or the model nearest the plain weighted mean."""
-    if how == "heaviest":
-        return max(range(len(models)), key=lambda i: (weights[i], -i))
-    flat = [torch.cat([p.detach().double().flatten() for p in m.parameters()]) for m in models]
-    total = sum(weights)
-    mean = sum(w * f for w, f in zip(weights, flat)) / total
-    return min(range(len(models)), key=lambda i: float((flat[i] - mean).norm()))
-
-
 def ot_fusion(models: Sequence[nn.Module], weights: Sequence[float], options: Optional[OTFusion] = None) -> nn.Module:
     """The weighted average of ``models`` once each is carried onto the anchor's units (``ot_align``)."""
     options = options or OTFusion()
     if len(models) != len(weights) or not models:
         raise ValueError("ot_fusion needs one weight per model, and at least one model")
-    a = pick_anchor(models, weights, options.anchor)
+    a = max(range(len(models)), key=lambda i: (weights[i], -i))  # the anchor: the heaviest reply
     anchor = models[a]
     total = float(sum(weights))
     acc = {k: v.detach().double() * (weights[a] / total) for k, v in anchor.state_dict().items()}

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from test_flower_contract import task_identity  # noqa: F401  (the fixture)
 
 from fedlmc.data import ArrayData
 from fedlmc.distill import calibrate_temperature, distill, distillation_loss, teacher_logits
@@ -96,15 +97,8 @@ def test_temperature_calibration_undoes_a_planted_logit_scale():
     assert hot["loss"] < hot["loss_at_1"] and math.isfinite(hot["loss"])
 
 
-@pytest.fixture
-def task_identity(monkeypatch):
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name in ("_run_id", "_node_id", "_task_id"):
-        monkeypatch.setattr(TaskIdentity, name, 1, raising=False)
-
-
-def test_feddf_and_the_distilled_merges_run_on_the_same_replies(task_identity, tmp_path):
+@pytest.mark.usefixtures("task_identity")
+def test_feddf_and_the_distilled_merges_run_on_the_same_replies(tmp_path):
     """FedDF with no steps is FedAvg bit for bit; with steps, it and the distillation from the refined
     merge end no farther from the replies' ensemble on the held-out check data than they started."""
     from test_flower_contract import Grid
@@ -131,7 +125,8 @@ def test_feddf_and_the_distilled_merges_run_on_the_same_replies(task_identity, t
     assert records["refined-distilled"]["refine_steps_run"] > 0  # refined first, then distilled
 
 
-def test_distillation_by_the_clients_each_toward_its_own_model_lowers_their_held_out_loss(task_identity):
+@pytest.mark.usefixtures("task_identity")
+def test_distillation_by_the_clients_each_toward_its_own_model_lowers_their_held_out_loss():
     """With no server data, the clients answer with the gradient of the cross-entropy to the soft
     predictions of the model each trained (``Taught``), on their own data: the student moves toward
     both teachers on both clients' held-out batches."""

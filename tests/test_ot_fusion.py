@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_flower_contract import task_identity  # noqa: F401  (the fixture)
 
 from fedlmc.models import from_preset
 from fedlmc.options import OTFusion
@@ -110,15 +111,8 @@ def test_soft_fusion_is_between_the_models_and_the_options_are_checked():
         )
 
 
-@pytest.fixture
-def task_identity(monkeypatch):
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name in ("_run_id", "_node_id", "_task_id"):
-        monkeypatch.setattr(TaskIdentity, name, 1, raising=False)
-
-
-def test_the_registered_strategy_fuses_the_replies_beside_the_others(task_identity, tmp_path):
+@pytest.mark.usefixtures("task_identity")
+def test_the_registered_strategy_fuses_the_replies_beside_the_others(tmp_path):
     import json
 
     from test_flower_contract import Grid

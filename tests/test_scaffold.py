@@ -101,7 +101,8 @@ def test_the_server_aggregates_as_fedavg_and_moves_its_variate_by_the_mean_chang
     assert sorted(strategy.history[-1]["scaffold_missing"]) == [1, 2, 3]
 
 
-def test_the_clientapp_keeps_its_variate_in_the_node_state_and_answers_with_its_change(task_identity):  # noqa: F811
+@pytest.mark.usefixtures("task_identity")
+def test_the_clientapp_keeps_its_variate_in_the_node_state_and_answers_with_its_change():
     """Round 1 (c = 0, no variate yet) trains exactly as FedAvg's client; the reply carries Δc_i and the
     node's state c_i⁺; the next round's correction uses both."""
     from flwr.app import Message as M
