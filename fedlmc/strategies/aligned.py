@@ -359,17 +359,7 @@ class RefinedFedAvg(AlignedFedAvg):
         self.refine = refine
 
     def align(self, models, weights, start, matched=None):
-        remote = None
-        if self.refine.data is None:
-            remote = ClientLosses(
-                self.require_grid(),
-                self.round.nodes,
-                self.on_clients,
-                self.refine.batch_size,
-                self.refine.check_batches,
-                seed=self.refine.seed,
-                server_round=self.round.server_round,
-            )
+        remote = client_losses(self, self.refine) if self.refine.data is None else None
         try:
             return universe_merge(
                 models,
@@ -383,6 +373,21 @@ class RefinedFedAvg(AlignedFedAvg):
             )
         finally:
             self.round.clients_cost = remote.record() if remote is not None else None
+
+
+def client_losses(strategy, options, target: str = "") -> ClientLosses:
+    """The round's clients as the loss of a refinement or a distillation (``options``: its batch size,
+    check batches and seed; ``target``: ``ClientLosses``')."""
+    return ClientLosses(
+        strategy.require_grid(),
+        strategy.round.nodes,
+        strategy.on_clients,
+        options.batch_size,
+        options.check_batches,
+        seed=options.seed,
+        server_round=strategy.round.server_round,
+        target=target,
+    )
 
 
 def refine_split(refine: Refinement) -> Refinement:

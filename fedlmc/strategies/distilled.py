@@ -16,10 +16,9 @@ from typing import Any
 
 from fedlmc.distill import distill as distill_model
 from fedlmc.distill import distill_on_clients
-from fedlmc.on_clients import ClientLosses
 from fedlmc.options import Distill
 
-from .aligned import AlignedFedAvg, RefinedFedAvg, refine_split
+from .aligned import AlignedFedAvg, RefinedFedAvg, client_losses, refine_split
 from .base import loaded
 
 
@@ -81,15 +80,6 @@ class DistilledFedAvg(AlignedFedAvg):
         if self.distill.data is not None:
             student, record = distill_model(start, [loaded(m) for m in models], self.distill, device=self.scale.device)
             return student.cpu(), record
-        remote = ClientLosses(
-            self.require_grid(),
-            self.round.nodes,
-            self.on_clients,
-            self.distill.batch_size,
-            self.distill.check_batches,
-            seed=self.distill.seed,
-            server_round=self.round.server_round,
-            target="own-model",
-        )
+        remote = client_losses(self, self.distill, target="own-model")
         student, record = distill_on_clients(start, remote, self.distill)
         return student, {**record, "clients": remote.record()}
