@@ -40,14 +40,37 @@ HOMOGENEOUS = (
     "fedlmc",
     "fedlmc-fold",
 )
+# what LoraFedAvg sends back, one change at a time (``LoraAggregator``'s gauge and tail), and clients whose
+# AdamW state lives on across rounds (``+adam``)
+ABLATION = (
+    "fedit",
+    "fedit+adam",
+    "fedlmc-balanced",
+    "fedlmc-even",
+    "fedlmc-anchored",
+    "fedlmc-balanced-drop",
+    "fedlmc-anchored-drop",
+    "fedlmc-balanced-fold",
+    "fedlmc-balanced+adam",
+    "fedlmc-anchored+adam",
+    "fedex-lora",
+    "fedrot-lora",
+)
+# a FlowerTune-style app: Hugging Face GPT-2 (d 64, 2 layers, pretrained 500 steps as examples/flowertune-gpt2
+# does), PEFT LoRA r 4 on c_attn
+# at PEFT's default α (8), 2 clients on contiguous halves, 3 rounds × 200 AdamW steps at lr 0.01
+SMALL = dict(family="gpt2", base_steps=500, targets=["c_attn"], alpha=8, lr=1e-2, clients=2, scheme="contiguous")
 SETTINGS = {
+    "small-gpt2-r4-steps200": dict(**SMALL, ranks=[4, 4], steps=200, rounds=3, methods=ABLATION),
     "speaker-r8-steps10": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=10, rounds=8, methods=HOMOGENEOUS),
     "speaker-r8-steps100": dict(
         scheme="speaker",
         ranks=[8] * CLIENTS,
         steps=100,
         rounds=4,
-        methods=HOMOGENEOUS + ("fedlmc-drop",),
+        methods=HOMOGENEOUS
+        + ("fedlmc-even", "fedlmc-anchored", "fedlmc-drop", "fedlmc-anchored-drop")
+        + ("fedit+adam", "fedlmc+adam", "fedlmc-anchored+adam"),
     ),
     "speaker-r8-steps500": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=500, rounds=2, methods=HOMOGENEOUS),
     "iid-r8-steps100": dict(scheme="iid", ranks=[8] * CLIENTS, steps=100, rounds=3, methods=HOMOGENEOUS),
@@ -57,18 +80,36 @@ SETTINGS = {
         ranks=[2, 4, 8, 16],
         steps=100,
         rounds=3,
-        methods=("hetlora", "flora", "flexlora", "fedrot-lora", "fedlmc"),
+        methods=("hetlora", "flora", "flexlora", "fedrot-lora", "fedlmc", "fedlmc-anchored"),
     ),
 }
+# full fine-tuning from the same base, clients and batches as speaker-r8-steps100 (every weight trained, lr
+# 1e-3): FedAvg (Task Arithmetic at λ = 1), TIES, DARE and Model Stock on the task vectors, and fedlmc's
+# weight-matched universe; the LoRA rows to set beside it are speaker-r8-steps100's
+FULL = ("fedavg", "ties", "dare", "model-stock", "aligned")
+SETTINGS["full-speaker-steps100"] = dict(full=True, scheme="speaker", ranks=[0] * CLIENTS, lr=1e-3, steps=100, rounds=4)
+SETTINGS["full-speaker-steps100"]["methods"] = FULL
+DEFAULTS = dict(family=FAMILY, base_steps=BASE_STEPS, targets=TARGETS, alpha=ALPHA, lr=LR, clients=CLIENTS)
+
+
+def fedlmc_options(method: str) -> dict:
+    """``LoraAggregator``'s options for a ``fedlmc[-gauge][-tail][+adam]`` row (defaults where unnamed)."""
+    from fedlmc.lora import GAUGES, TAILS
+
+    parts = method.removesuffix("+adam").split("-")[1:]
+    return {("gauge" if x in GAUGES else "tail"): x for x in parts if x in GAUGES + TAILS}
 
 
 class Clients:
     """The pretrained base, a PEFT model per rank, and LoRA training / evaluation on them."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, family: str = FAMILY, base_steps: int = BASE_STEPS, targets=TARGETS, alpha: float = ALPHA, lr: float = LR
+    ) -> None:
         from fedlmc.hf.pretrained import pretrained_base
 
-        self.base = pretrained_base(FAMILY, BASE_STEPS, progress=False)
+        self.base = pretrained_base(family, base_steps, progress=False)
+        self.targets, self.alpha, self.lr = list(targets), alpha, lr
         self.models, self.layouts, self.pristine = {}, {}, {}
 
     def model(self, rank: int):
@@ -77,7 +118,7 @@ class Clients:
         from fedlmc.lora import LoraLayout
 
         if rank not in self.models:
-            cfg = LoraConfig(r=rank, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+            cfg = LoraConfig(r=rank, lora_alpha=self.alpha, target_modules=self.targets, lora_dropout=0.0)
             m = get_peft_model(copy.deepcopy(self.base), cfg)
             self.models[rank], self.layouts[rank] = m, LoraLayout.of(m)
             self.pristine[rank] = {
@@ -105,11 +146,12 @@ class Clients:
             for mod in layout.modules:
                 w = self.pristine[rank][mod.base_key]
                 d = (base_delta or {}).get(mod.name)
+                d = d.T if d is not None and mod.fan_in_fan_out else d  # GPT-2's Conv1D stores in × out
                 params[mod.base_key].copy_(w if d is None else w + d.to(w.dtype))
         set_peft_model_state_dict(m, layout.write(factors))
         return m
 
-    def train(self, rank, factors, base_delta, data, steps, seed, freeze_a=False):
+    def train(self, rank, factors, base_delta, data, steps, seed, freeze_a=False, optimizer_state=None):
         from peft import get_peft_model_state_dict
 
         from fedlmc.hf.pretrained import train_lm
@@ -119,7 +161,9 @@ class Clients:
         trained = {id(p) for p in params}
         for p in m.parameters():
             p.requires_grad_(id(p) in trained)
-        train_lm(m, data, steps, lr=LR, batch_size=BATCH, seed=seed, params=params)
+        train_lm(
+            m, data, steps, lr=self.lr, batch_size=BATCH, seed=seed, params=params, optimizer_state=optimizer_state
+        )
         return self.layouts[rank].read(get_peft_model_state_dict(m), mixed_ranks=True)
 
     def loss(self, rank, factors, base_delta, test) -> float:
@@ -146,17 +190,80 @@ def dense_bytes(layout) -> int:
     return sum(4 * m.out_features * m.in_features for m in layout.modules)
 
 
+def merge_full(method: str, base, clients: list, weights: list[float]):
+    """The global model's state after a full fine-tuning round: ``base`` the model the round sent."""
+    from fedlmc.options import TaskMerge
+    from fedlmc.task_vectors import task_vector_merge
+
+    if method != "aligned":
+        merge = TaskMerge(method="task-arithmetic" if method == "fedavg" else method)
+        return task_vector_merge(base.state_dict(), [c.state_dict() for c in clients], weights, merge)
+    from fedlmc.hf import from_hf, to_hf
+    from fedlmc.universe import universe_merge
+
+    merged, _ = universe_merge([from_hf(c) for c in clients], weights, from_hf(base))
+    return to_hf(merged).state_dict()
+
+
+def run_full(setting: str, seed: int) -> dict:
+    """Every method of a full fine-tuning ``setting`` on one seed's clients (round 1 computed once)."""
+    from fedlmc.hf.pretrained import finetune_partitions, pretrain_and_finetune_text, pretrained_base, train_lm
+    from fedlmc.hf.pretrained import test_loss as loss_of
+
+    cfg = {**DEFAULTS, **SETTINGS[setting]}
+    base = pretrained_base(cfg["family"], cfg["base_steps"], progress=False)
+    parts = finetune_partitions(cfg["clients"], cfg["scheme"], seed=seed)
+    test = pretrain_and_finetune_text()[2]
+    weights = [float(len(p)) for p in parts]
+    out = {"setting": setting, "seed": seed, "rows": {}, "base_loss": loss_of(base, test, TEST_BATCHES)}
+    first: list = []
+    nbytes = sum(4 * t.numel() for t in base.state_dict().values())
+    for method in cfg["methods"]:
+        t_start, glob, losses, server_s = time.perf_counter(), copy.deepcopy(base), [], []
+        for rnd in range(1, cfg["rounds"] + 1):
+            if rnd == 1 and first:
+                clients = first
+            else:
+                clients = []
+                for i, data in enumerate(parts):
+                    m = copy.deepcopy(glob)
+                    train_lm(m, data, cfg["steps"], lr=cfg["lr"], batch_size=BATCH, seed=10_000 * seed + 100 * rnd + i)
+                    clients.append(m)
+                first = first or clients
+            t0 = time.perf_counter()
+            state = merge_full(method, glob, clients, weights)
+            server_s.append(time.perf_counter() - t0)
+            glob.load_state_dict(state)
+            losses.append(loss_of(glob, test, TEST_BATCHES))
+        n = len(parts)
+        out["rows"][method] = {
+            "test_loss": losses,
+            "bytes_up": [n * nbytes] * len(losses),
+            "bytes_down": [n * nbytes] * len(losses),
+            "server_seconds": server_s,
+            "server_held_bytes": [nbytes] * len(losses),
+            "server_dense_bytes": 0,
+            "test_loss_server_product": [],
+            "energy_shares": [],
+            "wall_seconds": time.perf_counter() - t_start,
+        }
+        print(f"  {setting} seed {seed} {method}: " + " ".join(f"{x:.4f}" for x in losses), flush=True)
+    return out
+
+
 def run(setting: str, seed: int) -> dict:
     """Every method of ``setting`` on one seed's clients."""
     torch.set_num_threads(1)
+    if SETTINGS[setting].get("full"):
+        return run_full(setting, seed)
     from fedlmc import lora_baselines as lb
     from fedlmc.hf.pretrained import finetune_partitions, pretrain_and_finetune_text
     from fedlmc.lora import LoraAggregator
     from fedlmc.options import TaskMerge
 
-    cfg = SETTINGS[setting]
-    world = Clients()
-    parts = finetune_partitions(CLIENTS, cfg["scheme"], seed=seed)
+    cfg = {**DEFAULTS, **SETTINGS[setting]}
+    world = Clients(cfg["family"], cfg["base_steps"], cfg["targets"], cfg["alpha"], cfg["lr"])
+    parts = finetune_partitions(cfg["clients"], cfg["scheme"], seed=seed)
     test = pretrain_and_finetune_text()[2]
     weights = [float(len(p)) for p in parts]
     ranks, rounds, steps = cfg["ranks"], cfg["rounds"], cfg["steps"]
@@ -169,15 +276,18 @@ def run(setting: str, seed: int) -> dict:
     out = {"setting": setting, "seed": seed, "rows": {}}
     base_loss = world.loss(rmax, zero, None, test)
 
-    def local(i, start, delta, rnd, freeze=False):
+    def local(i, start, delta, rnd, freeze=False, adam=None):
         key = (i, freeze)
         fresh = delta is None and all(
             torch.equal(start[n][1], init[ranks[i]][n][1]) and not start[n][0].any() for n in start
         )
-        if rnd == 1 and fresh and key in first_round:
+        if rnd == 1 and fresh and key in first_round and adam is None:
             return first_round[key]
-        f = world.train(ranks[i], start, delta, parts[i], steps, seed=10_000 * seed + 100 * rnd + i, freeze_a=freeze)
-        if rnd == 1 and fresh:
+        f = world.train(
+            ranks[i], start, delta, parts[i], steps, seed=10_000 * seed + 100 * rnd + i, freeze_a=freeze,
+            optimizer_state=adam,
+        )  # fmt: skip
+        if rnd == 1 and fresh and adam is None:
             first_round[key] = f
         return f
 
@@ -188,8 +298,9 @@ def run(setting: str, seed: int) -> dict:
         delta = None  # a base update (FLoRA's stacks, FedEx-LoRA's residuals, fedlmc-fold)
         local_b = [init[r] for r in ranks]  # FedSA-LoRA's personal B
         agg, replies = None, []  # replies: the last round's (FlexLoRA cuts them for each client)
+        adams = [{} for _ in ranks] if method.endswith("+adam") else [None] * len(ranks)  # AdamW across rounds
         if method.startswith("fedlmc"):
-            agg = LoraAggregator(layout, {"fedlmc": "keep", "fedlmc-fold": "fold", "fedlmc-drop": "drop"}[method])
+            agg = LoraAggregator(layout, **fedlmc_options(method))
             agg.start(init[rmax])
         for rnd in range(1, rounds + 1):
             starts, deltas, freeze = [], [], method == "ffa-lora"
@@ -198,7 +309,7 @@ def run(setting: str, seed: int) -> dict:
             for i, r in enumerate(ranks):
                 if rnd == 1 and method not in ("ffa-lora", "fedsa-lora"):  # every method's first start
                     s = init[r]
-                elif method in ("fedit", "hetlora", "fedex-lora", "fedrot-lora", *lb.TASK_VECTOR_METHODS):
+                elif method in ("fedit", "fedit+adam", "hetlora", "fedex-lora", "fedrot-lora", *lb.TASK_VECTOR_METHODS):
                     s = {n: lb.pad(b, a, r) for n, (b, a) in g.items()}
                 elif method == "ffa-lora":
                     s = {n: (g[n][0], init[r][n][1]) for n in g}
@@ -212,9 +323,9 @@ def run(setting: str, seed: int) -> dict:
                     s = agg.factors(r)
                 starts.append(s)
                 deltas.append(delta)
-            replies = [local(i, starts[i], deltas[i], rnd, freeze) for i in range(len(ranks))]
+            replies = [local(i, starts[i], deltas[i], rnd, freeze, adams[i]) for i in range(len(ranks))]
             t0 = time.perf_counter()
-            if method in ("fedit", "hetlora", "ffa-lora", "fedsa-lora"):
+            if method in ("fedit", "fedit+adam", "hetlora", "ffa-lora", "fedsa-lora"):
                 g = lb.factor_mean(layout, replies, weights, rmax)
                 if method == "fedsa-lora":
                     local_b = replies
@@ -234,7 +345,7 @@ def run(setting: str, seed: int) -> dict:
             else:
                 agg.aggregate(replies, weights)
                 g = agg.factors()
-                if method == "fedlmc-fold":
+                if agg.tail == "fold":
                     delta = {m.name: agg.base[m.name] for m in layout.modules if m.name in agg.base}
             server_s.append(time.perf_counter() - t0)
             # the global model and its test loss
@@ -262,7 +373,7 @@ def run(setting: str, seed: int) -> dict:
             up.append(sum(fbytes(rep, part) for rep in replies))
             if method == "flora":
                 down.append(len(ranks) * fbytes(stack))
-            elif method in ("fedex-lora", "fedlmc-fold"):
+            elif method == "fedex-lora" or (agg is not None and agg.tail == "fold"):
                 down.append(sum(fbytes(s) for s in starts) + len(ranks) * dense_bytes(layout))
             else:
                 down.append(sum(fbytes(s, part) for s in starts))
@@ -315,22 +426,16 @@ def summarise(setting: str, runs: list[dict]) -> dict:
             rows[method]["test_loss_server_product"] = [
                 statistics.mean(c[i] for c in products) for i in range(len(products[0]))
             ]
-    ref = "hetlora" if "hetlora" in rows else "fedit"
+    ref = next(m for m in ("hetlora", "fedit", "fedavg") if m in rows)
     target = rows[ref]["final_loss"]
     for row in rows.values():
         row["rounds_to_reference_final"] = next((i + 1 for i, x in enumerate(row["test_loss"]) if x <= target), None)
     return {
         "setting": setting,
         "config": {
-            **{k: v for k, v in cfg.items() if k != "methods"},
-            "clients": CLIENTS,
-            "family": FAMILY,
-            "alpha": ALPHA,
-            "lr": LR,
+            **{k: v for k, v in {**DEFAULTS, **cfg}.items() if k != "methods"},
             "batch_size": BATCH,
-            "base_steps": BASE_STEPS,
-            "targets": TARGETS,
-        },  # fmt: skip
+        },
         "seeds": [r["seed"] for r in runs],
         "reference": ref,
         "base_loss": statistics.mean(r["base_loss"] for r in runs),
@@ -433,7 +538,10 @@ def main() -> None:
         return
     from fedlmc.hf.pretrained import pretrained_base
 
-    pretrained_base(FAMILY, BASE_STEPS)  # once, cached, before the workers load it
+    for family, steps in {
+        (SETTINGS[s].get("family", FAMILY), SETTINGS[s].get("base_steps", BASE_STEPS)) for s in settings
+    }:
+        pretrained_base(family, steps)  # once per base, cached, before the workers load it
     import ray
 
     ray.init(num_cpus=args.workers, include_dashboard=False, _temp_dir="/tmp/ray", log_to_driver=True)

@@ -34,6 +34,7 @@ from fedlmc.options import one_of
 
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 TAILS = ("keep", "fold", "drop")  # what becomes of the SVD tail the rank-r factors cannot carry
+GAUGES = ("anchored", "balanced", "even")  # how the product sent is split into rank-r factors
 KEEP_FACTOR = 4.0  # tail="keep" holds at most 4 × the rank sent per module (the largest components)
 
 
@@ -361,7 +362,7 @@ A_ROW_NORM = 1 / math.sqrt(3)  # the row norm of PEFT's initial A (kaiming-unifo
 
 
 def balanced(
-    U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int, scaling: float
+    U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int, scaling: float, floor: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-``rank`` factors ``(B, A)`` with ``scaling·B·A`` the best rank-``rank`` approximation of
     ``U diag(S) Vh``, in the balanced gauge: component k has ``B = U cₖ⁻¹ Sₖ/s`` and ``A = cₖ Vhₖ``
@@ -371,20 +372,39 @@ def balanced(
     (LoRA learns from ``A = O(1)``, ``B = 0``). A function of the product alone either way. Where the
     product's rank is lower, the spare components get ``B = 0`` and rows of ``A`` orthogonal to
     ``Vh`` at that initial norm (fixed seed), as a fresh adapter has: zero rows in both factors would
-    get no gradient."""
+    get no gradient. ``floor=False``: the plain even split ``√(S/s)``."""
     k = min(rank, len(S))
-    c = torch.sqrt(S[:k] / scaling).clamp(min=A_ROW_NORM)
+    c = torch.sqrt(S[:k] / scaling)
+    if floor:
+        c = c.clamp(min=A_ROW_NORM)
     in_f = Vh.shape[1]
     B = torch.zeros(U.shape[0], rank, dtype=U.dtype)
     A = torch.zeros(rank, in_f, dtype=U.dtype)
     B[:, :k], A[:k] = U[:, :k] * (S[:k] / scaling / c), c[:, None] * Vh[:k]
-    spare = min(rank, in_f) - k
-    if spare > 0:
-        g = torch.Generator().manual_seed(0)
-        basis = torch.cat([Vh[:k].T, torch.randn(in_f, spare, generator=g, dtype=torch.float64).to(U.dtype)], 1)
-        q = torch.linalg.qr(basis)[0][:, k:]  # orthonormal, orthogonal to Vh's rows
-        A[k : k + spare] = q.T * A_ROW_NORM
+    spare = fresh_rows(Vh[:k], min(rank, in_f) - k)
+    A[k : k + spare.shape[0]] = spare
     return B, A
+
+
+def fresh_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` rows of a fresh adapter's norm (``A_ROW_NORM``), orthonormal to each other and to
+    ``rows`` (a fixed seed): where a component is missing, ``A`` gets what a new adapter would have
+    (zero rows in both factors would get no gradient)."""
+    in_f = rows.shape[1]
+    count = max(0, min(count, in_f - rows.shape[0]))
+    if count == 0:
+        return torch.zeros(0, in_f, dtype=rows.dtype)
+    g = torch.Generator().manual_seed(0)
+    basis = torch.cat([rows.T, torch.randn(in_f, count, generator=g, dtype=torch.float64).to(rows.dtype)], 1)
+    q = torch.linalg.qr(basis)[0][:, rows.shape[0] :]  # orthonormal, orthogonal to ``rows``
+    return q.T * A_ROW_NORM
+
+
+def least_squares_b(p: "Product", a: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``B = argmin ‖s·B·A − U diag(S) Vh‖`` for the given ``A`` (r × in): ``U S (Vh Aᵀ) (A Aᵀ)⁺ / s``,
+    never an out × in matrix."""
+    a = a.to(p.Vh.dtype)
+    return (p.U * p.S) @ (p.Vh @ a.T) @ torch.linalg.pinv(a @ a.T) / scaling
 
 
 def nbytes(tensors) -> int:
@@ -428,6 +448,16 @@ class LoraAggregator:
       to add to their frozen base, so stateless clients stay in step.
     * ``"drop"``: discarded, as FlexLoRA does.
 
+    The product sent is split into factors by ``gauge``:
+
+    * ``"anchored"``: ``A`` is the clients' weighted mean ``A`` (FedIT's, zero-padded across ranks), and
+      ``B`` the least-squares fit ``argmin ‖s·B·A − P‖``, so the clients go on from the gauge they
+      trained in, with a product at least as close to the mean as FedIT's ``mean(B)·mean(A)``; what
+      ``A``'s row space cannot carry is the tail.
+    * ``"balanced"``: the rank-r SVD truncation, split ``B = U√(S/s)``, ``A = √(S/s)Vh`` with ``A``'s rows
+      no smaller than a fresh adapter's (``balanced``).
+    * ``"even"``: the same split with no floor on ``A``'s rows.
+
     Parameters
     ----------
     layout : LoraLayout
@@ -437,33 +467,56 @@ class LoraAggregator:
     keep_factor : float, default 4.0
         ``"keep"``: the most singular components held per module, as a multiple of its declared rank
         (``math.inf``: all, exact).
+    gauge : {"anchored", "balanced", "even"}, default "balanced"
+        How the product sent is split into factors.
     """
 
-    def __init__(self, layout: LoraLayout, tail: str = "keep", keep_factor: float = KEEP_FACTOR) -> None:
+    def __init__(
+        self, layout: LoraLayout, tail: str = "keep", keep_factor: float = KEEP_FACTOR, gauge: str = "balanced"
+    ) -> None:
         self.layout = layout
         self.tail = one_of(tail, TAILS, "tail")
+        self.gauge = one_of(gauge, GAUGES, "gauge")
         if not keep_factor >= 1:
             raise ValueError(f"keep_factor must be at least 1 (the rank sent), got {keep_factor}")
         self.keep_factor = keep_factor
         self.products: dict[str, Product] = {}  # the global product per module (what "keep" carries)
         self.base: dict[str, torch.Tensor] = {}  # "fold": the accumulated dense base update per module
+        self.anchors: dict[str, torch.Tensor] = {}  # "anchored": the clients' mean A per module
+        self.sent: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # the factors sent, per rank
 
     def start(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Take the initial adapter (``{module: (B, A)}`` at the declared rank) as round 0's product."""
+        self.sent.clear()
         for mod in self.layout.modules:
             b, a = factors[mod.name]
             self.products[mod.name] = Product(*product_svd([(b, a)], [mod.scaling(a.shape[0])]))
+            self.anchors[mod.name] = a.double()
+            self.sent[(mod.name, a.shape[0])] = (b.double(), a.double())
 
     def factors(
         self, ranks: Union[int, Mapping[str, int], None] = None
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``{module: (B, A)}``: the best factors of the global product at ``ranks`` (one rank, or one
-        per module; default: the declared ranks), scaled for that rank, balanced."""
+        """``{module: (B, A)}``: the factors of the global product at ``ranks`` (one rank, or one per
+        module; default: the declared ranks), scaled for that rank, in this aggregator's ``gauge``."""
         out = {}
         for mod in self.layout.modules:
             r = mod.rank if ranks is None else int(ranks if isinstance(ranks, int) else ranks[mod.name])
-            out[mod.name] = self.products[mod.name].factors(r, mod.scaling(r))
+            out[mod.name] = self._factors(mod, r)
         return out
+
+    def _factors(self, mod: LoraModule, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (mod.name, rank)
+        if key not in self.sent:  # once per product and rank: what was sent is what the next round counts from
+            p, s = self.products[mod.name], mod.scaling(rank)
+            if self.gauge == "anchored":
+                anchor = self.anchors[mod.name][:rank].to(p.Vh.dtype)
+                a = torch.cat([anchor, fresh_rows(anchor, rank - anchor.shape[0])])
+                b = least_squares_b(p, a, s)
+            else:
+                b, a = balanced(p.U, p.S, p.Vh, rank, s, floor=self.gauge == "balanced")
+            self.sent[key] = (b, a)
+        return self.sent[key]
 
     def base_update(self) -> dict[str, torch.Tensor]:
         """``"fold"``: ``{base weight key: dense update}``, transposed for ``fan_in_fan_out`` modules."""
@@ -486,7 +539,17 @@ class LoraAggregator:
         for mod in self.layout.modules:
             stack = [r[mod.name] for r in replies]
             coeffs = [wi * mod.scaling(a.shape[0]) for wi, (_, a) in zip(w, stack)]
-            if self.tail == "keep" and mod.name in self.products:
+            if self.tail == "keep" and mod.name in self.products and self.gauge == "anchored":
+                # P + Σ wᵢ (sᵢBᵢAᵢ − what client i was sent): the sent factors are not P's truncation
+                p = self.products[mod.name]
+                stack, coeffs = stack + [(p.U * p.S, p.Vh)], coeffs + [1.0]
+                share: dict[int, float] = {}
+                for wi, (_, a) in zip(w, [r[mod.name] for r in replies]):
+                    share[a.shape[0]] = share.get(a.shape[0], 0.0) + wi
+                for r, wr in share.items():
+                    stack.append(self._factors(mod, r))
+                    coeffs.append(-wr * mod.scaling(r))
+            elif self.tail == "keep" and mod.name in self.products:
                 # P + Σ wᵢ (sᵢBᵢAᵢ − T_{rᵢ}(P)): each client's update counts from the truncation it
                 # started from, and P − Σ wᵢ T_{rᵢ}(P) lives in P's own singular basis
                 p = self.products[mod.name]
@@ -497,6 +560,13 @@ class LoraAggregator:
                 stack = stack + [(p.U[:, live] * carried[live], p.Vh[live])]
                 coeffs = coeffs + [1.0]
             stacks[mod.name] = stacked(stack, coeffs)
+        self.sent.clear()
+        for mod in self.layout.modules:  # the next anchor: FedIT's mean A, zero-padded across ranks
+            a_s = [r[mod.name][1] for r in replies]
+            anchor = torch.zeros(max(a.shape[0] for a in a_s), a_s[0].shape[1], dtype=torch.float64)
+            for wi, a in zip(w, a_s):
+                anchor[: a.shape[0]] += wi * a.double()
+            self.anchors[mod.name] = anchor
         shapes: dict[tuple, list[LoraModule]] = {}
         for mod in self.layout.modules:  # modules of one shape: one batched QR / SVD
             shapes.setdefault((mod.out_features, mod.in_features, stacks[mod.name][0].dtype), []).append(mod)
@@ -509,6 +579,15 @@ class LoraAggregator:
             k = int(self.keep_factor * mod.rank)
             U, S, Vh = U[:, :k], S[:k], Vh[:k]
         r = mod.rank
+        if self.tail != "keep" and self.gauge == "anchored":  # the fit to the new anchor is what is sent
+            full, anchor = Product(U, S, Vh), self.anchors[mod.name][:r].to(U.dtype)
+            a = torch.cat([anchor, fresh_rows(anchor, r - anchor.shape[0])])
+            b = least_squares_b(full, a, mod.scaling())
+            self.sent[(mod.name, r)] = (b, a)
+            if self.tail == "fold":
+                self.base[mod.name] = self.base.get(mod.name, 0) + full.dense() - mod.scaling() * b @ a
+            self.products[mod.name] = Product(*product_svd([(b, a)], [mod.scaling()]))
+            return
         if self.tail == "fold" and len(S) > r:
             self.base[mod.name] = self.base.get(mod.name, 0) + (U[:, r:] * S[r:]) @ Vh[r:]
         if self.tail != "keep":  # the server holds the adapter it sends, nothing more

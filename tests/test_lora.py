@@ -193,9 +193,10 @@ def test_lora_mixed_ranks_get_their_best_approximation_eckart_young(record):
     record("lora: rank-r factors attain the Eckart–Young error", worst, 1e-10)
 
 
-def test_lora_keep_tail_follows_fedavg_on_the_products_across_rounds(record):
+@pytest.mark.parametrize("gauge", ["balanced", "anchored"])
+def test_lora_keep_tail_follows_fedavg_on_the_products_across_rounds(gauge, record):
     layout = LoraLayout.of(llama_peft(r=4))
-    agg = LoraAggregator(layout, tail="keep", keep_factor=math.inf)
+    agg = LoraAggregator(layout, tail="keep", keep_factor=math.inf, gauge=gauge)
     start = random_adapter(layout, 4, 100, scale=0.0)
     agg.start(start)
     exact = {m.name: torch.zeros(m.out_features, m.in_features, dtype=torch.float64) for m in layout.modules}
@@ -220,7 +221,7 @@ def test_lora_keep_tail_follows_fedavg_on_the_products_across_rounds(record):
             )
         agg.aggregate(clients, weights)
     err = max(float((agg.products[n].dense() - exact[n]).abs().max()) for n in exact)
-    record("lora: tail=keep product = FedAvg on products over 3 rounds", err, 1e-10)
+    record(f"lora: tail=keep product = FedAvg on products over 3 rounds ({gauge})", err, 1e-10)
     assert any(len(p.S) > 4 * 2 for p in agg.products.values())  # more than the sent rank (4), uncut
     capped = LoraAggregator(layout, tail="keep")  # the default holds at most 4 × r components
     capped.start(start)
@@ -229,10 +230,11 @@ def test_lora_keep_tail_follows_fedavg_on_the_products_across_rounds(record):
     assert max(len(p.S) for p in capped.products.values()) <= 16
 
 
-def test_lora_fold_tail_puts_the_tail_into_the_base(record):
+@pytest.mark.parametrize("gauge", ["balanced", "anchored"])
+def test_lora_fold_tail_puts_the_tail_into_the_base(gauge, record):
     layout = LoraLayout.of(gpt2_peft(r=4))
     clients = [random_adapter(layout, 4, seed) for seed in range(3)]
-    agg = LoraAggregator(layout, tail="fold")
+    agg = LoraAggregator(layout, tail="fold", gauge=gauge)
     agg.aggregate(clients, [1.0, 1.0, 1.0])
     want = weighted_products(layout, clients, [1.0, 1.0, 1.0])
     base = agg.base_update()
@@ -240,7 +242,44 @@ def test_lora_fold_tail_puts_the_tail_into_the_base(record):
     for m in layout.modules:
         folded = base[m.base_key].double().T  # Conv1D: stored in × out
         err = max(err, float((folded + product_of(layout, agg.factors(), m.name) - want[m.name]).abs().max()))
-    record("lora: tail=fold base + adapter = exact mean", err, 1e-5)  # the base update travels in float32
+    record(f"lora: tail=fold base + adapter = exact mean ({gauge})", err, 1e-5)  # the base update travels in float32
+
+
+def test_lora_anchored_gauge_sends_the_clients_mean_a_and_the_least_squares_b(record):
+    """gauge="anchored": A is FedIT's mean A, B the least-squares fit to the exact mean product (its
+    residual orthogonal to A's rows), so the product sent is never further from the mean than FedIT's."""
+    layout = LoraLayout.of(llama_peft(r=4))
+    clients = [random_adapter(layout, 4, seed, scale=0.5) for seed in range(3)]
+    weights = [1.0, 2.0, 3.0]
+    agg = LoraAggregator(layout, tail="drop", gauge="anchored")
+    agg.aggregate(clients, weights)
+    got, want = agg.factors(), weighted_products(layout, clients, weights)
+    mean_a_err = normal_err = 0.0
+    for m in layout.modules:
+        b, a = got[m.name]
+        mean_a = sum(w / 6 * c[m.name][1] for c, w in zip(clients, weights))
+        mean_b = sum(w / 6 * c[m.name][0] for c, w in zip(clients, weights))
+        mean_a_err = max(mean_a_err, float((a - mean_a).abs().max()))
+        residual = m.scaling() * b @ a - want[m.name]
+        normal_err = max(normal_err, float((residual @ a.T).abs().max() / want[m.name].abs().max()))
+        fedit = m.scaling() * mean_b @ mean_a - want[m.name]
+        assert float(residual.norm()) <= float(fedit.norm()) + 1e-12
+    record("lora: anchored A = clients' mean A", mean_a_err, 1e-12)
+    record("lora: anchored B: residual ⟂ A's rows (least squares)", normal_err, 1e-10)
+
+
+def test_lora_even_gauge_is_the_plain_square_root_split(record):
+    g = torch.Generator().manual_seed(0)
+    b0, a0 = (
+        torch.randn(7, 3, generator=g, dtype=torch.float64) * 1e-3,
+        torch.randn(3, 5, generator=g, dtype=torch.float64),
+    )
+    U, S, Vh = product_svd([(b0, a0)], [2.0])
+    B, A = balanced(U, S, Vh, 3, 2.0, floor=False)
+    err = float((B - U * (S / 2.0).sqrt()).abs().max() + (A - (S / 2.0).sqrt()[:, None] * Vh).abs().max())
+    record("lora: even gauge B = U√(S/s), A = √(S/s)Vh", err, 1e-12)
+    assert float(A.norm(dim=1).min()) < 0.1  # a small product: the floor's reason (balanced keeps A's rows up)
+    assert float(balanced(U, S, Vh, 3, 2.0)[1].norm(dim=1).min()) >= 1 / math.sqrt(3) - 1e-12
 
 
 def test_lora_balanced_factors_of_a_rank_deficient_product_still_learn():
@@ -487,12 +526,11 @@ def test_lora_harness_claims_hold_on_a_small_run():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import lora_aggregators as harness
 
-    harness.BASE_STEPS = 200
     harness.SETTINGS["claim-r8"] = dict(
-        scheme="speaker", ranks=[8] * 4, steps=30, rounds=2, methods=("fedit", "fedlmc")
+        base_steps=200, scheme="speaker", ranks=[8] * 4, steps=30, rounds=2, methods=("fedit", "fedlmc")
     )
     harness.SETTINGS["claim-mixed"] = dict(
-        scheme="speaker", ranks=[2, 4, 8, 16], steps=30, rounds=2, methods=("hetlora", "fedlmc")
+        base_steps=200, scheme="speaker", ranks=[2, 4, 8, 16], steps=30, rounds=2, methods=("hetlora", "fedlmc")
     )
     same = harness.run("claim-r8", 0)["rows"]
     mixed = harness.run("claim-mixed", 0)["rows"]
@@ -539,3 +577,21 @@ def test_task_vector_merges_of_lora_products_on_hand_made_adapters():
     want = torch.zeros_like(product)
     want[0, 0] = -2.0
     assert torch.allclose(product, want, atol=1e-12)
+
+
+def test_train_lm_carries_the_optimiser_state_across_calls():
+    """A client whose AdamW lives on across rounds (the harness's ``+adam`` rows): the second call
+    starts from the first's moments and step count, not from a fresh optimiser."""
+    from fedlmc.data import TokenData
+    from fedlmc.hf.pretrained import train_lm
+
+    model = llama_peft(r=2)
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    data = TokenData(torch.randint(0, 33, (600,)), block_size=8)
+    holder: dict = {}
+    train_lm(model, data, 3, lr=1e-3, batch_size=4, seed=0, params=params, optimizer_state=holder)
+    first = {k: v["exp_avg"].clone() for k, v in holder["adamw"]["state"].items()}
+    assert all(int(v["step"]) == 3 for v in holder["adamw"]["state"].values())
+    train_lm(model, data, 2, lr=1e-3, batch_size=4, seed=1, params=params, optimizer_state=holder)
+    assert all(int(v["step"]) == 5 for v in holder["adamw"]["state"].values())
+    assert any(not torch.equal(first[k], v["exp_avg"]) for k, v in holder["adamw"]["state"].items())

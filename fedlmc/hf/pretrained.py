@@ -9,6 +9,7 @@ written atomically, so concurrent clients of one machine share one copy.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -73,11 +74,18 @@ def train_lm(
     params=None,
     one_cycle: bool = False,
     on_step=None,
+    optimizer_state: Optional[dict] = None,
 ) -> float:
     """``steps`` AdamW steps (no weight decay) of next-character loss on shuffled windows of ``data``,
     on ``params`` (default: all of the model's), with a one-cycle schedule if asked; ``on_step(step,
-    loss)`` after each. Returns the last batch's loss."""
+    loss)`` after each. ``optimizer_state``: a dict holding the AdamW state under ``"adamw"`` from an
+    earlier call (loaded if there, updated after): a client whose optimiser lives on across rounds.
+    Returns the last batch's loss."""
     opt = torch.optim.AdamW(model.parameters() if params is None else params, lr=lr, weight_decay=0.0)
+    if optimizer_state is not None:
+        if "adamw" in optimizer_state:
+            opt.load_state_dict(optimizer_state["adamw"])
+        on_step = _saving(opt, optimizer_state, steps, on_step)
     sched = (
         torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05) if one_cycle else None
     )
@@ -97,6 +105,18 @@ def train_lm(
             if done == steps:
                 return last
     return last
+
+
+def _saving(opt, holder: dict, steps: int, on_step):
+    """``on_step`` that also stores ``opt``'s state in ``holder["adamw"]`` after the last step."""
+
+    def step(done: int, loss: float) -> None:
+        if done == steps:
+            holder["adamw"] = copy.deepcopy(opt.state_dict())
+        if on_step is not None:
+            on_step(done, loss)
+
+    return step
 
 
 def pretrain_and_finetune_text(data_dir: Union[str, Path, None] = None) -> tuple[TokenData, TokenData, TokenData]:
