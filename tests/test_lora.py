@@ -404,6 +404,20 @@ def test_peft_strategy_excludes_bad_replies_with_a_reason_and_aggregates_the_res
     assert strategy.history[-1]["bytes_received"] > 0
 
 
+def test_peft_strategy_anchored_gauge_sends_the_replies_mean_a(record):
+    model = llama_peft(r=4)
+    layout = LoraLayout.of(model)
+    strategy = LoraFedAvg(model=model, gauge="anchored")
+    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+    clients = [random_adapter(layout, 4, s, scale=0.1) for s in range(3)]
+    arrays, _ = strategy.aggregate_train(1, [_reply(layout.write(c), node=i + 1) for i, c in enumerate(clients)])
+    got = layout.read(arrays)
+    err = max(float((got[n][1].double() - sum(c[n][1] for c in clients) / 3).abs().max()) for n in got)
+    record("peft: LoraFedAvg(gauge='anchored') sends the replies' mean A (float32)", err, 1e-6)
+    with pytest.raises(ValueError, match="gauge"):
+        LoraFedAvg(model=model, gauge="rotated")
+
+
 def test_peft_strategy_sends_each_mixed_rank_node_its_own_rank(monkeypatch):
     for attr in ("_run_id", "_node_id", "_task_id"):  # what a ServerApp process has when it builds messages
         monkeypatch.setattr(TaskIdentity, attr, 1)

@@ -22,7 +22,7 @@ BASE_UPDATE_KEY = "base-update"  # tail="fold": the accumulated dense update of 
 
 class LoraFedAvg(FedAvg):
     """``FedAvg`` whose aggregate of LoRA adapters is the weighted mean of the clients' updates
-    ``sᵢ·Bᵢ·Aᵢ``, sent back as rank-r factors in the balanced SVD gauge (``fedlmc.lora``).
+    ``sᵢ·Bᵢ·Aᵢ``, sent back as rank-r factors (in the balanced SVD gauge by default: ``fedlmc.lora``).
 
     Replies are PEFT adapter states: keyed as ``get_peft_model_state_dict`` writes them (with or
     without the adapter name), or FlowerTune's ordered list of arrays (read in ``model``'s key order).
@@ -48,6 +48,9 @@ class LoraFedAvg(FedAvg):
     keep_factor : float, default 4.0
         ``tail="keep"``: the most singular components held per module, as a multiple of its rank
         (the largest are kept; ``math.inf``: all, which is FedAvg on the products exactly).
+    gauge : {"balanced", "anchored", "even"}, default "balanced"
+        How the product sent is split into factors (``fedlmc.lora.LoraAggregator``): the balanced SVD
+        split, FedIT's mean ``A`` with the least-squares ``B``, or the SVD split with no floor on ``A``.
     mixed_ranks : bool, default False
         Accept clients of different ranks; each is sent the best approximation of the aggregate at
         its own rank (the rank of its last reply; before that, the declared rank, which its client
@@ -65,6 +68,7 @@ class LoraFedAvg(FedAvg):
         adapter_name: str = "default",
         tail: str = "keep",
         keep_factor: float = KEEP_FACTOR,
+        gauge: str = "balanced",
         mixed_ranks: bool = False,
         **fedavg: Any,
     ) -> None:
@@ -75,8 +79,8 @@ class LoraFedAvg(FedAvg):
             LoraLayout.of(model, adapter_name=adapter_name) if model is not None else None
         )
         self.lora_config, self.adapter_name = lora_config, adapter_name
-        self.tail, self.keep_factor, self.mixed_ranks = tail, keep_factor, mixed_ranks
-        LoraAggregator(self.layout or LoraLayout((), ()), tail, keep_factor)  # validates both
+        self.tail, self.keep_factor, self.gauge, self.mixed_ranks = tail, keep_factor, gauge, mixed_ranks
+        LoraAggregator(self.layout or LoraLayout((), ()), tail, keep_factor, gauge)  # validates the options
         self.aggregator: Optional[LoraAggregator] = None
         self.keyless = False
         self.node_ranks: dict[int, dict[str, int]] = {}
@@ -99,7 +103,7 @@ class LoraFedAvg(FedAvg):
         if self.layout is None:
             self.layout = LoraLayout.of(config=self.lora_config, arrays=initial_arrays, adapter_name=self.adapter_name)
         factors = self.layout.read(initial_arrays)
-        self.aggregator = LoraAggregator(self.layout, self.tail, self.keep_factor)
+        self.aggregator = LoraAggregator(self.layout, self.tail, self.keep_factor, self.gauge)
         self.aggregator.start(factors)
         self._initial = initial_arrays
 
