@@ -96,6 +96,11 @@ class Matching:
     residual_data : data set or None, default None
         A few batches whose residual-stream activations join the residual map's objective (the
         data-light residual option, ``activation.residual_activation_cross``); universe merges only.
+    ff_scale : bool, default False
+        Also solve each FF neuron's scale where the nonlinearity allows one (ReLU: positive; SwiGLU's
+        ``up``: signed; the ``ffscale.{l}`` groups), in closed form after the descent, then descend once
+        more on the rescaled model and solve the scales again (``fedlmc.matching.scales``). Models
+        without such groups (GELU) are matched as without it.
     """
 
     residual: str = "orthogonal"
@@ -108,6 +113,7 @@ class Matching:
     precision: str = "auto"
     dtype: Optional[torch.dtype] = None
     residual_data: Any = None
+    ff_scale: bool = False
 
     def __post_init__(self) -> None:
         one_of(self.residual, RESIDUALS, "residual")

@@ -26,6 +26,7 @@ from ..symmetry.transform import apply_along
 from ..train import evaluate, pick_device
 from .certify import ROTATE_FIRST, certify, certify_heads, circuit_gram, gram_row_max, rotation_size
 from .profile import section
+from .scales import balancing_scales, ff_scales, weighted_distance
 from .solvers import Elements, Int8Blocks, Int8Rows, delta_crosses, int8_scores, score_dtype
 from .steps import (
     CIRCUITS,
@@ -201,7 +202,9 @@ class Fixed:
             part: sorted(
                 g.name
                 for g in self.spec.groups.values()
-                if g.name != "residual" and any((m.param in self.ff_params) == (part == "ff") for m in g.members)
+                if g.name != "residual"
+                and g.kind != "scale"  # the FF scales are solved after the descent (``ff_scale_step``)
+                and any((m.param in self.ff_params) == (part == "ff") for m in g.members)
             )
             for part in ("ff", "rest")
         }
@@ -828,9 +831,9 @@ def identity_elements(cfg, device, dtype) -> Elements:
             out[name] = torch.eye(g.size, device=device, dtype=dtype)
         elif g.kind == "permutation":
             out[name] = torch.arange(g.size, device=device)
-        else:
+        elif g.kind == "gauge":
             out[name] = torch.eye(g.size, device=device, dtype=dtype).expand(g.count, -1, -1).clone()
-    return out
+    return out  # no scales: the descent leaves them to ``ff_scale_step``
 
 
 def weight_matching(
@@ -901,6 +904,13 @@ def weight_matching(
         cfg = canonical_config(model_b.config)
         F = fixed_side(model_a, cfg, dev, dtype, m.precision, reuse)
         B = canonical_state(model_b, dev, dtype)
+        scaled = m.ff_scale and any(g.kind == "scale" for g in spec_for(cfg).groups.values())
+        if scaled:  # both models' FF neurons in one scale gauge first (``balancing_scales``)
+            s_a, s_b = balancing_scales(F.A, spec_for(cfg)), balancing_scales(B, spec_for(cfg))
+            F = Fixed(apply_elements(F.A, cfg, s_a), cfg, m.precision)
+            B = apply_elements(B, cfg, s_b)
+            if warm_start is not None:
+                warm_start = Transform({k: v for k, v in warm_start.elements.items() if not k.startswith("ffscale")})
         with section("anchor cross-covariances"):
             P = Problem(F.A, B, cfg, m.precision, F)
         Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
@@ -918,6 +928,18 @@ def weight_matching(
             with section("objective"):
                 opts["give_up"] = (1.0 - m.min_gain / 2) * P.objective({})
         found, info = _descents(P, warm_start, m.keep_identity, opts)
+        if scaled:  # each descent's scales solved, then composed with the two gauges into B → A
+            with section("ff scales"):
+                for k in [k for k in found if k != "identity"]:
+                    el, info.setdefault("ff_scale", {})[k] = _with_scales(
+                        F, B, cfg, found[k], {**opts, "give_up": None}
+                    )
+                    scales = _composed_scales(el, s_a, s_b, spec_for(cfg))
+                    found[k] = {**el, **scales}
+                    info["ff_scale"][k].update(
+                        mean_abs_log_scale=[float(c.abs().log().abs().mean()) for c in scales.values()],  # per layer
+                        flipped=[float((c < 0).double().mean()) for c in scales.values()],  # sign flips' share
+                    )
         guard = (guard_data, form, guard_batches)
         best = _chosen(found, info, m, model_a, model_b, guard)
         info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
@@ -928,6 +950,58 @@ def weight_matching(
         T = Transform({k: v.cpu() for k, v in found[best].items()}, info)
     T.info["threads"] = threads
     return T
+
+
+def _composed_scales(elements: Elements, s_a: dict, s_b: dict, spec) -> dict[str, torch.Tensor]:
+    """B's scale elements from B's own gauge to A's: B's balancing scale (its own order, so after the
+    permutation), the solved scale, then A's balancing scale undone."""
+    out = {}
+    for name, c_a in s_a.items():
+        perm = elements.get(spec.groups[name].heads)
+        c_b = s_b[name][perm] if perm is not None else s_b[name]
+        out[name] = c_b * elements.get(name, torch.ones_like(c_a)) / c_a
+    return out
+
+
+def _after_permutations(pre: dict, elements: Elements, spec) -> dict[str, torch.Tensor]:
+    """Scales given in B's own unit order as elements, which act after their FF permutation."""
+    out = {}
+    for name, c in pre.items():
+        perm = elements.get(spec.groups[name].heads)
+        out[name] = c[perm] if perm is not None else c
+    return out
+
+
+SCALE_ROUNDS = 3  # at most this many (scales, descent) alternations after the first descent
+
+
+def _with_scales(F: Fixed, B: StateDict, cfg, elements: Elements, opts: dict) -> tuple[Elements, dict]:
+    """``elements`` with every FF scale group solved in closed form, then up to ``SCALE_ROUNDS`` more
+    descents on B rescaled by the scales so far (warm from the last elements), each followed by the
+    scales again, while they lower weight matching's distance to A."""
+    spec = spec_for(cfg)
+    w = {k: 1.0 / float(v) for k, v in F.a_norms.items()}
+    ref = next(iter(B.values()))
+    current = {k: v for k, v in elements.items() if spec.groups[k].kind != "scale"}
+    pre: dict[str, torch.Tensor] = {}  # the scales so far, in B's own unit order
+    before = weighted_distance(F.A, apply_elements(B, cfg, current), w)
+    best, after, rounds = current, before, 0
+    for rounds in range(1, SCALE_ROUNDS + 2):
+        B_scaled = apply_elements(B, cfg, pre) if pre else B
+        if rounds > 1:  # the descent again, on B rescaled, from where it was
+            start = {**identity_elements(cfg, ref.device, ref.dtype), **current}
+            current = coordinate_descent(Problem(F.A, B_scaled, cfg, F.precision, F), start, **opts).elements
+        found = ff_scales(F.A, apply_elements(B_scaled, cfg, current), spec, w)
+        for name, c in found.items():  # compose, in B's own unit order
+            perm = current.get(spec.groups[name].heads)
+            pre[name] = pre.get(name, torch.ones_like(c)) * (c[torch.argsort(perm)] if perm is not None else c)
+        candidate = {**current, **_after_permutations(pre, current, spec)}
+        dist = weighted_distance(F.A, apply_elements(B, cfg, candidate), w)
+        if dist >= after * (1 - 1e-6):
+            break
+        best, after = candidate, dist
+    # weight matching's distance to A (both in their balanced gauge) before the solved scales and after
+    return best, {"distance_before": before, "distance_after": after, "rounds": rounds}
 
 
 def _chosen(found: dict, info: dict, m: Matching, model_a: nn.Module, model_b: nn.Module, guard: tuple) -> str:

@@ -46,6 +46,16 @@ def random_invertible(
     return U @ torch.diag_embed(s) @ V
 
 
+def random_scale(
+    size: int, generator: torch.Generator, dtype=torch.float64, signed: bool = False, spread: float = 0.5
+) -> torch.Tensor:
+    """``size`` factors in ``exp([-spread, spread])``, each with a random sign when ``signed``."""
+    c = torch.exp((torch.rand(size, generator=generator, dtype=dtype) * 2 - 1) * spread)
+    if signed:
+        c = c * (torch.randint(0, 2, (size,), generator=generator) * 2 - 1).to(dtype)
+    return c
+
+
 def random_transform(
     model: Union[nn.Module, TransformerConfig],
     seed: int = 0,
@@ -79,6 +89,8 @@ def random_transform(
             out[name] = torch.cat([torch.randperm(block, generator=g) + i * block for i in range(grp.count)])
         elif grp.kind == "permutation":
             out[name] = torch.randperm(grp.size, generator=g)
+        elif grp.kind == "scale":
+            out[name] = random_scale(grp.size, g, dtype, signed=grp.structure == "signed")
         elif grp.structure == "rope":
             out[name] = random_rope_gauge(grp.count, grp.size, g, dtype)
         else:
@@ -100,6 +112,9 @@ def invert_transform(transform: Transform, spec: SymmetrySpec) -> Transform:
             out[name] = _invert_within(el, transform.elements.get(group.heads), group)
         elif group.kind == "permutation":
             out[name] = torch.argsort(el)
+        elif group.kind == "scale":  # x_new[i] = c[i] x_old[π[i]]  ⇒  x_old[j] = x_new[σ[j]] / c[σ[j]]
+            perm = transform.elements.get(group.heads)
+            out[name] = 1 / (el[torch.argsort(perm)] if perm is not None else el)
         else:  # gauge: x_new[i] = G[i] x_old[π[i]]  ⇒  x_old[j] = G[σ[j]]⁻¹ x_new[σ[j]], σ = π⁻¹
             perm = transform.elements.get(group.heads)
             sigma = torch.argsort(perm) if perm is not None else torch.arange(el.shape[0])

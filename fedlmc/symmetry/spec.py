@@ -11,6 +11,10 @@ A ``SymmetrySpec`` lists, per architecture, every symmetry group and the tensor 
 * ``qk.{l}`` / ``ov.{l}`` — one invertible ``d_head x d_head`` matrix per head (the intra-head gauge):
   ``q_h -> A^T q_h``, ``k_h -> A^{-1} k_h`` keeps ``q^T k``; ``v_h -> B v_h``, ``O_h -> O_h B^{-1}`` keeps ``O_h v_h``.
 * ``ff.{l}`` — a permutation of layer l's FF neurons: fc1 rows and bias, fc2 columns.
+* ``ffscale.{l}`` — one scale per FF neuron (the semi-permutation level's diagonal part), where the
+  nonlinearity is homogeneous: ReLU (``relu(c·x) = c·relu(x)`` for ``c > 0``: fc1 row and bias × c, fc2
+  column / c; ``structure="positive"``) and SwiGLU's ``up`` (linear in it: up row × c, down column / c,
+  any ``c ≠ 0``; ``structure="signed"``). None for GELU. It acts after its layer's FF permutation.
 
 Every member says which matrix acts on the vectors that lie along its axis: ``M``, ``M^T``, ``M^{-1}``
 or ``M^{-T}`` of the group element M. Permutations are stored as index tensors with the convention
@@ -55,7 +59,8 @@ class Member:
 
 @dataclass
 class Group:
-    """A symmetry group: ``kind`` is "orthogonal", "permutation" or "gauge" (``count`` matrices of ``size``)."""
+    """A symmetry group: ``kind`` is "orthogonal", "permutation", "gauge" (``count`` matrices of ``size``)
+    or "scale" (``size`` non-zero factors, positive where ``structure="positive"``)."""
 
     name: str
     kind: str
@@ -75,7 +80,9 @@ class Group:
         """Where the group acts in a transform: the residual map first, then layer by layer, a layer's
         permutations before its gauges (gauge h refers to the permuted head h), "within" permutations
         last (they commute with the gauges, which are shared inside a block)."""
-        order = 3 if self.structure == "within" else {"orthogonal": 0, "permutation": 1, "gauge": 2}[self.kind]
+        order = (
+            3 if self.structure == "within" else {"orthogonal": 0, "permutation": 1, "gauge": 2, "scale": 2}[self.kind]
+        )
         return (-1 if self.layer is None else self.layer, order)
 
 
@@ -93,7 +100,8 @@ class SymmetrySpec:
         return self.groups["residual"]
 
     def layer_groups(self, kind: str) -> list[Group]:
-        """The per-layer groups whose name starts with ``kind`` ("heads", "qk", "ov", "ff"), by layer."""
+        """The per-layer groups whose name starts with ``kind`` ("heads", "qk", "ov", "ff", "ffscale"), by
+        layer."""
         return [g for name, g in self.groups.items() if name.split(".")[0] == kind]
 
     def renamed(self, rename: Callable[[str], str], arch: Optional[str] = None) -> "SymmetrySpec":
@@ -203,6 +211,20 @@ def transformer_spec(cfg: TransformerConfig, embed_writers: list[Member], head: 
             l,
             probe=f"{b}.mlp.fc2",
         )
+        if cfg.activation == "relu":  # positively homogeneous: a neuron's in-weights × c, out-weights / c
+            groups[f"ffscale.{l}"] = Group(
+                f"ffscale.{l}",
+                "scale",
+                cfg.d_ff,
+                [
+                    Member(f"{b}.mlp.fc1.weight", 0),
+                    Member(f"{b}.mlp.fc1.bias", 0),
+                    Member(f"{b}.mlp.fc2.weight", 1, "Minv"),
+                ],
+                l,
+                heads=f"ff.{l}",
+                structure="positive",
+            )
     norms.append("ln_f")
     residual += _norm_members(cfg, "ln_f")
     residual.append(Member(f"{head}.weight", 1, role="reader", norm="ln_f", bias=f"{head}.bias"))
@@ -300,6 +322,15 @@ def llama_spec(cfg) -> SymmetrySpec:
             [Member(f"{b}.mlp.gate.weight", 0), Member(f"{b}.mlp.up.weight", 0), Member(f"{b}.mlp.down.weight", 1)],
             l,
             probe=f"{b}.mlp.down",
+        )
+        groups[f"ffscale.{l}"] = Group(  # SwiGLU is linear in up: any non-zero scale, sign included
+            f"ffscale.{l}",
+            "scale",
+            cfg.d_ff,
+            [Member(f"{b}.mlp.up.weight", 0), Member(f"{b}.mlp.down.weight", 1, "Minv")],
+            l,
+            heads=f"ff.{l}",
+            structure="signed",
         )
     norms.append("ln_f")
     residual.append(Member("head.weight", 1, role="reader", norm="ln_f"))

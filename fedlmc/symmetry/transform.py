@@ -6,7 +6,8 @@ One representation per group kind, read from the spec (never from a tensor's dty
   matrix P has ``P[i, perm[i]] = 1``);
 - ``orthogonal`` (the residual map): a float matrix ``d' × d`` (a residual *permutation*, Git
   Re-Basin's baseline, is its permutation matrix);
-- ``gauge``: a float tensor of per-head invertible matrices ``(count, size, size)``.
+- ``gauge``: a float tensor of per-head invertible matrices ``(count, size, size)``;
+- ``scale``: a float vector of ``size`` non-zero factors (positive for ``structure="positive"``).
 The learned optimiser differentiates through a *relaxed* action (``relaxed=True``) in which a
 permutation group's element is a (straight-through) float matrix instead."""
 
@@ -158,6 +159,8 @@ def is_identity(element: torch.Tensor) -> bool:
     ``arange``, or identity matrices (one, or one per head)."""
     if not element.is_floating_point():
         return element.dim() == 1 and torch.equal(element, torch.arange(len(element), device=element.device))
+    if element.dim() == 1:  # a scale
+        return bool((element == 1).all())
     if element.shape[-1] != element.shape[-2]:
         return False
     eye = torch.eye(element.shape[-1], dtype=element.dtype, device=element.device)
@@ -178,6 +181,10 @@ def check_element(group: Group, element: torch.Tensor, relaxed: bool = False) ->
         ok = element.is_floating_point() and element.shape == (group.count, group.size, group.size)
         if ok and group.structure == "rope":
             ok = rope_structured(element)
+    elif group.kind == "scale":
+        ok = element.is_floating_point() and element.shape == (group.size,) and bool((element != 0).all())
+        if ok and group.structure == "positive":
+            ok = bool((element > 0).all())
     else:
         raise ValueError(f"unknown group kind {group.kind!r}")
     if not ok:
@@ -214,6 +221,9 @@ def act(sd: StateDict, group: Group, element: torch.Tensor, relaxed: bool = Fals
             out[m.param] = apply_along(t, m.axis, P)
         elif group.kind == "permutation":
             out[m.param] = _permute_along(t, m.axis, element, m.block * m.repeat)
+        elif group.kind == "scale":
+            c = (element if m.fn == "M" else 1 / element).to(t)
+            out[m.param] = t * c.reshape([-1] + [1] * (t.dim() - 1 - m.axis))
         else:
             Ms = _matrix(element, m.fn)
             out[m.param] = _gauge_along(t, m.axis, Ms.repeat_interleave(m.repeat, 0) if m.repeat > 1 else Ms, m.block)
