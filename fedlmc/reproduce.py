@@ -21,9 +21,9 @@ from .symmetry import Transform, apply_transform, canonicalize
 from .train import pick_device
 
 
-def _wm(residual: str = "orthogonal", keep_layernorm: bool = False) -> Callable:
+def _wm(residual: str = "orthogonal", keep_layernorm: bool = False, ff_scale: bool = False) -> Callable:
     def run(a, b, splits, ctx):
-        return weight_matching(a, b, Matching(residual=residual), keep_layernorm=keep_layernorm)
+        return weight_matching(a, b, Matching(residual=residual, ff_scale=ff_scale), keep_layernorm=keep_layernorm)
 
     return run
 
@@ -66,6 +66,8 @@ METHODS: dict[str, tuple[str, Optional[Callable], str, bool]] = {
     ),
     "wm-orth-circuit": ("weight matching, orthogonal residual (circuit)", _wm(), "circuit", False),
     "wm-orth-factored": ("weight matching, orthogonal (factored)", _wm(), "factored", False),
+    # the semi-permutation level's FF scales (ReLU, SwiGLU; ``Matching.ff_scale``): GELU models match as above
+    "wm-orth-scale": ("weight matching, orthogonal + FF scales (factored)", _wm(ff_scale=True), "factored", False),
     "wm-orth-keepln": (
         "weight matching, orthogonal, O·1 = 1 (LayerNorm kept)",
         _wm(keep_layernorm=True),
