@@ -444,6 +444,26 @@ def summarise(setting: str, runs: list[dict]) -> dict:
     }
 
 
+def merged(path: Path, new: dict) -> dict:
+    """``new``'s rows added to the results at ``path``, once its reference row reproduces the stored one
+    on every seed (the same clients, batches and code): the rows run before stand as they are."""
+    import json
+
+    old = json.loads(path.read_text())
+    ref = new["reference"]
+    if old["seeds"] != new["seeds"] or old["reference"] != ref:
+        raise SystemExit(f"{path}: seeds or reference differ ({old['seeds']} vs {new['seeds']})")
+    a, b = old["rows"][ref]["test_loss_per_seed"], new["rows"][ref]["test_loss_per_seed"]
+    gap = max(abs(x - y) for ca, cb in zip(a, b) for x, y in zip(ca, cb))
+    if gap > 1e-6:
+        raise SystemExit(f"{path}: {ref} does not reproduce (largest gap {gap:.2e}): rerun the setting whole")
+    added = {m: r for m, r in new["rows"].items() if m != ref}
+    out = {**old, "rows": {**{m: r for m, r in old["rows"].items() if m not in added}, **added}}
+    out["reproduced"] = {"method": ref, "largest_gap": gap, "added": list(added)}
+    out["environment"] = new["environment"]
+    return out
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -480,8 +500,17 @@ def markdown(results: list[dict]) -> str:
         cfg, ref = res["config"], res["reference"]
         seeds = ", ".join(map(str, res["seeds"]))
         lines += [f"### {res['setting']}", ""]
-        lines += [f"{cfg['clients']} clients, {cfg['steps']} local steps, {cfg['rounds']} rounds, seeds {seeds}; "]
-        lines[-1] += f"pretrained base {res['base_loss']:.4f}."
+        what = (
+            f"full fine-tuning at lr {cfg.get('lr', LR):g}"
+            if cfg.get("full")
+            else f"LoRA r {'/'.join(map(str, sorted(set(cfg['ranks']))))} on {', '.join(cfg.get('targets', TARGETS))}, "
+            f"α {cfg.get('alpha', ALPHA)}, lr {cfg.get('lr', LR):g}"
+        )
+        lines += [
+            f"{cfg.get('family', FAMILY)}, {what}; {cfg['clients']} clients ({cfg['scheme']}), {cfg['steps']} local "
+            f"steps, {cfg['rounds']} rounds, seeds {seeds}; base pretrained {cfg.get('base_steps', BASE_STEPS)} steps, "
+            f"test loss {res['base_loss']:.4f}."
+        ]
         lines += ["", header.format(ref=ref), "|---|---|---|---|---|---|---|---|"]
         base = [c[-1] for c in res["rows"][ref]["test_loss_per_seed"]]
         for method, row in res["rows"].items():
@@ -519,6 +548,11 @@ def main() -> None:
     p.add_argument("--out", default="results")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 2 rounds per setting")
     p.add_argument("--tables", action="store_true", help="only rewrite the summary and plots from --out's JSON")
+    p.add_argument(
+        "--methods",
+        help="run only these methods (comma-separated) and add their rows to --out's JSON of each setting, "
+        "after checking that its reference method (FedIT, HetLoRA or FedAvg, always run) reproduces",
+    )
     args = p.parse_args()
     if args.quick:
         for cfg in SETTINGS.values():
@@ -527,6 +561,16 @@ def main() -> None:
     for s in settings:
         if s not in SETTINGS:
             raise SystemExit(f"unknown setting {s!r}; choose from {', '.join(SETTINGS)}")
+    adding = None
+    if args.methods:
+        adding = [m for m in args.methods.split(",") if m]
+        for s in settings:
+            listed = SETTINGS[s]["methods"]
+            unknown = [m for m in adding if m not in listed]
+            if unknown:
+                raise SystemExit(f"{s} has no method {unknown}; it runs {', '.join(listed)}")
+            ref = next(m for m in ("hetlora", "fedit", "fedavg") if m in listed)
+            SETTINGS[s] = {**SETTINGS[s], "methods": tuple(m for m in listed if m == ref or m in adding)}
     if args.tables:
         import json
 
@@ -559,6 +603,8 @@ def main() -> None:
     for s in settings:
         res = summarise(s, sorted(done[s], key=lambda r: r["seed"]))
         res["wall_seconds_all_settings"] = time.perf_counter() - t0
+        if adding is not None:
+            res = merged(out / f"lora_{s}.json", res)
         write_results(out / f"lora_{s}.json", res)
         plot(res, out / f"lora_{s}.png")
         results.append(res)

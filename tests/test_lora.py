@@ -609,3 +609,24 @@ def test_train_lm_carries_the_optimiser_state_across_calls():
     train_lm(model, data, 2, lr=1e-3, batch_size=4, seed=1, params=params, optimizer_state=holder)
     assert all(int(v["step"]) == 5 for v in holder["adamw"]["state"].values())
     assert any(not torch.equal(first[k], v["exp_avg"]) for k, v in holder["adamw"]["state"].items())
+
+
+def test_lora_harness_adds_rows_only_where_its_reference_reproduces(tmp_path):
+    """``bench/lora_aggregators.py --methods``: new rows join a setting's stored results only when the
+    reference method run beside them gives the stored figures again (the same clients and code)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import lora_aggregators as harness
+
+    row = lambda x: {"test_loss_per_seed": [[x, x - 0.1]], "final_loss": x - 0.1}  # noqa: E731
+    stored = {"setting": "speaker-r8-steps10", "seeds": [0], "reference": "fedit", "rows": {"fedit": row(2.0)}}
+    path = tmp_path / "lora_speaker-r8-steps10.json"
+    path.write_text(json.dumps(stored))
+    new = {**stored, "rows": {"fedit": row(2.0), "fedrot-lora": row(1.9)}, "environment": {}}
+    out = harness.merged(path, new)
+    assert list(out["rows"]) == ["fedit", "fedrot-lora"] and out["reproduced"]["added"] == ["fedrot-lora"]
+    with pytest.raises(SystemExit, match="does not reproduce"):
+        harness.merged(path, {**new, "rows": {"fedit": row(2.01), "fedrot-lora": row(1.9)}})
