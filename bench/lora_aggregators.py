@@ -62,6 +62,14 @@ ABLATION = (
 SMALL = dict(family="gpt2", base_steps=500, targets=["c_attn"], alpha=8, lr=1e-2, clients=2, scheme="contiguous")
 SETTINGS = {
     "small-gpt2-r4-steps200": dict(**SMALL, ranks=[4, 4], steps=200, rounds=3, methods=ABLATION),
+    # the same at examples/flowertune-gpt2's α (16: s = 4)
+    "small-gpt2-r4-alpha16-steps200": dict(
+        **{**SMALL, "alpha": 16},
+        ranks=[4, 4],
+        steps=200,
+        rounds=3,
+        methods=("fedit", "fedlmc", "fedlmc-anchored", "fedlmc-fold", "fedrot-lora"),
+    ),
     "speaker-r8-steps10": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=10, rounds=8, methods=HOMOGENEOUS),
     "speaker-r8-steps100": dict(
         scheme="speaker",

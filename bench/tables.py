@@ -269,7 +269,14 @@ def _scale_command(file: str) -> str:
 
 
 WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128"
-LORA = ("speaker-r8-steps100", "iid-r8-steps100", "speaker-r8-steps10", "speaker-r8-steps500", "speaker-mixed-steps100")
+LORA = (
+    "small-gpt2-r4-steps200",
+    "speaker-r8-steps100",
+    "iid-r8-steps100",
+    "speaker-r8-steps10",
+    "speaker-r8-steps500",
+    "speaker-mixed-steps100",
+)
 
 
 def strategies(_) -> str:
