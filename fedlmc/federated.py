@@ -72,6 +72,7 @@ class Settings:
     universe_start: str = Universe.start  # Universe.start: previous | mean (replies trained from it)
     residual: str = "orthogonal"  # Matching.residual
     min_gain: float = Matching.min_gain  # Matching.min_gain: keep the identity unless alignment gains more
+    ff_scale: bool = Matching.ff_scale  # Matching.ff_scale: also match ReLU / SwiGLU FF neurons' scales
     guard: bool = True  # do-no-harm (Guard): compare with plain averaging on the server's validation split
     refine_steps: int = Refinement.steps  # Refinement.steps, at most: the refinement stops on its objective
     clients_per_step: int = OnClients.clients_per_step  # OnClients.clients_per_step (0: every client)
@@ -191,7 +192,7 @@ class Settings:
 
     def matching(self) -> Matching:
         """Weight matching's options (the permutation-only strategies' builders replace the residual's)."""
-        return Matching(residual=self.residual, min_gain=self.min_gain)
+        return Matching(residual=self.residual, min_gain=self.min_gain, ff_scale=self.ff_scale)
 
     def scale(self) -> Scale:
         """Where a round's replies wait, who aligns them, where and on how many threads."""
