@@ -36,13 +36,13 @@ def _wm_act(a, b, splits, ctx):
     return weight_matching(a, b, residual_acts=residual_activation_cross(a, b, splits.train))
 
 
-def _learned(perms_only: bool) -> Callable:
+def _learned(perms_only: bool, start: str = "wm-orth-factored") -> Callable:
     def run(a, b, splits, ctx):
         return learned_matching(
             a,
             b,
             splits.train,
-            ctx["wm-orth-factored"],
+            ctx[start],
             Learning(steps=ctx["learned_steps"]),
             perms_only=perms_only,
             progress=ctx["progress"],
@@ -78,6 +78,12 @@ METHODS: dict[str, tuple[str, Optional[Callable], str, bool]] = {
     "wm-act-circuit": ("weight matching + residual activations (circuit)", _wm_act, "circuit", False),
     "learned": ("learned matching (factored)", _learned(False), "factored", False),
     "learned-perms": ("learned matching, permutations only (factored)", _learned(True), "factored", False),
+    "learned-scale": (
+        "learned matching + FF scales (factored)",
+        _learned(False, start="wm-orth-scale"),
+        "factored",
+        False,
+    ),
 }
 
 
@@ -115,6 +121,8 @@ def pair_curves(
     order = sorted(methods, key=lambda k: k.startswith("learned"))  # learned needs wm-orth-factored first
     if any(k.startswith("learned") for k in methods) and "wm-orth-factored" not in methods:
         order.insert(0, "wm-orth-factored")
+    if "learned-scale" in methods and "wm-orth-scale" not in order:
+        order.insert(0, "wm-orth-scale")
     for key in order:
         label, build, form, keep = METHODS[key]
         t0 = time.time()

@@ -97,7 +97,8 @@ class Learned:
 
 
 class Latents:
-    """One moving model's latents: a square residual latent and one matrix per head / FF group."""
+    """One moving model's latents: a square residual latent, one matrix per head / FF group, and a
+    log-scale per FF neuron where the start carries an FF scale (``ffscale.{l}``: its signs are kept)."""
 
     def __init__(
         self,
@@ -121,6 +122,17 @@ class Latents:
             self.p[g.name] = perm_matrix(first, dtype).to(dev).requires_grad_(True)
             if g.structure == "within":
                 self.blocks[g.name] = g.size // g.count
+        self.log_scale: dict[str, torch.Tensor] = {}  # the FF scales' magnitudes, learned
+        self.sign: dict[str, torch.Tensor] = {}  # and their signs, fixed at the start's
+        for g in spec.layer_groups("ffscale"):
+            c = start.get(g.name)
+            if c is not None:
+                c = c.to(device=dev, dtype=dtype)
+                self.log_scale[g.name] = c.abs().log().clone().requires_grad_(True)
+                self.sign[g.name] = torch.sign(c)
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        return {k: self.sign[k] * v.exp() for k, v in self.log_scale.items()}
 
     def residual(self) -> torch.Tensor:
         R = _Polar.apply(self.o)
@@ -211,6 +223,9 @@ class Alignments:
         groups = [{"params": [v for la in self.lat if la for v in la.p.values()], "lr": learn.perm_lr}]
         if self.opts.learn_residual:
             groups.append({"params": [la.o for la in self.lat if la], "lr": learn.lr})
+        scales = [v for la in self.lat if la for v in la.log_scale.values()]
+        if scales:
+            groups.append({"params": scales, "lr": learn.lr})
         return torch.optim.Adam(groups, lr=learn.lr)
 
     def gauges(self, i: int, O: torch.Tensor, perms: dict[str, torch.Tensor]) -> Elements:
@@ -233,7 +248,7 @@ class Alignments:
         la = self.lat[i]
         O = la.residual()
         moving = la.soft(self.opts.learn.tau) if self.opts.learn.relax == "sinkhorn" else la.straight_through(perms)
-        el = {"residual": O, **self.gauges(i, O, perms), **moving}
+        el = {"residual": O, **self.gauges(i, O, perms), **moving, **la.scales()}
         mask = permute_masks(self.masks[i], Transform(perms)) if self.masks[i] is not None else None
         return apply_to_state(self.states[i], self.cfg, Transform(el), relaxed=True)[0], mask
 
@@ -252,9 +267,8 @@ class Alignments:
                     out.append(None)
                     continue
                 O = self.lat[i].residual()
-                out.append(
-                    exact_elements({"residual": O, **p, **self.gauges(i, O, p)}, self.spec, self.opts.keep_layernorm)
-                )
+                el = {"residual": O, **p, **self.gauges(i, O, p), **self.lat[i].scales()}
+                out.append(exact_elements(el, self.spec, self.opts.keep_layernorm))
             return out
 
 
