@@ -297,6 +297,12 @@ TABLES: dict[str, Table] = {
     "main-job": one("main_job.json", "python bench/main_job.py", main_job),
     "reproduce-vit": one("reproduce_vit-tiny.json", "fedlmc reproduce --preset vit-tiny --pairs 3", reproduce),
     "reproduce-gpt2": one("reproduce_gpt2-tiny.json", "fedlmc reproduce --preset gpt2-tiny --pairs 3", reproduce),
+    "reproduce-llama-scales": one(
+        "reproduce_llama-tiny.json",
+        "fedlmc reproduce --preset llama-tiny --pairs 3 --steps 2000 "
+        "--methods vanilla wm-orth-factored wm-orth-scale learned learned-scale",
+        reproduce,
+    ),
     "universe-vit": one(
         "universe_vit-tiny.json",
         "fedlmc universe --preset vit-tiny --models 4 --forms factored circuit --alpha 0.1 1.0",
