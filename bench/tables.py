@@ -276,6 +276,7 @@ LORA = (
     "speaker-r8-steps10",
     "speaker-r8-steps500",
     "speaker-mixed-steps100",
+    "full-speaker-steps100",
 )
 
 
