@@ -271,6 +271,7 @@ def _scale_command(file: str) -> str:
 WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128"
 LORA = (
     "small-gpt2-r4-steps200",
+    "small-gpt2-r4-alpha16-steps200",
     "speaker-r8-steps100",
     "iid-r8-steps100",
     "speaker-r8-steps10",
@@ -302,6 +303,12 @@ TABLES: dict[str, Table] = {
         "reproduce_llama-tiny.json",
         "fedlmc reproduce --preset llama-tiny --pairs 3 --steps 2000 "
         "--methods vanilla wm-orth-factored wm-orth-scale learned learned-scale",
+        reproduce,
+    ),
+    "reproduce-relu-scales": one(
+        "reproduce_gpt2-tiny-relu.json",
+        "fedlmc reproduce --preset gpt2-tiny-relu --pairs 3 --steps 1000 "
+        "--methods vanilla wm-orth-factored wm-orth-scale",
         reproduce,
     ),
     "universe-vit": one(

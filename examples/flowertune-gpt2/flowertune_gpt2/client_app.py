@@ -20,7 +20,7 @@ def fit(msg: Message, context: Context) -> Message:
     set_peft_model_state_dict(model, msg.content["arrays"].to_torch_state_dict())
     pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
     data = load_data(pid, n, str(cfg["partitioner"]))
-    seed = 1000 * int(msg.content["config"]["server-round"]) + pid
+    seed = 100_000 * int(cfg["seed"]) + 1000 * int(msg.content["config"]["server-round"]) + pid
     loss = train(model, data, int(cfg["local-steps"]), float(cfg["lr"]), int(cfg["batch-size"]), seed)
     content = RecordDict(
         {

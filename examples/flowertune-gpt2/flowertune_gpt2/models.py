@@ -15,11 +15,11 @@ def get_model(run_config):
     cfg = LoraConfig(
         r=int(run_config["lora-r"]),
         lora_alpha=int(run_config["lora-alpha"]),
-        target_modules=["c_attn", "c_proj", "c_fc"],
+        target_modules=[t.strip() for t in str(run_config["lora-targets"]).split(",") if t.strip()],
         fan_in_fan_out=True,
         lora_dropout=0.0,
     )
-    torch.manual_seed(0)  # every party's initial adapter is the same
+    torch.manual_seed(int(run_config["seed"]))  # every party's initial adapter is the same
     return get_peft_model(base, cfg)
 
 
