@@ -420,9 +420,6 @@ class Product:
     S: torch.Tensor
     Vh: torch.Tensor
 
-    def factors(self, rank: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return balanced(self.U, self.S, self.Vh, rank, scaling)
-
     def dense(self) -> torch.Tensor:
         return (self.U * self.S) @ self.Vh
 
@@ -541,11 +538,11 @@ class LoraAggregator:
             coeffs = [wi * mod.scaling(a.shape[0]) for wi, (_, a) in zip(w, stack)]
             if self.tail == "keep" and mod.name in self.products and self.gauge == "anchored":
                 # P + Σ wᵢ (sᵢBᵢAᵢ − what client i was sent): the sent factors are not P's truncation
+                share: dict[int, float] = {}  # the replies' weight per rank sent
+                for wi, (_, a) in zip(w, stack):
+                    share[a.shape[0]] = share.get(a.shape[0], 0.0) + wi
                 p = self.products[mod.name]
                 stack, coeffs = stack + [(p.U * p.S, p.Vh)], coeffs + [1.0]
-                share: dict[int, float] = {}
-                for wi, (_, a) in zip(w, [r[mod.name] for r in replies]):
-                    share[a.shape[0]] = share.get(a.shape[0], 0.0) + wi
                 for r, wr in share.items():
                     stack.append(self._factors(mod, r))
                     coeffs.append(-wr * mod.scaling(r))

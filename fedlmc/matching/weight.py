@@ -955,12 +955,8 @@ def weight_matching(
 def _composed_scales(elements: Elements, s_a: dict, s_b: dict, spec) -> dict[str, torch.Tensor]:
     """B's scale elements from B's own gauge to A's: B's balancing scale (its own order, so after the
     permutation), the solved scale, then A's balancing scale undone."""
-    out = {}
-    for name, c_a in s_a.items():
-        perm = elements.get(spec.groups[name].heads)
-        c_b = s_b[name][perm] if perm is not None else s_b[name]
-        out[name] = c_b * elements.get(name, torch.ones_like(c_a)) / c_a
-    return out
+    moved = _after_permutations(s_b, elements, spec)
+    return {name: moved[name] * elements.get(name, torch.ones_like(c_a)) / c_a for name, c_a in s_a.items()}
 
 
 def _after_permutations(pre: dict, elements: Elements, spec) -> dict[str, torch.Tensor]:
