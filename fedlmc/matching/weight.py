@@ -892,25 +892,15 @@ def weight_matching(
     with fitting_threads() as threads, full_precision_products():
         m = matching if matching is not None else Matching()
         t0 = time.time()
-        canon = dict(
-            norm="rmsnorm", norm_bias=False, norm_gain=False, norm_eps=model_a.config.norm_eps
-        )  # a lift rescales eps only
-        if model_a.config.replace(**canon) != model_b.config.replace(**canon):
-            raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
+        _check_same_shape(model_a, model_b)
         dev = pick_device(device) if device is None or isinstance(device, str) else device
-        dtype = m.dtype
-        if dtype is None:  # float64 is cheap for small models; large ones (gpt2-small) match in float32
-            dtype = torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
+        dtype = _problem_dtype(m, model_a)
         cfg = canonical_config(model_b.config)
         F = fixed_side(model_a, cfg, dev, dtype, m.precision, reuse)
         B = canonical_state(model_b, dev, dtype)
         scaled = m.ff_scale and any(g.kind == "scale" for g in spec_for(cfg).groups.values())
-        if scaled:  # both models' FF neurons in one scale gauge first (``balancing_scales``)
-            s_a, s_b = balancing_scales(F.A, spec_for(cfg)), balancing_scales(B, spec_for(cfg))
-            F = Fixed(apply_elements(F.A, cfg, s_a), cfg, m.precision)
-            B = apply_elements(B, cfg, s_b)
-            if warm_start is not None:
-                warm_start = Transform({k: v for k, v in warm_start.elements.items() if not k.startswith("ffscale")})
+        if scaled:  # both models' FF neurons in one scale gauge first
+            F, B, s_a, s_b, warm_start = _balanced_pair(F, B, cfg, m.precision, warm_start)
         with section("anchor cross-covariances"):
             P = Problem(F.A, B, cfg, m.precision, F)
         Mx = residual_acts.to(dev, dtype) if residual_acts is not None else None
@@ -928,28 +918,60 @@ def weight_matching(
             with section("objective"):
                 opts["give_up"] = (1.0 - m.min_gain / 2) * P.objective({})
         found, info = _descents(P, warm_start, m.keep_identity, opts)
-        if scaled:  # each descent's scales solved, then composed with the two gauges into B → A
-            with section("ff scales"):
-                for k in [k for k in found if k != "identity"]:
-                    el, info.setdefault("ff_scale", {})[k] = _with_scales(
-                        F, B, cfg, found[k], {**opts, "give_up": None}
-                    )
-                    scales = _composed_scales(el, s_a, s_b, spec_for(cfg))
-                    found[k] = {**el, **scales}
-                    info["ff_scale"][k].update(
-                        mean_abs_log_scale=[float(c.abs().log().abs().mean()) for c in scales.values()],  # per layer
-                        flipped=[float((c < 0).double().mean()) for c in scales.values()],  # sign flips' share
-                    )
-        guard = (guard_data, form, guard_batches)
-        best = _chosen(found, info, m, model_a, model_b, guard)
+        if scaled:
+            _scaled_candidates(found, info, F, B, cfg, {**opts, "give_up": None}, s_a, s_b)
+        best = _chosen(found, info, m, model_a, model_b, (guard_data, form, guard_batches))
         info.update(chosen=best, seconds=time.time() - t0, residual=m.residual, keep_layernorm=keep_layernorm)
-        info["ff_steps"] = dict(P.ff_counts)  # layers whose FF step the certificate settled, and solved ones
-        info["heads_steps"] = dict(P.heads_counts)
-        info["difference_products"] = sorted(P.delta_parts)  # parts whose cross-covariances were AᵀA + Aᵀ(B − A)
-        info["ff_scores"] = F.ff_scores  # what the FF similarity scores were: "int8", "bfloat16", "float32"...
+        info.update(
+            ff_steps=dict(P.ff_counts),  # layers whose FF step the certificate settled, and solved ones
+            heads_steps=dict(P.heads_counts),
+            difference_products=sorted(P.delta_parts),  # parts whose cross-covariances were AᵀA + Aᵀ(B − A)
+            ff_scores=F.ff_scores,  # what the FF similarity scores were: "int8", "bfloat16", "float32"...
+        )
         T = Transform({k: v.cpu() for k, v in found[best].items()}, info)
     T.info["threads"] = threads
     return T
+
+
+def _check_same_shape(model_a: nn.Module, model_b: nn.Module) -> None:
+    canon = dict(
+        norm="rmsnorm", norm_bias=False, norm_gain=False, norm_eps=model_a.config.norm_eps
+    )  # a lift rescales eps only
+    if model_a.config.replace(**canon) != model_b.config.replace(**canon):
+        raise ValueError("weight_matching needs two models of the same shape (lift the narrower one first)")
+
+
+def _problem_dtype(m: Matching, model_a: nn.Module) -> torch.dtype:
+    """``m.dtype``, else float64 for small models and float32 for large ones (gpt2-small)."""
+    if m.dtype is not None:
+        return m.dtype
+    return torch.float64 if sum(p.numel() for p in model_a.parameters()) < 20_000_000 else torch.float32
+
+
+def _balanced_pair(F: Fixed, B: StateDict, cfg, precision: str, warm_start: Optional[Transform]):
+    """A's fixed side and B with their FF neurons in one scale gauge (``balancing_scales``), both
+    gauges' scales, and the warm start without its scales (they belong to the unbalanced B)."""
+    spec = spec_for(cfg)
+    s_a, s_b = balancing_scales(F.A, spec), balancing_scales(B, spec)
+    if warm_start is not None:
+        warm_start = Transform({k: v for k, v in warm_start.elements.items() if spec.groups[k].kind != "scale"})
+    return Fixed(apply_elements(F.A, cfg, s_a), cfg, precision), apply_elements(B, cfg, s_b), s_a, s_b, warm_start
+
+
+def _scaled_candidates(found: dict, info: dict, F: Fixed, B: StateDict, cfg, opts: dict, s_a: dict, s_b: dict):
+    """Each descent's candidate (in place) with its FF scales solved (``_with_scales``) and composed with
+    both balancing gauges into B → A; ``info["ff_scale"]`` records each one's figures."""
+    spec = spec_for(cfg)
+    for k in [k for k in found if k != "identity"]:
+        with section("ff scales"):
+            el, record = _with_scales(F, B, cfg, found[k], opts)
+        scales = _composed_scales(el, s_a, s_b, spec)
+        found[k] = {**el, **scales}
+        record.update(
+            mean_abs_log_scale=[float(c.abs().log().abs().mean()) for c in scales.values()],  # per layer
+            flipped=[float((c < 0).double().mean()) for c in scales.values()],  # the share of sign flips
+        )
+        info.setdefault("ff_scale", {})[k] = record
 
 
 def _composed_scales(elements: Elements, s_a: dict, s_b: dict, spec) -> dict[str, torch.Tensor]:
