@@ -507,13 +507,18 @@ class LoraAggregator:
         if key not in self.sent:  # once per product and rank: what was sent is what the next round counts from
             p, s = self.products[mod.name], mod.scaling(rank)
             if self.gauge == "anchored":
-                anchor = self.anchors[mod.name][:rank].to(p.Vh.dtype)
-                a = torch.cat([anchor, fresh_rows(anchor, rank - anchor.shape[0])])
-                b = least_squares_b(p, a, s)
+                b, a = self._anchored(mod, p, rank)
             else:
                 b, a = balanced(p.U, p.S, p.Vh, rank, s, floor=self.gauge == "balanced")
             self.sent[key] = (b, a)
         return self.sent[key]
+
+    def _anchored(self, mod: LoraModule, p: Product, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gauge="anchored"``: the clients' mean ``A`` (fresh rows where it has fewer than ``rank``) and
+        the least-squares ``B`` for product ``p``."""
+        anchor = self.anchors[mod.name][:rank].to(p.Vh.dtype)
+        a = torch.cat([anchor, fresh_rows(anchor, rank - anchor.shape[0])])
+        return least_squares_b(p, a, mod.scaling(rank)), a
 
     def base_update(self) -> dict[str, torch.Tensor]:
         """``"fold"``: ``{base weight key: dense update}``, transposed for ``fan_in_fan_out`` modules."""
@@ -577,10 +582,8 @@ class LoraAggregator:
             U, S, Vh = U[:, :k], S[:k], Vh[:k]
         r = mod.rank
         if self.tail != "keep" and self.gauge == "anchored":  # the fit to the new anchor is what is sent
-            full, anchor = Product(U, S, Vh), self.anchors[mod.name][:r].to(U.dtype)
-            a = torch.cat([anchor, fresh_rows(anchor, r - anchor.shape[0])])
-            b = least_squares_b(full, a, mod.scaling())
-            self.sent[(mod.name, r)] = (b, a)
+            full = Product(U, S, Vh)
+            b, a = self.sent[(mod.name, r)] = self._anchored(mod, full, r)
             if self.tail == "fold":
                 self.base[mod.name] = self.base.get(mod.name, 0) + full.dense() - mod.scaling() * b @ a
             self.products[mod.name] = Product(*product_svd([(b, a)], [mod.scaling()]))
