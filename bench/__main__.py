@@ -110,10 +110,16 @@ BENCHES: dict[str, Bench] = {
         "1 h",
     ),
     "lora_aggregators": Bench(
-        "PEFT LoRA federations: FedIT, FFA-LoRA, FedSA-LoRA, FLoRA, FlexLoRA, FedEx-LoRA and `LoraFedAvg` on the "
-        "same clients, 5 settings × 3 seeds",
+        "PEFT LoRA federations: FedIT, FFA-LoRA, FedSA-LoRA, FLoRA, FlexLoRA, FedEx-LoRA, FedRot-LoRA, task-vector "
+        "merges and `LoraFedAvg` on the same clients, 8 settings × 3 seeds",
         "`results/lora_<setting>.{json,png}`, `results/lora_summary.md`",
-        "40 min",
+        "2 h",
+    ),
+    "flowertune_app": Bench(
+        "`examples/flowertune-gpt2`'s own client and server pieces, Flower's FedAvg against `LoraFedAvg`, on 9 "
+        "seeds: the paired difference per round against the seeds' noise",
+        "`results/flowertune_gpt2.{json,png}`",
+        "5 min",
     ),
     "lora_server_time": Bench(
         "`LoraFedAvg`'s server seconds per round against Flower's FedAvg on the same replies",

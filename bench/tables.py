@@ -117,6 +117,10 @@ def lora(docs: list[dict]) -> str:
     return _bench("lora_aggregators").markdown(docs).strip()
 
 
+def flowertune_app(doc: dict) -> str:
+    return _bench("flowertune_app").markdown(doc).strip()
+
+
 def wm_pair(doc: dict) -> str:
     lines = [
         "| pair | seconds (median of 3) | × GEMM reference | iterations | FF layers solved / certified |",
@@ -340,6 +344,7 @@ TABLES: dict[str, Table] = {
         for tag in ("", "-flip", "-multiround")
     },
     "lora": Table(tuple(f"lora_{s}.json" for s in LORA), ("python bench/lora_aggregators.py",), lora, several=True),
+    "flowertune-app": one("flowertune_gpt2.json", "python bench/flowertune_app.py", flowertune_app),
     "gpu": one("gpu/gpu_check.json", "make gpu-check", gpu),
     "wm-pair": one("bench_wm_gpt2_small.json", "python bench/wm_gpt2_small.py --repeats 3", wm_pair),
     "universe-scale": one(
