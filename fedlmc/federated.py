@@ -38,7 +38,7 @@ from .options import (
     one_of,
 )
 from .strategies.registry import names, registered
-from .train import TrainConfig, evaluate, model_for_data, train
+from .train import OPTIMIZERS, TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
 
 
@@ -99,6 +99,7 @@ class Settings:
     # FedProx's proximal term, sent to the clients in every round's train config (TrainConfig.proximal_mu):
     # any strategy's clients can train with it (0: none; `fedprox` is `average` with it)
     proximal_mu: float = 0.0
+    local_optimizer: str = "adamw"  # TrainConfig.optimizer: adamw | sgd (constant lr, no momentum or clipping)
     ot_reg: float = OTFusion.reg  # OTFusion.reg (ot-fusion): Sinkhorn's regularisation, 0: exact maps
     distill_steps: int = Distill.steps  # Distill.steps (feddf, *-distilled)
     distill_lr: float = Distill.lr  # Distill.lr
@@ -149,6 +150,7 @@ class Settings:
         one_of(self.screen, ("none", *SCREENS), "screen")
         self.screen_options()
         one_of(self.partitioner, SCHEMES, "partitioner")
+        one_of(self.local_optimizer, OPTIMIZERS, "local-optimizer")
         if self.proximal_mu < 0 or self.server_lr < 0 or not 0 <= self.server_momentum < 1:
             raise ValueError(
                 "proximal-mu and server-lr must be non-negative and server-momentum in [0, 1): got "
@@ -249,6 +251,7 @@ class Settings:
             seed=seed,
             device=self.device or None,
             proximal_mu=self.proximal_mu,
+            optimizer=self.local_optimizer,
             **budget,
         )
 

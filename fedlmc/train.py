@@ -116,6 +116,9 @@ class TrainConfig:
     keep_best: bool = False  # with val and eval_every: end with the weights of the best validation loss
     device: Optional[str] = None
     proximal_mu: float = 0.0  # FedProx: adds mu / 2 · ‖w − w_start‖² to the loss (0: nothing is added)
+    # "adamw" (AdamW, warmup and cosine decay, gradient clipping) or "sgd": plain SGD at a constant ``lr``,
+    # no momentum, weight decay or clipping (the local solver of FedAvg's and SCAFFOLD's papers)
+    optimizer: str = "adamw"
 
     def total_steps(self, data: Data) -> int:
         per_epoch = max(
@@ -167,6 +170,25 @@ def proximal_term(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> to
     return 0.5 * mu * sum((p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def local_optimizer(model: nn.Module, cfg: TrainConfig, total: int, warmup: int):
+    """``cfg.optimizer`` over ``model``'s parameters and its schedule (None: a constant learning rate)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr), None
+    if cfg.optimizer != "adamw":
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, total, warmup))
+
+
 def train(
     model: nn.Module,
     data: Data,
@@ -183,14 +205,8 @@ def train(
     model.to(dev).train()
     total = cfg.total_steps(data)
     warmup = max(1, int(cfg.warmup * total))
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.98),
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, total, warmup))
+    opt, sched = local_optimizer(model, cfg, total, warmup)
+    clip = cfg.grad_clip if cfg.optimizer == "adamw" else 0.0
     gen = torch.Generator().manual_seed(cfg.seed)
     anchor = [p.detach().clone() for p in model.parameters()] if cfg.proximal_mu > 0 else None
     hist: dict[str, Any] = {"train_loss": [], "evals": [], "steps": total}
@@ -206,10 +222,11 @@ def train(
                     loss = loss + proximal_term(model, anchor, cfg.proximal_mu)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
-                sched.step()
+                if sched is not None:
+                    sched.step()
                 step += 1
                 # the running loss stays on the device: reading it every step would wait for the GPU
                 lv = loss.detach()

@@ -64,6 +64,39 @@ def test_the_correction_turns_a_clients_gradient_into_the_federations():
     assert all(torch.allclose(plain[n], fresh[n], atol=1e-12) for n in fresh)
 
 
+def test_sgd_clients_take_the_papers_corrected_steps():
+    """``local-optimizer = "sgd"``: every local step is ``w − lr·(g + c − c_i)`` (constant lr, no momentum,
+    weight decay or clipping), SCAFFOLD's update; with no correction, plain SGD. AdamW's first step differs."""
+    from dataclasses import replace
+
+    from fedlmc.federated import Settings
+    from fedlmc.train import train
+
+    data = _data(16, 3)
+    data = ArrayData(data.x.double(), data.y)
+    s = Settings.from_run_config({"local-optimizer": "sgd", "lr": 0.5, "local-steps": 1, "batch-size": 16})
+    cfg = replace(s.train_config(seed=0), device="cpu")
+    g = torch.Generator().manual_seed(7)
+    correction = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in _model().named_parameters()}
+    for corr in ({}, correction):
+        model = _model()
+        want = {n: p.detach() - 0.5 * (_grad(model, data)[n] + corr.get(n, 0)) for n, p in model.named_parameters()}
+        handles = corrected(model, corr) if corr else []
+        try:
+            train(model, data, cfg, progress=False)
+        finally:
+            remove(handles)
+        assert all(torch.allclose(p.detach(), want[n], atol=1e-12) for n, p in model.named_parameters())
+    adam = _model()
+    train(adam, data, replace(cfg, optimizer="adamw"), progress=False)
+    assert not torch.allclose(
+        next(adam.parameters()).detach(),
+        next(_model().parameters()).detach() - 0.5 * next(iter(_grad(_model(), data).values())),
+    )
+    with pytest.raises(ValueError, match="local-optimizer"):
+        Settings.from_run_config({"local-optimizer": "adam"})
+
+
 def test_zero_corrections_attach_nothing_and_variates_travel_as_safetensors():
     model = _model()
     assert corrected(model, {n: torch.zeros_like(p) for n, p in model.named_parameters()}) == []
