@@ -123,15 +123,33 @@ def test_the_server_aggregates_as_fedavg_and_moves_its_variate_by_the_mean_chang
     got, _ = strategy.aggregate_train(1, [_with_delta(m, d) for m, d in zip(_copies(replies), deltas)])
     want, _ = FedAvg().aggregate_train(1, _copies(replies))
     _same(got, want)
-    # c ← c + |S|/N · mean Δc_i: 3 replies of 4 nodes, mean Δ = 2
-    assert torch.allclose(strategy.control[keys[0]], torch.full((2, 3), 0.75 * 2.0))
+    # c ← c + |S|/N · Σ wᵢ Δc_i: 3 replies of 4 nodes, weighted as the model (num-examples 1, 2, 3)
+    mean = (1 * 1 + 2 * 2 + 3 * 3) / 6
+    assert torch.allclose(strategy.control[keys[0]], torch.full((2, 3), 0.75 * mean))
     sent = list(strategy.configure_train(2, got, ConfigRecord({}), grid))
-    assert torch.allclose(unpack(sent[0].content["config"][CONTROL_KEY])[keys[0]], torch.full((2, 3), 1.5))
+    assert torch.allclose(unpack(sent[0].content["config"][CONTROL_KEY])[keys[0]], torch.full((2, 3), 0.75 * mean))
     rec = strategy.history[-1]
-    assert "scaffold_missing" not in rec and rec["scaffold_control_norm"] == pytest.approx(1.5 * 6**0.5)
+    assert "scaffold_missing" not in rec and rec["scaffold_control_norm"] == pytest.approx(0.75 * mean * 6**0.5)
     # a reply without Δc_i is aggregated, counted as zero and named
     strategy.aggregate_train(2, _copies(replies))
     assert sorted(strategy.history[-1]["scaffold_missing"]) == [1, 2, 3]
+
+
+def test_with_every_node_the_corrections_cancel_in_the_weighted_aggregate():
+    """Every node replies, with uneven num-examples: after a round from c = 0 with fresh variates,
+    ``c = Σ wᵢ c_i``, so ``Σ wᵢ (c − c_i) = 0``: the corrections move no weighted aggregate (an unweighted
+    ``c`` would push every round's FedAvg step by ``c − Σ wᵢ c_i``)."""
+    replies = _replies(3, seed=5, weights=[10, 200, 3000])
+    keys = list(replies[0].content["arrays"].keys())
+    g = torch.Generator().manual_seed(1)
+    variates = [{keys[0]: torch.randn(2, 3, generator=g, dtype=torch.float64)} for _ in range(3)]
+    strategy = ScaffoldFedAvg()
+    list(strategy.configure_train(1, replies[0].content["arrays"], ConfigRecord({}), Grid(nodes=3)))
+    strategy.aggregate_train(1, [_with_delta(m, v) for m, v in zip(_copies(replies), variates)])
+    w = torch.tensor([10.0, 200.0, 3000.0], dtype=torch.float64) / 3210
+    c = strategy.control[keys[0]].double()
+    drift = sum(wi * (c - v[keys[0]]) for wi, v in zip(w, variates))
+    assert float(drift.abs().max()) < 1e-6  # float32 on the wire
 
 
 @pytest.mark.usefixtures("task_identity")

@@ -204,9 +204,11 @@ class ScaffoldFedAvg(ReportingFedAvg):
     server's control variate ``c`` (config key ``scaffold``, safetensors bytes); fedlmc's ClientApp
     keeps its own variate in the node's ``context.state``, corrects its gradients by ``c − c_i`` and
     answers with ``Δc_i`` (``fedlmc.scaffold``). The model is aggregated as FedAvg's (global learning
-    rate 1) and ``c ← c + |S|/N · mean Δc_i`` over the S replies of N nodes. A reply without ``Δc_i`` (a
-    ClientApp that does not run SCAFFOLD) is aggregated and counted as ``Δc_i = 0``, and the round
-    records its node.
+    rate 1, weighted by ``num-examples``) and ``c ← c + |S|/N · Σ wᵢ Δc_i`` over the S replies of N nodes
+    with the same weights ``wᵢ`` (normalised over the replies), so that with every node taking part ``c``
+    is the weighted mean of the ``c_i`` and the corrections ``c − c_i`` cancel in the aggregate, as the
+    paper's uniform means do. A reply without ``Δc_i`` (a ClientApp that does not run SCAFFOLD) is
+    aggregated and counted as ``Δc_i = 0``, and the round records its node.
 
     Parameters
     ----------
@@ -228,26 +230,27 @@ class ScaffoldFedAvg(ReportingFedAvg):
 
     def combine(self, server_round, replies, models, weights):
         merged, fields, plain = super().combine(server_round, replies, models, weights)
-        return merged, {**fields, **self._update_control(replies)}, plain
+        return merged, {**fields, **self._update_control(replies, weights)}, plain
 
     def combine_arrays(self, server_round, replies, weights):
         arrays, fields = super().combine_arrays(server_round, replies, weights)
-        return arrays, {**fields, **self._update_control(replies)}
+        return arrays, {**fields, **self._update_control(replies, weights)}
 
-    def _update_control(self, replies: list) -> dict[str, Any]:
-        """``c ← c + |S|/N · mean Δc_i`` from the replies; the round record's fields."""
+    def _update_control(self, replies: list, weights: list[float]) -> dict[str, Any]:
+        """``c ← c + |S|/N · Σ wᵢ Δc_i`` from the replies (``weights``: the model's); the round's fields."""
         deltas, missing, fresh = [], [], []
-        for msg in replies:
+        total = float(sum(weights))
+        for msg, w in zip(replies, weights):
             rec = msg.content.config_records.get(CONTROL_KEY)
             if rec is None or "delta" not in rec:
                 missing.append(int(msg.metadata.src_node_id))
                 continue
-            deltas.append(unpack(rec["delta"]))
+            deltas.append((w / total, unpack(rec["delta"])))
             if not rec.get("had-variate", True):
                 fresh.append(int(msg.metadata.src_node_id))
         share = len(replies) / max(self._nodes, len(replies))
-        for name in set().union(*deltas) if deltas else ():
-            mean = sum(d[name] for d in deltas if name in d) / len(replies)
+        for name in set().union(*(d for _, d in deltas)):
+            mean = sum(w * d[name] for w, d in deltas if name in d)
             self.control[name] = self.control.get(name, torch.zeros_like(mean)) + share * mean
         fields: dict[str, Any] = {
             "scaffold_control_norm": float(sum(float(c.pow(2).sum()) for c in self.control.values()) ** 0.5)
