@@ -36,7 +36,7 @@ from fedlmc.federated import (
 )
 from fedlmc.hf import Logits, hf_model_for
 from fedlmc.on_clients import answer
-from fedlmc.scaffold import CONTROL_KEY, client_round, pack, remove, unpack
+from fedlmc.scaffold import CONTROL_KEY, client_round, correct, pack, remove, trajectory_variate, unpack
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 from fedlmc.widths import shape_of, slice_prefix
 
@@ -113,6 +113,9 @@ def train(
         hist = fit_fn(model, data, s, Round(pid, n, rnd, seed=1000 * (s.seed + 1) + 100 * rnd + pid))
     finally:
         remove(scaffold[2] if scaffold else ())
+    if scaffold and s.scaffold_variate == "trajectory":  # option II: c_i⁺ from the steps just taken
+        trained = Logits(model) if s.hf else model
+        scaffold = (*trajectory_variate(scaffold[4], trained, *scaffold[5], hist["steps"], s.lr), *scaffold[2:])
     last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
     # only quantities whose num-examples-weighted mean means something are metrics; who the client is
     # (partition, width) and how long it took travel as configuration
@@ -139,8 +142,11 @@ def _scaffold_start(msg: Message, context: Context, model, data, s: Settings) ->
     if CONTROL_KEY not in config:
         return None
     mine = unpack(context.state[CONTROL_KEY]["control"]) if CONTROL_KEY in context.state else {}
-    trained = Logits(model) if s.hf else model
-    return (*client_round(trained, data, s.batch_size, unpack(config[CONTROL_KEY]), mine, s.device or None), bool(mine))
+    trained, control = (Logits(model) if s.hf else model), unpack(config[CONTROL_KEY])
+    if s.scaffold_variate == "trajectory":  # option II: the variate comes after training (see fit)
+        start = {k: p.detach().cpu().clone() for k, p in trained.named_parameters()}
+        return None, None, correct(trained, control, mine), bool(mine), start, (control, mine)
+    return (*client_round(trained, data, s.batch_size, control, mine, s.device or None), bool(mine))
 
 
 def evaluate(

@@ -37,6 +37,7 @@ from .options import (
     Universe,
     one_of,
 )
+from .scaffold import VARIATES
 from .strategies.registry import names, registered
 from .train import OPTIMIZERS, TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
@@ -100,6 +101,7 @@ class Settings:
     # any strategy's clients can train with it (0: none; `fedprox` is `average` with it)
     proximal_mu: float = 0.0
     local_optimizer: str = "adamw"  # TrainConfig.optimizer: adamw | sgd (constant lr, no momentum or clipping)
+    scaffold_variate: str = "trajectory"  # scaffold: the clients' c_i⁺, option II (trajectory) or I (gradient)
     ot_reg: float = OTFusion.reg  # OTFusion.reg (ot-fusion): Sinkhorn's regularisation, 0: exact maps
     distill_steps: int = Distill.steps  # Distill.steps (feddf, *-distilled)
     distill_lr: float = Distill.lr  # Distill.lr
@@ -151,6 +153,7 @@ class Settings:
         self.screen_options()
         one_of(self.partitioner, SCHEMES, "partitioner")
         one_of(self.local_optimizer, OPTIMIZERS, "local-optimizer")
+        one_of(self.scaffold_variate, VARIATES, "scaffold-variate")
         if self.proximal_mu < 0 or self.server_lr < 0 or not 0 <= self.server_momentum < 1:
             raise ValueError(
                 "proximal-mu and server-lr must be non-negative and server-momentum in [0, 1): got "

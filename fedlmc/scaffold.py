@@ -1,9 +1,12 @@
 """SCAFFOLD's client side (Karimireddy et al., ICML 2020): control variates that correct client drift.
 
-Each client keeps a control variate ``c_i`` (its local gradient at the global model it last received:
-the paper's option I) and the server keeps their mean ``c``. A client trains with every gradient
-corrected by ``c − c_i`` (a hook on each parameter, so the local optimiser and its schedule are the
-ones every other strategy's clients use), and answers with ``Δc_i = c_i⁺ − c_i``. The variates travel as
+Each client keeps a control variate ``c_i`` and the server keeps their mean ``c``. A client trains with
+every gradient corrected by ``c − c_i`` (a hook on each parameter, so the local optimiser and its
+schedule are the ones every other strategy's clients use), and answers with ``Δc_i = c_i⁺ − c_i``.
+The new variate is the paper's option II by default, ``c_i⁺ = c_i − c + (x − y_i)/(K·η)``: with plain
+SGD the mean raw gradient along the K local steps (``trajectory_variate``); option I, the local
+gradient at the received model ``x`` (``client_round``), over-corrects where local gradients change
+along the way (label skew) and diverges in fedlmc's multi-round setting. The variates travel as
 safetensors bytes inside a ConfigRecord, so a reply keeps exactly one ArrayRecord (what Flower's
 strategies and wrappers check).
 """
@@ -82,3 +85,32 @@ def client_round(
 def remove(handles: Iterable) -> None:
     for h in handles:
         h.remove()
+
+
+VARIATES = ("trajectory", "gradient")  # option II (default), option I
+
+
+def correct(model: nn.Module, control: dict, mine: dict) -> list:
+    """Option II's start: the hooks that add ``c − c_i`` to ``model``'s gradients (a variate a side does
+    not have counts as zero)."""
+    correction = {}
+    for n, p in model.named_parameters():
+        zero = torch.zeros(p.shape)
+        correction[n] = control.get(n, zero) - mine.get(n, zero)
+    return corrected(model, correction)
+
+
+def trajectory_variate(
+    start: dict[str, torch.Tensor], model: nn.Module, control: dict, mine: dict, steps: int, lr: float
+) -> tuple[dict, dict]:
+    """Option II after ``steps`` local steps at learning rate ``lr`` from the weights ``start``:
+    ``c_i⁺ = c_i − c + (x − y_i)/(K·η)`` and ``Δc_i = c_i⁺ − c_i``, per named parameter."""
+    if steps < 1 or lr <= 0:
+        raise ValueError(f"SCAFFOLD's option II needs local steps ≥ 1 and lr > 0, got {steps} and {lr}")
+    fresh, delta = {}, {}
+    for n, p in model.named_parameters():
+        y = p.detach().cpu()
+        zero = torch.zeros_like(y)
+        fresh[n] = mine.get(n, zero) - control.get(n, zero) + (start[n] - y) / (steps * lr)
+        delta[n] = fresh[n] - mine.get(n, zero)
+    return fresh, delta

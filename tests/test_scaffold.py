@@ -152,8 +152,46 @@ def test_with_every_node_the_corrections_cancel_in_the_weighted_aggregate():
     assert float(drift.abs().max()) < 1e-6  # float32 on the wire
 
 
+def test_option_two_is_the_mean_raw_gradient_along_the_local_steps():
+    """With plain SGD, ``c_i⁺ = c_i − c + (x − y)/(K·η)`` is the mean of the uncorrected gradients at the
+    K iterates (full-batch steps, replayed by hand), whatever the correction was."""
+    from dataclasses import replace
+
+    from fedlmc.federated import Settings
+    from fedlmc.scaffold import correct, trajectory_variate
+    from fedlmc.train import train
+
+    data = _data(24, 4)
+    data = ArrayData(data.x.double(), data.y)
+    s = Settings.from_run_config({"local-optimizer": "sgd", "lr": 0.2, "local-steps": 4, "batch-size": 24})
+    g = torch.Generator().manual_seed(3)
+    rand = lambda: {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in _model().named_parameters()}  # noqa: E731
+    control, mine = rand(), rand()
+    replay, raw = _model(), []
+    for _ in range(4):
+        grads = _grad(replay, data)
+        raw.append(grads)
+        with torch.no_grad():
+            for n, p in replay.named_parameters():
+                p -= 0.2 * (grads[n] + control[n] - mine[n])
+    model = _model()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    handles = correct(model, control, mine)
+    try:
+        train(model, data, replace(s.train_config(seed=0), device="cpu"), progress=False)
+    finally:
+        remove(handles)
+    fresh, delta = trajectory_variate(start, model, control, mine, 4, 0.2)
+    for n in fresh:
+        want = sum(r[n] for r in raw) / 4
+        assert torch.allclose(fresh[n], want, atol=1e-10) and torch.allclose(delta[n], want - mine[n], atol=1e-10)
+    with pytest.raises(ValueError, match="option II"):
+        trajectory_variate(start, model, control, mine, 0, 0.2)
+
+
 @pytest.mark.usefixtures("task_identity")
-def test_the_clientapp_keeps_its_variate_in_the_node_state_and_answers_with_its_change():
+@pytest.mark.parametrize("variate", ["trajectory", "gradient"])
+def test_the_clientapp_keeps_its_variate_in_the_node_state_and_answers_with_its_change(variate):
     """Round 1 (c = 0, no variate yet) trains exactly as FedAvg's client; the reply carries Δc_i and the
     node's state c_i⁺; the next round's correction uses both."""
     from flwr.app import Message as M
@@ -162,7 +200,13 @@ def test_the_clientapp_keeps_its_variate_in_the_node_state_and_answers_with_its_
     from clients.app import train
     from fedlmc.federated import Settings, global_model
 
-    run = {"preset": "vit-digits", "local-steps": 3, "independent-start": False, "batch-size": 16}
+    run = {
+        "preset": "vit-digits",
+        "local-steps": 3,
+        "independent-start": False,
+        "batch-size": 16,
+        "scaffold-variate": variate,
+    }
     s = Settings.from_run_config(run)
     model = global_model(s)
     arrays = ArrayRecord(torch_state_dict=model.state_dict())
@@ -198,4 +242,10 @@ def test_the_clientapp_keeps_its_variate_in_the_node_state_and_answers_with_its_
     assert any(not torch.equal(moved[k], a[k]) for k in a)  # the correction changed the training
     assert second.content[CONTROL_KEY]["had-variate"] is True
     again = unpack(second.content[CONTROL_KEY]["delta"])
-    assert all(np.allclose(again[k], 0.0, atol=1e-6) for k in again)  # same start, same data: c_i⁺ = c_i
+    if variate == "gradient":  # option I: same start, same data, so c_i⁺ = c_i
+        assert all(np.allclose(again[k], 0.0, atol=1e-6) for k in again)
+    else:  # option II: Δc_i = −c + (x − y)/(K·η)
+        x = arrays.to_torch_state_dict()
+        want = {k: -control[k] + (x[k] - moved[k]) / (3 * s.lr) for k in again}
+        assert all(torch.allclose(again[k], want[k], atol=1e-3) for k in again)
+        assert not all(np.allclose(again[k], 0.0, atol=1e-6) for k in again)
