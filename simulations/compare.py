@@ -80,6 +80,8 @@ PEERS_TUNED = [
     "fedyogi:server-lr=0.003",
 ]
 
+SGD_ROWS = [f"{s}:local-optimizer=sgd:local-steps=60:lr=0.01" for s in ("average", "scaffold")]
+
 SETTINGS: dict[str, dict[str, Any]] = {
     # one-shot model fusion: independent inits, one round of long local training, one aggregation
     "oneshot": dict(
@@ -106,6 +108,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
             *PEERS_TUNED,
             "scaffold",
             "refined:proximal-mu=0.1",
+            # SCAFFOLD as its paper runs it, and its baseline: plain SGD, the same K steps on every client
+            # (lr chosen on held-out seed 5 from 0.003, 0.01, 0.03, 0.1 for each)
+            *SGD_ROWS,
         ],
         clients=4,
         config={
