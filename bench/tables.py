@@ -334,7 +334,7 @@ TABLES: dict[str, Table] = {
         " --set partitioner=speaker local-steps=1500 hf=true",
     ),
     "multiround": _compare("compare_multiround_vit-tiny"),
-    "multiround-drift": _compare("compare_multiround_vit-tiny_local-epochs-10", " --set local-epochs=10"),
+    "multiround-drift": _compare("compare_multiround-drift_vit-tiny"),
     "widths": _compare("compare_widths_vit-tiny"),
     "widths-independent": _compare("compare_widths-independent_vit-tiny"),
     "robust": _compare("compare_robust_vit-tiny"),

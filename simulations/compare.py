@@ -121,6 +121,25 @@ SETTINGS: dict[str, dict[str, Any]] = {
             "local-epochs": 2.0,
         },
     ),
+    # ... with 10 local epochs: more drift. The peers with the 2-epoch setting's hyper-parameters and with
+    # this setting's own (held-out seed 5: FedProx mu from 0.001, 0.01; FedAdam's lr from 0.01, 0.03)
+    "multiround-drift": dict(
+        strategies=[
+            *["average", "aligned", "permuted", "refined", "refined:proximal-mu=0.1"],
+            *PEERS_TUNED,
+            "fedprox:proximal-mu=0.001",
+            "fedadam:server-lr=0.03",
+            "refined:proximal-mu=0.001",
+        ],
+        clients=4,
+        config={
+            "num-server-rounds": 5,
+            "independent-start": False,
+            "partitioner": "dirichlet",
+            "alpha": 0.1,
+            "local-epochs": 10.0,
+        },
+    ),
     # robust aggregation: 5 one-shot clients, the last one poisoned (shuffled labels); "X@median" is
     # strategy X with reduce=median (average@median is Flower's FedMedian)
     "robust": dict(
@@ -170,7 +189,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     ),
 }
 
-SPEED_ONLY = ("threads", "device", "round-timeout", "client-cache")  # change how fast a run goes, not what it computes
+# change how fast a run goes or where its files are, not what it computes (a moved --runs folder is reused)
+SPEED_ONLY = ("threads", "device", "round-timeout", "client-cache", "out-dir")
 
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "vit-tiny": {"lr": 2e-3, "batch-size": 64, "threads": 1},
