@@ -192,10 +192,10 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the app's run_config overrides")
     p.add_argument("--out", default="results/flowertune_gpt2.json")
     args = p.parse_args()
-    over = {}
+    defaults, over = app_config({}), {}
     for item in args.set:
         key, _, value = item.partition("=")
-        over[key] = type(app_config({})[key])(value) if key in app_config({}) else value
+        over[key] = type(defaults[key])(value) if key in defaults else value
     cfg = app_config(over)
     if str(APP) not in sys.path:
         sys.path.insert(0, str(APP))

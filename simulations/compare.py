@@ -80,6 +80,14 @@ PEERS_TUNED = [
     "fedyogi:server-lr=0.003",
 ]
 
+# federated training from a shared init under strong label skew
+MULTIROUND = {
+    "num-server-rounds": 5,
+    "independent-start": False,
+    "partitioner": "dirichlet",
+    "alpha": 0.1,
+    "local-epochs": 2.0,
+}
 SGD_ROWS = [f"{s}:local-optimizer=sgd:local-steps=60:lr=0.01" for s in ("average", "scaffold")]
 
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -113,13 +121,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
             *SGD_ROWS,
         ],
         clients=4,
-        config={
-            "num-server-rounds": 5,
-            "independent-start": False,
-            "partitioner": "dirichlet",
-            "alpha": 0.1,
-            "local-epochs": 2.0,
-        },
+        config=MULTIROUND,
     ),
     # ... with 10 local epochs: more drift. The peers with the 2-epoch setting's hyper-parameters and with
     # this setting's own (held-out seed 5: FedProx mu from 0.001, 0.01; FedAdam's lr from 0.01, 0.03)
@@ -132,13 +134,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
             "refined:proximal-mu=0.001",
         ],
         clients=4,
-        config={
-            "num-server-rounds": 5,
-            "independent-start": False,
-            "partitioner": "dirichlet",
-            "alpha": 0.1,
-            "local-epochs": 10.0,
-        },
+        config={**MULTIROUND, "local-epochs": 10.0},
     ),
     # robust aggregation: 5 one-shot clients, the last one poisoned (shuffled labels); "X@median" is
     # strategy X with reduce=median (average@median is Flower's FedMedian)
