@@ -76,10 +76,8 @@ def client_round(
     control variate ``c_i⁺`` (the local gradient at it), ``Δc_i = c_i⁺ − c_i`` and the gradient hooks
     that add ``c − c_i`` while it trains. A variate a side does not have counts as zero."""
     fresh = local_gradient(model, data, batch_size, device)
-    zero = {n: torch.zeros_like(g) for n, g in fresh.items()}
-    correction = {n: control.get(n, zero[n]) - mine.get(n, zero[n]) for n in fresh}
-    delta = {n: fresh[n] - mine.get(n, zero[n]) for n in fresh}
-    return fresh, delta, corrected(model, correction)
+    delta = {n: fresh[n] - mine[n] if n in mine else fresh[n] for n in fresh}
+    return fresh, delta, correct(model, control, mine)
 
 
 def remove(handles: Iterable) -> None:
