@@ -74,7 +74,25 @@ def hf_opt(tied=True):
     )
 
 
-MAKERS = {"gpt2": hf_gpt2, "vit": hf_vit, "llama": hf_llama, "opt": hf_opt}
+def hf_neox(tied=False, parallel=True):
+    return transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(
+            vocab_size=40,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            use_parallel_residual=parallel,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tie_word_embeddings=tied,
+        )
+    )
+
+
+MAKERS = {"gpt2": hf_gpt2, "vit": hf_vit, "llama": hf_llama, "opt": hf_opt, "neox": hf_neox}
 
 
 def shaken(model, seed=0, scale=0.05):
@@ -125,7 +143,8 @@ def test_symmetries_through_the_hf_forward(name, record):
     ours = from_hf(hf)
     layernorm = name != "llama"
     # HF's LlamaRMSNorm computes in float32 whatever the model's dtype, so Llama's HF forward agrees to
-    # float32 rounding only; fedlmc's own Llama forward checks the same elements to 1e-10.
+    # float32 rounding only; fedlmc's own Llama forward checks the same elements to 1e-10. (GPT-NeoX's
+    # rotary angles are float32 too, but the same in both HF forwards compared here.)
     bound = 1e-10 if layernorm else 1e-5
     for seed in range(2):
         T = random_transform(ours, seed=seed, fix_ones=layernorm)

@@ -8,7 +8,7 @@ import torch
 import transformers
 from conftest import metadata
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
-from test_hf import hf_gpt2, hf_llama, hf_opt, hf_vit, inputs, logits, shaken
+from test_hf import hf_gpt2, hf_llama, hf_neox, hf_opt, hf_vit, inputs, logits, shaken
 
 from fedlmc.hf import from_hf
 from fedlmc.options import Guard, Refinement, Universe
@@ -48,7 +48,13 @@ def planted_copies(hf, count: int) -> list[dict]:
 
 @pytest.mark.parametrize(
     "make,name",
-    [(lambda: hf_gpt2(tied=False), "gpt2"), (hf_vit, "vit"), (hf_llama, "llama"), (lambda: hf_opt(tied=False), "opt")],
+    [
+        (lambda: hf_gpt2(tied=False), "gpt2"),
+        (hf_vit, "vit"),
+        (hf_llama, "llama"),
+        (lambda: hf_opt(tied=False), "opt"),
+        (hf_neox, "neox"),
+    ],
 )
 def test_aligned_fedavg_on_hf_replies(make, name, record):
     torch.manual_seed(0)

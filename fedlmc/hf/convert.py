@@ -79,9 +79,10 @@ def hf_state(model: nn.Module, tied: bool = False, family: Optional[str] = None)
     fit's relative error (see ``head.fit_head``; 0 when the head needed no fitting). LayerNorm families
     need the LayerNorm form."""
     cfg = model.config
-    if cfg.arch in ("gpt2", "vit") and cfg.norm != "layernorm":
+    if cfg.arch in ("gpt2", "vit", "neox") and cfg.norm != "layernorm":
         raise ValueError(
-            "Hugging Face GPT-2 and ViT hold LayerNorm models: convert with fedlmc.symmetry.to_layernorm first"
+            "Hugging Face GPT-2, ViT, OPT and GPT-NeoX hold LayerNorm models: "
+            "convert with fedlmc.symmetry.to_layernorm first"
         )
     fam = FAMILIES[family or cfg.arch]
     sd, error = fit_head(
@@ -94,7 +95,7 @@ def hf_state(model: nn.Module, tied: bool = False, family: Optional[str] = None)
 
 
 def to_hf(model: nn.Module, tied: Optional[bool] = None, family: Optional[str] = None):
-    """The ``transformers`` model (``GPT2LMHeadModel``, ``ViTForImageClassification``, ``LlamaForCausalLM``)
+    """The ``transformers`` model (``GPT2LMHeadModel``, ``ViTForImageClassification``, ``LlamaForCausalLM``, ...)
     of a fedlmc model of one of those families. ``tied``: tie the head to the embedding (default: when
     they are equal, as for a tied model that came from ``from_hf``); a tied head that differs from the
     embedding is fitted (``head.fit_head``), and the fit's error is stored as ``model.fedlmc_fit_error``.

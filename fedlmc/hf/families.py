@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..models import GPT2Config, LlamaConfig, ViTConfig
+from ..models import GPT2Config, LlamaConfig, NeoXConfig, ViTConfig
 from ..models.layers import TransformerConfig
 
 StateDict = dict[str, torch.Tensor]
@@ -418,5 +418,112 @@ class OPTFamily:
         return {k: v.contiguous() for k, v in out.items()}
 
 
-FAMILIES = {f.name: f for f in (GPT2Family, ViTFamily, LlamaFamily, OPTFamily)}
-HF_TYPES = {"gpt2": "gpt2", "vit": "vit", "llama": "llama", "opt": "opt"}  # transformers model_type -> family
+class GPTNeoXFamily:
+    """GPT-NeoX (``GPTNeoXForCausalLM``, the Pythia suites): fedlmc's NeoX architecture. Its
+    ``query_key_value`` fuses q, k and v head by head (rows ``[q_h; k_h; v_h]`` for each head h);
+    ``partial_rotary_factor`` becomes ``rotary_dims``. Configs without attention biases or with another
+    rotary embedding than the default are refused."""
+
+    name, model_class, prefix = "neox", "GPTNeoXForCausalLM", "gpt_neox.layers.0.attention.query_key_value.weight"
+    embeddings = ("gpt_neox.embed_in.weight", "lm_head.weight")
+    LAYER = {
+        "attn.o": "attention.dense",
+        "mlp.fc1": "mlp.dense_h_to_4h",
+        "mlp.fc2": "mlp.dense_4h_to_h",
+        "ln1": "input_layernorm",
+        "ln2": "post_attention_layernorm",
+    }
+
+    @staticmethod
+    def config_from_hf(c: Any) -> NeoXConfig:
+        rope = dict(getattr(c, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default" or not getattr(c, "attention_bias", True):
+            raise ValueError(
+                "GPT-NeoX configs without attention biases or with a non-default rope_type are not supported"
+            )
+        d_head = c.hidden_size // c.num_attention_heads
+        return NeoXConfig(
+            n_layer=c.num_hidden_layers,
+            d_model=c.hidden_size,
+            n_head=c.num_attention_heads,
+            d_ff=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            block_size=c.max_position_embeddings,
+            norm_eps=c.layer_norm_eps,
+            activation=_act(c.hidden_act),
+            rope_theta=float(rope.get("rope_theta", 1e4)),
+            rotary_dims=int(d_head * rope.get("partial_rotary_factor", 1.0)),
+            parallel=bool(c.use_parallel_residual),
+        )
+
+    @staticmethod
+    def config_to_hf(cfg: NeoXConfig, tied: bool):
+        from transformers import GPTNeoXConfig as HF
+
+        factor = cfg.rotary_dims / cfg.d_head
+        if cfg.n_head * cfg.d_head != cfg.d_model or int(cfg.d_head * factor) != cfg.rotary_dims:
+            raise ValueError("Hugging Face GPT-NeoX needs n_head × d_head = d_model (merge in the factored form)")
+        act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[cfg.activation]
+        return HF(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            intermediate_size=cfg.d_ff,
+            hidden_act=act,
+            max_position_embeddings=cfg.block_size,
+            layer_norm_eps=cfg.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": factor},
+            use_parallel_residual=cfg.parallel,
+            attention_bias=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tie_word_embeddings=tied,
+        )
+
+    @classmethod
+    def state_from_hf(cls, hf: StateDict, cfg: NeoXConfig) -> StateDict:
+        emb = hf["gpt_neox.embed_in.weight"]
+        sd = {
+            "tok_emb.weight": emb,
+            "ln_f.weight": hf["gpt_neox.final_layer_norm.weight"],
+            "ln_f.bias": hf["gpt_neox.final_layer_norm.bias"],
+            "head.weight": hf.get("lm_head.weight", emb),
+            "head.bias": torch.zeros(cfg.vocab_size, dtype=emb.dtype),
+        }
+        H, dh = cfg.n_head, cfg.d_head
+        for l in range(cfg.n_layer):
+            pre = f"gpt_neox.layers.{l}"
+            for part in ("weight", "bias"):
+                qkv = hf[f"{pre}.attention.query_key_value.{part}"]
+                qkv = qkv.reshape(H, 3, dh, *qkv.shape[1:])  # per head: q, k, v rows
+                for i, p in enumerate("qkv"):
+                    sd[f"blocks.{l}.attn.{p}.{part}"] = qkv[:, i].reshape(H * dh, *qkv.shape[3:])
+                for mine, theirs in cls.LAYER.items():
+                    sd[f"blocks.{l}.{mine}.{part}"] = hf[f"{pre}.{theirs}.{part}"]
+        return {k: v.clone() for k, v in sd.items()}
+
+    @classmethod
+    def state_to_hf(cls, sd: StateDict, cfg: NeoXConfig) -> StateDict:
+        sd = dict(sd)
+        out = {
+            "gpt_neox.embed_in.weight": sd["tok_emb.weight"],
+            "gpt_neox.final_layer_norm.weight": sd["ln_f.weight"],
+            "gpt_neox.final_layer_norm.bias": sd["ln_f.bias"],
+            "lm_head.weight": sd["head.weight"],
+        }
+        H, dh = cfg.n_head, cfg.d_head
+        for l in range(cfg.n_layer):
+            pre = f"gpt_neox.layers.{l}"
+            _scale_q(sd, cfg, [f"blocks.{l}.attn.q.weight", f"blocks.{l}.attn.q.bias"])
+            for part in ("weight", "bias"):
+                qkv = [sd[f"blocks.{l}.attn.{p}.{part}"] for p in "qkv"]
+                qkv = torch.stack([t.reshape(H, dh, *t.shape[1:]) for t in qkv], dim=1)
+                out[f"{pre}.attention.query_key_value.{part}"] = qkv.reshape(3 * H * dh, *qkv.shape[3:])
+                for mine, theirs in cls.LAYER.items():
+                    out[f"{pre}.{theirs}.{part}"] = sd[f"blocks.{l}.{mine}.{part}"]
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+FAMILIES = {f.name: f for f in (GPT2Family, ViTFamily, LlamaFamily, OPTFamily, GPTNeoXFamily)}
+HF_TYPES = {"gpt2": "gpt2", "vit": "vit", "llama": "llama", "opt": "opt", "gpt_neox": "neox"}  # model_type -> family

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, perm_matrix
-from ..symmetry.rope import rope_fit
+from ..symmetry.rope import rope_fit, with_pass
 from .profile import section
 from .solvers import (
     Elements,
@@ -192,6 +192,17 @@ def heads_step(
     return out
 
 
+def _free_gauge(XA: torch.Tensor, XB: torch.Tensor, YA: torch.Tensor, YB: torch.Tensor, mode: str) -> torch.Tensor:
+    """An unrestricted gauge per head: the Procrustes rotation, or the invertible map of ``gauge_step``."""
+    if mode == "orthogonal":
+        return procrustes(XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2))
+    if mode == "invertible":
+        return _sylvester(
+            YA @ YA.transpose(1, 2), XB @ XB.transpose(1, 2), XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2)
+        )
+    raise ValueError(f"gauge must be 'orthogonal', 'invertible' or None, got {mode!r}")
+
+
 def gauge_step(
     A: StateDict, B_heads: StateDict, spec: SymmetrySpec, mode: str = "orthogonal", a_sides: Optional[dict] = None
 ) -> Elements:
@@ -211,15 +222,12 @@ def gauge_step(
             XA, XB = cached_side(A, g, direct, a_sides), head_side(B_heads, g, direct)
             YA, YB = cached_side(A, g, inverse, a_sides), head_side(B_heads, g, inverse)
             if g.structure == "rope":  # only per-frequency-pair (scaled) rotations commute with RoPE
-                G = rope_fit(XA, XB, YA, YB, scaled=mode == "invertible")
-            elif mode == "orthogonal":
-                G = procrustes(XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2))
-            elif mode == "invertible":
-                G = _sylvester(
-                    YA @ YA.transpose(1, 2), XB @ XB.transpose(1, 2), XA @ XB.transpose(1, 2) + YA @ YB.transpose(1, 2)
-                )
+                r = g.rotary or g.size  # partial rotary: the rest is a free block (the objective separates)
+                G = rope_fit(XA[:, :r], XB[:, :r], YA[:, :r], YB[:, :r], scaled=mode == "invertible")
+                if r < g.size:
+                    G = with_pass(G, _free_gauge(XA[:, r:], XB[:, r:], YA[:, r:], YB[:, r:], mode))
             else:
-                raise ValueError(f"gauge must be 'orthogonal', 'invertible' or None, got {mode!r}")
+                G = _free_gauge(XA, XB, YA, YB, mode)
             out[g.name] = G.transpose(1, 2) if direct == ("MT",) else G
     return out
 

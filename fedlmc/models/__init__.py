@@ -9,6 +9,7 @@ import torch.nn as nn
 from .gpt2 import GPT2, GPT2Config
 from .layers import RMSNorm, TransformerConfig
 from .llama import Llama, LlamaConfig
+from .neox import NeoX, NeoXConfig
 from .vit import ViT, ViTConfig
 
 # name -> (config class, fields, default dataset). Tiny presets train in minutes on 2 CPU cores.
@@ -25,6 +26,8 @@ PRESETS: dict[str, tuple[type, dict[str, Any], str]] = {
         dict(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=50257, block_size=1024),
         "shakespeare",
     ),
+    # GPT-NeoX (Pythia) shape: parallel attention and FF, a quarter of each head rotary
+    "neox-tiny": (NeoXConfig, dict(n_layer=4, d_model=128, n_head=4, d_ff=512, block_size=64), "shakespeare"),
     "vit-tiny": (ViTConfig, dict(n_layer=4, d_model=64, n_head=4, d_ff=128, image_size=28, patch_size=7), "mnist"),
     "vit-cifar": (
         ViTConfig,
@@ -41,6 +44,7 @@ ARCHS: dict[str, tuple[type, type]] = {
     "gpt2": (GPT2Config, GPT2),
     "vit": (ViTConfig, ViT),
     "llama": (LlamaConfig, Llama),
+    "neox": (NeoXConfig, NeoX),
 }
 
 
@@ -85,6 +89,8 @@ __all__ = [
     "GPT2Config",
     "Llama",
     "LlamaConfig",
+    "NeoX",
+    "NeoXConfig",
     "ViT",
     "ViTConfig",
     "RMSNorm",

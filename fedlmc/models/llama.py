@@ -37,10 +37,14 @@ class LlamaConfig(TransformerConfig):
             )
 
 
-def rotary(cfg: LlamaConfig, T: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``(T, d_head)`` of the rotary angles, in ``like``'s dtype (float64 models stay exact)."""
+def rotary(
+    cfg: LlamaConfig, T: int, like: torch.Tensor, dims: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``(T, dims)`` of the rotary angles (``dims``: the rotary width, default ``d_head``), in
+    ``like``'s dtype (float64 models stay exact)."""
     dt = torch.float64 if like.dtype == torch.float64 else torch.float32
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.d_head, 2, dtype=dt, device=like.device) / cfg.d_head)
+    d = dims or cfg.d_head
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=dt, device=like.device) / d)
     ang = torch.arange(T, dtype=dt, device=like.device)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(like.dtype), ang.sin().to(like.dtype)

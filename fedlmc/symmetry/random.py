@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..models.layers import TransformerConfig
-from .rope import random_rope_gauge
+from .rope import random_rope_gauge, with_pass
 from .spec import SymmetrySpec, spec_for
 from .transform import Transform, perm_matrix
 
@@ -92,7 +92,10 @@ def random_transform(
         elif grp.kind == "scale":
             out[name] = random_scale(grp.size, g, dtype, signed=grp.structure == "signed")
         elif grp.structure == "rope":
-            out[name] = random_rope_gauge(grp.count, grp.size, g, dtype)
+            r = grp.rotary or grp.size
+            out[name] = random_rope_gauge(grp.count, r, g, dtype)
+            if r < grp.size:  # partial rotary: any invertible map on the pass-through dimensions
+                out[name] = with_pass(out[name], random_invertible(grp.count, grp.size - r, g, dtype))
         else:
             out[name] = random_invertible(grp.count, grp.size, g, dtype)
     return Transform(out)

@@ -7,11 +7,16 @@ every score iff ``A R_t A⁻¹ = R_t`` for every rotation the layer applies. Wit
 that is the commutant of the 2×2 rotations: ``A`` acts on each frequency pair as a *scaled rotation*
 ``[[a, -b], [b, a]]`` (a nonzero complex number) and mixes no pairs. A general invertible map does not
 commute (tested), and the OV gauge is untouched by RoPE (values are not rotated).
+
+Partial rotary (GPT-NeoX, Pythia: only the first ``rotary`` dimensions of a head are rotated, paired
+``(i, i + rotary/2)``) keeps a block-diagonal gauge: scaled rotations on the rotary block, any invertible
+map on the pass-through block, nothing mixing the two.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -42,6 +47,15 @@ def random_rope_gauge(
     return rope_gauge(angle, scale)
 
 
+def with_pass(rot: torch.Tensor, passing: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal gauge of a partially rotary head: ``rot`` on the first dimensions, ``passing``
+    on the rest (both batched over heads)."""
+    r, p = rot.shape[-1], passing.shape[-1]
+    G = rot.new_zeros(rot.shape[0], r + p, r + p)
+    G[:, :r, :r], G[:, r:, r:] = rot, passing
+    return G
+
+
 def rope_fit(
     XA: torch.Tensor, XB: torch.Tensor, YA: torch.Tensor, YB: torch.Tensor, scaled: bool = False
 ) -> torch.Tensor:
@@ -65,9 +79,13 @@ def rope_fit(
     return rope_gauge(angle, scale)
 
 
-def rope_structured(G: torch.Tensor, tol: float = 1e-6) -> bool:
-    """Whether every matrix of ``G`` is a scaled rotation on each frequency pair and zero elsewhere."""
-    i, j = _pairs(G.shape[-1])
+def rope_structured(G: torch.Tensor, tol: float = 1e-6, rotary: Optional[int] = None) -> bool:
+    """Whether every matrix of ``G`` is a scaled rotation on each frequency pair of its first ``rotary``
+    dimensions (default: all) and mixes them with no other dimension."""
+    r = rotary or G.shape[-1]
+    i, j = _pairs(r)
     a, b = G[:, i, i], G[:, j, i]
-    rebuilt = rope_gauge(torch.atan2(b, a), torch.hypot(a, b))
+    rebuilt = G.clone()
+    rebuilt[:, :r, :r] = rope_gauge(torch.atan2(b, a), torch.hypot(a, b))
+    rebuilt[:, :r, r:], rebuilt[:, r:, :r] = 0, 0
     return bool((rebuilt - G).abs().max() <= tol * G.abs().max().clamp_min(1.0))

@@ -74,6 +74,7 @@ class Group:
     # commute with every rotary rotation; see ``fedlmc.symmetry.rope``); "within" (permutation) = units
     # move only inside their block of ``size / count`` consecutive units (a KV head's query heads)
     structure: Optional[str] = None
+    rotary: Optional[int] = None  # "rope": how many leading dimensions of a head are rotary (None: all)
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -251,6 +252,21 @@ register_spec(
         ],
     ),
 )
+
+
+def neox_spec(cfg) -> SymmetrySpec:
+    """GPT-NeoX blocks name their parts as fedlmc's GPT-2 does, so the groups are the standard ones; the
+    only embedding writer is the token table (positions are rotary), and the QK gauge is restricted to
+    what commutes with partial RoPE (``structure="rope"`` on the first ``rotary_dims`` dimensions of a
+    head, free on the rest). Reading the same state in parallel changes no group: attention and FF are
+    both readers of the residual stream and writers to it."""
+    spec = transformer_spec(cfg, [Member("tok_emb.weight", 1, role="writer")])
+    for g in spec.layer_groups("qk"):
+        g.structure, g.rotary = "rope", cfg.rotary_dims
+    return spec
+
+
+register_spec("neox", neox_spec)
 
 
 def llama_spec(cfg) -> SymmetrySpec:

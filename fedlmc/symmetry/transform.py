@@ -180,7 +180,7 @@ def check_element(group: Group, element: torch.Tensor, relaxed: bool = False) ->
     elif group.kind == "gauge":
         ok = element.is_floating_point() and element.shape == (group.count, group.size, group.size)
         if ok and group.structure == "rope":
-            ok = rope_structured(element)
+            ok = rope_structured(element, rotary=group.rotary)
     elif group.kind == "scale":
         ok = element.is_floating_point() and element.shape == (group.size,) and bool((element != 0).all())
         if ok and group.structure == "positive":
