@@ -180,6 +180,9 @@ def _add_merge_commands(sub) -> None:
     u.add_argument("--forms", nargs="+", default=["factored"], choices=["factored", "circuit"])
     u.add_argument("--simplex-n", type=int, default=8, help="simplex plot grid (0: no plot)")
     u.add_argument("--max-batches", type=int, help="evaluate on at most this many batches")
+    u.add_argument(
+        "--ff-scale", action="store_true", help="also the universe and refinement that match FF scales (ReLU, SwiGLU)"
+    )
     u.add_argument("--out", default="results")
     u.add_argument("--cache", default="runs/cache")
     u.add_argument("--quiet", action="store_true")

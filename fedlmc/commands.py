@@ -327,6 +327,7 @@ def cmd_universe(args: argparse.Namespace) -> int:
         simplex_n=args.simplex_n,
         max_batches=args.max_batches,
         forms=args.forms,
+        ff_scale=args.ff_scale,
     )
     res.update(preset=args.preset, seeds=seeds, dataset=splits.name, budget=over)
     md = universe_markdown(args.preset, res, seeds)

@@ -111,10 +111,13 @@ def universe_table(
     max_batches: Optional[int] = None,
     forms: Sequence[str] = ("factored",),
     tol: float = 1e-6,
+    ff_scale: bool = False,
 ) -> dict[str, Any]:
     """Vanilla average vs universe (weight matching) vs Dirichlet-refined universe of ``models``:
     test loss of each merge and its excess over the mean endpoint loss. With ``simplex_n`` > 0 and
-    the first three models, also the loss over their 2-simplex for each method."""
+    the first three models, also the loss over their 2-simplex for each method. ``ff_scale`` adds the
+    universe and the refined universe whose matching also solves the FF neurons' scales (ReLU, SwiGLU:
+    ``Matching.ff_scale``; the refinement then learns them, from the first α)."""
     ends = [evaluate(m, splits.test, max_batches=max_batches) for m in models]
     end_loss = [e["loss"] for e in ends]
     rows: dict[str, Any] = {}
@@ -159,6 +162,23 @@ def universe_table(
         )
         row(f"refined (α={a:g})" if len(alphas) > 1 else "refined", ref, time.time() - t)
         T_ref = T_ref or T
+    if ff_scale:
+        scaled = Universe(iterations=iterations, tol=tol, keep_layernorm=False)
+        t = time.time()
+        row(
+            "universe + FF scales",
+            universe_merge(models, matching=Matching(ff_scale=True), universe=scaled)[0],
+            time.time() - t,
+        )
+        t = time.time()
+        ref = universe_merge(
+            models,
+            matching=Matching(ff_scale=True),
+            refine=replace(refine, data=splits.train, alpha=alphas[0]),
+            progress=progress,
+            universe=scaled,
+        )[0]
+        row(f"refined (α={alphas[0]:g}) + FF scales", ref, time.time() - t)
     v = rows["vanilla"]["excess"]
     for name in rows:
         rows[name]["ratio"] = rows[name]["excess"] / v if v > 0 else float("nan")

@@ -130,3 +130,24 @@ def test_learned_matching_learns_the_ff_scales_of_its_start_and_stays_exact(reco
     assert all(torch.equal(torch.sign(T[k]), torch.sign(start[k])) for k in start.elements if k.startswith("ffscale"))
     x = inputs_for(b)
     record("learned llama with ff scales: aligned B vs B (float64)", maxdiff(b(x), apply_transform(b, T)(x)), BOUND)
+
+
+def test_a_universe_with_ff_scales_merges_rescaled_copies_back_into_the_model(record):
+    """Three copies of one ReLU model under random FF permutations and scales (and heads, residual):
+    the universe that matches scales returns the model; the one that does not averages mismatched
+    neuron scales and leaves a gap."""
+    from fedlmc.options import Universe
+    from fedlmc.universe import universe_merge
+
+    a = make("gpt2-tiny-relu", seed=3)
+    copies = [
+        apply_transform(a, random_transform(a, seed=s, groups=["residual", "heads", "ff", "ffscale"]))
+        for s in (1, 2, 3)
+    ]
+    x = inputs_for(a)
+    scaled, _ = universe_merge(
+        copies, matching=Matching(ff_scale=True), universe=Universe(iterations=3, keep_layernorm=False)
+    )
+    plain, _ = universe_merge(copies, universe=Universe(iterations=3, keep_layernorm=False))
+    record("gpt2-tiny-relu: universe with ff scales of 3 rescaled copies vs the model", maxdiff(scaled(x), a(x)), 1e-6)
+    assert maxdiff(plain(x), a(x)) > 1e-3

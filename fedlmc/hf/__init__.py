@@ -1,12 +1,13 @@
 """Hugging Face models in and out of fedlmc: ``from_hf`` and ``to_hf`` (exact conversions), and
 ``HFAdapter``, which lets the strategies take replies under a ``transformers`` model's own keys.
 
-Supported: ``GPT2LMHeadModel``, ``ViTForImageClassification``, ``LlamaForCausalLM``, ``OPTForCausalLM`` and
-``GPTNeoXForCausalLM`` (tested against ``transformers`` 5.24). fedlmc's own models hold the same functions (fedlmc GPT-2 gains an explicit
-head bias; Llama's tied head becomes an untied copy). Going back, what Hugging Face cannot hold — a
-head bias (GPT-2's ``lm_head`` has none) or two different embedding matrices for a tied model — is
-fitted by least squares (``head.fit_head``); the fit's relative error is returned, and it is zero for
-any model that came from Hugging Face and was acted on by symmetries only.
+Supported: ``GPT2LMHeadModel``, ``ViTForImageClassification``, ``LlamaForCausalLM``, ``OPTForCausalLM``
+and ``GPTNeoXForCausalLM`` (tested against ``transformers`` 5.24). fedlmc's own models hold the same
+functions (fedlmc GPT-2 gains an explicit head bias; Llama's tied head becomes an untied copy). Going
+back, what Hugging Face cannot hold — a head bias (GPT-2's ``lm_head`` has none) or two different
+embedding matrices for a tied model — is fitted by least squares (``head.fit_head``); the fit's relative
+error is returned, and it is zero for any model that came from Hugging Face and was acted on by
+symmetries only.
 """
 
 from .adapter import HFAdapter, recognise
