@@ -21,6 +21,7 @@ from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
 from .options import (
+    FF_LIFTS,
     PREDICTION_SCREENS,
     REDUCES,
     SCREENS,
@@ -69,6 +70,7 @@ class Settings:
     seed: int = 0
     independent_start: bool = True  # round 1: every client starts from its own seed (one-shot / fusion)
     width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
+    ff_lift: str = Universe.ff_lift  # Universe.ff_lift (mixed widths): zeros | split (a narrower FF's neurons)
     iterations: int = Universe.iterations  # Universe.iterations
     universe_start: str = Universe.start  # Universe.start: previous | mean (replies trained from it)
     residual: str = "orthogonal"  # Matching.residual
@@ -149,6 +151,7 @@ class Settings:
             self._check_capabilities(registered(name))
         one_of(self.reduce, REDUCES, "reduce")
         one_of(self.universe_start, UNIVERSE_STARTS, "universe-start")
+        one_of(self.ff_lift, FF_LIFTS, "ff-lift")
         one_of(self.screen, ("none", *SCREENS), "screen")
         self.screen_options()
         one_of(self.partitioner, SCHEMES, "partitioner")
@@ -184,6 +187,11 @@ class Settings:
                 f"screen={self.screen!r} scores each reply on the server's guard split: strategies "
                 f"{', '.join(names(screen=True, server_data=True))} with guard=true, not {name}"
                 + ("" if self.guard else " with guard=false")
+            )
+        if self.ff_lift != Universe.ff_lift and not can.mixed_widths:
+            raise ValueError(
+                f"ff-lift={self.ff_lift!r} lifts a narrower client into a mixed-width universe: strategies "
+                f"{', '.join(names(mixed_widths=True))}, not {name}"
             )
         if self.universe_start != "previous" and not can.universe:
             raise ValueError(

@@ -31,7 +31,11 @@ def aligned_models(models: Sequence[nn.Module], transforms) -> tuple[list[nn.Mod
     out, masks = [], []
     for m, T in zip(models, transforms):
         out.append(into_universe(m, T))
-        masks.append(permute_masks(unit_masks(m.config, T.width_map.shape), T) if T.width_map else None)
+        masks.append(
+            permute_masks(unit_masks(m.config, T.width_map.shape, ff_lift=T.width_map.ff_lift), T)
+            if T.width_map
+            else None
+        )
     return out, masks
 
 

@@ -36,6 +36,7 @@ PRECISIONS = ("auto", "exact", "bfloat16", "int8")
 SCHEDULES = ("constant", "cosine")
 RELAXATIONS = ("ste", "sinkhorn")
 UNIVERSE_STARTS = ("previous", "mean")  # Universe.start: the previous global model, or the replies' mean
+FF_LIFTS = ("zeros", "split")  # how a narrower FF enters a wider universe (Universe.ff_lift)
 FORMS = ("factored", "circuit")
 REDUCES = ("mean", "median", "trimmed")
 ANCHORS = ("heaviest", "central")
@@ -400,6 +401,9 @@ class Universe:
         Keep every residual map O·1 = 1 and return a LayerNorm model, as the clients train it
         (LayerNorm models only: an RMSNorm model such as Llama has no centring to keep). False returns
         the canonical RMSNorm form, with the residual map free.
+    ff_lift : {"zeros", "split"}, default "zeros"
+        Mixed widths: a narrower FF enters the universe with zero neurons (masked out of the averages),
+        or with its own neurons split over the extra units (a semi-permutation, exact; nothing masked).
     """
 
     iterations: int = 3
@@ -408,8 +412,10 @@ class Universe:
     form: str = "factored"
     anchor: str = "heaviest"
     keep_layernorm: bool = True
+    ff_lift: str = "zeros"
 
     def __post_init__(self) -> None:
+        one_of(self.ff_lift, FF_LIFTS, "ff lift")
         one_of(self.start, UNIVERSE_STARTS, "universe start")
         one_of(self.form, FORMS, "form")
         one_of(self.anchor, ANCHORS, "anchor")

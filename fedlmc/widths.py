@@ -5,7 +5,12 @@ A narrower model joins a wider "universe" exactly:
 * residual width ``d → d_u``: the semi-orthogonal lift ``[I; 0]`` (readers absorb RMSNorm's rescaling,
   see ``symmetry.act``); matching then rotates it freely, so the client's map into the universe is a
   rectangular ``d_u × d`` matrix with orthonormal columns;
-* FF neurons ``d_ff → d_ff_u``: zero neurons (zero input row and bias, zero output column: GELU(0) = 0);
+* FF neurons ``d_ff → d_ff_u``: zero neurons (zero input row and bias, zero output column: GELU(0) = 0),
+  or (``ff_lift="split"``, a semi-permutation) the client's own neurons split: unit ``k`` copies neuron
+  ``k mod d_ff``'s input row and bias, and the copies of a neuron share its output column equally
+  (exact for any elementwise nonlinearity: the copies compute the same activation). A split model has
+  no padding to mask; ``unpad`` merges the copies back (their share-weighted mean input, their summed
+  output: exact on a split model);
 * heads ``H → H_u``: zero heads (zero Q, K, V, O: uniform attention over zero values writes nothing);
 * head width ``d_head → d_head_u``: zero dimensions inside each head (Q·K and V·O unchanged); Q absorbs
   the change of attention scale so every padded model shares the universe's ``attn_scale``.
@@ -26,6 +31,7 @@ import torch.nn as nn
 
 from .models import from_config
 from .models.layers import TransformerConfig
+from .options import FF_LIFTS, one_of
 from .symmetry import StateDict, Transform, apply_transform, rebuild, spec_for
 
 SHAPE = ("d_model", "n_head", "d_ff", "d_head")
@@ -80,7 +86,30 @@ def _slice_axis(t: torch.Tensor, axis: int, units: int, block: int, keep_units: 
     return x.reshape(keep_units * keep_block, *rest).movedim(0, axis)
 
 
-def _resize_units(model: nn.Module, n_head: int, d_head: int, d_ff: int, attn_scale: float, grow: bool) -> nn.Module:
+def split_sources(d_ff: int, new_d_ff: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split lift's semi-permutation: which neuron each of ``new_d_ff`` units copies (``k mod d_ff``)
+    and the share of that neuron's output each copy carries (1 / its number of copies)."""
+    src = torch.arange(new_d_ff) % d_ff
+    return src, 1.0 / torch.bincount(src, minlength=d_ff)[src].double()
+
+
+def _split_axis(t: torch.Tensor, axis: int, d_ff: int, new_d_ff: int, output: bool, grow: bool) -> torch.Tensor:
+    """Split ``d_ff`` neurons along ``axis`` into ``new_d_ff`` units (``grow``), or merge them back. The
+    output side (``output``: an FF writer's columns) carries the shares; the input side is copied, and
+    merged as the share-weighted mean of its copies."""
+    src, share = split_sources(new_d_ff if not grow else d_ff, d_ff if not grow else new_d_ff)
+    x = t.movedim(axis, 0)
+    share = share.to(x.dtype).to(x.device).reshape(-1, *[1] * (x.dim() - 1))
+    if grow:
+        out = x[src.to(x.device)] * (share if output else 1)
+    else:
+        out = x.new_zeros(new_d_ff, *x.shape[1:]).index_add_(0, src.to(x.device), x * (1 if output else share))
+    return out.movedim(0, axis)
+
+
+def _resize_units(
+    model: nn.Module, n_head: int, d_head: int, d_ff: int, attn_scale: float, grow: bool, ff_lift: str = "zeros"
+) -> nn.Module:
     cfg = model.config
     spec = spec_for(cfg)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -95,8 +124,11 @@ def _resize_units(model: nn.Module, n_head: int, d_head: int, d_ff: int, attn_sc
         for m in g.members:
             sd[m.param] = resize(sd[m.param], m.axis, H, dh, n_head, d_head)
     for g in spec.layer_groups("ff"):
-        for m in g.members:
-            sd[m.param] = resize(sd[m.param], m.axis, cfg.d_ff, 1, d_ff, 1)
+        for m in g.members:  # an FF writer's columns (axis 1 of fc2 / down) are the neurons' output side
+            if ff_lift == "split" and d_ff != cfg.d_ff:
+                sd[m.param] = _split_axis(sd[m.param], m.axis, cfg.d_ff, d_ff, output=m.axis == 1, grow=grow)
+            else:
+                sd[m.param] = resize(sd[m.param], m.axis, cfg.d_ff, 1, d_ff, 1)
     return rebuild(model, sd, cfg.replace(n_head=n_head, d_head=d_head, d_ff=d_ff, attn_scale=attn_scale))
 
 
@@ -106,14 +138,20 @@ def residual_lift(d_small: int, d_large: int, dtype: torch.dtype = torch.float64
 
 
 def pad(
-    model: nn.Module, shape: dict[str, int], residual: bool = True, attn_scale: Optional[float] = None
+    model: nn.Module,
+    shape: dict[str, int],
+    residual: bool = True,
+    attn_scale: Optional[float] = None,
+    ff_lift: str = "zeros",
 ) -> nn.Module:
     """``model`` zero-padded exactly into ``shape`` (fields of ``SHAPE``; missing ones are kept).
 
     ``residual=False`` pads only the units (heads, head width, FF), leaving the residual lift to a
     transform (``align`` does that). ``attn_scale`` defaults to ``1/sqrt(shape['d_head'])`` when the
-    head width grows. A LayerNorm model is canonicalised when its residual is lifted.
+    head width grows. ``ff_lift="split"`` fills a wider FF with the model's own neurons split (module
+    docstring) instead of zero neurons. A LayerNorm model is canonicalised when its residual is lifted.
     """
+    one_of(ff_lift, FF_LIFTS, "ff lift")
     cfg = model.config
     target = {**shape_of(cfg), **{k: int(v) for k, v in shape.items() if v is not None}}
     for k in SHAPE:
@@ -130,19 +168,19 @@ def pad(
         cfg.d_head,
         cfg.d_ff,
     ) or scale != cfg.attn_scale:
-        out = _resize_units(model, target["n_head"], target["d_head"], target["d_ff"], scale, grow=True)
+        out = _resize_units(model, target["n_head"], target["d_head"], target["d_ff"], scale, True, ff_lift)
     if residual and target["d_model"] != cfg.d_model:
         ref = next(out.parameters())
         out = apply_transform(out, Transform({"residual": residual_lift(cfg.d_model, target["d_model"], ref.dtype)}))
     return out
 
 
-def unpad(model: nn.Module, client: TransformerConfig) -> nn.Module:
+def unpad(model: nn.Module, client: TransformerConfig, ff_lift: str = "zeros") -> nn.Module:
     """Slice a universe-shaped model to ``client``'s shape (the inverse of ``pad``; exact on padded models).
 
     The residual is projected onto its first ``client.d_model`` coordinates (the transpose of the lift),
-    heads, head dimensions and FF neurons keep their first entries, and the client's attention scale
-    and norm eps are restored.
+    heads, head dimensions and FF neurons keep their first entries (``ff_lift="split"``: each neuron's
+    copies are merged back), and the client's attention scale and norm eps are restored.
     """
     cfg = model.config
     out = model
@@ -151,17 +189,21 @@ def unpad(model: nn.Module, client: TransformerConfig) -> nn.Module:
         out = apply_transform(out, Transform({"residual": residual_lift(client.d_model, cfg.d_model, ref.dtype).T}))
     c = out.config
     if (c.n_head, c.d_head, c.d_ff, c.attn_scale) != (client.n_head, client.d_head, client.d_ff, client.attn_scale):
-        out = _resize_units(out, client.n_head, client.d_head, client.d_ff, client.attn_scale, grow=False)
+        out = _resize_units(out, client.n_head, client.d_head, client.d_ff, client.attn_scale, False, ff_lift)
     if out.config.norm_eps != client.norm_eps:
         out = rebuild(out, out.state_dict(), out.config.replace(norm_eps=client.norm_eps))
     return out
 
 
-def unit_masks(cfg: TransformerConfig, shape: dict[str, int], device=None) -> dict[str, torch.Tensor]:
-    """Which heads and FF neurons of a model padded into ``shape`` are real (True) or padding (False)."""
+def unit_masks(
+    cfg: TransformerConfig, shape: dict[str, int], device=None, ff_lift: str = "zeros"
+) -> dict[str, torch.Tensor]:
+    """Which heads and FF neurons of a model padded into ``shape`` are real (True) or padding (False);
+    a split FF (``ff_lift="split"``) has no padding."""
     spec = spec_for(cfg)
     out = {g.name: torch.arange(shape["n_head"], device=device) < cfg.n_head for g in spec.layer_groups("heads")}
-    out.update({g.name: torch.arange(shape["d_ff"], device=device) < cfg.d_ff for g in spec.layer_groups("ff")})
+    ff = shape["d_ff"] if ff_lift == "split" else cfg.d_ff
+    out.update({g.name: torch.arange(shape["d_ff"], device=device) < ff for g in spec.layer_groups("ff")})
     return out
 
 
@@ -180,7 +222,7 @@ def into_universe(model: nn.Module, transform: Transform) -> nn.Module:
     transform's ``width_map``), then apply the elements (whose residual may be rectangular)."""
     wm = transform.width_map
     if wm is not None:
-        model = pad(model, wm.shape, residual=False, attn_scale=wm.attn_scale)
+        model = pad(model, wm.shape, residual=False, attn_scale=wm.attn_scale, ff_lift=wm.ff_lift)
     return apply_transform(model, transform)
 
 

@@ -204,3 +204,21 @@ def test_universe_start_reaches_the_aligned_and_refined_strategies_and_nothing_e
             Settings.from_run_config({"strategy": strategy, "universe-start": "mean"})
     with pytest.raises(ValueError, match="universe-start"):
         Settings.from_run_config({"strategy": "aligned", "universe-start": "median"})
+
+
+def test_ff_lift_reaches_the_mixed_width_strategies_and_nothing_else():
+    """run_config ``ff-lift`` is ``Universe.ff_lift`` of ``HeteroWidthFedAvg``; a strategy without a
+    mixed-width universe refuses it, and an unknown lift is a clear error."""
+    from fedlmc.data import load
+    from fedlmc.models import from_preset
+    from strategies.factory import build_strategy
+
+    model = from_preset("vit-digits")
+    for strategy in ("hetero", "hetero-refined"):
+        cfg = {"strategy": strategy, "preset": "vit-digits", "ff-lift": "split", "width-factors": "1,2"}
+        got = build_strategy(Settings.from_run_config(cfg), model.config.to_dict(), load("digits"))
+        assert got.universe.ff_lift == "split", strategy
+    with pytest.raises(ValueError, match="ff-lift"):
+        Settings.from_run_config({"strategy": "aligned", "ff-lift": "split"})
+    with pytest.raises(ValueError, match="ff-lift"):
+        Settings.from_run_config({"strategy": "hetero", "ff-lift": "copies"})

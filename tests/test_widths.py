@@ -148,3 +148,57 @@ def test_layernorm_universe_of_mixed_widths(make, record):
                 float((ln(x) - back(x)).abs().max()),
                 1e-10,
             )
+
+
+@pytest.mark.parametrize("make", [_vit, _gpt])
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+def test_the_split_lift_is_exact_and_merges_back(make, act, record):
+    """A narrower FF filled with its own neurons split (a semi-permutation: each unit copies one neuron,
+    the copies share its output column) computes the same function; every unit is real (nothing
+    masked); ``unpad`` merges the copies back exactly, also after a random permutation of the units."""
+    from fedlmc.symmetry import spec_for
+    from fedlmc.symmetry.random import invert_transform
+    from fedlmc.widths import split_sources
+
+    small = make(4, d_ff=24, activation=act)
+    x = inputs_for(small)
+    shape = {"d_model": 32, "n_head": 4, "d_ff": 70, "d_head": 8}
+    big = pad(small, shape, ff_lift="split")
+    src, share = split_sources(24, 70)
+    assert torch.bincount(src).tolist() == [3] * 22 + [2] * 2 and torch.allclose(
+        torch.bincount(src, share), torch.ones(24, dtype=torch.float64)
+    )
+    w1 = big.state_dict()["blocks.0.mlp.fc1.weight"]
+    assert torch.equal(w1[24], w1[0]) and torch.equal(w1[48], w1[0])  # copies of neuron 0
+    with torch.no_grad():
+        record(
+            f"{small.config.arch} {act}: split lift 24 → 70 FF neurons", float((big(x) - small(x)).abs().max()), 1e-10
+        )
+        assert all(
+            bool(m.all()) for k, m in unit_masks(small.config, shape, ff_lift="split").items() if k.startswith("ff")
+        )
+        T = random_transform(big, seed=5, groups=["ff"])
+        moved = apply_transform(big, T)
+        back = unpad(apply_transform(moved, invert_transform(T, spec_for(moved))), small.config, ff_lift="split")
+        record(
+            f"{small.config.arch} {act}: unpad(split) after a permutation",
+            float((back(x) - small(x)).abs().max()),
+            1e-10,
+        )
+
+
+def test_a_split_universe_of_a_narrow_and_a_wide_copy_projects_back(record):
+    """Universe(ff_lift="split") with a narrow model and a wide one that *is* it (split lift, moved by a
+    random group element): the universe computes the narrow model's function, and ``project`` (which
+    merges the copies) returns a model of the narrow shape that computes it too."""
+    small = canonicalize(_vit(5, d_ff=40))
+    x = inputs_for(small)
+    wide = pad(small, {"d_ff": 64}, ff_lift="split")
+    wide = apply_transform(wide, random_transform(wide, seed=6, groups=["residual", "heads", "ff"]))
+    merged, Ts = universe_merge([wide, small], universe=Universe(iterations=3, keep_layernorm=False, ff_lift="split"))
+    assert Ts[1].width_map.ff_lift == "split" and merged.config.d_ff == 64
+    with torch.no_grad():
+        record("split universe vs the narrow model", float((merged(x) - small(x)).abs().max()), 1e-6)
+        back = project(merged, Ts[1])
+        assert back.config.d_ff == 40
+        record("split universe: project(universe, T_narrow) vs narrow", float((back(x) - small(x)).abs().max()), 1e-6)

@@ -310,7 +310,7 @@ def _hetero(b: Build, refine: bool, permutations: bool = False):
     return HeteroWidthFedAvg(
         **b.common(),
         matching=b.matching(permutations),
-        universe=Universe(iterations=s.iterations),
+        universe=Universe(iterations=s.iterations, ff_lift=s.ff_lift),
         guard=guard,
         refine=s.refinement(b.halves()[0]) if refine else None,
     )

@@ -35,13 +35,20 @@ class WidthMap:
     shape: dict[str, int]
     attn_scale: float
     client: TransformerConfig
+    ff_lift: str = "zeros"  # how its FF entered: zero neurons or its own neurons split (``widths.pad``)
 
     def to_dict(self) -> dict:
-        return {"shape": dict(self.shape), "attn_scale": self.attn_scale, "client": self.client.to_dict()}
+        return {
+            "shape": dict(self.shape),
+            "attn_scale": self.attn_scale,
+            "client": self.client.to_dict(),
+            "ff_lift": self.ff_lift,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "WidthMap":
-        return cls(dict(d["shape"]), float(d["attn_scale"]), ARCHS[d["client"]["arch"]][0].from_dict(d["client"]))
+        client = ARCHS[d["client"]["arch"]][0].from_dict(d["client"])
+        return cls(dict(d["shape"]), float(d["attn_scale"]), client, d.get("ff_lift", "zeros"))
 
 
 @dataclass
