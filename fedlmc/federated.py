@@ -22,6 +22,7 @@ from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
 from .options import (
     FF_LIFTS,
+    OT_COSTS,
     PREDICTION_SCREENS,
     REDUCES,
     SCREENS,
@@ -105,6 +106,7 @@ class Settings:
     local_optimizer: str = "adamw"  # TrainConfig.optimizer: adamw | sgd (constant lr, no momentum or clipping)
     scaffold_variate: str = "trajectory"  # scaffold: the clients' c_i⁺, option II (trajectory) or I (gradient)
     ot_reg: float = OTFusion.reg  # OTFusion.reg (ot-fusion): Sinkhorn's regularisation, 0: exact maps
+    ot_cost: str = OTFusion.cost  # OTFusion.cost (ot-fusion): weights | activations (server data)
     distill_steps: int = Distill.steps  # Distill.steps (feddf, *-distilled)
     distill_lr: float = Distill.lr  # Distill.lr
     distill_temperature: float = Distill.temperature  # Distill.temperature
@@ -152,6 +154,7 @@ class Settings:
         one_of(self.reduce, REDUCES, "reduce")
         one_of(self.universe_start, UNIVERSE_STARTS, "universe-start")
         one_of(self.ff_lift, FF_LIFTS, "ff-lift")
+        one_of(self.ot_cost, OT_COSTS, "ot-cost")
         one_of(self.screen, ("none", *SCREENS), "screen")
         self.screen_options()
         one_of(self.partitioner, SCHEMES, "partitioner")

@@ -43,6 +43,7 @@ ANCHORS = ("heaviest", "central")
 DISTILL_STARTS = ("average", "merge")  # Distill.start: FedAvg's mean (FedDF), or the strategy's own merge
 TEACHERS = ("logits", "probabilities")  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
 RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual: how maps meet at a residual sum
+OT_COSTS = ("weights", "activations")  # OTFusion.cost
 
 
 def one_of(value: Any, allowed: Iterable[Any], what: str) -> Any:
@@ -627,13 +628,24 @@ class OTFusion:
         ("mean", the paper's), the block output's ("transported") or the skip's ("residual").
     iterations : int, default 2000
         At most this many Sinkhorn iterations per map (it stops once the marginals match to 1e-9).
+    cost : {"weights", "activations"}, default "weights"
+        What the transport costs compare: each layer's weight rows, or its output units' activations on
+        ``data`` (the paper's activation-based fusion).
+    data : data set or None, default None
+        Server-side inputs for ``cost="activations"`` (their labels are not used).
+    samples : int, default 1024
+        Positions (tokens; images × (patches + 1)) whose activations make each cost.
     """
 
     reg: float = 0.06
     residual: str = "mean"
     iterations: int = 2000
+    cost: str = "weights"
+    data: Any = None
+    samples: int = 1024
 
     def __post_init__(self) -> None:
         one_of(self.residual, RESIDUAL_POLICIES, "residual policy")
+        one_of(self.cost, OT_COSTS, "OT fusion cost")
         if self.reg < 0 or self.iterations < 1:
             raise ValueError(f"OTFusion needs reg >= 0 and iterations >= 1, got {self.reg} and {self.iterations}")

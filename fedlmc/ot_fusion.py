@@ -15,6 +15,11 @@ averaged with the replies' weights.
 
 Between equal numbers of units, exact transport with uniform mass is a permutation, so with ``reg = 0``
 a planted copy (residual coordinates, heads and FF neurons permuted) is mapped back exactly.
+
+``cost="activations"`` (the paper's activation-based variant) replaces each layer's weight rows by its
+output units' activations on the same inputs (``OTFusion.data``, at most ``samples`` positions, each
+unit's vector scaled to unit norm as the rows are): the model's own activations against the anchor's,
+so no input-side map enters the cost. The embedding tables keep their weight-based costs.
 """
 
 from __future__ import annotations
@@ -72,14 +77,46 @@ def unit_map(cost: torch.Tensor, options: OTFusion) -> torch.Tensor:
     return transport(cost, options.reg, options.iterations) * cost.shape[0]
 
 
-def _linear(w, b, anchor_w, t_in, options, last=False):
+def _linear(w, b, anchor_w, t_in, options, last=False, acts=None):
     """A linear layer (rows: output units) carried to the anchor: input side by ``t_in``, output side
-    by a new map (none for the last layer). Returns the weight, the bias and the map."""
+    by a new map (none for the last layer). Returns the weight, the bias and the map. ``acts``: the
+    layer's output activations, the model's and the anchor's (units × positions), as the cost."""
     w = w if t_in is None else w @ t_in
     if last:
         return w, b, None
-    T = unit_map(ground_cost(w, anchor_w), options)
+    T = unit_map(ground_cost(*acts) if acts is not None else ground_cost(w, anchor_w), options)
     return T.T @ w, (T.T @ b if b is not None else None), T
+
+
+LINEARS = ("patch_emb", "attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2")
+
+
+@torch.no_grad()
+def activations(model: nn.Module, data, samples: int = 1024, batch_size: int = 64) -> dict[str, torch.Tensor]:
+    """Every aligned linear layer's outputs on ``data``'s first ``samples`` positions (tokens, or
+    patches and the class token), as ``units × positions`` float64 matrices, keyed by module name."""
+    model = model.eval()
+    found: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name.endswith(LINEARS):
+
+            def keep(_m, _i, out, name=name):
+                found.setdefault(name, []).append(out.detach().reshape(-1, out.shape[-1]).double())
+
+            hooks.append(mod.register_forward_hook(keep))
+    try:
+        seen = 0
+        dev = next(model.parameters()).device
+        for x, _ in data.batches(batch_size):
+            model(x.to(dev))
+            seen += x.shape[0] * (x.shape[1] if not x.is_floating_point() else 1)
+            if seen >= samples:
+                break
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: torch.cat(v)[:samples].T.cpu() for k, v in found.items()}
 
 
 def _columns(e, anchor_e, options):
@@ -93,14 +130,21 @@ def _meet(skip: torch.Tensor, block: torch.Tensor, policy: str) -> torch.Tensor:
     return {"mean": 0.5 * (skip + block), "transported": block, "residual": skip}[policy]
 
 
-def _embeddings(sd: dict, anchor: dict, out: dict, options: OTFusion) -> torch.Tensor:
+def _embeddings(sd: dict, anchor: dict, out: dict, options: OTFusion, acts=None) -> torch.Tensor:
     """Align the embeddings (GPT-2: token and position tables; ViT: patch projection, positions, class
     token) into ``out``; returns the residual stream's map."""
     out["pos_emb"], t_pos = _columns(sd["pos_emb"], anchor["pos_emb"], options)
     if "tok_emb.weight" in sd:
         out["tok_emb.weight"], t_in = _columns(sd["tok_emb.weight"], anchor["tok_emb.weight"], options)
     else:
-        w, b, t_in = _linear(sd["patch_emb.weight"], sd["patch_emb.bias"], anchor["patch_emb.weight"], None, options)
+        w, b, t_in = _linear(
+            sd["patch_emb.weight"],
+            sd["patch_emb.bias"],
+            anchor["patch_emb.weight"],
+            None,
+            options,
+            acts=_of(acts, "patch_emb"),
+        )
         out["patch_emb.weight"], out["patch_emb.bias"] = w, b
     t_res = _meet(t_pos, t_in, options.residual)
     if "cls_token" in sd:
@@ -115,18 +159,28 @@ def _norm(sd, out, name, t_res):
             out[key] = sd[key] @ t_res
 
 
-def _block(sd: dict, anchor: dict, out: dict, i: int, t_res: torch.Tensor, options: OTFusion, maps: Maps):
+def _of(acts, key: str):
+    """The model's and the anchor's activations of layer ``key`` (None: weight-based costs)."""
+    return None if acts is None else (acts[0][key], acts[1][key])
+
+
+def _block(sd: dict, anchor: dict, out: dict, i: int, t_res: torch.Tensor, options: OTFusion, maps: Maps, acts=None):
     """Align block ``i`` into ``out``; returns the residual stream's map after it."""
     p = f"blocks.{i}."
     _norm(sd, out, p + "ln1", t_res)
     for name in ("q", "k", "v"):
         key = p + f"attn.{name}"
         out[key + ".weight"], out[key + ".bias"], maps[key] = _linear(
-            sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], t_res, options
+            sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], t_res, options, acts=_of(acts, key)
         )
     key = p + "attn.o"
     out[key + ".weight"], out[key + ".bias"], maps[key] = _linear(
-        sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], maps[p + "attn.v"], options
+        sd[key + ".weight"],
+        sd.get(key + ".bias"),
+        anchor[key + ".weight"],
+        maps[p + "attn.v"],
+        options,
+        acts=_of(acts, key),
     )
     t_res = _meet(t_res, maps[key], options.residual)
     _norm(sd, out, p + "ln2", t_res)
@@ -134,24 +188,33 @@ def _block(sd: dict, anchor: dict, out: dict, i: int, t_res: torch.Tensor, optio
     for name in ("fc1", "fc2"):
         key = p + f"mlp.{name}"
         out[key + ".weight"], out[key + ".bias"], maps[key] = _linear(
-            sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], t_in, options
+            sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], t_in, options, acts=_of(acts, key)
         )
         t_in = maps[key]
     return _meet(t_res, t_in, options.residual)
 
 
-def ot_align(model: nn.Module, anchor: nn.Module, options: Optional[OTFusion] = None) -> tuple[dict, Maps]:
-    """``model``'s weights carried onto ``anchor``'s units (float64) and the maps used (key → map)."""
+def ot_align(
+    model: nn.Module, anchor: nn.Module, options: Optional[OTFusion] = None, anchor_acts: Optional[dict] = None
+) -> tuple[dict, Maps]:
+    """``model``'s weights carried onto ``anchor``'s units (float64) and the maps used (key → map).
+    ``anchor_acts``: the anchor's ``activations`` when the cost is activation-based (else computed)."""
     options = options or OTFusion()
+    acts = None
+    if options.cost == "activations":
+        if options.data is None:
+            raise ValueError('OTFusion(cost="activations") needs data: OTFusion(data=...) (server-side inputs)')
+        anchor_acts = anchor_acts if anchor_acts is not None else activations(anchor, options.data, options.samples)
+        acts = (activations(model, options.data, options.samples), anchor_acts)
     sd = {k: v.detach().double() for k, v in model.state_dict().items()}
     ref = {k: v.detach().double() for k, v in anchor.state_dict().items()}
     if not ("tok_emb.weight" in sd or "patch_emb.weight" in sd) or any(".mlp.gate" in k for k in sd):
         raise ValueError("OT fusion is written for fedlmc's GPT-2 and ViT models (LayerNorm, GELU FFs)")
     out: dict = {}
-    maps: Maps = {"residual.embedding": _embeddings(sd, ref, out, options)}
+    maps: Maps = {"residual.embedding": _embeddings(sd, ref, out, options, acts)}
     t_res = maps["residual.embedding"]
     for i in range(model.config.n_layer):
-        t_res = maps[f"residual.{i}"] = _block(sd, ref, out, i, t_res, options, maps)
+        t_res = maps[f"residual.{i}"] = _block(sd, ref, out, i, t_res, options, maps, acts)
     _norm(sd, out, "ln_f", t_res)
     out["head.weight"], out["head.bias"], _ = _linear(
         sd["head.weight"], sd.get("head.bias"), None, t_res, options, True
@@ -171,9 +234,10 @@ def ot_fusion(models: Sequence[nn.Module], weights: Sequence[float], options: Op
     anchor = models[a]
     total = float(sum(weights))
     acc = {k: v.detach().double() * (weights[a] / total) for k, v in anchor.state_dict().items()}
+    anchor_acts = activations(anchor, options.data, options.samples) if options.cost == "activations" else None
     for i, (m, w) in enumerate(zip(models, weights)):
         if i != a:
-            aligned, _ = ot_align(m, anchor, options)
+            aligned, _ = ot_align(m, anchor, options, anchor_acts)
             for k in acc:
                 acc[k] = acc[k] + aligned[k] * (w / total)
     fused = copy.deepcopy(anchor)

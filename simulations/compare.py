@@ -161,7 +161,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "screen-multiround": dict(strategies=SCREEN_STRATEGIES, clients=5, config=ROBUST_MULTIROUND),
     # mixed widths: d, d/2, d/4 clients from one shared init (HeteroFL's home ground)
     "widths": dict(
-        strategies=["slicing", "hetero-permuted", "hetero"],
+        strategies=["slicing", "hetero-permuted", "hetero", "hetero:ff-lift=split"],
         clients=3,
         config={
             "num-server-rounds": 5,
@@ -173,7 +173,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
     ),
     # model-heterogeneous one-shot: organisations bring models of widths d, d/2, d/4, trained separately
     "widths-independent": dict(
-        strategies=["slicing", "hetero-permuted", "hetero", "hetero-refined"],
+        strategies=[
+            "slicing",
+            "hetero-permuted",
+            "hetero",
+            "hetero-refined",
+            "hetero:ff-lift=split",  # narrower FFs split over the extra units, not zero-padded
+            "hetero-refined:ff-lift=split",
+        ],
         clients=3,
         config={
             "num-server-rounds": 1,

@@ -80,6 +80,39 @@ def test_exact_transport_maps_a_planted_copy_back(preset):
     assert torch.allclose(fused(x), model(x), atol=1e-9)
 
 
+class Inputs:
+    """A few server-side inputs, as fedlmc's data sets hand them out."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def batches(self, batch_size: int, shuffle: bool = False, generator=None):
+        for i in range(0, len(self.x), batch_size):
+            yield self.x[i : i + batch_size], None
+
+
+@pytest.mark.parametrize("preset", sorted(SMALL))
+def test_activation_costs_map_a_planted_copy_back_and_need_data(preset):
+    """The activation-based variant: a planted copy's units have the model's activations, permuted, so
+    exact transport on activation costs is the planted permutation again (every parameter back)."""
+    g = torch.Generator().manual_seed(4)
+    torch.manual_seed(5)
+    model = from_preset(preset, **SMALL[preset]).double().eval()
+    copy = planted_copy(model, g).eval()
+    data = Inputs(torch.cat([_inputs(preset, g) for _ in range(8)]))
+    options = OTFusion(reg=0.0, cost="activations", data=data, samples=256)
+    aligned, maps = ot_align(copy, model, options)
+    for k, v in model.state_dict().items():
+        assert torch.allclose(aligned[k], v.double(), atol=1e-12), k
+    assert all(torch.equal(T.round(), T) for T in maps.values())
+    soft = ot_fusion([model, copy], [1.0, 1.0], OTFusion(reg=0.06, cost="activations", data=data, samples=256))
+    assert torch.isfinite(soft(data.x[:3])).all()
+    with pytest.raises(ValueError, match="needs data"):
+        ot_align(copy, model, OTFusion(cost="activations"))
+    with pytest.raises(ValueError, match="OT fusion cost"):
+        OTFusion(cost="gradients")
+
+
 def test_sinkhorn_plans_have_the_marginals_and_sharpen_to_the_assignment():
     g = torch.Generator().manual_seed(3)
     cost = ground_cost(

@@ -222,3 +222,24 @@ def test_ff_lift_reaches_the_mixed_width_strategies_and_nothing_else():
         Settings.from_run_config({"strategy": "aligned", "ff-lift": "split"})
     with pytest.raises(ValueError, match="ff-lift"):
         Settings.from_run_config({"strategy": "hetero", "ff-lift": "copies"})
+
+
+def test_ot_cost_gives_ot_fusion_the_server_data():
+    """run_config ``ot-cost = "activations"``: ``OTFusionFedAvg`` costs its maps on activations of the
+    server's refinement half (the data ``refined`` learns on); an unknown cost is a clear error."""
+    from fedlmc.data import load
+    from fedlmc.models import from_preset
+    from strategies.factory import build_strategy
+
+    model = from_preset("vit-digits")
+    cfg = {"strategy": "ot-fusion", "preset": "vit-digits", "ot-cost": "activations"}
+    got = build_strategy(Settings.from_run_config(cfg), model.config.to_dict(), load("digits"))
+    assert got.fusion.cost == "activations" and len(got.fusion.data) > 0
+    plain = build_strategy(
+        Settings.from_run_config({"strategy": "ot-fusion", "preset": "vit-digits"}),
+        model.config.to_dict(),
+        load("digits"),
+    )
+    assert plain.fusion.cost == "weights" and plain.fusion.data is None
+    with pytest.raises(ValueError, match="ot-cost"):
+        Settings.from_run_config({"strategy": "ot-fusion", "ot-cost": "gradients"})

@@ -245,7 +245,9 @@ def _refined_clients(b: Build):
     server_data=True,
 )
 def _ot_fusion(b: Build):
-    return OTFusionFedAvg(**b.common(), fusion=OTFusion(reg=b.settings.ot_reg), guard=b.guard())
+    s = b.settings
+    data = b.halves()[0] if s.ot_cost == "activations" else None  # the half the refinement learns on
+    return OTFusionFedAvg(**b.common(), fusion=OTFusion(reg=s.ot_reg, cost=s.ot_cost, data=data), guard=b.guard())
 
 
 def _distilled(b: Build, start: str, refine: bool = False, on_clients: bool = False):
