@@ -151,3 +151,25 @@ def test_a_universe_with_ff_scales_merges_rescaled_copies_back_into_the_model(re
     plain, _ = universe_merge(copies, universe=Universe(iterations=3, keep_layernorm=False))
     record("gpt2-tiny-relu: universe with ff scales of 3 rescaled copies vs the model", maxdiff(scaled(x), a(x)), 1e-6)
     assert maxdiff(plain(x), a(x)) > 1e-3
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-5])
+def test_the_residual_global_scale_is_a_symmetry_only_without_the_norm_eps(eps, record):
+    """The canonical form's one candidate left for a residual scale: every writer × c. RMSNorm reads
+    ``c·x / sqrt(c²·mean(x²) + eps)``, the same only when eps = 0; fedlmc's models (and Hugging Face's)
+    have eps > 0, so the global scale is not a group element and nothing solves it."""
+    torch.manual_seed(0)
+    m = canonicalize(perturbed(from_preset("gpt2-tiny", **{**SMALL["gpt2-tiny-relu"], "norm_eps": eps}), 0, 0.2))
+    spec = spec_for(m)
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    for member in spec.residual.members:
+        if member.role == "writer":
+            sd[member.param] = sd[member.param] * 3.0
+    scaled = type(m)(m.config).double().eval()
+    scaled.load_state_dict(sd)
+    x = inputs_for(m)
+    gap = maxdiff(scaled(x), m(x))
+    if eps == 0:
+        record("residual × 3 with eps = 0 (float64)", gap, BOUND)
+    else:
+        assert gap > 1e-6, gap
