@@ -139,14 +139,20 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # robust aggregation: 5 one-shot clients, the last one poisoned (shuffled labels); "X@median" is
     # strategy X with reduce=median (average@median is Flower's FedMedian)
     "robust": dict(
-        strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
+        strategies=[
+            *["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
+            *["ot-fusion", "feddf", "refined-distilled"],  # the one-shot fusion peers, and ours distilled
+        ],
         clients=5,
         config=ROBUST,
     ),
     # ... and federated training from a shared init with a sign-flipping attacker (scaled ×4: its
     # flipped update cancels the four honest ones in a plain mean)
     "robust-multiround": dict(
-        strategies=["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
+        strategies=[
+            *["average", "average@median", "aligned", "aligned@median", "aligned@trimmed"],
+            *PEERS_TUNED,  # the drift cures, with the multiround setting's hyper-parameters
+        ],
         clients=5,
         config=ROBUST_MULTIROUND,
     ),
