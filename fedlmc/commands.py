@@ -37,6 +37,23 @@ def budget(args: argparse.Namespace) -> dict[str, Any]:
     return dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, device=args.device)
 
 
+# TrainConfig fields added after models were cached: named in a cache key only when not at these
+# defaults, so the models trained before a field existed (with its default behaviour) are found again
+LATER_FIELDS = {"keep_best": False, "optimizer": "adamw"}
+
+
+def cache_name(preset: str, seed: int, splits, cfg, model_overrides: Optional[dict[str, Any]] = None) -> str:
+    """The folder name of a trained model under the cache: the preset, the seed and a hash of what the
+    model is trained on and how (the data, the training config, the architecture's overrides)."""
+    kept = {k: v for k, v in cfg.__dict__.items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
+    parts: list[Any] = [preset, splits.name, splits.meta.get("source"), kept]
+    if model_overrides:  # only when given, so earlier caches keep their names
+        parts.append(model_overrides)
+    key = json.dumps(parts, sort_keys=True, default=str)
+    tag = "".join(f"-{k}{v}" for k, v in sorted((model_overrides or {}).items())).replace("_", "")
+    return f"{preset}{tag}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
 def trained(
     preset: str,
     seed: int,
@@ -52,14 +69,7 @@ def trained(
     from .train import train_config_for, train_preset
 
     cfg = train_config_for(preset, seed, **over)
-    # keep_best named only when set, so the caches of models trained without it keep their names
-    kept = {k: v for k, v in cfg.__dict__.items() if k != "keep_best" or v}
-    parts: list[Any] = [preset, splits.name, splits.meta.get("source"), kept]
-    if model_overrides:  # only when given, so earlier caches keep their names
-        parts.append(model_overrides)
-    key = json.dumps(parts, sort_keys=True, default=str)
-    tag = "".join(f"-{k}{v}" for k, v in sorted((model_overrides or {}).items())).replace("_", "")
-    path = cache / f"{preset}{tag}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    path = cache / cache_name(preset, seed, splits, cfg, model_overrides)
     if (path / io.WEIGHTS).is_file():
         console.print(f"[dim]reusing {path}[/dim]")
         return io.load(path)

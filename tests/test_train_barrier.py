@@ -270,3 +270,30 @@ def test_evaluation_batches_of_a_large_vocabulary_are_capped(monkeypatch):
     m = Big()
     out = train_mod.evaluate(m, TokenData(torch.randint(0, 1000, (8 * 100 + 1,)), 8))
     assert max(m.seen) == 16 and sum(m.seen) == 100 and abs(out["loss"] - float(torch.log(torch.tensor(1000.0)))) < 1e-4
+
+
+def test_a_cache_name_names_later_fields_only_off_their_defaults():
+    """A training-config field added after models were cached (``optimizer``, ``keep_best``) enters the
+    cache key only when it changes the training: the models trained before it existed are found again,
+    and a model trained otherwise gets a name of its own."""
+    import dataclasses
+    import json
+
+    from fedlmc.commands import LATER_FIELDS, cache_name
+    from fedlmc.train import TrainConfig
+
+    class Splits:
+        name, meta = "shakespeare", {"source": "tinyshakespeare.txt"}
+
+    cfg = TrainConfig(steps=10, lr=2e-3)
+    assert {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in LATER_FIELDS} == LATER_FIELDS
+    older = {k: v for k, v in cfg.__dict__.items() if k not in LATER_FIELDS}  # the key before those fields
+    import hashlib
+
+    key = json.dumps(["gpt2-tiny", "shakespeare", "tinyshakespeare.txt", older], sort_keys=True, default=str)
+    assert cache_name("gpt2-tiny", 0, Splits, cfg) == f"gpt2-tiny-s0-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    names = {
+        cache_name("gpt2-tiny", 0, Splits, dataclasses.replace(cfg, **c))
+        for c in ({}, {"optimizer": "sgd"}, {"keep_best": True})
+    }
+    assert len(names) == 3
