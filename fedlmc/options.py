@@ -86,7 +86,7 @@ class Matching:
         less than half of ``min_gain`` (``info["gave_up"]``): the identity is kept without the
         iterations that would only refine the noise's fit.
     ff_candidates : int or None, default 64
-        FF groups of more than 4 × ``ff_candidates`` neurons are assigned on each neuron's
+        FF groups of more than 4 × ``ff_candidates`` (and 2048) neurons are assigned on each neuron's
         ``ff_candidates`` best partners (a sparse assignment); None solves every group densely.
     precision : {"auto", "exact", "bfloat16", "int8"}, default "auto"
         The dtype of the large per-iteration products of float32 problems on the CPU. "auto": bfloat16

@@ -246,6 +246,12 @@ def similarity(FA: Union[torch.Tensor, Int8Rows], FB: torch.Tensor) -> torch.Ten
     return FA @ FB.to(FA.dtype).T
 
 
+# FF groups up to this many neurons are assigned densely whatever ``candidates`` says: a dense solve of
+# 2048 units takes a fraction of a second, while the sparse solver on a candidate graph of a few hundred
+# units was seen to spend minutes in one call (a trained d = 256 ViT pair, d_ff = 512)
+DENSE_UP_TO = 2048
+
+
 def ff_step(
     A_features: dict[str, Union[torch.Tensor, Int8Rows]],
     B_res: StateDict,
@@ -259,7 +265,7 @@ def ff_step(
     ``A_features``: each FF group's ``unit_features`` of A (fixed during a matching, so computed once),
     or their ``Int8Rows`` for int8 scores.
     ``candidates``: solve on each neuron's best candidates only (``sparse_assignment``, starting from
-    ``current``) for groups larger than 4 × candidates; None: the dense solver everywhere.
+    ``current``) for groups larger than 4 × candidates and ``DENSE_UP_TO``; None: the dense solver everywhere.
 
     Layer l's assignment is solved in a worker thread (scipy releases the GIL) while layer l + 1's
     similarity is computed, and at most two similarity matrices are alive at once."""
@@ -267,7 +273,7 @@ def ff_step(
 
     def prepare(S: torch.Tensor, g: Group):
         S = S.float() if S.dtype == torch.bfloat16 else S  # the CPU's elementwise bfloat16 kernels are slower
-        if candidates and g.size > 4 * candidates:
+        if candidates and g.size > max(4 * candidates, DENSE_UP_TO):
             return candidate_graph(S, candidates, current.get(g.name))
         best = _obvious(S)
         return best if best is not None else S.detach().to("cpu", torch.float64).numpy()
