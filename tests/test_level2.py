@@ -4,6 +4,7 @@ closed-form scale step on planted copies."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import inputs_for, perturbed
@@ -173,3 +174,31 @@ def test_the_residual_global_scale_is_a_symmetry_only_without_the_norm_eps(eps, 
         record("residual × 3 with eps = 0 (float64)", gap, BOUND)
     else:
         assert gap > 1e-6, gap
+
+
+def test_the_universe_table_adds_the_merges_that_match_ff_scales(record):
+    """``fedlmc universe --ff-scale``'s rows: the universe and the refined universe whose matching also
+    solves the FF scales, beside the ones without, on the same models (a tiny run: 2 refinement steps)."""
+    from types import SimpleNamespace
+
+    from fedlmc.data.base import TokenData
+    from fedlmc.manyway import universe_table
+    from fedlmc.options import Refinement
+
+    g = torch.Generator().manual_seed(0)
+    data = TokenData(torch.randint(0, 17, (600,), generator=g), block_size=8)
+    splits = SimpleNamespace(train=data, test=data)
+    models = [make("gpt2-tiny-relu", seed=s) for s in (4, 5, 6)]
+    res = universe_table(
+        models,
+        splits,
+        Refinement(steps=2, check_every=0),
+        iterations=1,
+        progress=False,
+        log=lambda s: None,
+        ff_scale=True,
+    )
+    rows = res["rows"]
+    assert {"universe", "refined", "universe + FF scales", "refined (α=1) + FF scales"} <= set(rows)
+    assert all(np.isfinite(r["loss"]) for r in rows.values())
+    assert rows["universe + FF scales"]["loss"] != rows["universe"]["loss"]  # a different merge, not a copy
