@@ -200,6 +200,8 @@ def ot_align(
     """``model``'s weights carried onto ``anchor``'s units (float64) and the maps used (key → map).
     ``anchor_acts``: the anchor's ``activations`` when the cost is activation-based (else computed)."""
     options = options or OTFusion()
+    if getattr(model.config, "arch", None) not in ("gpt2", "vit"):  # learned positions, LayerNorm, GELU FFs
+        raise ValueError("OT fusion is written for fedlmc's GPT-2 and ViT models (LayerNorm, GELU FFs)")
     acts = None
     if options.cost == "activations":
         if options.data is None:
@@ -208,8 +210,6 @@ def ot_align(
         acts = (activations(model, options.data, options.samples), anchor_acts)
     sd = {k: v.detach().double() for k, v in model.state_dict().items()}
     ref = {k: v.detach().double() for k, v in anchor.state_dict().items()}
-    if not ("tok_emb.weight" in sd or "patch_emb.weight" in sd) or any(".mlp.gate" in k for k in sd):
-        raise ValueError("OT fusion is written for fedlmc's GPT-2 and ViT models (LayerNorm, GELU FFs)")
     out: dict = {}
     maps: Maps = {"residual.embedding": _embeddings(sd, ref, out, options, acts)}
     t_res = maps["residual.embedding"]
