@@ -103,6 +103,21 @@ def plot_simplex(panels: dict[str, list[dict]], path: Path, title: str = "") -> 
     return path
 
 
+def _ff_scale_rows(models, refine: Refinement, iterations: int, tol: float, progress: bool, row) -> None:
+    """``universe_table``'s rows whose matching also solves the FF scales: the universe, then the refined
+    universe (which learns them)."""
+    scaled = Universe(iterations=iterations, tol=tol, keep_layernorm=False)
+    t = time.time()
+    row(
+        "universe + FF scales",
+        universe_merge(models, matching=Matching(ff_scale=True), universe=scaled)[0],
+        time.time() - t,
+    )
+    t = time.time()
+    ref = universe_merge(models, matching=Matching(ff_scale=True), refine=refine, progress=progress, universe=scaled)[0]
+    row(f"refined (α={refine.alpha:g}) + FF scales", ref, time.time() - t)
+
+
 def universe_table(
     models: Sequence[nn.Module],
     splits,
@@ -167,22 +182,7 @@ def universe_table(
         row(f"refined (α={a:g})" if len(alphas) > 1 else "refined", ref, time.time() - t)
         T_ref = T_ref or T
     if ff_scale:
-        scaled = Universe(iterations=iterations, tol=tol, keep_layernorm=False)
-        t = time.time()
-        row(
-            "universe + FF scales",
-            universe_merge(models, matching=Matching(ff_scale=True), universe=scaled)[0],
-            time.time() - t,
-        )
-        t = time.time()
-        ref = universe_merge(
-            models,
-            matching=Matching(ff_scale=True),
-            refine=replace(refine, data=splits.train, alpha=alphas[0]),
-            progress=progress,
-            universe=scaled,
-        )[0]
-        row(f"refined (α={alphas[0]:g}) + FF scales", ref, time.time() - t)
+        _ff_scale_rows(models, replace(refine, data=splits.train, alpha=alphas[0]), iterations, tol, progress, row)
     v = rows["vanilla"]["excess"]
     for name in rows:
         rows[name]["ratio"] = rows[name]["excess"] / v if v > 0 else float("nan")
