@@ -272,7 +272,7 @@ def _scale_command(file: str) -> str:
     return f"python bench/universe_scale.py --repeats 3 --plan {plan} --out results/{file}"
 
 
-WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128"
+WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128 256"
 LORA = (
     "small-gpt2-r4-steps200",
     "small-gpt2-r4-alpha16-steps200",
