@@ -101,16 +101,21 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class Llama(nn.Module):
-    """Token ids ``(B, T)`` → next-token logits ``(B, T, vocab_size)``."""
+class RotaryDecoder(nn.Module):
+    """A decoder with rotary positions: token ids ``(B, T)`` → next-token logits ``(B, T, vocab_size)``.
+    Subclasses name their ``Block`` (``block(x, cos, sin)``), whether the head has a bias, and the rotary
+    width (``config.rotary_dims``, default the whole head)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    Block: type
+    head_bias: bool = False
+
+    def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(self.Block(config) for _ in range(config.n_layer))
         self.ln_f = make_norm(config)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=self.head_bias)
         init_weights(self)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -118,7 +123,13 @@ class Llama(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         x = self.tok_emb(idx)
-        cos, sin = rotary(self.config, T, x)
+        cos, sin = rotary(self.config, T, x, dims=getattr(self.config, "rotary_dims", None))
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.head(self.ln_f(x))
+
+
+class Llama(RotaryDecoder):
+    """Token ids ``(B, T)`` → next-token logits ``(B, T, vocab_size)``."""
+
+    Block = LlamaBlock

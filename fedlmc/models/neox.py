@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import MLP, TransformerConfig, init_weights, make_norm
-from .llama import rotary, rotate
+from .layers import MLP, TransformerConfig, make_norm
+from .llama import RotaryDecoder, rotate
 
 
 @dataclass
@@ -67,24 +67,8 @@ class NeoXBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class NeoX(nn.Module):
+class NeoX(RotaryDecoder):
     """Token ids ``(B, T)`` → next-token logits ``(B, T, vocab_size)``."""
 
-    def __init__(self, config: NeoXConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(NeoXBlock(config) for _ in range(config.n_layer))
-        self.ln_f = make_norm(config)
-        self.head = nn.Linear(config.d_model, config.vocab_size)  # Hugging Face's has no bias: fitted on export
-        init_weights(self)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        x = self.tok_emb(idx)
-        cos, sin = rotary(self.config, T, x, dims=self.config.rotary_dims)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.head(self.ln_f(x))
+    Block = NeoXBlock
+    head_bias = True  # Hugging Face's has none: fitted on export (``fedlmc.hf.head``)
