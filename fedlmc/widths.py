@@ -97,7 +97,8 @@ def _split_axis(t: torch.Tensor, axis: int, d_ff: int, new_d_ff: int, output: bo
     """Split ``d_ff`` neurons along ``axis`` into ``new_d_ff`` units (``grow``), or merge them back. The
     output side (``output``: an FF writer's columns) carries the shares; the input side is copied, and
     merged as the share-weighted mean of its copies."""
-    src, share = split_sources(new_d_ff if not grow else d_ff, d_ff if not grow else new_d_ff)
+    narrow, wide = (d_ff, new_d_ff) if grow else (new_d_ff, d_ff)
+    src, share = split_sources(narrow, wide)
     x = t.movedim(axis, 0)
     share = share.to(x.dtype).to(x.device).reshape(-1, *[1] * (x.dim() - 1))
     if grow:
