@@ -44,6 +44,12 @@ BENCHES: dict[str, Bench] = {
         "`results/bench_wm_stopping_gpt2-tiny{,_w256}.{json,png}`, `results/bench_precision_quality_gpt2-tiny.json`",
         "15–50 min",
     ),
+    "ff_scale_overhead": Bench(
+        "weight matching of a GELU pair (no FF-scale group) with and without `Matching.ff_scale`, and against "
+        "another checkout (`--against DIR`) in the same run: medians of 3 and their ratios",
+        "`results/bench_ff_scale_overhead_gpt2-tiny.json`",
+        "10 min",
+    ),
     "universe_gpt2_small": Bench(
         "a universe of 8 planted gpt2-small-shaped copies: seconds, peak memory",
         "`results/bench_universe_gpt2_small.json`",

@@ -32,7 +32,10 @@ def aligned_models(models: Sequence[nn.Module], transforms) -> tuple[list[nn.Mod
     for m, T in zip(models, transforms):
         out.append(into_universe(m, T))
         masks.append(
-            permute_masks(unit_masks(m.config, T.width_map.shape, ff_lift=T.width_map.ff_lift), T)
+            permute_masks(
+                unit_masks(m.config, T.width_map.shape, ff_lift=T.width_map.ff_lift, head_lift=T.width_map.head_lift),
+                T,
+            )
             if T.width_map
             else None
         )

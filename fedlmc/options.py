@@ -405,6 +405,9 @@ class Universe:
     ff_lift : {"zeros", "split"}, default "zeros"
         Mixed widths: a narrower FF enters the universe with zero neurons (masked out of the averages),
         or with its own neurons split over the extra units (a semi-permutation, exact; nothing masked).
+    head_lift : {"zeros", "split"}, default "zeros"
+        Mixed head counts: fewer heads enter with zero heads (masked), or with their own heads split
+        over the extra ones (each copy keeps the QK circuit and carries a share of the OV circuit; exact).
     """
 
     iterations: int = 3
@@ -414,9 +417,11 @@ class Universe:
     anchor: str = "heaviest"
     keep_layernorm: bool = True
     ff_lift: str = "zeros"
+    head_lift: str = "zeros"
 
     def __post_init__(self) -> None:
         one_of(self.ff_lift, FF_LIFTS, "ff lift")
+        one_of(self.head_lift, FF_LIFTS, "head lift")
         one_of(self.start, UNIVERSE_STARTS, "universe start")
         one_of(self.form, FORMS, "form")
         one_of(self.anchor, ANCHORS, "anchor")

@@ -74,6 +74,7 @@ class Members:
     # stream stays centred in the universe (``widths.ones_lift``); None for the others
     lifts: Optional[list[Optional[torch.Tensor]]] = None
     ff_lift: str = "zeros"  # mixed widths: how a narrower FF was lifted (``widths.pad``)
+    head_lift: str = "zeros"  # ... and fewer heads
     excluded: dict[int, str] = field(default_factory=dict)  # model → why it was left out (unreadable, failed)
     passes: int = 0  # passes over the models so far (``in_turn``)
 
@@ -177,7 +178,11 @@ class Members:
             if m.config.d_model != self.shape["d_model"]:
                 T = lift_residual(self.own(i, T), m.config.d_model)
             out.append(
-                Transform(T.elements, T.info, WidthMap(dict(self.shape), self.attn_scale, m.config, self.ff_lift))
+                Transform(
+                    T.elements,
+                    T.info,
+                    WidthMap(dict(self.shape), self.attn_scale, m.config, self.ff_lift, self.head_lift),
+                )
             )
         return out
 
@@ -245,6 +250,7 @@ def members(
     start: Optional[nn.Module],
     keep_layernorm: bool,
     ff_lift: str = "zeros",
+    head_lift: str = "zeros",
 ) -> Members:
     """Validate and prepare the models of a universe (see ``Members``)."""
     if not models:
@@ -262,7 +268,9 @@ def members(
         # zero-padding a rotary head changes which dimensions RoPE pairs; GQA groups need their own masks
         raise ValueError("mixed widths are not supported for Llama-style models (RoPE, grouped-query attention) yet")
     scale = next((c.attn_scale for c in configs if c.d_head == shape["d_head"]), shape["d_head"] ** -0.5)
-    padded = [pad(m, shape, attn_scale=scale, ff_lift=ff_lift) for m in canon]
+    if any(getattr(c, "rotary_dims", None) for c in configs) and len({c.d_head for c in configs}) > 1:
+        raise ValueError("mixed head widths are not supported for rotary models (padding changes RoPE's pairs)")
+    padded = [pad(m, shape, attn_scale=scale, ff_lift=ff_lift, head_lift=head_lift) for m in canon]
     lifts = None
     if keep_layernorm and len({c.d_model for c in configs}) > 1:  # keep every padded stream centred
         D = shape["d_model"]
@@ -276,11 +284,12 @@ def members(
         [x / sum(w) for x in w],
         shape,
         padded,
-        [unit_masks(m.config, shape, ff_lift=ff_lift) for m in models],
+        [unit_masks(m.config, shape, ff_lift=ff_lift, head_lift=head_lift) for m in models],
         scale,
         True,
         lifts,
         ff_lift,
+        head_lift,
     )
 
 
@@ -363,7 +372,7 @@ def universe_merge(
     keep_layernorm = u.keep_layernorm and all(layernorm_native(x.config) for x in models)
     _check_options(refine, u, r, start)
     iterations, tol, form, anchor, reduce, trim = u.iterations, u.tol, u.form, u.anchor, r.reduce, r.trim
-    mem, start, aligned = _members_for(models, weights, start, keep_layernorm, reduce, u.ff_lift)
+    mem, start, aligned = _members_for(models, weights, start, keep_layernorm, reduce, u.ff_lift, u.head_lift)
     align = dict(matching=m, keep_layernorm=keep_layernorm, device=device)
     sc = scale if scale is not None else Scale()
     parallel = sc.parallel and not mem.hetero and m.residual_data is None and aligned is None
@@ -381,7 +390,9 @@ def universe_merge(
         return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress, pool, store)
 
 
-def _members_for(models, weights, start, keep_layernorm: bool, reduce: str, ff_lift: str = "zeros"):
+def _members_for(
+    models, weights, start, keep_layernorm: bool, reduce: str, ff_lift: str = "zeros", head_lift: str = "zeros"
+):
     """``universe_merge``'s members, its start and, when the start is an ``Aligned``, the transforms
     the models already have into it (else None)."""
     aligned = None
@@ -389,7 +400,7 @@ def _members_for(models, weights, start, keep_layernorm: bool, reduce: str, ff_l
         if len(start.transforms) != len(models):
             raise ValueError(f"Aligned: one transform per model, got {len(start.transforms)} for {len(models)}")
         aligned, start = start.transforms, start.universe
-    mem = members(models, weights, None if isinstance(start, str) else start, keep_layernorm, ff_lift)
+    mem = members(models, weights, None if isinstance(start, str) else start, keep_layernorm, ff_lift, head_lift)
     if aligned is not None and mem.hetero:
         raise ValueError("Aligned: models of one shape (a mixed-width universe is padded anew)")
     if reduce != "mean" and mem.hetero:
@@ -434,7 +445,11 @@ def _merge(
     elif isinstance(start, str):  # "mean": the replies' plain weighted mean, streamed (in canonical form)
         universe = mem.merge([Transform() for _ in mem.models])
     elif start is not None:
-        universe = pad(start, mem.shape, attn_scale=mem.attn_scale, ff_lift=mem.ff_lift) if mem.hetero else start
+        universe = (
+            pad(start, mem.shape, attn_scale=mem.attn_scale, ff_lift=mem.ff_lift, head_lift=mem.head_lift)
+            if mem.hetero
+            else start
+        )
     else:
         universe = None
         while universe is None:  # an anchor that cannot be read is excluded, and the next one taken
@@ -656,4 +671,4 @@ def project(universe: nn.Module, transform: Transform) -> nn.Module:
     if wm is not None and universe.config.d_head != wm.shape["d_head"]:
         raise ValueError("project needs the universe in the factored form (a circuit merge changed the head width)")
     out = apply_transform(universe, invert_transform(transform, spec_for(universe))) if transform.elements else universe
-    return unpad(out, wm.client, wm.ff_lift) if wm is not None else out
+    return unpad(out, wm.client, wm.ff_lift, wm.head_lift) if wm is not None else out

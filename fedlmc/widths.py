@@ -11,7 +11,10 @@ A narrower model joins a wider "universe" exactly:
   (exact for any elementwise nonlinearity: the copies compute the same activation). A split model has
   no padding to mask; ``unpad`` merges the copies back (their share-weighted mean input, their summed
   output: exact on a split model);
-* heads ``H → H_u``: zero heads (zero Q, K, V, O: uniform attention over zero values writes nothing);
+* heads ``H → H_u``: zero heads (zero Q, K, V, O: uniform attention over zero values writes nothing),
+  or (``head_lift="split"``, the OV split) the client's own heads split: head ``k`` copies head
+  ``k mod H``'s Q, K and V (one QK circuit, so the copies attend alike) and the copies share its O
+  columns (exact for any attention); ``unpad`` merges them back as FF splits are;
 * head width ``d_head → d_head_u``: zero dimensions inside each head (Q·K and V·O unchanged); Q absorbs
   the change of attention scale so every padded model shares the universe's ``attn_scale``.
 
@@ -87,34 +90,58 @@ def _slice_axis(t: torch.Tensor, axis: int, units: int, block: int, keep_units: 
 
 
 def split_sources(d_ff: int, new_d_ff: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split lift's semi-permutation: which neuron each of ``new_d_ff`` units copies (``k mod d_ff``)
-    and the share of that neuron's output each copy carries (1 / its number of copies)."""
+    """The split lift's semi-permutation of ``d_ff`` units (FF neurons or heads) into ``new_d_ff``: which
+    unit each new one copies (``k mod d_ff``) and the share of that unit's output each copy carries (1 /
+    its number of copies)."""
     src = torch.arange(new_d_ff) % d_ff
     return src, 1.0 / torch.bincount(src, minlength=d_ff)[src].double()
 
 
-def _split_axis(t: torch.Tensor, axis: int, d_ff: int, new_d_ff: int, output: bool, grow: bool) -> torch.Tensor:
-    """Split ``d_ff`` neurons along ``axis`` into ``new_d_ff`` units (``grow``), or merge them back. The
-    output side (``output``: an FF writer's columns) carries the shares; the input side is copied, and
-    merged as the share-weighted mean of its copies."""
-    narrow, wide = (d_ff, new_d_ff) if grow else (new_d_ff, d_ff)
+def _split_axis(
+    t: torch.Tensor, axis: int, units: int, new_units: int, output: bool, grow: bool, block: int = 1
+) -> torch.Tensor:
+    """Split ``units`` units (blocks of ``block`` entries) along ``axis`` into ``new_units`` (``grow``), or
+    merge them back. The output side (``output``: an FF writer's or a head's O columns) carries the
+    shares; the input side is copied, and merged as the share-weighted mean of its copies."""
+    narrow, wide = (units, new_units) if grow else (new_units, units)
     src, share = split_sources(narrow, wide)
     x = t.movedim(axis, 0)
+    rest = x.shape[1:]
+    x = x.reshape(units, block, *rest)
     share = share.to(x.dtype).to(x.device).reshape(-1, *[1] * (x.dim() - 1))
     if grow:
         out = x[src.to(x.device)] * (share if output else 1)
     else:
-        out = x.new_zeros(new_d_ff, *x.shape[1:]).index_add_(0, src.to(x.device), x * (1 if output else share))
-    return out.movedim(0, axis)
+        out = x.new_zeros(new_units, block, *rest).index_add_(0, src.to(x.device), x * (1 if output else share))
+    return out.reshape(new_units * block, *rest).movedim(0, axis)
+
+
+def _resize_head(t: torch.Tensor, axis: int, cfg, n_head: int, d_head: int, grow: bool, head_lift: str):
+    """One head-indexed tensor resized to ``n_head`` heads of width ``d_head``: zero heads, or
+    (``head_lift="split"``) the model's own heads split, their width padded or sliced apart from that."""
+    H, dh = cfg.n_head, cfg.d_head
+    if head_lift != "split" or n_head == H:
+        return (_pad_axis if grow else _slice_axis)(t, axis, H, dh, n_head, d_head)
+    if getattr(cfg, "n_kv_head", H) != H:
+        raise ValueError("head_lift='split' needs one KV head per query head (grouped-query attention shares them)")
+    if grow:
+        return _split_axis(_pad_axis(t, axis, H, dh, H, d_head), axis, H, n_head, axis == 1, True, d_head)
+    return _slice_axis(_split_axis(t, axis, H, n_head, axis == 1, False, dh), axis, n_head, dh, n_head, d_head)
 
 
 def _resize_units(
-    model: nn.Module, n_head: int, d_head: int, d_ff: int, attn_scale: float, grow: bool, ff_lift: str = "zeros"
+    model: nn.Module,
+    n_head: int,
+    d_head: int,
+    d_ff: int,
+    attn_scale: float,
+    grow: bool,
+    ff_lift: str = "zeros",
+    head_lift: str = "zeros",
 ) -> nn.Module:
     cfg = model.config
     spec = spec_for(cfg)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    H, dh = cfg.n_head, cfg.d_head
     resize = _pad_axis if grow else _slice_axis
     for g in spec.layer_groups("qk"):
         # the query side (q → Aᵀq) absorbs the change of attention scale, so scores stay the same
@@ -122,15 +149,16 @@ def _resize_units(
             if m.fn == "MT":
                 sd[m.param] = sd[m.param] * (cfg.attn_scale / attn_scale)
     for g in spec.layer_groups("heads"):
-        for m in g.members:
-            sd[m.param] = resize(sd[m.param], m.axis, H, dh, n_head, d_head)
+        for m in g.members:  # a head's O columns (axis 1) are its output side
+            sd[m.param] = _resize_head(sd[m.param], m.axis, cfg, n_head, d_head, grow, head_lift)
     for g in spec.layer_groups("ff"):
         for m in g.members:  # an FF writer's columns (axis 1 of fc2 / down) are the neurons' output side
             if ff_lift == "split" and d_ff != cfg.d_ff:
                 sd[m.param] = _split_axis(sd[m.param], m.axis, cfg.d_ff, d_ff, output=m.axis == 1, grow=grow)
             else:
                 sd[m.param] = resize(sd[m.param], m.axis, cfg.d_ff, 1, d_ff, 1)
-    return rebuild(model, sd, cfg.replace(n_head=n_head, d_head=d_head, d_ff=d_ff, attn_scale=attn_scale))
+    kv = {"n_kv_head": n_head} if getattr(cfg, "n_kv_head", None) == cfg.n_head else {}  # one KV head per head
+    return rebuild(model, sd, cfg.replace(n_head=n_head, d_head=d_head, d_ff=d_ff, attn_scale=attn_scale, **kv))
 
 
 def residual_lift(d_small: int, d_large: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -144,15 +172,18 @@ def pad(
     residual: bool = True,
     attn_scale: Optional[float] = None,
     ff_lift: str = "zeros",
+    head_lift: str = "zeros",
 ) -> nn.Module:
     """``model`` zero-padded exactly into ``shape`` (fields of ``SHAPE``; missing ones are kept).
 
     ``residual=False`` pads only the units (heads, head width, FF), leaving the residual lift to a
     transform (``align`` does that). ``attn_scale`` defaults to ``1/sqrt(shape['d_head'])`` when the
     head width grows. ``ff_lift="split"`` fills a wider FF with the model's own neurons split (module
-    docstring) instead of zero neurons. A LayerNorm model is canonicalised when its residual is lifted.
+    docstring) instead of zero neurons, ``head_lift="split"`` more heads with its own heads split. A
+    LayerNorm model is canonicalised when its residual is lifted.
     """
     one_of(ff_lift, FF_LIFTS, "ff lift")
+    one_of(head_lift, FF_LIFTS, "head lift")
     cfg = model.config
     target = {**shape_of(cfg), **{k: int(v) for k, v in shape.items() if v is not None}}
     for k in SHAPE:
@@ -169,19 +200,20 @@ def pad(
         cfg.d_head,
         cfg.d_ff,
     ) or scale != cfg.attn_scale:
-        out = _resize_units(model, target["n_head"], target["d_head"], target["d_ff"], scale, True, ff_lift)
+        out = _resize_units(model, target["n_head"], target["d_head"], target["d_ff"], scale, True, ff_lift, head_lift)
     if residual and target["d_model"] != cfg.d_model:
         ref = next(out.parameters())
         out = apply_transform(out, Transform({"residual": residual_lift(cfg.d_model, target["d_model"], ref.dtype)}))
     return out
 
 
-def unpad(model: nn.Module, client: TransformerConfig, ff_lift: str = "zeros") -> nn.Module:
+def unpad(model: nn.Module, client: TransformerConfig, ff_lift: str = "zeros", head_lift: str = "zeros") -> nn.Module:
     """Slice a universe-shaped model to ``client``'s shape (the inverse of ``pad``; exact on padded models).
 
     The residual is projected onto its first ``client.d_model`` coordinates (the transpose of the lift),
     heads, head dimensions and FF neurons keep their first entries (``ff_lift="split"``: each neuron's
-    copies are merged back), and the client's attention scale and norm eps are restored.
+    copies are merged back; ``head_lift="split"``: each head's too), and the client's attention scale and
+    norm eps are restored.
     """
     cfg = model.config
     out = model
@@ -190,19 +222,22 @@ def unpad(model: nn.Module, client: TransformerConfig, ff_lift: str = "zeros") -
         out = apply_transform(out, Transform({"residual": residual_lift(client.d_model, cfg.d_model, ref.dtype).T}))
     c = out.config
     if (c.n_head, c.d_head, c.d_ff, c.attn_scale) != (client.n_head, client.d_head, client.d_ff, client.attn_scale):
-        out = _resize_units(out, client.n_head, client.d_head, client.d_ff, client.attn_scale, False, ff_lift)
+        out = _resize_units(
+            out, client.n_head, client.d_head, client.d_ff, client.attn_scale, False, ff_lift, head_lift
+        )
     if out.config.norm_eps != client.norm_eps:
         out = rebuild(out, out.state_dict(), out.config.replace(norm_eps=client.norm_eps))
     return out
 
 
 def unit_masks(
-    cfg: TransformerConfig, shape: dict[str, int], device=None, ff_lift: str = "zeros"
+    cfg: TransformerConfig, shape: dict[str, int], device=None, ff_lift: str = "zeros", head_lift: str = "zeros"
 ) -> dict[str, torch.Tensor]:
     """Which heads and FF neurons of a model padded into ``shape`` are real (True) or padding (False);
-    a split FF (``ff_lift="split"``) has no padding."""
+    a split FF (``ff_lift="split"``) or split heads (``head_lift="split"``) have no padding."""
     spec = spec_for(cfg)
-    out = {g.name: torch.arange(shape["n_head"], device=device) < cfg.n_head for g in spec.layer_groups("heads")}
+    heads = shape["n_head"] if head_lift == "split" else cfg.n_head
+    out = {g.name: torch.arange(shape["n_head"], device=device) < heads for g in spec.layer_groups("heads")}
     ff = shape["d_ff"] if ff_lift == "split" else cfg.d_ff
     out.update({g.name: torch.arange(shape["d_ff"], device=device) < ff for g in spec.layer_groups("ff")})
     return out

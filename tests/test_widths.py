@@ -202,3 +202,89 @@ def test_a_split_universe_of_a_narrow_and_a_wide_copy_projects_back(record):
         back = project(merged, Ts[1])
         assert back.config.d_ff == 40
         record("split universe: project(universe, T_narrow) vs narrow", float((back(x) - small(x)).abs().max()), 1e-6)
+
+
+def _neox(seed=0, **kw):
+    torch.manual_seed(seed)
+    base = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40, block_size=16, rotary_dims=4)
+    return perturbed(from_preset("neox-tiny", **{**base, **kw}), seed, 0.2)
+
+
+def _llama(seed=0, **kw):
+    torch.manual_seed(seed)
+    base = dict(n_layer=2, d_model=32, n_head=4, n_kv_head=4, d_ff=48, vocab_size=40, block_size=16)
+    return perturbed(from_preset("llama-tiny", **{**base, **kw}), seed, 0.2)
+
+
+@pytest.mark.parametrize("make", [_vit, _gpt, _neox, _llama])
+def test_the_head_split_is_exact_and_merges_back(make, record):
+    """The OV split: fewer heads lifted into more by splitting the model's own heads (each copy keeps its
+    head's Q, K and V, so the copies attend alike, and carries a share of its O columns) computes the same
+    function, with the head width padded too where it grows; every head is real; ``unpad`` merges the
+    copies back exactly, also after a random permutation of the heads and FF neurons."""
+    from fedlmc.symmetry import spec_for
+    from fedlmc.symmetry.random import invert_transform
+
+    small = make(3, n_head=4, d_head=8)
+    x = inputs_for(small)
+    rotary = make in (_neox, _llama)  # padding a rotary head's width changes which dimensions RoPE pairs
+    shape = {"n_head": 6, "d_head": 8 if rotary else 12, "d_ff": small.config.d_ff}
+    big = pad(small, shape, head_lift="split")
+    assert (big.config.n_head, big.config.d_head) == (6, shape["d_head"])
+    o = big.state_dict()["blocks.0.attn.o.weight"].reshape(-1, 6, shape["d_head"])
+    o_small = small.state_dict()["blocks.0.attn.o.weight"].reshape(-1, 4, 8)
+    assert torch.allclose(o[:, 0, :8] + o[:, 4, :8], o_small[:, 0]) and torch.equal(o[:, 3, :8], o_small[:, 3])
+    with torch.no_grad():
+        record(
+            f"{small.config.arch}: head split 4 → 6 heads (d_head 8 → {shape['d_head']})",
+            float((big(x) - small(x)).abs().max()),
+            1e-10,
+        )
+        masks = unit_masks(small.config, {**shape_of(small.config), **shape}, head_lift="split")
+        assert all(bool(m.all()) for k, m in masks.items() if k.startswith("heads"))
+        assert not any(bool(m.all()) for k, m in unit_masks(small.config, shape_of(big.config)).items() if "heads" in k)
+        T = random_transform(big, seed=5, groups=["heads", "ff"])
+        moved = apply_transform(big, T)
+        back = unpad(apply_transform(moved, invert_transform(T, spec_for(moved))), small.config, head_lift="split")
+        assert (back.config.n_head, back.config.d_head) == (4, 8)
+        record(
+            f"{small.config.arch}: unpad(head split) after a permutation",
+            float((back(x) - small(x)).abs().max()),
+            1e-10,
+        )
+
+
+def test_the_head_split_refuses_shared_kv_heads_and_rotary_width_padding():
+    """Grouped-query attention shares K and V between query heads, so its heads cannot be split one by one;
+    a universe of rotary models with different head widths is refused (zero dimensions would change
+    which dimensions RoPE pairs)."""
+    with pytest.raises(ValueError, match="KV head per query head"):
+        pad(_llama(n_kv_head=2), {"n_head": 6}, head_lift="split")
+    with pytest.raises(ValueError, match="rotary"):
+        universe_merge([_neox(0), _neox(1, d_head=12)], universe=Universe(iterations=1))
+    with pytest.raises(ValueError, match="head lift"):
+        Universe(head_lift="copies")
+
+
+def test_a_head_split_universe_of_a_four_and_a_six_head_copy_projects_back(record):
+    """Universe(head_lift="split") with a 4-head model and a 6-head one that *is* it (head split, moved by a
+    random group element): the universe computes the 4-head model's function, the width map records the
+    lift (and survives ``to_dict``), and ``project`` returns a 4-head model that computes it too."""
+    from fedlmc.symmetry.transform import WidthMap
+
+    small = canonicalize(_gpt(5, d_head=8))
+    x = inputs_for(small)
+    wide = pad(small, {"n_head": 6}, head_lift="split")
+    wide = apply_transform(wide, random_transform(wide, seed=6, groups=["residual", "heads", "ff"]))
+    merged, Ts = universe_merge([wide, small], universe=Universe(iterations=3, keep_layernorm=False, head_lift="split"))
+    wm = Ts[1].width_map
+    assert wm.head_lift == "split" and WidthMap.from_dict(wm.to_dict()) == wm and merged.config.n_head == 6
+    with torch.no_grad():
+        record("head-split universe vs the 4-head model", float((merged(x) - small(x)).abs().max()), 1e-6)
+        back = project(merged, Ts[1])
+        assert back.config.n_head == 4
+        record(
+            "head-split universe: project(universe, T_4) vs the 4-head model",
+            float((back(x) - small(x)).abs().max()),
+            1e-6,
+        )

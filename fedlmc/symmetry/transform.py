@@ -36,6 +36,7 @@ class WidthMap:
     attn_scale: float
     client: TransformerConfig
     ff_lift: str = "zeros"  # how its FF entered: zero neurons or its own neurons split (``widths.pad``)
+    head_lift: str = "zeros"  # ... and its heads: zero heads or its own heads split (the OV split)
 
     def to_dict(self) -> dict:
         return {
@@ -43,12 +44,14 @@ class WidthMap:
             "attn_scale": self.attn_scale,
             "client": self.client.to_dict(),
             "ff_lift": self.ff_lift,
+            "head_lift": self.head_lift,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "WidthMap":
         client = ARCHS[d["client"]["arch"]][0].from_dict(d["client"])
-        return cls(dict(d["shape"]), float(d["attn_scale"]), client, d.get("ff_lift", "zeros"))
+        lifts = (d.get("ff_lift", "zeros"), d.get("head_lift", "zeros"))
+        return cls(dict(d["shape"]), float(d["attn_scale"]), client, *lifts)
 
 
 @dataclass
