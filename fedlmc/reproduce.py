@@ -15,7 +15,7 @@ import torch.nn as nn
 from .averaging import interpolate
 from .barrier import Curve, barrier, interpolation_curve, plot_curves
 from .distill import calibrated
-from .matching import activation_matching, learned_matching, residual_activation_cross, weight_matching
+from .matching import activation_matching, learned_matching, relaxed_model, residual_activation_cross, weight_matching
 from .options import Learning, Matching
 from .symmetry import Transform, apply_transform, canonicalize
 from .train import pick_device
@@ -36,14 +36,14 @@ def _wm_act(a, b, splits, ctx):
     return weight_matching(a, b, residual_acts=residual_activation_cross(a, b, splits.train))
 
 
-def _learned(perms_only: bool, start: str = "wm-orth-factored") -> Callable:
+def _learned(perms_only: bool, start: str = "wm-orth-factored", relax: str = "ste") -> Callable:
     def run(a, b, splits, ctx):
         return learned_matching(
             a,
             b,
             splits.train,
             ctx[start],
-            Learning(steps=ctx["learned_steps"]),
+            Learning(steps=ctx["learned_steps"], relax=relax),
             perms_only=perms_only,
             progress=ctx["progress"],
         )
@@ -84,6 +84,15 @@ METHODS: dict[str, tuple[str, Optional[Callable], str, bool]] = {
         "factored",
         False,
     ),
+    # the relaxation: learned matching through Sinkhorn's soft maps, merged with the hard maps they round
+    # to, or (the relaxed merge) with the soft maps themselves: λ·A + (1 − λ)·S(B), λ = 0 being B itself
+    "learned-sinkhorn": (
+        "learned matching, Sinkhorn relaxation (factored)",
+        _learned(False, relax="sinkhorn"),
+        "factored",
+        False,
+    ),
+    "learned-relaxed": ("learned matching, Sinkhorn, relaxed merge (factored)", None, "factored", False),
 }
 
 
@@ -123,11 +132,18 @@ def pair_curves(
         order.insert(0, "wm-orth-factored")
     if "learned-scale" in methods and "wm-orth-scale" not in order:
         order.insert(0, "wm-orth-scale")
+    if "learned-relaxed" in order:  # after the Sinkhorn-learned transform it reads
+        order = [k for k in order if k not in ("learned-relaxed", "learned-sinkhorn")] + [
+            "learned-sinkhorn",
+            "learned-relaxed",
+        ]
     for key in order:
         label, build, form, keep = METHODS[key]
         t0 = time.time()
         if key == "vanilla-temperature":
             curve = interpolation_curve(a, b, splits.test, interpolate=_calibrated_on(splits.val), device=dev)
+        elif key == "learned-relaxed":
+            curve = _relaxed_curve(ca, cb, ctx["learned-sinkhorn"], splits.test, dev)
         elif build is None:
             curve = interpolation_curve(a, b, splits.test, device=dev)
         else:
@@ -151,6 +167,16 @@ def pair_curves(
             }
             log(f"  {label:<58s} barrier {out[key]['barrier']:.4f}  ({secs:.0f} s)")
     return out
+
+
+def _relaxed_curve(ca: nn.Module, cb: nn.Module, T: Transform, data, dev) -> Curve:
+    """The relaxed merge's path: λ·A + (1 − λ)·S(B) for λ > 0 (S: the final soft maps), and B itself at
+    λ = 0, so its barrier is measured against the real endpoints."""
+    soft = interpolation_curve(ca, relaxed_model(cb, T), data, device=dev)
+    end = interpolation_curve(ca, apply_transform(cb, T), data, lambdas=[0.0], device=dev)
+    i = soft.lambdas.index(0.0)
+    soft.loss[i], soft.acc[i] = end.loss[0], end.acc[0]
+    return soft
 
 
 def summarise(per_pair: list[dict[str, dict]], methods: Sequence[str]) -> dict[str, dict]:

@@ -235,3 +235,53 @@ def test_a_check_improves_only_by_more_than_its_standard_errors():
     assert not significantly_lower(noisy, best, 2.0) and significantly_lower(noisy, best, 0.0)
     assert not significantly_lower(best + 0.01, best, 0.0)
     assert significantly_lower(torch.tensor([1.0]), torch.tensor([1.5]), 2.0)
+
+
+@pytest.mark.parametrize("tau, sharp", [(0.01, True), (1.0, False)])
+def test_the_relaxed_merge_operand_is_b_under_soft_maps(tau, sharp, record):
+    """The relaxed merge: learned matching with Sinkhorn's soft maps keeps B's state under the final soft
+    (doubly stochastic) maps. On a planted copy (B = A moved by a random group element, weight matching
+    its exact start), sharp maps (τ = 0.01) round to the permutations, so the relaxed operand computes
+    A's function; at τ = 1 the soft maps blur neurons and heads together and it does not. The hard
+    transform stays an exact symmetry either way."""
+    from fedlmc.matching import relaxed_model
+    from fedlmc.symmetry import random_transform
+
+    A = canonicalize(_gpt(2))
+    B = apply_transform(A, random_transform(A, seed=4, groups=["heads", "ff"]))
+    init = weight_matching(A, B)
+    T = learned_matching(A, B, _data(A), init, Learning(steps=2, lr=1e-4, relax="sinkhorn", tau=tau), progress=False)
+    x = inputs_for(A)
+    record(f"relaxed merge τ={tau}: hard T, aligned B vs B", _gap(B, apply_transform(B, T), x), 1e-10)
+    gap = _gap(A.float(), relaxed_model(B, T).float(), x)
+    if sharp:
+        record("relaxed operand at τ = 0.01 vs A (float32 state)", gap, 1e-4)
+    else:
+        assert gap > 1e-2, gap
+    with pytest.raises(ValueError, match="sinkhorn"):
+        relaxed_model(B, learned_matching(A, B, _data(A), init, Learning(steps=1), progress=False))
+
+
+def test_reproduce_s_relaxed_row_starts_at_b_itself():
+    """``learned-relaxed``'s curve is λ·A + (1 − λ)·S(B) inside and the real B at λ = 0 (its barrier is
+    against the real endpoints); ``learned-sinkhorn`` (the hard maps) is learned alongside."""
+    from fedlmc.reproduce import pair_curves
+
+    A, B = _gpt(0), _gpt(1)
+
+    class Splits:
+        train = test = _data(A)
+
+    out = pair_curves(
+        A.float(),
+        B.float(),
+        Splits,
+        ["vanilla", "learned-relaxed"],
+        learned_steps=2,
+        progress=False,
+        log=lambda s: None,
+    )
+    assert set(out) == {"vanilla", "learned-relaxed"}
+    van, rel = out["vanilla"]["curve"], out["learned-relaxed"]["curve"]
+    assert rel["loss"][0] == pytest.approx(van["loss"][0], abs=1e-4)  # B's loss (vanilla's λ = 0 is B too)
+    assert rel["loss"][-1] == pytest.approx(van["loss"][-1], abs=1e-4)  # A's

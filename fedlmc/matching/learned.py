@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..options import Learning, Matching
-from ..symmetry import Transform, canonical_config
+from ..symmetry import Transform, canonical_config, canonicalize, rebuild
 from ..train import pick_device
 from .optimise import Options, learn_alignments
 from .weight import canonical_state, weight_matching
@@ -60,7 +60,9 @@ def learned_matching(
     Returns
     -------
     Transform
-        An exact group element; ``info['loss']`` holds the loss trace.
+        An exact group element; ``info['loss']`` holds the loss trace; with ``learning.relax ==
+        "sinkhorn"``, ``info['relaxed_state']`` is B's canonical state under the final soft maps
+        (``relaxed_merge``).
     """
     learning = learning if learning is not None else Learning()
     dev = pick_device(device)
@@ -105,4 +107,17 @@ def learned_matching(
         "init": warm_start.info,
         "snapshots": {n: Transform(els[1]) for n, els in got.snapshots.items()},
     }
+    if got.relaxed:  # relax="sinkhorn": B aligned by the final soft maps (canonical, on ``dev``)
+        info["relaxed_state"] = got.relaxed[1]
     return Transform(got.elements[1], info)
+
+
+def relaxed_model(model_b: nn.Module, transform: Transform) -> nn.Module:
+    """B under the soft (doubly stochastic) maps that learned matching ended with (``Learning(relax=
+    "sinkhorn")``): the relaxed merge's operand, ``λ·A + (1 − λ)·relaxed_model(B, T)``. A soft map is no
+    symmetry, so this model does not compute B's function; the hard ``transform`` does."""
+    state = transform.info.get("relaxed_state")
+    if state is None:
+        raise ValueError("the transform has no relaxed state: learn it with Learning(relax='sinkhorn')")
+    cb = canonicalize(model_b)
+    return rebuild(cb, state, cb.config)

@@ -94,6 +94,9 @@ class Learned:
     checks: dict[int, float]
     best_step: int
     stopped: Optional[str] = None  # why a remote descent stopped early (too few answers), if it did
+    # relax="sinkhorn": each moving model's state aligned by the final soft (doubly stochastic) maps, not
+    # a group element's image (None for the fixed one; empty otherwise): the relaxed merge's operand
+    relaxed: list[Optional[StateDict]] = field(default_factory=list)
 
 
 class Latents:
@@ -258,6 +261,14 @@ class Alignments:
     def align_all(self, perms: Optional[list] = None) -> list[tuple[StateDict, Optional[dict]]]:
         return [self.aligned(i, p) for i, p in enumerate(self.hard() if perms is None else perms)]
 
+    def relaxed(self) -> list[Optional[StateDict]]:
+        """Every moving model's state aligned by its current soft maps (``relax="sinkhorn"``), detached."""
+        with torch.no_grad():
+            return [
+                None if i == self.fixed else {k: v.detach().clone() for k, v in self.aligned(i, p)[0].items()}
+                for i, p in enumerate(self.hard())
+            ]
+
     def exact(self, perms: Optional[list] = None) -> list[Optional[Elements]]:
         """Every moving model's exact elements (CPU float64; None for the fixed one)."""
         with torch.no_grad():
@@ -318,11 +329,12 @@ def learn_alignments(
 
         gradient = _local_gradient(states, cfg, data, opts, al.align_all, sample_weights)
         trace, _ = _descend(opts, al.optimiser(), gradient, label, on_step)
+        relaxed = al.relaxed() if learn.relax == "sinkhorn" else []
         if check is None:
-            return Learned(al.exact(), trace, time.time() - t0, snaps, {}, len(trace))
+            return Learned(al.exact(), trace, time.time() - t0, snaps, {}, len(trace), relaxed=relaxed)
         if len(trace) not in check.scores:  # the last steps since the last check
             check.score(len(trace))
-        return Learned(check.best, trace, time.time() - t0, snaps, check.scores, check.best_step)
+        return Learned(check.best, trace, time.time() - t0, snaps, check.scores, check.best_step, relaxed=relaxed)
 
 
 class _Checks:
