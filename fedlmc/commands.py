@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -189,6 +190,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair_key(ident: list, methods, learned_steps: int) -> str:
+    """A pair's cache key: its models (seeds, training seconds), the methods and learned matching's steps."""
+    # the list's layout is the one older caches were written with, so they are found again
+    a_seed, a_secs, b_seed, b_secs = ident
+    return hashlib.sha1(
+        json.dumps([a_seed, b_seed, a_secs, b_secs, sorted(methods), learned_steps]).encode()
+    ).hexdigest()[:12]
+
+
+def _cached_pair(cache: Path, preset: str, pair, ident: list, methods, learned_steps: int) -> dict:
+    """The curves already kept for this pair's models under any subset of ``methods`` (larger sets first)."""
+    found: dict = {}
+    for r in range(len(methods), 0, -1):
+        for subset in itertools.combinations(sorted(methods), r):
+            if set(subset) <= set(found):
+                continue
+            f = cache / f"pair-{preset}-{pair[0]}-{pair[1]}-{_pair_key(ident, subset, learned_steps)}.json"
+            if f.is_file():
+                found.update({k: v for k, v in json.loads(f.read_text()).items() if k in subset and k not in found})
+    return found
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Train the seeds a Table-1 reproduction needs (cached) and measure every method's barrier."""
     from .reproduce import METHODS, markdown, pair_curves, seed_pairs, summarise, write_results
@@ -205,31 +228,28 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     models = {s: trained(args.preset, s, splits, Path(args.cache), progress=not args.quiet, **over) for s in seeds}
     per_pair = []
     for a, b in pairs:
-        # a pair's curves are kept beside its models, so a larger --pairs run reuses the smaller one's work
-        key = hashlib.sha1(
-            json.dumps(
-                [
-                    models[a].meta.get("seed"),
-                    models[b].meta.get("seed"),
-                    models[a].meta.get("seconds"),
-                    models[b].meta.get("seconds"),
-                    sorted(methods),
+        # a pair's curves are kept beside its models, so a later run with more pairs or more methods reuses them
+        ident = [models[x].meta.get(k) for x in (a, b) for k in ("seed", "seconds")]
+        found = _cached_pair(Path(args.cache), args.preset, (a, b), ident, methods, args.learned_steps)
+        missing = [m for m in methods if m not in found]
+        if found:
+            console.print(f"pair ({a}, {b}): reusing {sorted(found)}")
+        if missing:
+            console.print(f"pair ({a}, {b}): {missing}")
+            found.update(
+                pair_curves(
+                    models[a],
+                    models[b],
+                    splits,
+                    missing,
                     args.learned_steps,
-                ]
-            ).encode()
-        ).hexdigest()[:12]
-        cached = Path(args.cache) / f"pair-{args.preset}-{a}-{b}-{key}.json"
-        if cached.is_file():
-            console.print(f"pair ({a}, {b}): reusing {cached}")
-            per_pair.append(json.loads(cached.read_text()))
-            continue
-        console.print(f"pair ({a}, {b})")
-        per_pair.append(
-            pair_curves(
-                models[a], models[b], splits, methods, args.learned_steps, progress=not args.quiet, log=console.print
+                    progress=not args.quiet,
+                    log=console.print,
+                )
             )
-        )
-        cached.write_text(json.dumps(per_pair[-1]))
+            key = _pair_key(ident, methods, args.learned_steps)
+            (Path(args.cache) / f"pair-{args.preset}-{a}-{b}-{key}.json").write_text(json.dumps(found))
+        per_pair.append({m: found[m] for m in methods})
     rows = summarise(per_pair, methods)
     test_losses = {s: (m.meta.get("test") or {}).get("loss", float("nan")) for s, m in models.items()}
     md = markdown(args.preset, rows, pairs, show_acc=models[seeds[0]].config.arch == "vit", test_losses=test_losses)
