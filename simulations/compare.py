@@ -624,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
             "min-gain",
         )
     )
+    if sorted(args.seeds) != [0, 1, 2]:  # other seeds get a file of their own, not the 3-seed table's
+        suffix += "_seeds-" + "-".join(map(str, args.seeds))
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
