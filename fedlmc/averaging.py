@@ -130,6 +130,17 @@ def robust_merge(models: Sequence[nn.Module], reduce: str, trim: float = 0.2) ->
     return rebuild(models[0], robust_state([m.state_dict() for m in models], reduce, trim))
 
 
+def check_circuit(cfg) -> None:
+    """The circuit form concatenates each head's dimensions across models; rotary position embeddings
+    (Llama, GPT-NeoX) pair and rotate dimensions by their place in the head, so there the concatenated
+    head computes other scores: such models merge in the factored form only."""
+    if hasattr(cfg, "rope_theta"):
+        raise ValueError(
+            f"the circuit form is not exact for rotary {cfg.arch} models (concatenated heads change which "
+            "dimensions RoPE pairs and at which frequencies): merge them in the factored form"
+        )
+
+
 def circuit_state(
     states: Sequence[StateDict],
     weights: Sequence[float],
@@ -138,6 +149,7 @@ def circuit_state(
 ) -> tuple[StateDict, object]:
     """Merge heads as circuits: concatenate every model's heads, weighting one factor of each circuit.
     ``masks`` (see ``widths.unit_masks``) weight each head and FF neuron only over the models having it."""
+    check_circuit(cfg)
     spec = spec_for(cfg)
     H, dh = cfg.n_head, cfg.d_head
     if masks is not None and any(m is not None for m in masks):

@@ -214,12 +214,18 @@ def _cached_pair(cache: Path, preset: str, pair, ident: list, methods, learned_s
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Train the seeds a Table-1 reproduction needs (cached) and measure every method's barrier."""
+    from .models import preset_config
     from .reproduce import METHODS, markdown, pair_curves, seed_pairs, summarise, write_results
 
-    methods = args.methods or list(METHODS)
+    rotary = hasattr(preset_config(args.preset), "rope_theta")  # no circuit form (``check_circuit``)
+    methods = args.methods or [m for m in METHODS if not (rotary and METHODS[m][2] == "circuit")]
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+    if any(METHODS[m][2] == "circuit" for m in methods):  # refused before any training
+        from .averaging import check_circuit
+
+        check_circuit(preset_config(args.preset))
     splits = load_splits(args.preset, args)
     pairs = seed_pairs(args.pairs)
     seeds = sorted({s for p in pairs for s in p})

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .allocator import release_freed_memory
-from .averaging import RunningSum, add_move, aligned_state, merge, robust_merge
+from .averaging import RunningSum, add_move, aligned_state, check_circuit, merge, robust_merge
 from .cpu import fitting_threads
 from .matching import residual_activation_cross, weight_matching
 from .matching.activation import residual_states
@@ -370,6 +370,8 @@ def universe_merge(
     u = universe if universe is not None else Universe()
     r = robust if robust is not None else Robust()
     keep_layernorm = u.keep_layernorm and all(layernorm_native(x.config) for x in models)
+    if u.form == "circuit" and models:
+        check_circuit(models[0].config)  # before any matching
     _check_options(refine, u, r, start)
     iterations, tol, form, anchor, reduce, trim = u.iterations, u.tol, u.form, u.anchor, r.reduce, r.trim
     mem, start, aligned = _members_for(models, weights, start, keep_layernorm, reduce, u.ff_lift, u.head_lift)

@@ -88,3 +88,20 @@ def test_universe_of_planted_copies_returns_the_model(record):
     copies = [apply_transform(canonicalize(A), random_transform(A, seed=s, fix_ones=True)) for s in range(3)]
     merged, _ = universe_merge(copies, matching=Matching(gauge="invertible"), universe=Universe(iterations=2))
     record("neox: universe of 3 planted copies vs the model", gap(A, merged, inputs_for(A)), 1e-6)
+
+
+def test_rotary_models_refuse_the_circuit_form(record):
+    """The circuit form concatenates heads across models, so RoPE would pair and rotate the concatenated
+    dimensions differently: even a rotary model merged with itself changes its function (measured here
+    through the factored twin of GPT-2, which stays exact). NeoX and Llama refuse it, before matching."""
+    from test_widths import _gpt, _llama
+
+    g = canonicalize(_gpt(1))
+    x = inputs_for(g)
+    record("gpt2: circuit merge of a model with itself", gap(interpolate(g, g, 0.5, form="circuit"), g, x), 1e-10)
+    for m in (canonicalize(make(1)), canonicalize(_llama(1))):
+        with pytest.raises(ValueError, match="factored form"):
+            interpolate(m, m, 0.5, form="circuit")
+        with pytest.raises(ValueError, match="factored form"):
+            universe_merge([m, m], universe=Universe(iterations=1, form="circuit"))
+    assert interpolate(m, m, 0.5).config.d_head == m.config.d_head  # the factored form stays available
