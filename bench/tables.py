@@ -134,6 +134,25 @@ def wm_pair(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def ff_scale_overhead(doc: dict) -> str:
+    med, runs = doc["median_seconds"], doc["seconds"]
+    n = len(runs["in_process"])
+    lines = [
+        f"| weight matching, {doc['preset']} pair (GELU), {doc['threads']} thread(s) | median of {n} s | ratio |",
+        "|---|---|---|",
+        f"| in this process, `ff_scale=False` | {med['in_process']:.2f} | 1 |",
+        f"| in this process, `ff_scale=True` | {med['in_process_ff_scale']:.2f} | "
+        f"{doc['ratios']['ff_scale_over_plain']:.3f} |",
+    ]
+    if "fresh_process_against" in med:
+        lines += [
+            f"| a fresh process, a checkout without the FF-scale groups | {med['fresh_process_against']:.2f} | 1 |",
+            f"| a fresh process, this checkout | {med['fresh_process']:.2f} | "
+            f"{doc['ratios']['this_over_against']:.3f} |",
+        ]
+    return "\n".join(lines)
+
+
 def universe_scale(doc: dict) -> str:
     text = _bench("universe_scale").table(doc).strip()
     return text + f"\n\n{doc['processor']}, {doc['threads']} threads, torch {doc['torch']}."

@@ -268,8 +268,6 @@ def members(
         # zero-padding a rotary head changes which dimensions RoPE pairs; GQA groups need their own masks
         raise ValueError("mixed widths are not supported for Llama-style models (RoPE, grouped-query attention) yet")
     scale = next((c.attn_scale for c in configs if c.d_head == shape["d_head"]), shape["d_head"] ** -0.5)
-    if any(getattr(c, "rotary_dims", None) for c in configs) and len({c.d_head for c in configs}) > 1:
-        raise ValueError("mixed head widths are not supported for rotary models (padding changes RoPE's pairs)")
     padded = [pad(m, shape, attn_scale=scale, ff_lift=ff_lift, head_lift=head_lift) for m in canon]
     lifts = None
     if keep_layernorm and len({c.d_model for c in configs}) > 1:  # keep every padded stream centred

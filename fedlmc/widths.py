@@ -140,6 +140,9 @@ def _resize_units(
     head_lift: str = "zeros",
 ) -> nn.Module:
     cfg = model.config
+    if d_head != cfg.d_head and hasattr(cfg, "rope_theta") and getattr(cfg, "rotary_dims", None) is None:
+        # a fully rotary head pairs dimension i with i + d_head/2: another width pairs them differently
+        raise ValueError(f"a {cfg.arch} head's width cannot change: RoPE pairs its dimensions by the head width")
     spec = spec_for(cfg)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     resize = _pad_axis if grow else _slice_axis

@@ -227,8 +227,8 @@ def test_the_head_split_is_exact_and_merges_back(make, record):
 
     small = make(3, n_head=4, d_head=8)
     x = inputs_for(small)
-    rotary = make in (_neox, _llama)  # padding a rotary head's width changes which dimensions RoPE pairs
-    shape = {"n_head": 6, "d_head": 8 if rotary else 12, "d_ff": small.config.d_ff}
+    # a Llama head's width cannot grow (RoPE pairs i with i + d_head/2); NeoX's pass-through part can
+    shape = {"n_head": 6, "d_head": 8 if make is _llama else 12, "d_ff": small.config.d_ff}
     big = pad(small, shape, head_lift="split")
     assert (big.config.n_head, big.config.d_head) == (6, shape["d_head"])
     o = big.state_dict()["blocks.0.attn.o.weight"].reshape(-1, 6, shape["d_head"])
@@ -254,14 +254,21 @@ def test_the_head_split_is_exact_and_merges_back(make, record):
         )
 
 
-def test_the_head_split_refuses_shared_kv_heads_and_rotary_width_padding():
+def test_the_head_split_refuses_shared_kv_heads_and_llama_head_widths(record):
     """Grouped-query attention shares K and V between query heads, so its heads cannot be split one by one;
-    a universe of rotary models with different head widths is refused (zero dimensions would change
-    which dimensions RoPE pairs)."""
+    a Llama head's width cannot grow (RoPE pairs dimension i with i + d_head/2, so zero dimensions would
+    re-pair them: the function moved by ~3 before this was refused), while a NeoX head's zero dimensions
+    join its pass-through part exactly."""
     with pytest.raises(ValueError, match="KV head per query head"):
         pad(_llama(n_kv_head=2), {"n_head": 6}, head_lift="split")
-    with pytest.raises(ValueError, match="rotary"):
-        universe_merge([_neox(0), _neox(1, d_head=12)], universe=Universe(iterations=1))
+    with pytest.raises(ValueError, match="head's width cannot change"):
+        pad(_llama(), {"d_head": 12})
+    m = _neox(1)
+    x = inputs_for(m)
+    with torch.no_grad():
+        record(
+            "neox: head width 8 → 12 (pass-through zeros)", float((pad(m, {"d_head": 12})(x) - m(x)).abs().max()), 1e-10
+        )
     with pytest.raises(ValueError, match="head lift"):
         Universe(head_lift="copies")
 
