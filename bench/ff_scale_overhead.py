@@ -5,9 +5,9 @@ GELU has no FF-scale group, so ``ff_scale=True`` should solve nothing more. Each
 weight matching in this process without and with ``ff_scale``, then a fresh process of this checkout and
 (with ``--against``) one of the other, each on the same two cached models with its own ``Matching()``
 defaults; the medians over ``--repeats`` and their ratios go to
-``results/bench_ff_scale_overhead_{preset}.json``.
+``results/bench_ff_scale_overhead_{preset}[_w{width}].json``.
 
-    python -m bench ff_scale_overhead --preset gpt2-tiny --against /tmp/fedlmc-before --repeats 3
+    python -m bench ff_scale_overhead --preset vit-tiny --width 128 --against /tmp/fedlmc-before --repeats 5
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from _models import add_model_args, models_record, results_path, trained_models  # noqa: E402  (bench/)
+from _models import add_model_args, models_record, results_path, trained_models, width_arch  # noqa: E402  (bench/)
 from _results import environment, gemm_seconds, write_results  # noqa: E402
 
 from fedlmc.commands import cache_name, load_splits
@@ -80,8 +80,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     splits = load_splits(args.preset, args)
     models, over = trained_models(args, args.seeds, splits)
+    arch = width_arch(args.preset, args.width)
     paths = [
-        Path(args.cache) / cache_name(args.preset, s, splits, train_config_for(args.preset, s, **over))
+        Path(args.cache) / cache_name(args.preset, s, splits, train_config_for(args.preset, s, **over), arch)
         for s in args.seeds
     ]
     ca, cb = (canonicalize(models[s]) for s in args.seeds)

@@ -334,6 +334,12 @@ TABLES: dict[str, Table] = {
         "--methods vanilla wm-orth-factored wm-orth-scale learned learned-scale",
         reproduce,
     ),
+    "ff-scale-overhead": one(
+        "bench_ff_scale_overhead_vit-tiny_w128.json",
+        "python -m bench ff_scale_overhead --preset vit-tiny --width 128 --repeats 5 --threads 1 "
+        "--against DIR  # DIR: a checkout without the FF-scale groups",
+        ff_scale_overhead,
+    ),
     "universe-vit": one(
         "universe_vit-tiny.json",
         "fedlmc universe --preset vit-tiny --models 4 --forms factored circuit --alpha 0.1 1.0",
