@@ -331,7 +331,7 @@ TABLES: dict[str, Table] = {
     "reproduce-relu-scales": one(
         "reproduce_gpt2-tiny-relu.json",
         "fedlmc reproduce --preset gpt2-tiny-relu --pairs 3 --steps 1000 "
-        "--methods vanilla wm-orth-factored wm-orth-scale learned learned-scale",
+        "--methods vanilla wm-orth-factored wm-orth-scale learned learned-scale learned-sinkhorn learned-relaxed",
         reproduce,
     ),
     "ff-scale-overhead": one(
