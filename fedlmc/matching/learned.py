@@ -84,6 +84,7 @@ def learned_matching(
         learn_residual=not perms_only,
         progress=progress,
         snapshots=tuple(snapshots),
+        keep_relaxed=True,  # one model's state: B under the final soft maps (relax="sinkhorn" only)
     )
     got = learn_alignments(
         states,

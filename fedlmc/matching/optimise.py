@@ -79,6 +79,7 @@ class Options:
     learn_residual: bool = True  # False: O stays at its start, only permutations learn
     progress: bool = True
     snapshots: tuple[int, ...] = ()  # steps after which the exact elements are also kept (one run, many budgets)
+    keep_relaxed: bool = False  # relax="sinkhorn": also return the states under the final soft maps (a pair's)
 
 
 @dataclass
@@ -94,8 +95,8 @@ class Learned:
     checks: dict[int, float]
     best_step: int
     stopped: Optional[str] = None  # why a remote descent stopped early (too few answers), if it did
-    # relax="sinkhorn": each moving model's state aligned by the final soft (doubly stochastic) maps, not
-    # a group element's image (None for the fixed one; empty otherwise): the relaxed merge's operand
+    # keep_relaxed and relax="sinkhorn": each moving model's state under the final soft (doubly stochastic)
+    # maps, not a group element's image (None for the fixed one; empty otherwise): the relaxed merge's operand
     relaxed: list[Optional[StateDict]] = field(default_factory=list)
 
 
@@ -329,7 +330,7 @@ def learn_alignments(
 
         gradient = _local_gradient(states, cfg, data, opts, al.align_all, sample_weights)
         trace, _ = _descend(opts, al.optimiser(), gradient, label, on_step)
-        relaxed = al.relaxed() if learn.relax == "sinkhorn" else []
+        relaxed = al.relaxed() if opts.keep_relaxed and learn.relax == "sinkhorn" else []
         if check is None:
             return Learned(al.exact(), trace, time.time() - t0, snaps, {}, len(trace), relaxed=relaxed)
         if len(trace) not in check.scores:  # the last steps since the last check
