@@ -368,9 +368,7 @@ def universe_merge(
     u = universe if universe is not None else Universe()
     r = robust if robust is not None else Robust()
     keep_layernorm = u.keep_layernorm and all(layernorm_native(x.config) for x in models)
-    if u.form == "circuit" and models:
-        check_circuit(models[0].config)  # before any matching
-    _check_options(refine, u, r, start)
+    _check_options(refine, u, r, start, models)
     iterations, tol, form, anchor, reduce, trim = u.iterations, u.tol, u.form, u.anchor, r.reduce, r.trim
     mem, start, aligned = _members_for(models, weights, start, keep_layernorm, reduce, u.ff_lift, u.head_lift)
     align = dict(matching=m, keep_layernorm=keep_layernorm, device=device)
@@ -408,8 +406,10 @@ def _members_for(
     return mem, start, aligned
 
 
-def _check_options(refine: Optional[Refinement], u: Universe, r: Robust, start) -> None:
-    """``universe_merge``'s clear errors for options that cannot go together."""
+def _check_options(refine: Optional[Refinement], u: Universe, r: Robust, start, models) -> None:
+    """``universe_merge``'s clear errors for options that cannot go together (before any matching)."""
+    if u.form == "circuit" and models:
+        check_circuit(models[0].config)
     if refine is not None and refine.data is None:
         raise ValueError(
             "refine needs data for the Dirichlet refinement: Refinement(data=...), a data set at the server or "
