@@ -200,9 +200,12 @@ def _pair_key(ident: list, methods, learned_steps: int) -> str:
 
 
 def _cached_pair(cache: Path, preset: str, pair, ident: list, methods, learned_steps: int) -> dict:
-    """The curves already kept for this pair's models under any subset of ``methods`` (larger sets first)."""
+    """The curves already kept for this pair's models under any subset of ``methods`` (larger sets first;
+    beyond 12 methods, under exactly these: 2^n keys)."""
     found: dict = {}
-    for r in range(len(methods), 0, -1):
+    if not any(cache.glob(f"pair-{preset}-{pair[0]}-{pair[1]}-*.json")):
+        return found
+    for r in range(len(methods), 0 if len(methods) <= 12 else len(methods) - 1, -1):
         for subset in itertools.combinations(sorted(methods), r):
             if set(subset) <= set(found):
                 continue

@@ -62,7 +62,7 @@ def learned_matching(
     Transform
         An exact group element; ``info['loss']`` holds the loss trace; with ``learning.relax ==
         "sinkhorn"``, ``info['relaxed_state']`` is B's canonical state under the final soft maps
-        (``relaxed_merge``).
+        (``relaxed_model``).
     """
     learning = learning if learning is not None else Learning()
     dev = pick_device(device)
