@@ -291,6 +291,11 @@ def _scale_command(file: str) -> str:
     return f"python bench/universe_scale.py --repeats 3 --plan {plan} --out results/{file}"
 
 
+# the speaker setting's rows: the one-shot setting's but the slowest (refined-clients-distilled, 16 min a seed)
+SPEAKER_ROWS = (
+    "average permuted aligned refined refined-clients ot-fusion feddf aligned-distilled refined-distilled "
+    "ot-fusion:ot-reg=0.02 ot-fusion:ot-cost=activations:ot-reg=0.2"
+).split()
 WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128 256"
 LORA = (
     "small-gpt2-r4-steps200",
@@ -361,7 +366,7 @@ TABLES: dict[str, Table] = {
     "oneshot-iid": _compare("compare_oneshot_vit-tiny_partitioner-iid", " --set partitioner=iid"),
     "oneshot-gpt2-speaker": _compare(
         "compare_oneshot_gpt2-tiny_hf-True_local-steps-1500_partitioner-speaker",
-        " --set partitioner=speaker local-steps=1500 hf=true",
+        " --set partitioner=speaker local-steps=1500 hf=true --strategies " + " ".join(SPEAKER_ROWS),
     ),
     "multiround": _compare("compare_multiround_vit-tiny"),
     "multiround-drift": _compare("compare_multiround-drift_vit-tiny"),
