@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .models.layers import TransformerConfig
+from .models.layers import TransformerConfig, is_rotary
 from .options import FORMS, REDUCES
 from .symmetry import StateDict, apply_to_state, canonical, layernorm_native, rebuild, spec_for, to_layernorm
 
@@ -134,7 +134,7 @@ def check_circuit(cfg) -> None:
     """The circuit form concatenates each head's dimensions across models; rotary position embeddings
     (Llama, GPT-NeoX) pair and rotate dimensions by their place in the head, so there the concatenated
     head computes other scores: such models merge in the factored form only."""
-    if hasattr(cfg, "rope_theta"):
+    if is_rotary(cfg):
         raise ValueError(
             f"the circuit form is not exact for rotary {cfg.arch} models (concatenated heads change which "
             "dimensions RoPE pairs and at which frequencies): merge them in the factored form"

@@ -218,9 +218,10 @@ def _cached_pair(cache: Path, preset: str, pair, ident: list, methods, learned_s
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Train the seeds a Table-1 reproduction needs (cached) and measure every method's barrier."""
     from .models import preset_config
+    from .models.layers import is_rotary
     from .reproduce import METHODS, markdown, pair_curves, seed_pairs, summarise, write_results
 
-    rotary = hasattr(preset_config(args.preset), "rope_theta")  # no circuit form (``check_circuit``)
+    rotary = is_rotary(preset_config(args.preset))  # no circuit form (``check_circuit``)
     methods = args.methods or [m for m in METHODS if not (rotary and METHODS[m][2] == "circuit")]
     unknown = set(methods) - set(METHODS)
     if unknown:

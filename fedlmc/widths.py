@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from .models import from_config
-from .models.layers import TransformerConfig
+from .models.layers import TransformerConfig, is_rotary
 from .options import FF_LIFTS, one_of
 from .symmetry import StateDict, Transform, apply_transform, rebuild, spec_for
 
@@ -140,7 +140,7 @@ def _resize_units(
     head_lift: str = "zeros",
 ) -> nn.Module:
     cfg = model.config
-    if d_head != cfg.d_head and hasattr(cfg, "rope_theta") and getattr(cfg, "rotary_dims", None) is None:
+    if d_head != cfg.d_head and is_rotary(cfg) and getattr(cfg, "rotary_dims", None) is None:
         # a fully rotary head pairs dimension i with i + d_head/2: another width pairs them differently
         raise ValueError(f"a {cfg.arch} head's width cannot change: RoPE pairs its dimensions by the head width")
     spec = spec_for(cfg)

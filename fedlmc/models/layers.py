@@ -165,3 +165,8 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=std)
+
+
+def is_rotary(cfg) -> bool:
+    """Whether the architecture applies rotary position embeddings to its heads (Llama, GPT-NeoX)."""
+    return hasattr(cfg, "rope_theta")
