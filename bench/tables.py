@@ -330,13 +330,25 @@ TABLES: dict[str, Table] = {
     "reproduce-llama-scales": one(
         "reproduce_llama-tiny.json",
         "fedlmc reproduce --preset llama-tiny --pairs 3 --steps 2000 "
-        "--methods vanilla wm-orth-factored wm-orth-scale learned learned-scale",
+        "--methods vanilla wm-orth-factored wm-orth-scale learned learned-scale learned-sinkhorn learned-relaxed",
         reproduce,
     ),
     "reproduce-relu-scales": one(
         "reproduce_gpt2-tiny-relu.json",
         "fedlmc reproduce --preset gpt2-tiny-relu --pairs 3 --steps 1000 "
         "--methods vanilla wm-orth-factored wm-orth-scale learned learned-scale learned-sinkhorn learned-relaxed",
+        reproduce,
+    ),
+    "reproduce-neox": one(
+        "reproduce_neox-tiny.json",
+        "fedlmc reproduce --preset neox-tiny --pairs 3 --steps 1000 "
+        "--methods vanilla wm-orth-factored learned learned-sinkhorn learned-relaxed",
+        reproduce,
+    ),
+    "reproduce-gelu-relax": one(
+        "relax/reproduce_gpt2-tiny.json",
+        "fedlmc reproduce --preset gpt2-tiny --pairs 3 --steps 1000 "
+        "--methods vanilla wm-orth-factored learned learned-sinkhorn learned-relaxed --out results/relax",
         reproduce,
     ),
     "ff-scale-overhead": one(
