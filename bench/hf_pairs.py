@@ -9,8 +9,10 @@ with fedlmc's trainer (AdamW, warmup + cosine, the preset's budget), then conver
 - ``gpt2``: ``GPT2LMHeadModel`` of gpt2-tiny's shape (tied head, ``gelu_new``).
 - ``vit``: ``ViTForImageClassification`` of vit-tiny's shape.
 - ``llama``: ``LlamaForCausalLM`` of llama-tiny's shape (grouped-query attention, untied).
+- ``opt``: ``OPTForCausalLM`` of gpt2-tiny-relu's shape (tied head, ReLU, positions at offset 2).
+- ``neox``: ``GPTNeoXForCausalLM`` of neox-tiny's shape (parallel attention and MLP, partial rotary).
 
-For the tied GPT-2 the aligned midpoint is also written back in the clients' tied form
+For the tied GPT-2 and OPT the aligned midpoint is also written back in the clients' tied form
 (``HFAdapter.to_client``, what the strategies send) and evaluated through Hugging Face's forward.
 
     python bench/hf_pairs.py --family gpt2 [--seeds 0 1] [--steps N]   # results/bench_hf_pair_{family}.json
@@ -35,7 +37,8 @@ from fedlmc.symmetry import apply_transform, canonicalize
 from fedlmc.train import evaluate, train, train_config_for
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny", "llama": "llama-tiny"}
+PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny", "llama": "llama-tiny", "opt": "gpt2-tiny-relu", "neox": "neox-tiny"}
+TIED = ("gpt2", "opt")
 METHODS = ["vanilla", "wm-orth-factored", "wm-orth-keepln", "learned"]  # keepln = factored for Llama (no LayerNorm)
 
 
@@ -45,7 +48,7 @@ def hf_model(family: str, splits, seed: int) -> nn.Module:
     cfg = preset_config(PRESET[family], **fit)
     if family == "gpt2":
         cfg = cfg.replace(activation="gelu_tanh")  # GPT-2's gelu_new
-    return hf_model_for(cfg, seed)  # Hugging Face's own initialisation (GPT-2 tied)
+    return hf_model_for(cfg, seed, family=family)  # Hugging Face's own initialisation (GPT-2, OPT tied)
 
 
 def trained(family: str, splits, seed: int, cache: Path, steps) -> nn.Module:
@@ -63,12 +66,12 @@ def trained(family: str, splits, seed: int, cache: Path, steps) -> nn.Module:
 
 def tied_midpoint(a, b_aligned, hf_dir: Path, splits) -> dict:
     """The weight-matched midpoint as the strategies send it to tied clients, through HF's forward."""
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
-    ref = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     mid = interpolate(a, b_aligned, 0.5, keep_layernorm=True)  # a LayerNorm pair (plain) is averaged as it is
     adapter = HFAdapter(ref)
-    client = GPT2LMHeadModel(ref.config).eval()
+    client = type(ref)(ref.config).eval()
     client.load_state_dict(adapter.to_client(mid, keys=ref.state_dict().keys()), strict=True)
     return {
         "untied_midpoint_loss": evaluate(mid, splits.test)["loss"],
@@ -102,12 +105,12 @@ def main() -> None:
         "ratio_to_vanilla": {k: v["barrier"] / curves["vanilla"]["barrier"] for k, v in curves.items()},
         "curves": curves,
     }
-    if args.family == "gpt2":  # the tied head: each residual group's midpoint, untied vs written back tied
+    if args.family in TIED:  # the tied head: each residual group's midpoint, untied vs written back tied
         from fedlmc.matching import weight_matching
         from fedlmc.options import Matching
 
         ca, cb = canonicalize(a), canonicalize(b)
-        ref = Path(args.cache) / f"hf-gpt2-s{args.seeds[0]}-{args.steps or 'preset'}"
+        ref = Path(args.cache) / f"hf-{args.family}-s{args.seeds[0]}-{args.steps or 'preset'}"
         doc["tied"] = {
             residual: tied_midpoint(
                 ca,

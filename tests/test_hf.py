@@ -184,6 +184,24 @@ def test_tied_gpt2_keeps_one_tensor(record):
     assert torch.equal(back.lm_head.weight, back.transformer.wte.weight)
 
 
+def test_hf_model_for_builds_opt_from_a_gpt2_config(record):
+    """``hf_model_for(cfg, family="opt")`` is an ``OPTForCausalLM`` (tied, as OPT is) of a GPT-2-architecture
+    config's shape, which ``from_hf`` reads back as that config and computes alike; an unknown family is named."""
+    from fedlmc.hf import hf_model_for
+    from fedlmc.models import GPT2Config
+
+    cfg = GPT2Config(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40, block_size=16, activation="relu")
+    hf = shaken(hf_model_for(cfg, seed=0, family="opt"))
+    assert isinstance(hf, transformers.OPTForCausalLM) and hf.config.tie_word_embeddings
+    ours = from_hf(hf)
+    assert ours.config.replace(dropout=0.0) == cfg.replace(dropout=0.0)
+    x = inputs("opt")
+    record("opt from hf_model_for: from_hf logits (float32)", (logits(ours, x) - logits(hf, x)).abs().max(), 1e-5)
+    assert isinstance(hf_model_for(cfg, seed=0), transformers.GPT2LMHeadModel)
+    with pytest.raises(ValueError, match="no Hugging Face family 'bert'"):
+        hf_model_for(cfg, family="bert")
+
+
 def test_unknown_keys_are_named():
     assert recognise(["fc1.weight", "fc2.weight"]) is None
     with pytest.raises(ValueError, match="model_type"):

@@ -84,7 +84,7 @@ def hf_state(model: nn.Module, tied: bool = False, family: Optional[str] = None)
             "Hugging Face GPT-2, ViT, OPT and GPT-NeoX hold LayerNorm models: "
             "convert with fedlmc.symmetry.to_layernorm first"
         )
-    fam = FAMILIES[family or cfg.arch]
+    fam = _family(cfg, family)
     sd, error = fit_head(
         {k: v.detach() for k, v in model.state_dict().items()},
         cfg,
@@ -92,6 +92,15 @@ def hf_state(model: nn.Module, tied: bool = False, family: Optional[str] = None)
         embedding="tok_emb.weight" if fam.embeddings else None,
     )
     return fam.state_to_hf(sd, cfg), error
+
+
+def _family(cfg: TransformerConfig, family: Optional[str]):
+    """The Hugging Face family to write a config as: ``family`` when given, else its architecture's."""
+    if family is None and cfg.arch not in FAMILIES:
+        raise ValueError(f"no Hugging Face class for fedlmc architecture {cfg.arch!r}")
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"no Hugging Face family {family!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[family or cfg.arch]
 
 
 def to_hf(model: nn.Module, tied: Optional[bool] = None, family: Optional[str] = None):
@@ -102,10 +111,8 @@ def to_hf(model: nn.Module, tied: Optional[bool] = None, family: Optional[str] =
     ``family``: another Hugging Face family of the same architecture (``"opt"``: ``OPTForCausalLM``;
     default the one ``from_hf`` read the model from, kept in ``model.meta``, else the architecture's)."""
     cfg = model.config
-    family = family or getattr(model, "meta", {}).get("hf_family") or cfg.arch
-    if family not in FAMILIES:
-        raise ValueError(f"no Hugging Face class for fedlmc architecture {cfg.arch!r}")
-    fam = FAMILIES[family]
+    family = family or getattr(model, "meta", {}).get("hf_family")
+    fam = _family(cfg, family)
     sd = model.state_dict()
     if tied is None:
         tied = (
@@ -124,12 +131,14 @@ def to_hf(model: nn.Module, tied: Optional[bool] = None, family: Optional[str] =
     return hf.eval()
 
 
-def hf_model_for(cfg: TransformerConfig, seed: Optional[int] = None, tied: Optional[bool] = None) -> nn.Module:
+def hf_model_for(
+    cfg: TransformerConfig, seed: Optional[int] = None, tied: Optional[bool] = None, family: Optional[str] = None
+) -> nn.Module:
     """A fresh ``transformers`` model of a fedlmc config's shape, with Hugging Face's own initialisation
-    (seeded when ``seed`` is given). ``tied`` defaults to the family's usual choice (GPT-2 ties its head)."""
-    if cfg.arch not in FAMILIES:
-        raise ValueError(f"no Hugging Face class for fedlmc architecture {cfg.arch!r}")
-    fam = FAMILIES[cfg.arch]
+    (seeded when ``seed`` is given). ``tied`` defaults to the family's usual choice (GPT-2 and OPT tie
+    their head). ``family``: another Hugging Face family of the same architecture, as in ``to_hf``
+    (``"opt"``: ``OPTForCausalLM`` for a GPT-2 config)."""
+    fam = _family(cfg, family)
     tied = (cfg.arch == "gpt2") if tied is None else tied
     if seed is not None:
         torch.manual_seed(seed)
