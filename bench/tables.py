@@ -372,6 +372,11 @@ TABLES: dict[str, Table] = {
         "fedlmc universe --preset gpt2-tiny-relu --models 4 --steps 1000 --alpha 1.0 --ff-scale --simplex-n 0",
         universe,
     ),
+    "universe-llama-scales": one(
+        "universe_llama-tiny.json",
+        "fedlmc universe --preset llama-tiny --models 4 --steps 2000 --alpha 1.0 --ff-scale --simplex-n 0",
+        universe,
+    ),
     "widths-gpt2": one("widths_gpt2-tiny.json", "fedlmc widths --preset gpt2-tiny", widths),
     "width-control": one("width_study_vit.json", WIDTH_STUDY, width_study),
     "oneshot-dirichlet": _compare("compare_oneshot_vit-tiny"),
