@@ -188,7 +188,7 @@ def test_hf_model_for_builds_opt_from_a_gpt2_config(record):
     """``hf_model_for(cfg, family="opt")`` is an ``OPTForCausalLM`` (tied, as OPT is) of a GPT-2-architecture
     config's shape, which ``from_hf`` reads back as that config and computes alike; an unknown family is named."""
     from fedlmc.hf import hf_model_for
-    from fedlmc.models import GPT2Config
+    from fedlmc.models import GPT2Config, from_preset
 
     cfg = GPT2Config(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40, block_size=16, activation="relu")
     hf = shaken(hf_model_for(cfg, seed=0, family="opt"))
@@ -200,6 +200,8 @@ def test_hf_model_for_builds_opt_from_a_gpt2_config(record):
     assert isinstance(hf_model_for(cfg, seed=0), transformers.GPT2LMHeadModel)
     with pytest.raises(ValueError, match="no Hugging Face family 'bert'"):
         hf_model_for(cfg, family="bert")
+    with pytest.raises(ValueError, match="'opt' holds fedlmc's 'gpt2' models, not 'llama'"):
+        hf_model_for(from_preset("llama-tiny").config, family="opt")
 
 
 def test_unknown_keys_are_named():

@@ -95,12 +95,16 @@ def hf_state(model: nn.Module, tied: bool = False, family: Optional[str] = None)
 
 
 def _family(cfg: TransformerConfig, family: Optional[str]):
-    """The Hugging Face family to write a config as: ``family`` when given, else its architecture's."""
+    """The Hugging Face family to write a config as: ``family`` when given (one holding the config's
+    architecture), else its architecture's."""
     if family is None and cfg.arch not in FAMILIES:
         raise ValueError(f"no Hugging Face class for fedlmc architecture {cfg.arch!r}")
     if family is not None and family not in FAMILIES:
         raise ValueError(f"no Hugging Face family {family!r}; known: {', '.join(FAMILIES)}")
-    return FAMILIES[family or cfg.arch]
+    fam = FAMILIES[family or cfg.arch]
+    if fam.arch != cfg.arch:
+        raise ValueError(f"Hugging Face family {fam.name!r} holds fedlmc's {fam.arch!r} models, not {cfg.arch!r}")
+    return fam
 
 
 def to_hf(model: nn.Module, tied: Optional[bool] = None, family: Optional[str] = None):

@@ -36,6 +36,7 @@ def _scale_q(sd: StateDict, cfg: TransformerConfig, keys: list[str]) -> None:
 
 class GPT2Family:
     name, model_class, prefix = "gpt2", "GPT2LMHeadModel", "transformer.h.0.attn.c_attn.weight"
+    arch = "gpt2"  # the fedlmc architecture this family holds
     embeddings = ("transformer.wte.weight", "lm_head.weight")
 
     @staticmethod
@@ -136,6 +137,7 @@ class GPT2Family:
 
 class ViTFamily:
     name, model_class, prefix = "vit", "ViTForImageClassification", "vit.embeddings.patch_embeddings.projection.weight"
+    arch = "vit"
     embeddings = ()
     LAYER = {
         "attn.q": "attention.q_proj",
@@ -233,6 +235,7 @@ class ViTFamily:
 
 class LlamaFamily:
     name, model_class, prefix = "llama", "LlamaForCausalLM", "model.layers.0.mlp.gate_proj.weight"
+    arch = "llama"
     embeddings = ("model.embed_tokens.weight", "lm_head.weight")
     LAYER = {
         "attn.q": "self_attn.q_proj",
@@ -330,6 +333,7 @@ class OPTFamily:
     out. Configs with post-LayerNorm blocks, a projected embedding or no biases are refused."""
 
     name, model_class, prefix = "opt", "OPTForCausalLM", "model.decoder.layers.0.self_attn.q_proj.weight"
+    arch = "gpt2"
     embeddings = ("model.decoder.embed_tokens.weight", "lm_head.weight")
     OFFSET = 2
     LAYER = {
@@ -425,6 +429,7 @@ class GPTNeoXFamily:
     rotary embedding than the default are refused."""
 
     name, model_class, prefix = "neox", "GPTNeoXForCausalLM", "gpt_neox.layers.0.attention.query_key_value.weight"
+    arch = "neox"
     embeddings = ("gpt_neox.embed_in.weight", "lm_head.weight")
     LAYER = {
         "attn.o": "attention.dense",
