@@ -351,6 +351,12 @@ TABLES: dict[str, Table] = {
         "--methods vanilla wm-orth-factored learned learned-sinkhorn learned-relaxed --out results/relax",
         reproduce,
     ),
+    "reproduce-vit-relax": one(
+        "relax/reproduce_vit-tiny.json",
+        "fedlmc reproduce --preset vit-tiny --pairs 3 "
+        "--methods vanilla wm-orth-factored learned learned-sinkhorn learned-relaxed --out results/relax",
+        reproduce,
+    ),
     "ff-scale-overhead": one(
         "bench_ff_scale_overhead_vit-tiny_w128.json",
         "python -m bench ff_scale_overhead --preset vit-tiny --width 128 --repeats 5 --threads 1 "
