@@ -447,7 +447,8 @@ class FedlmcStrategy(FedAvg):
             kept.append(msg)
             weights.append(w)
         if len(kept) < self.checks.min_replies:
-            return self._too_few(server_round, len(kept))
+            self._too_few(server_round, len(kept))
+            return None, None  # Flower's contract: start() keeps the current arrays
         t0 = time.time()
         arrays, fields = self.combine_arrays(server_round, kept, weights)
         metrics = self.train_metrics_aggr_fn([m.content for m in kept], self.weighted_by_key)
