@@ -37,6 +37,7 @@ from fedlmc.federated import (
 from fedlmc.hf import Logits, hf_model_for
 from fedlmc.on_clients import answer
 from fedlmc.scaffold import CONTROL_KEY, client_round, correct, pack, remove, trajectory_variate, unpack
+from fedlmc.strategies.knobs import confirm
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 from fedlmc.widths import shape_of, slice_prefix
 
@@ -120,6 +121,7 @@ def train(
     # only quantities whose num-examples-weighted mean means something are metrics; who the client is
     # (partition, width) and how long it took travel as configuration
     metrics = MetricRecord({"num-examples": len(data), "train-loss": sum(last) / len(last)})
+    confirm(metrics, msg.content["config"], "proximal-mu", *([CONTROL_KEY] if scaffold else []))
     client = ConfigRecord({"partition-id": pid, "train-seconds": time.time() - t0})
     state = {k: v.detach().cpu().float() for k, v in model.state_dict().items()}
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict=state), "metrics": metrics, "client": client})

@@ -338,17 +338,18 @@ class RefinedFedAvg(AlignedFedAvg):
         ``on_clients``, only their clients are asked). After a distance screen that excluded nobody it
         starts from the screen's weight matching (no second one).
     **kwargs
-        ``AlignedFedAvg``'s parameters (``robust`` must stay the mean: refinement learns weighted means).
+        ``AlignedFedAvg``'s parameters but ``robust`` (refinement learns weighted means).
     """
 
     refines = True
 
     def __init__(self, *, refine: Refinement, on_clients: Optional[OnClients] = None, **kwargs: Any) -> None:
-        super().__init__(on_clients=on_clients, **kwargs)
-        if self.robust.reduce != "mean":
-            raise ValueError(
-                "RefinedFedAvg learns mixtures (weighted means) of the aligned replies: reduce must be 'mean'"
+        if "robust" in kwargs:
+            raise TypeError(
+                "RefinedFedAvg learns mixtures (weighted means) of the aligned replies: it takes no robust "
+                "(AlignedFedAvg(robust=...) reduces the aligned replies robustly)"
             )
+        super().__init__(on_clients=on_clients, **kwargs)
         if refine is None or (refine.data is None and on_clients is None):
             raise ValueError(
                 "RefinedFedAvg needs data for its refinement, at the server or at the clients: "

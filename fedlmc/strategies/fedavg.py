@@ -18,9 +18,26 @@ from fedlmc.scaffold import CONTROL_KEY, pack, unpack
 from fedlmc.task_vectors import task_vector_merge
 
 from .base import FedlmcStrategy, loaded
+from .knobs import ClientKnob, ConfirmedKnobs
 
 
-class ReportingFedAvg(FedlmcStrategy):
+class MeanFedAvg(FedlmcStrategy):
+    """Flower's FedAvg mean of the replies that pass fedlmc's validation: what the strategies that change
+    what is averaged, or how the mean is stepped, start from. It takes no ``robust``: a strategy that
+    cannot apply a robust reduction does not accept one.
+
+    Parameters
+    ----------
+    **kwargs
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
+    """
+
+    def combine(self, server_round, replies, models, weights):
+        arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
+        return self.model_of(arrays), {"kept": "average"}, None
+
+
+class ReportingFedAvg(MeanFedAvg):
     """Flower's FedAvg aggregation of the replies that pass fedlmc's validation, plus the model config in
     every message and a per-round history: the baseline the other strategies are compared with.
 
@@ -40,11 +57,10 @@ class ReportingFedAvg(FedlmcStrategy):
     def combine(self, server_round, replies, models, weights):
         if self.robust.reduce != "mean":
             return robust_merge(models, self.robust.reduce, self.robust.trim), {"kept": self.robust.reduce}, None
-        arrays = aggregate_arrayrecords([m.content for m in replies], self.weighted_by_key)
-        return self.model_of(arrays), {"kept": "average"}, None
+        return super().combine(server_round, replies, models, weights)
 
 
-class KrumFedAvg(ReportingFedAvg):
+class KrumFedAvg(MeanFedAvg):
     """Flower's Krum / Multi-Krum on the raw replies (``flwr.serverapp.strategy.MultiKrum``'s own
     ``select_multikrum``), with fedlmc's validation and a record of the replies it left out: the
     raw-coordinate baseline for screening modulo symmetries (``AlignedFedAvg(screen=...)``).
@@ -96,7 +112,21 @@ class KrumFedAvg(ReportingFedAvg):
         return keep, {"kept": "krum" if select == 1 else "multikrum", "screen": screened}
 
 
-class FedProxFedAvg(ReportingFedAvg):
+PROXIMAL = ClientKnob(
+    "proximal-mu",
+    "fedlmc's ClientApp (clients/app.py) adds mu / 2 · ‖w − w_global‖² to its local loss "
+    "(fedlmc.train.TrainConfig(proximal_mu=...)) and confirms it with "
+    "fedlmc.strategies.knobs.confirm(metrics, config, 'proximal-mu'); a ClientApp of your own must do both.",
+)
+SCAFFOLD = ClientKnob(
+    CONTROL_KEY,
+    "fedlmc's ClientApp (clients/app.py) corrects its gradients by c − c_i (fedlmc.scaffold.correct), answers "
+    "Δc_i in its 'scaffold' ConfigRecord and confirms it with "
+    "fedlmc.strategies.knobs.confirm(metrics, config, 'scaffold'); a ClientApp of your own must do the same.",
+)
+
+
+class FedProxFedAvg(ConfirmedKnobs, ReportingFedAvg):
     """FedProx (Li et al., 2020) as Flower has it: FedAvg's aggregation, and every train message tells the
     clients the proximal term's weight (config ``proximal-mu``), which fedlmc's ClientApp adds to its
     local loss as ``mu / 2 · ‖w − w_global‖²`` (``TrainConfig.proximal_mu``).
@@ -105,6 +135,9 @@ class FedProxFedAvg(ReportingFedAvg):
     ----------
     proximal_mu : float, default 0.0
         The proximal term's weight (0: FedAvg, bit for bit).
+    unconfirmed : {"warn", "error"}, default "warn"
+        A round whose replies do not confirm the proximal term (``applied-proximal-mu``, a ClientApp that
+        does not run FedProx) is warned about, or refused (``fedlmc.strategies.knobs.ConfirmedKnobs``).
     **kwargs
         ``ReportingFedAvg``'s parameters.
     """
@@ -115,12 +148,15 @@ class FedProxFedAvg(ReportingFedAvg):
             raise ValueError(f"proximal_mu must be non-negative, got {proximal_mu}")
         self.proximal_mu = proximal_mu
 
+    def client_knobs(self) -> list[ClientKnob]:
+        return [PROXIMAL] if self.proximal_mu > 0 else []
+
     def configure_train(self, server_round: int, arrays, config: ConfigRecord, grid):
         config["proximal-mu"] = self.proximal_mu
         return super().configure_train(server_round, arrays, config, grid)
 
 
-class ServerOptFedAvg(ReportingFedAvg):
+class ServerOptFedAvg(MeanFedAvg):
     """A server optimiser of Flower's (``FedAvgM``, ``FedAdam``, ``FedYogi``, ``FedAdagrad``: Reddi et al.,
     2021) with fedlmc's validation and history: the valid replies go to the Flower strategy, whose own
     ``aggregate_train`` takes FedAvg's mean and steps from the previous global model with its state
@@ -160,7 +196,7 @@ class ServerOptFedAvg(ReportingFedAvg):
         return self._step(server_round, replies), {"kept": type(self.optimiser).__name__.lower()}
 
 
-class TaskVectorFedAvg(ReportingFedAvg):
+class TaskVectorFedAvg(MeanFedAvg):
     """Task-vector merges for federations that fine-tune one shared base (Task Arithmetic, TIES, DARE,
     Model Stock: ``fedlmc.task_vectors``): each reply's task vector is its model minus the global model
     the round sent, and the merged task vector is added to that model.
@@ -199,7 +235,7 @@ class TaskVectorFedAvg(ReportingFedAvg):
         return ArrayRecord(torch_state_dict=merged), {"kept": self.merge.method}
 
 
-class ScaffoldFedAvg(ReportingFedAvg):
+class ScaffoldFedAvg(ConfirmedKnobs, MeanFedAvg):
     """SCAFFOLD (Karimireddy et al., ICML 2020) on Flower's Message API: every train message carries the
     server's control variate ``c`` (config key ``scaffold``, safetensors bytes); fedlmc's ClientApp
     keeps its own variate in the node's ``context.state``, corrects its gradients by ``c − c_i`` and
@@ -212,16 +248,21 @@ class ScaffoldFedAvg(ReportingFedAvg):
 
     Parameters
     ----------
+    unconfirmed : {"warn", "error"}, default "warn"
+        A round whose replies do not confirm the control variates (``applied-scaffold``) is warned
+        about, or refused (``fedlmc.strategies.knobs.ConfirmedKnobs``).
     **kwargs
-        ``ReportingFedAvg``'s parameters (``reduce`` must stay the mean).
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters (no ``robust``: SCAFFOLD averages the
+        replies and their control variates).
     """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if self.robust.reduce != "mean":
-            raise ValueError("SCAFFOLD averages the replies and their control variates: reduce must be 'mean'")
         self.control: dict = {}
         self._nodes = 0
+
+    def client_knobs(self) -> list[ClientKnob]:
+        return [SCAFFOLD]
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid):
         config[CONTROL_KEY] = pack(self.control)

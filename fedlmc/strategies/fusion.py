@@ -8,10 +8,10 @@ from typing import Any, Optional
 from fedlmc.options import Guard, OTFusion
 from fedlmc.ot_fusion import ot_fusion
 
-from .fedavg import ReportingFedAvg
+from .fedavg import MeanFedAvg
 
 
-class OTFusionFedAvg(ReportingFedAvg):
+class OTFusionFedAvg(MeanFedAvg):
     """Each round's replies fused by optimal transport (``fedlmc.ot_fusion``: Imfeld et al., ICLR 2024,
     weight-based): every reply carried onto an anchor reply's units by soft transport maps, layer by
     layer, then averaged with the replies' weights. fedlmc's GPT-2 and ViT models.
@@ -23,15 +23,14 @@ class OTFusionFedAvg(ReportingFedAvg):
     guard : Guard, optional
         The do-no-harm comparison with the plain average, as ``AlignedFedAvg``'s (None: none).
     **kwargs
-        ``ReportingFedAvg``'s parameters (``reduce`` must stay the mean).
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters (no ``robust``: the transported replies
+        are averaged).
     """
 
     needs_architecture = True
 
     def __init__(self, *, fusion: Optional[OTFusion] = None, guard: Optional[Guard] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if self.robust.reduce != "mean":
-            raise ValueError("OTFusionFedAvg averages the transported replies: reduce must be 'mean'")
         self.fusion = fusion if fusion is not None else OTFusion()
         self.guard = guard
 

@@ -1,0 +1,145 @@
+"""Every option honoured or refused: a strategy that cannot apply a robust reduction does not accept one,
+and a strategy whose method runs partly in the ClientApp (FedProx, SCAFFOLD) is told by the replies
+whether the clients applied it; a plain Flower ClientApp under it is warned about (or refused), never
+FedAvg under another name in silence."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAdam
+from test_flower_contract import Grid, _mlp_arrays
+
+from fedlmc.options import OTFusion, Refinement, Robust, TaskMerge
+from fedlmc.strategies import (
+    FedProxFedAvg,
+    KrumFedAvg,
+    OTFusionFedAvg,
+    RefinedFedAvg,
+    ReportingFedAvg,
+    ScaffoldFedAvg,
+    ServerOptFedAvg,
+    TaskVectorFedAvg,
+)
+from fedlmc.strategies.knobs import applied_metric, confirm
+
+
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1, raising=False)
+
+
+NO_ROBUST = {
+    "KrumFedAvg": lambda **kw: KrumFedAvg(**kw),
+    "ServerOptFedAvg": lambda **kw: ServerOptFedAvg(optimiser=FedAdam(), **kw),
+    "TaskVectorFedAvg": lambda **kw: TaskVectorFedAvg(merge=TaskMerge(), **kw),
+    "ScaffoldFedAvg": lambda **kw: ScaffoldFedAvg(**kw),
+    "OTFusionFedAvg": lambda **kw: OTFusionFedAvg(fusion=OTFusion(), **kw),
+    "RefinedFedAvg": lambda **kw: RefinedFedAvg(refine=Refinement(data=[0]), **kw),
+}
+
+
+@pytest.mark.parametrize("make", NO_ROBUST.values(), ids=NO_ROBUST.keys())
+@pytest.mark.parametrize("robust", [Robust(reduce="median"), Robust(reduce="mean", trim=0.3)])
+def test_a_strategy_that_cannot_reduce_robustly_refuses_robust(make, robust):
+    make()  # builds without it
+    with pytest.raises(TypeError, match="robust"):
+        make(robust=robust)
+
+
+def test_the_strategies_that_take_robust_apply_it():
+    rng = np.random.default_rng(0)
+    replies = Grid(nodes=5, step=1.0)
+    initial = ArrayRecord([rng.normal(size=(3, 2)).astype(np.float32)])
+    outs = {}
+    for name, strategy in (
+        ("mean", ReportingFedAvg()),
+        ("median", ReportingFedAvg(robust=Robust(reduce="median"))),
+        ("prox-median", FedProxFedAvg(proximal_mu=0.0, robust=Robust(reduce="median"))),
+    ):
+        outs[name] = strategy.start(grid=replies, initial_arrays=initial, num_rounds=1).arrays.to_numpy_ndarrays()[0]
+        replies = Grid(nodes=5, step=1.0)
+    assert not np.allclose(outs["mean"], outs["median"])
+    np.testing.assert_allclose(outs["prox-median"], outs["median"])
+
+
+# ---- a plain Flower ClientApp (Flower's quickstart's shape): trains, answers arrays and num-examples ----
+plain = ClientApp()
+
+
+@plain.train()
+def _plain_train(msg: Message, context: Context) -> Message:
+    sd = msg.content["arrays"].to_torch_state_dict()
+    g = torch.Generator().manual_seed(int(context.node_id))
+    moved = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+    metrics = MetricRecord({"num-examples": 10 * int(context.node_id), "train-loss": 1.0})
+    if context.run_config.get("confirm"):  # a ClientApp that runs the method says so
+        confirm(metrics, msg.content["config"], "proximal-mu", "scaffold")
+    return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=moved), "metrics": metrics}), reply_to=msg)
+
+
+class AppGrid(Grid):
+    """Nodes that run ``plain`` (a Flower ClientApp) on every train message (``Grid``'s evaluation)."""
+
+    def __init__(self, confirms: bool, nodes: int = 3) -> None:
+        super().__init__(nodes=nodes)
+        self.confirms = confirms
+
+    def _answer(self, m: Message, mid: str) -> Message:
+        if m.metadata.message_type != "train":
+            return super()._answer(m, mid)
+        node = int(m.metadata.dst_node_id)
+        ctx = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={"confirm": self.confirms})
+        m.metadata.__dict__["_message_id"] = mid  # as a SuperNode receives it: the message has its id
+        reply = plain(m, ctx)
+        reply.metadata.__dict__["_src_node_id"] = node
+        return reply
+
+
+KNOBBED = {
+    "fedprox": lambda **kw: FedProxFedAvg(proximal_mu=0.1, **kw),
+    "scaffold": lambda **kw: ScaffoldFedAvg(**kw),
+}
+
+
+@pytest.mark.parametrize("make", KNOBBED.values(), ids=KNOBBED.keys())
+def test_a_plain_flower_clientapp_under_a_client_side_method_is_warned_about(make, caplog):
+    strategy = make()
+    with caplog.at_level(logging.WARNING):
+        strategy.start(grid=AppGrid(confirms=False), initial_arrays=_mlp_arrays(), num_rounds=2)
+    warnings = [r.getMessage() for r in caplog.records if "do not confirm" in r.getMessage()]
+    assert len(warnings) == 1 and "round 1" in warnings[0] and "clients/app.py" in warnings[0]
+    assert all(sorted(r["unconfirmed"][next(iter(r["unconfirmed"]))]) == [1, 2, 3] for r in strategy.history)
+
+
+@pytest.mark.parametrize("make", KNOBBED.values(), ids=KNOBBED.keys())
+def test_unconfirmed_error_refuses_the_round(make):
+    with pytest.raises(ValueError, match="do not confirm"):
+        make(unconfirmed="error").start(grid=AppGrid(confirms=False), initial_arrays=_mlp_arrays(), num_rounds=1)
+
+
+@pytest.mark.parametrize("make", KNOBBED.values(), ids=KNOBBED.keys())
+def test_a_clientapp_that_confirms_is_not_warned_about(make, caplog):
+    strategy = make(unconfirmed="error")
+    with caplog.at_level(logging.WARNING):
+        strategy.start(grid=AppGrid(confirms=True), initial_arrays=_mlp_arrays(), num_rounds=2)
+    assert "do not confirm" not in caplog.text and not any("unconfirmed" in r for r in strategy.history)
+
+
+def test_fedprox_at_mu_zero_is_fedavg_and_asks_for_nothing(caplog):
+    with caplog.at_level(logging.WARNING):
+        FedProxFedAvg(proximal_mu=0.0).start(grid=AppGrid(confirms=False), initial_arrays=_mlp_arrays(), num_rounds=1)
+    assert "do not confirm" not in caplog.text
+
+
+def test_confirm_marks_only_the_knobs_the_server_sent():
+    metrics = confirm(MetricRecord({"num-examples": 1}), {"proximal-mu": 0.1}, "proximal-mu", "scaffold")
+    assert metrics[applied_metric("proximal-mu")] == 1.0 and applied_metric("scaffold") not in metrics
