@@ -216,8 +216,7 @@ def names():
         "config": a.config.to_dict(),
         "peft_model": peft_model,
         "grid": Grid(nodes=2, step=0.0),  # two nodes that send back what they get
-        "refine_half": data,
-        "guard_half": data,
+        "val": data,
         "train_data": data,
         "x_val": data.x,
         "y_val": data.y,
@@ -264,3 +263,59 @@ def test_every_python_snippet_runs(page, code, names, monkeypatch):
     finally:
         for name in set(REGISTRY) - registered:
             REGISTRY.pop(name)
+
+
+CALL = re.compile(r"`(?P<call>(?P<name>[A-Z]\w*)\((?P<args>[^`]*)\))`")
+
+
+def _constructor_scope(names) -> dict:
+    """What a constructor cell may name: fedlmc's strategies and options, Flower's strategies, and its
+    inputs (``model``: the clients' model or its config, ``data``: a small data set at the server,
+    ``peft_model``: a PEFT model), as docs/strategies.md says."""
+    import flwr.serverapp.strategy as flower
+
+    import fedlmc.options as options
+    import fedlmc.strategies as strategies
+
+    scope = {k: getattr(flower, k) for k in dir(flower) if k[:1].isupper()}
+    scope.update({k: getattr(options, k) for k in dir(options) if k[:1].isupper()})
+    scope.update({k: getattr(strategies, k) for k in strategies.__all__})
+    scope.update(model=names["config"], data=names["train_data"], peft_model=names["peft_model"])
+    return scope
+
+
+def _cells():
+    for page in SNIPPET_PAGES:
+        for m in CALL.finditer(page.read_text()):
+            yield page.relative_to(ROOT), m.group("call")
+
+
+@pytest.mark.parametrize("page,call", sorted(set(_cells())), ids=lambda v: str(v)[:60])
+def test_every_constructor_cell_runs(page, call, names):
+    """Every strategy or option constructor written in backticks in the README and docs (the strategy
+    table's cells included) builds, as written, with the inputs the docs name."""
+    scope = _constructor_scope(names)
+    head = call.split("(", 1)[0]
+    if head not in scope:
+        return  # not a constructor of ours or Flower's (e.g. a model class of transformers)
+    assert "..." not in call and "…" not in call, f"{page}: `{call}` is not a call one can run"
+    eval(call, scope)  # noqa: S307 -- the docs' own cells
+
+
+def test_every_registered_example_builds_its_strategy(names):
+    """Each registration's constructor call (the strategy table's "in your Flower app") builds a strategy
+    of the class the registration's builder builds."""
+    from fedlmc.federated import Settings, global_model, splits_for
+    from fedlmc.strategies.registry import REGISTRY
+    from strategies.factory import build_strategy
+
+    scope = _constructor_scope(names)
+    for name, r in REGISTRY.items():
+        assert r.example, f"{name} has no constructor example"
+        built = eval(r.example, scope)  # noqa: S307
+        run = {"strategy": name, "preset": "vit-digits"}
+        if r.can.mixed_widths:
+            run["width-factors"] = "1,2"
+        s = Settings.from_run_config(run)
+        model = global_model(s)
+        assert type(built) is type(build_strategy(s, model.config, splits_for(s))), name

@@ -62,27 +62,37 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Registered:
-    """One registration: the run_config name, a one-line summary, the builder and the capabilities."""
+    """One registration: the run_config name, a one-line summary, the builder, the capabilities, the
+    constructor call that builds the strategy in a Flower app of one's own (``example``: runs with
+    ``model`` the clients' model or its config, ``data`` a small data set at the server, ``peft_model``
+    a PEFT model; the suite executes every one) and the client code the method needs (``client``: ""
+    when an unchanged Flower ClientApp will do)."""
 
     name: str
     summary: str
     build: Callable[["Build"], Any]
     can: Capabilities
+    example: str = ""
+    client: str = ""
 
 
 REGISTRY: dict[str, Registered] = {}
 
 
-def register(name: str, *, summary: str, override: bool = False, **capabilities: bool):
+def register(
+    name: str, *, summary: str, example: str = "", client: str = "", override: bool = False, **capabilities: bool
+):
     """Register the decorated builder under run_config name ``name`` (a clear error if it is taken,
-    unless ``override``); ``capabilities`` are ``Capabilities``' fields."""
+    unless ``override``); ``example``: the constructor call a Flower app of one's own writes (see
+    ``Registered``); ``client``: the client code the method needs ("": none); ``capabilities`` are
+    ``Capabilities``' fields."""
 
     def decorate(build: Callable[["Build"], Any]) -> Callable[["Build"], Any]:
         if name in REGISTRY and not override:
             raise ValueError(f"strategy {name!r} is registered already; pass override=True to replace it")
         if not name or "," in name or "@" in name or "+" in name:
             raise ValueError(f"a strategy's name has no ',', '@' or '+' (the runners' separators): {name!r}")
-        REGISTRY[name] = Registered(name, summary, build, Capabilities(**capabilities))
+        REGISTRY[name] = Registered(name, summary, build, Capabilities(**capabilities), example, client)
         return build
 
     return decorate
@@ -170,8 +180,9 @@ class Build:
 
 @register(
     "average",
-    summary="`ReportingFedAvg`: Flower's FedAvg of the validated replies (FedMedian / FedTrimmedAvg with reduce)",
+    summary="Flower's FedAvg of the validated replies (FedMedian / FedTrimmedAvg with reduce)",
     reduce=True,
+    example="ReportingFedAvg()",
 )
 def _average(b: Build):
     return ReportingFedAvg(**b.common(), **b.robust())
@@ -179,12 +190,13 @@ def _average(b: Build):
 
 @register(
     "permuted",
-    summary="`AlignedFedAvg` with permutations only (heads, FF, the residual's coordinates): the Git "
+    summary="aligned with permutations only (heads, FF, the residual's coordinates): the Git "
     "Re-Basin / FedMA-style peer",
     server_data=True,
     reduce=True,
     screen=True,
     universe=True,
+    example='AlignedFedAvg(model=model, matching=Matching(residual="permutation"))',
 )
 def _permuted(b: Build):
     return AlignedFedAvg(**b.common(), **b.aligned(permutations=True), **b.robust())
@@ -192,12 +204,13 @@ def _permuted(b: Build):
 
 @register(
     "aligned",
-    summary="`AlignedFedAvg`: weight matching along every symmetry (orthogonal residual, head and FF "
+    summary="weight matching along every symmetry (orthogonal residual, head and FF "
     "permutations, QK/OV gauges) to a universe, then averaging; guarded by the plain average",
     server_data=True,
     reduce=True,
     screen=True,
     universe=True,
+    example="AlignedFedAvg(model=model)",
 )
 def _aligned(b: Build):
     return AlignedFedAvg(**b.common(), **b.aligned(), **b.robust())
@@ -205,11 +218,13 @@ def _aligned(b: Build):
 
 @register(
     "aligned-clients",
-    summary="`AlignedFedAvg(on_clients=OnClients())`: aligned, its guard scored by the clients (no server data)",
+    summary="aligned, its guard scored by the clients (no server data)",
     on_clients=True,
     reduce=True,
     screen=True,
     universe=True,
+    example="AlignedFedAvg(model=model, on_clients=OnClients())",
+    client="its evaluate answers `eval-loss` on held-out data (the guard's scores)",
 )
 def _aligned_clients(b: Build):
     return AlignedFedAvg(**b.common(), **b.aligned(on_clients=True), **b.robust())
@@ -217,10 +232,11 @@ def _aligned_clients(b: Build):
 
 @register(
     "refined",
-    summary="`RefinedFedAvg`: aligned, then Dirichlet refinement of the alignments on the server's data",
+    summary="aligned, then Dirichlet refinement of the alignments on the server's data",
     server_data=True,
     screen=True,
     universe=True,
+    example="RefinedFedAvg(model=model, refine=Refinement(data=data))",
 )
 def _refined(b: Build):
     return RefinedFedAvg(**b.common(), **b.aligned(), refine=b.settings.refinement(b.halves()[0]))
@@ -228,11 +244,12 @@ def _refined(b: Build):
 
 @register(
     "refined-clients",
-    summary="`RefinedFedAvg(on_clients=OnClients())`: the refinement's gradients and the guard computed by "
-    "the clients (no server data)",
+    summary="the refinement's gradients and the guard computed by the clients (no server data)",
     on_clients=True,
     screen=True,
     universe=True,
+    example="RefinedFedAvg(model=model, refine=Refinement(), on_clients=OnClients())",
+    client="answers `query.refine` messages with `fedlmc.on_clients.answer` (fedlmc's ClientApp does)",
 )
 def _refined_clients(b: Build):
     return RefinedFedAvg(**b.common(), **b.aligned(on_clients=True), refine=b.settings.refinement(None))
@@ -240,9 +257,10 @@ def _refined_clients(b: Build):
 
 @register(
     "ot-fusion",
-    summary="`OTFusionFedAvg`: optimal-transport fusion (Imfeld et al., ICLR 2024), replies carried onto an "
+    summary="optimal-transport fusion (Imfeld et al., ICLR 2024), replies carried onto an "
     "anchor by soft transport maps layer by layer, then averaged; guarded by the plain average",
     server_data=True,
+    example="OTFusionFedAvg(model=model)",
 )
 def _ot_fusion(b: Build):
     s = b.settings
@@ -266,9 +284,9 @@ def _distilled(b: Build, start: str, refine: bool = False, on_clients: bool = Fa
 
 @register(
     "feddf",
-    summary="`DistilledFedAvg(distill=Distill(start='average'))`: FedDF, FedAvg's mean distilled toward the "
-    "replies' ensemble on the server's unlabelled data",
+    summary="FedDF, FedAvg's mean distilled toward the replies' ensemble on the server's unlabelled data",
     server_data=True,
+    example='DistilledFedAvg(model=model, distill=Distill(data=data, start="average"))',
 )
 def _feddf(b: Build):
     return _distilled(b, "average")
@@ -276,9 +294,10 @@ def _feddf(b: Build):
 
 @register(
     "aligned-distilled",
-    summary="`DistilledFedAvg`: the aligned merge distilled toward the replies' ensemble on the server's data",
+    summary="the aligned merge distilled toward the replies' ensemble on the server's data",
     server_data=True,
     universe=True,
+    example="DistilledFedAvg(model=model, distill=Distill(data=data))",
 )
 def _aligned_distilled(b: Build):
     return _distilled(b, "merge")
@@ -286,10 +305,10 @@ def _aligned_distilled(b: Build):
 
 @register(
     "refined-distilled",
-    summary="`DistilledFedAvg(distill=Distill(refine=...))`: the refined merge distilled toward the replies' "
-    "ensemble on the server's data",
+    summary="the refined merge distilled toward the replies' ensemble on the server's data",
     server_data=True,
     universe=True,
+    example="DistilledFedAvg(model=model, distill=Distill(data=data, refine=Refinement(data=data)))",
 )
 def _refined_distilled(b: Build):
     return _distilled(b, "merge", refine=True)
@@ -297,10 +316,13 @@ def _refined_distilled(b: Build):
 
 @register(
     "refined-clients-distilled",
-    summary="`DistilledFedAvg(on_clients=OnClients())`: refined on the clients, then distilled by them, each "
+    summary="refined on the clients, then distilled by them, each "
     "toward the model it trained on its own data (no server data)",
     on_clients=True,
     universe=True,
+    example="DistilledFedAvg(model=model, distill=Distill(refine=Refinement()), on_clients=OnClients())",
+    client="answers `query.refine` messages with `fedlmc.on_clients.answer` and keeps its trained model when "
+    "the train config says `keep-model` (fedlmc's ClientApp does)",
 )
 def _refined_clients_distilled(b: Build):
     return _distilled(b, "merge", refine=True, on_clients=True)
@@ -320,54 +342,86 @@ def _hetero(b: Build, refine: bool, permutations: bool = False):
 
 @register(
     "hetero",
-    summary="`HeteroWidthFedAvg`: clients of several widths aligned into the widest one's universe, each "
-    "sent its own-width projection",
+    summary="clients of several widths aligned into the widest one's universe, each sent its own-width projection",
     server_data=True,
     mixed_widths=True,
+    example="HeteroWidthFedAvg(model=model)",
+    client="builds its model at the width of the arrays it receives",
 )
 def _hetero_aligned(b: Build):
     return _hetero(b, refine=False)
 
 
-@register("hetero-permuted", summary="`HeteroWidthFedAvg` with permutations only", server_data=True, mixed_widths=True)
+@register(
+    "hetero-permuted",
+    summary="hetero with permutations only",
+    server_data=True,
+    mixed_widths=True,
+    example='HeteroWidthFedAvg(model=model, matching=Matching(residual="permutation"))',
+    client="builds its model at the width of the arrays it receives",
+)
 def _hetero_permuted(b: Build):
     return _hetero(b, refine=False, permutations=True)
 
 
 @register(
     "hetero-refined",
-    summary="`HeteroWidthFedAvg(refine=...)`: hetero, then Dirichlet refinement",
+    summary="hetero, then Dirichlet refinement",
     server_data=True,
     mixed_widths=True,
+    example="HeteroWidthFedAvg(model=model, refine=Refinement(data=data))",
+    client="builds its model at the width of the arrays it receives",
 )
 def _hetero_refined(b: Build):
     return _hetero(b, refine=True)
 
 
-@register("slicing", summary="`SlicingFedAvg`: HeteroFL, each width the wide model's leading slice", mixed_widths=True)
+@register(
+    "slicing",
+    summary="HeteroFL, each width the wide model's leading slice",
+    mixed_widths=True,
+    example="SlicingFedAvg(model=model)",
+    client="builds its model at the width of the arrays it receives",
+)
 def _slicing(b: Build):
     return SlicingFedAvg(**b.common())
 
 
-@register("krum", summary="`KrumFedAvg`: Flower's Krum on the raw replies (f = malicious)")
+@register(
+    "krum",
+    summary="Flower's Krum on the raw replies (f = malicious)",
+    example="KrumFedAvg(num_malicious_nodes=1, num_nodes_to_select=1)",
+)
 def _krum(b: Build):
     return KrumFedAvg(**b.common(), num_malicious_nodes=b.settings.malicious, num_nodes_to_select=1)
 
 
-@register("multikrum", summary="`KrumFedAvg`: Flower's Multi-Krum on the raw replies (all but f = malicious)")
+@register(
+    "multikrum",
+    summary="Flower's Multi-Krum on the raw replies (all but f = malicious)",
+    example="KrumFedAvg(num_malicious_nodes=1)",
+)
 def _multikrum(b: Build):
     return KrumFedAvg(**b.common(), num_malicious_nodes=b.settings.malicious, num_nodes_to_select=None)
 
 
-@register("fedprox", summary="`FedProxFedAvg`: FedProx, FedAvg with the clients' proximal term (`proximal-mu`)")
+@register(
+    "fedprox",
+    summary="FedProx, FedAvg with the clients' proximal term (`proximal-mu`)",
+    example="FedProxFedAvg(proximal_mu=0.1)",
+    client="adds μ/2·‖w − w_global‖² to its loss and confirms it with `fedlmc.strategies.knobs.confirm` "
+    "(fedlmc's ClientApp does)",
+)
 def _fedprox(b: Build):
     return FedProxFedAvg(**b.common(), proximal_mu=b.settings.proximal_mu)
 
 
 @register(
     "scaffold",
-    summary="`ScaffoldFedAvg`: SCAFFOLD, the clients' gradients corrected by control variates (c − c_i) that "
-    "travel with the messages",
+    summary="SCAFFOLD, the clients' gradients corrected by control variates (c − c_i) that travel with the messages",
+    example="ScaffoldFedAvg()",
+    client="corrects its gradients by c − c_i (`fedlmc.scaffold`), answers Δc_i and confirms it (fedlmc's "
+    "ClientApp does)",
 )
 def _scaffold(b: Build):
     return ScaffoldFedAvg(**b.common())
@@ -377,7 +431,7 @@ def _server_opt(name: str, summary: str) -> None:
     """Register Flower's server optimiser ``name`` (with Flower's default hyper-parameters)."""
     import flwr.serverapp.strategy as flower
 
-    @register(name.lower(), summary=summary)
+    @register(name.lower(), summary=summary, example=f"ServerOptFedAvg(optimiser={name}())")
     def _build(b: Build):
         s = b.settings
         lr = {"server_learning_rate" if name == "FedAvgM" else "eta": s.server_lr} if s.server_lr > 0 else {}
@@ -385,25 +439,23 @@ def _server_opt(name: str, summary: str) -> None:
         return ServerOptFedAvg(**b.common(), optimiser=getattr(flower, name)(**lr, **momentum))
 
 
-_server_opt(
-    "FedAvgM", "`ServerOptFedAvg(optimiser=FedAvgM())`: FedAvg with server momentum (Flower's; `server-momentum`)"
-)
-_server_opt("FedAdam", "`ServerOptFedAvg(optimiser=FedAdam())`: the Adam server optimiser (Flower's; `server-lr`)")
-_server_opt("FedYogi", "`ServerOptFedAvg(optimiser=FedYogi())`: the Yogi server optimiser (Flower's; `server-lr`)")
+_server_opt("FedAvgM", "FedAvg with server momentum (Flower's; `server-momentum`)")
+_server_opt("FedAdam", "the Adam server optimiser (Flower's; `server-lr`)")
+_server_opt("FedYogi", "the Yogi server optimiser (Flower's; `server-lr`)")
 
 
 def _task_merge(method: str, summary: str) -> None:
     """Register the task-vector merge ``method`` (``TaskMerge``'s defaults)."""
 
-    @register(method, summary=summary)
+    @register(method, summary=summary, example=f'TaskVectorFedAvg(merge=TaskMerge(method="{method}"))')
     def _build(b: Build):
         return TaskVectorFedAvg(**b.common(), merge=TaskMerge(method=method))
 
 
-_task_merge("task-arithmetic", "`TaskVectorFedAvg`: Task Arithmetic, the clients' task vectors summed (λ = 1: FedAvg)")
-_task_merge("ties", "`TaskVectorFedAvg`: TIES, task vectors trimmed to 20 %, sign elected, agreeing entries averaged")
-_task_merge("dare", "`TaskVectorFedAvg`: DARE, 90 % of each task vector dropped at random, the rest rescaled")
-_task_merge("model-stock", "`TaskVectorFedAvg`: Model Stock, the clients' mean pulled to the base by their angle")
+_task_merge("task-arithmetic", "Task Arithmetic, the clients' task vectors summed (λ = 1: FedAvg)")
+_task_merge("ties", "TIES, task vectors trimmed to 20 %, sign elected, agreeing entries averaged")
+_task_merge("dare", "DARE, 90 % of each task vector dropped at random, the rest rescaled")
+_task_merge("model-stock", "Model Stock, the clients' mean pulled to the base by their angle")
 
 
 def build(settings: Any, config: Any, splits: Any, model: Any = None):
@@ -426,10 +478,13 @@ def table() -> str:
     """The registered strategies as a Markdown table (docs/strategies.md's; ``fedlmc strategies`` prints it)."""
     cols = CAPABILITY_COLUMNS
     lines = [
-        "| strategy | what it does | " + " | ".join(c for _, c in cols) + " |",
-        "|---|---|" + "---|" * len(cols),
+        "| strategy | in your Flower app | what it does | client code it needs | "
+        + " | ".join(c for _, c in cols)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(cols),
     ]
     for r in REGISTRY.values():
         marks = " | ".join("✓" if getattr(r.can, f) else "" for f, _ in cols)
-        lines.append(f"| `{r.name}` | {r.summary} | {marks} |")
+        example = f"`{r.example}`" if r.example else ""
+        lines.append(f"| `{r.name}` | {example} | {r.summary} | {r.client or 'none'} | {marks} |")
     return "\n".join(lines)
