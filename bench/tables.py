@@ -315,6 +315,25 @@ def strategies(_) -> str:
     return table()
 
 
+def run_keys(_) -> str:
+    from fedlmc.federated import Settings, key_table
+
+    return key_table(Settings)
+
+
+def experiment_keys(_) -> str:
+    from fedlmc.federated import Settings, key_table
+    from simulations.experiment import ExperimentSettings
+
+    return key_table(ExperimentSettings, beyond=Settings)
+
+
+def strategy_keys(_) -> str:
+    from fedlmc.strategies.registry import key_table
+
+    return key_table()
+
+
 def benches(_) -> str:
     from bench.__main__ import table
 
@@ -324,6 +343,9 @@ def benches(_) -> str:
 TABLES: dict[str, Table] = {
     "strategies": Table((), (), strategies),
     "benches": Table((), (), benches),
+    "run-keys": Table((), (), run_keys),
+    "experiment-keys": Table((), (), experiment_keys),
+    "strategy-keys": Table((), (), strategy_keys),
     "main-job": one("main_job.json", "python bench/main_job.py", main_job),
     "reproduce-vit": one("reproduce_vit-tiny.json", "fedlmc reproduce --preset vit-tiny --pairs 3", reproduce),
     "reproduce-gpt2": one("reproduce_gpt2-tiny.json", "fedlmc reproduce --preset gpt2-tiny --pairs 3", reproduce),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -62,7 +62,7 @@ def fit(model, data, s: Settings, rnd: Round) -> dict:
 
 
 def _node(context: Context, overrides: dict, settings: type[Settings]) -> tuple[Settings, int, int, object]:
-    s = settings.from_run_config({**overrides, **context.run_config})
+    s = settings.from_run_config({**overrides, **context.run_config}, client=True)
     s.apply_threads()
     nc = context.node_config
     pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
@@ -102,8 +102,7 @@ def train(
     s, pid, n, cfg = _node(context, overrides or {}, settings)
     data, _ = client_data(s, pid, n)
     rnd = int(msg.content["config"].get("server-round", 1))
-    if "proximal-mu" in msg.content["config"]:  # FedProx: the server says how strongly to stay near its model
-        s = replace(s, proximal_mu=float(msg.content["config"]["proximal-mu"]))
+    s = s.with_sent(msg.content["config"])  # what the strategy sends its clients (FedProx's mu, SCAFFOLD's variate)
     if s.independent_start and rnd == 1:
         model = fresh_client_model(s, pid, cfg)
     else:
@@ -114,7 +113,7 @@ def train(
         hist = fit_fn(model, data, s, Round(pid, n, rnd, seed=1000 * (s.seed + 1) + 100 * rnd + pid))
     finally:
         remove(scaffold[2] if scaffold else ())
-    if scaffold and s.scaffold_variate == "trajectory":  # option II: c_i⁺ from the steps just taken
+    if scaffold and s.key("scaffold-variate") == "trajectory":  # option II: c_i⁺ from the steps just taken
         trained = Logits(model) if s.hf else model
         scaffold = (*trajectory_variate(scaffold[4], trained, *scaffold[5], hist["steps"], s.lr), *scaffold[2:])
     last = [v for _, v in hist["train_loss"][-5:]] or [float("nan")]
@@ -145,7 +144,7 @@ def _scaffold_start(msg: Message, context: Context, model, data, s: Settings) ->
         return None
     mine = unpack(context.state[CONTROL_KEY]["control"]) if CONTROL_KEY in context.state else {}
     trained, control = (Logits(model) if s.hf else model), unpack(config[CONTROL_KEY])
-    if s.scaffold_variate == "trajectory":  # option II: the variate comes after training (see fit)
+    if s.key("scaffold-variate") == "trajectory":  # option II: the variate comes after training (see fit)
         start = {k: p.detach().cpu().clone() for k, p in trained.named_parameters()}
         return None, None, correct(trained, control, mine), bool(mine), start, (control, mine)
     return (*client_round(trained, data, s.batch_size, control, mine, s.device or None), bool(mine))

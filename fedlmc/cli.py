@@ -70,10 +70,14 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     table = Table(title="fedlmc strategies (run_config `strategy`)")
     table.add_column("strategy", style="bold", no_wrap=True)
     table.add_column("what it does")
+    table.add_column("its own run_config keys")
+    table.add_column("client code it needs")
     for _, label in CAPABILITY_COLUMNS:
         table.add_column(label, justify="center")
     for r in REGISTRY.values():
-        table.add_row(r.name, r.summary, *("✓" if getattr(r.can, f) else "" for f, _ in CAPABILITY_COLUMNS))
+        keys = ", ".join(f"{k.name} = {k.default!r}" for k in r.keys)
+        marks = ("✓" if getattr(r.can, f) else "" for f, _ in CAPABILITY_COLUMNS)
+        table.add_row(r.name, r.summary, keys, r.client or "none", *marks)
     console.print(table)
     return 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
@@ -21,17 +21,12 @@ from .hf import Logits, hf_model_for
 from .models import ARCHS, from_config, preset_config, preset_dataset
 from .models.layers import TransformerConfig
 from .options import (
-    FF_LIFTS,
-    OT_COSTS,
     PREDICTION_SCREENS,
     REDUCES,
     SCREENS,
     UNIVERSE_STARTS,
-    Distill,
     Guard,
     Matching,
-    OnClients,
-    OTFusion,
     Refinement,
     Robust,
     Scale,
@@ -39,10 +34,14 @@ from .options import (
     Universe,
     one_of,
 )
-from .scaffold import VARIATES
-from .strategies.registry import names, registered
+from .strategies.registry import RUN_KEYS, all_keys, declared, names, owners, registered
 from .train import OPTIMIZERS, TrainConfig, evaluate, model_for_data, train
 from .widths import width_config
+
+
+def doc(default: Any, text: str) -> Any:
+    """A run_config key's default and what it does (the docs' key table prints ``text``)."""
+    return field(default=default, metadata={"doc": text})
 
 
 @dataclass
@@ -53,65 +52,146 @@ class Settings:
     experiment layer adds its own (``simulations.experiment.ExperimentSettings``). ``matching()`` and
     ``refinement(data)`` map the keys onto the option objects the strategies take."""
 
-    strategy: str = "average,aligned,refined"  # a registered strategy, or several: a one-shot side-by-side comparison
-    num_server_rounds: int = 1
-    preset: str = "gpt2-tiny"
-    dataset: str = ""  # default: the preset's
-    data_dir: str = ""
-    text_file: str = ""
-    partitioner: str = "iid"  # iid | dirichlet | speaker (text) | contiguous (text)
-    alpha: float = 0.5  # Dirichlet concentration of the label partition
-    fraction_train: float = 1.0
-    fraction_evaluate: float = 0.0
-    min_nodes: int = 2
-    local_epochs: float = 1.0
-    local_steps: int = 0  # > 0 overrides local_epochs
-    lr: float = 2e-3
-    batch_size: int = 32
-    seed: int = 0
-    independent_start: bool = True  # round 1: every client starts from its own seed (one-shot / fusion)
-    width_factors: str = ""  # e.g. "1,2,4": partition p trains at 1/factor[p % len] of the width
-    ff_lift: str = Universe.ff_lift  # Universe.ff_lift (mixed widths): zeros | split (a narrower FF's neurons)
-    iterations: int = Universe.iterations  # Universe.iterations
-    universe_start: str = Universe.start  # Universe.start: previous | mean (replies trained from it)
-    residual: str = "orthogonal"  # Matching.residual
-    min_gain: float = Matching.min_gain  # Matching.min_gain: keep the identity unless alignment gains more
-    ff_scale: bool = Matching.ff_scale  # Matching.ff_scale: also match ReLU / SwiGLU FF neurons' scales
-    guard: bool = True  # do-no-harm (Guard): compare with plain averaging on the server's validation split
-    refine_steps: int = Refinement.steps  # Refinement.steps, at most: the refinement stops on its objective
-    clients_per_step: int = OnClients.clients_per_step  # OnClients.clients_per_step (0: every client)
-    batches_per_client: int = OnClients.batches_per_client  # OnClients.batches_per_client
-    samples_per_message: int = OnClients.samples_per_message  # OnClients.samples_per_message (λ draws)
-    check_clients: int = OnClients.check_clients  # OnClients.check_clients (0: every client)
-    eval_batches: int = 0  # 0: the whole test split
-    out_dir: str = "runs/flwr"
-    round_timeout: float = 3600.0
-    device: str = ""
-    resume: bool = False  # continue from <out-dir>/state (the last completed round) if it exists
-    # torch intra-op threads per app (0: torch's default); two OpenMP threads per app thrash a busy small host
-    threads: int = 1
-    reduce: str = Robust.reduce  # Robust.reduce: mean | median | trimmed (robust aggregation)
-    trim: float = Robust.trim  # Robust.trim: the fraction of values cut at each end of every coordinate
-    vocab_size: int = 0  # 0: the data's; larger pads the vocabulary (50257: GPT-2-small's 124M parameters)
-    workers: int = Scale.workers  # Scale.workers: processes aligning a round's replies (1: here; 0: one a core)
-    spool: bool = Scale.spool  # Scale.spool: replies wait on disk, memory-mapped (always with workers != 1)
-    spool_dir: str = ""  # Scale.spool_dir ("": the system's temporary directory)
-    ray_address: str = ""  # Scale.ray_address: align on this Ray cluster ("": local worker processes)
-    screen: str = "none"  # Screen.method (none | distance | loss | agreement | information | krum): outlier replies
-    screen_threshold: float = Screen.threshold  # Screen.threshold (distance: robust deviations)
-    malicious: int = Screen.malicious  # Screen.malicious, and the krum / multikrum baselines' f
-    # FedProx's proximal term, sent to the clients in every round's train config (TrainConfig.proximal_mu):
-    # any strategy's clients can train with it (0: none; `fedprox` is `average` with it)
-    proximal_mu: float = 0.0
-    local_optimizer: str = "adamw"  # TrainConfig.optimizer: adamw | sgd (constant lr, no momentum or clipping)
-    scaffold_variate: str = "trajectory"  # scaffold: the clients' c_i⁺, option II (trajectory) or I (gradient)
-    ot_reg: float = OTFusion.reg  # OTFusion.reg (ot-fusion): Sinkhorn's regularisation, 0: exact maps
-    ot_cost: str = OTFusion.cost  # OTFusion.cost (ot-fusion): weights | activations (server data)
-    distill_steps: int = Distill.steps  # Distill.steps (feddf, *-distilled)
-    distill_lr: float = Distill.lr  # Distill.lr
-    distill_temperature: float = Distill.temperature  # Distill.temperature
-    server_lr: float = 0.0  # the server optimisers' learning rate (0: Flower's default, FedAvgM 1.0, FedOpt 0.1)
-    server_momentum: float = 0.0  # FedAvgM's server momentum (Flower's default 0: FedAvg)
+    strategy: str = doc(
+        "average,aligned,refined",
+        "a registered strategy ([the table](strategies.md#the-registered-strategies); `fedlmc strategies` "
+        "prints it); several, comma-separated: a one-shot side-by-side comparison",
+    )
+    num_server_rounds: int = doc(1, "rounds (1 for a comparison)")
+    preset: str = doc(
+        "gpt2-tiny",
+        "the model and its data: `gpt2-tiny`, `llama-tiny` (Tiny Shakespeare, shipped), `vit-digits` (scikit-"
+        "learn's digits, shipped), `vit-tiny` (MNIST), `vit-cifar`, `gpt2-shakespeare`, `gpt2-small`",
+    )
+    dataset: str = doc("", "another data set than the preset's (`mnist`, `digits`, `cifar10`, `shakespeare`, `text`)")
+    data_dir: str = doc(
+        "",
+        "where data sets are looked for (then `$FEDLMC_DATA`, then the data that ships with fedlmc)",
+    )
+    text_file: str = doc("", "any UTF-8 text file for `dataset='text'` (character-level)")
+    partitioner: str = doc(
+        "iid",
+        "images: `iid` or `dirichlet` by label; text: the play's speeches dealt out `iid`, by Dirichlet(α) "
+        "per speaker (`dirichlet`), every speaker on one client (`speaker`, as LEAF's Shakespeare), or "
+        "`contiguous` shards",
+    )
+    alpha: float = doc(0.5, "the Dirichlet partitioner's concentration")
+    fraction_train: float = doc(1.0, "Flower's share of nodes sampled for training")
+    fraction_evaluate: float = doc(0.0, "Flower's share of nodes sampled for federated evaluation")
+    min_nodes: int = doc(2, "nodes needed before a round starts")
+    local_epochs: float = doc(1.0, "local training per round, in passes over the client's data")
+    local_steps: int = doc(0, "local training in optimiser steps (overrides `local-epochs` when > 0)")
+    lr: float = doc(2e-3, "AdamW learning rate (warm-up, then cosine)")
+    batch_size: int = doc(32, "local batch size")
+    seed: int = doc(0, "seeds partitions, initialisations and training")
+    independent_start: bool = doc(
+        True,
+        "round 1: every client starts from its own initialisation (one-shot fusion); false: from the server's model",
+    )
+    width_factors: str = doc(
+        "",
+        'e.g. `"1,2,4"`: partition p trains at 1/factor of the width (simulations; deployments use the node config)',
+    )
+    iterations: int = doc(Universe.iterations, "universe iterations per round (`Universe.iterations`)")
+    universe_start: str = doc(
+        Universe.start,
+        "where the universe starts when the replies were trained from the global model (`Universe.start`): "
+        "that model, or `mean`, the replies' plain weighted mean; with `min-gain`, `mean` settles such a "
+        "round in one universe iteration — [performance](performance.md#many-replies)",
+    )
+    residual: str = doc(
+        "orthogonal",
+        "the residual stream's group in weight matching (`Matching.residual`): `orthogonal` or `permutation`",
+    )
+    min_gain: float = doc(
+        Matching.min_gain,
+        "keep each reply as it is (the identity) unless weight matching lowers its relative distance to the "
+        "universe by more than this fraction (`Matching.min_gain`): `0.1` skips aligning clients trained a "
+        "little from the global model, for large models — [performance](performance.md#many-replies)",
+    )
+    ff_scale: bool = doc(
+        Matching.ff_scale,
+        "weight matching also solves each FF neuron's scale where ReLU or SwiGLU allows one "
+        "(`Matching.ff_scale`; GELU models have none) — [models](models.md#the-symmetry-spec)",
+    )
+    guard: bool = doc(
+        True,
+        "do no harm (`Guard`): keep the plain average when it scores better on half the server's validation "
+        "split (`*-clients`: on half of each client's)",
+    )
+    refine_steps: int = doc(
+        Refinement.steps,
+        "at most this many refinement steps (`Refinement.steps`); it stops on its objective",
+    )
+    eval_batches: int = doc(0, "test batches the server scores each round (0: the whole test split)")
+    out_dir: str = doc("runs/flwr", "where the run writes")
+    round_timeout: float = doc(3600.0, "seconds a round waits for replies")
+    device: str = doc("", "`cuda`, `cpu`; empty: CUDA when present")
+    resume: bool = doc(False, "continue from `<out-dir>/state` after a crash")
+    threads: int = doc(
+        1,
+        "torch threads per app process (0: torch's default; more than one per process thrashes a busy small host)",
+    )
+    reduce: str = doc(
+        Robust.reduce,
+        "`Robust.reduce`: `mean`, or `median` / `trimmed`: robust aggregation (for `average`, Flower's "
+        "FedMedian / FedTrimmedAvg; for `aligned` and `permuted`, among the aligned replies)",
+    )
+    trim: float = doc(Robust.trim, "`Robust.trim`, for `trimmed`: the fraction cut at each end of every coordinate")
+    vocab_size: int = doc(0, "0: the data's vocabulary; larger pads it (50257: GPT-2-small's 124M parameters)")
+    workers: int = doc(
+        Scale.workers,
+        "aligned / refined: processes that align a round's replies at once (`Scale.workers`; 0: one per core)"
+        " — [many replies](performance.md#many-replies)",
+    )
+    spool: bool = doc(
+        Scale.spool,
+        "aligned / refined: every reply waits on disk and is read back memory-mapped, so the server holds a "
+        "few models whatever their number (always on with `workers` ≠ 1)",
+    )
+    spool_dir: str = doc(
+        "",
+        "where the replies wait (a local disk with room for one round's replies; `\"\"`: the system's "
+        "temporary directory); removed after each round",
+    )
+    ray_address: str = doc(
+        "",
+        'align on this Ray cluster (`"auto"`, `"ray://host:10001"`) instead of local worker processes',
+    )
+    screen: str = doc(
+        "none",
+        "`aligned` / `permuted` / `aligned-clients` / `refined` / `refined-clients` (the refinement then "
+        "learns on the kept replies only): leave out the replies that are outliers once aligned "
+        "(`Screen.method`: `distance`, `loss`, `agreement` or `information` — the last three on the server's "
+        "guard split — or `krum`) and merge the rest with `reduce` — [screening](strategies.md#screening-"
+        "replies-modulo-symmetries)",
+    )
+    screen_threshold: float = doc(
+        Screen.threshold,
+        "`distance` / `loss` / `agreement` / `information`: exclude a reply whose aligned distance to the "
+        "median (held-out loss) is this many robust deviations above the others' (whose agreement or "
+        "information is this many below) (`Screen.threshold`)",
+    )
+    malicious: int = doc(
+        Screen.malicious,
+        "f, the attackers assumed: the `krum` screen excludes the f highest Krum scores "
+        "(`Screen.malicious`); the `krum` / `multikrum` baselines are Flower's Krum / Multi-Krum with this f",
+    )
+    proximal_mu: float = doc(
+        0.0,
+        "the clients' proximal term's weight μ (FedProx's): fedlmc's ClientApp adds μ/2·‖w − w_global‖² to "
+        "its local loss (`TrainConfig.proximal_mu`) under any strategy (`refined` with it: FedProx clients "
+        "under refined aggregation); `fedprox` also sends it in every train message and checks the replies "
+        "confirm it",
+    )
+    local_optimizer: str = doc(
+        "adamw",
+        "the clients' optimiser: `adamw` (warmup, cosine decay, gradient clipping) or `sgd` (plain SGD at a "
+        "constant `lr`: the local solver of SCAFFOLD's paper)",
+    )
+    # the strategies' own keys (fedlmc.strategies.keys.Key, declared where each strategy is registered):
+    # read with key(name); run_config spells them as they are declared ("ot-reg")
+    strategy_keys: dict = field(default_factory=dict)
 
     # Fixed in the production app; the experiment layer makes each a run_config key (ExperimentSettings).
     form: ClassVar[str] = Universe.form  # Universe.form: factored (the clients' shape) or circuit
@@ -121,23 +201,56 @@ class Settings:
     hf: ClassVar[bool] = False  # clients train the preset's Hugging Face twin under its own keys
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any]) -> "Settings":
-        """Read ``run_config`` (dashes or underscores); unknown keys are an error, values are coerced."""
-        known = {f.name: f for f in fields(cls)}
+    def from_run_config(cls, run_config: Mapping[str, Any], client: bool = False) -> "Settings":
+        """Read ``run_config`` (dashes or underscores): the run's own keys and the registered strategies'
+        keys (``fedlmc.strategies.keys.Key``); values are coerced and validated, an unknown key is an error.
+        ``client``: a ClientApp's reading, which keeps keys it does not know (a strategy registered only
+        at the server) unread, and does not validate the strategies."""
+        known = {f.name: f for f in fields(cls) if f.name != "strategy_keys"}
         values: dict[str, Any] = {}
+        keys: dict[str, Any] = {}
         for key, value in run_config.items():
             name = key.replace("-", "_")
-            if name not in known:
-                raise ValueError(
-                    f"unknown run_config key {key!r}; known: {', '.join(sorted(k.replace('_', '-') for k in known))}"
-                )
-            typ = type(known[name].default)
-            if typ is bool and isinstance(value, str):
-                value = value.strip().lower() in ("1", "true", "yes", "on")
-            values[name] = typ(value)
-        s = cls(**values)
-        s.validate()
+            if name in known:
+                typ = type(known[name].default)
+                if typ is bool and isinstance(value, str):
+                    value = value.strip().lower() in ("1", "true", "yes", "on")
+                values[name] = typ(value)
+            elif declared(key.replace("_", "-")) is not None:
+                keys[key.replace("_", "-")] = declared(key.replace("_", "-")).value(value)
+            elif client:
+                keys[key.replace("_", "-")] = value
+            else:
+                every = sorted([k.replace("_", "-") for k in known] + list(all_keys()))
+                raise ValueError(f"unknown run_config key {key!r}; known: {', '.join(every)}")
+        s = cls(**values, strategy_keys=keys)
+        if not client:
+            s.validate()
         return s
+
+    def key(self, name: str) -> Any:
+        """A strategy's own run_config key: this run's value, else its declared default."""
+        if name in self.strategy_keys:
+            return self.strategy_keys[name]
+        key = declared(name)
+        if key is None:
+            raise KeyError(f"no registered strategy declares run_config key {name!r}")
+        return key.default
+
+    def with_sent(self, config: Mapping[str, Any]) -> "Settings":
+        """These settings with what the server sent in a train message's config: the run's keys the
+        strategy sets for its clients (``proximal-mu``) and the strategies' client keys
+        (``Key(client=True)``: ``scaffold-variate``). The one path by which a strategy's client-side knob
+        reaches the client's trainer."""
+        own = {f.name for f in fields(self)} - {"strategy_keys"}
+        values = {k.replace("-", "_"): config[k] for k in config if k.replace("-", "_") in own and "-" in k}
+        keys = dict(self.strategy_keys)
+        for k in config:
+            key = declared(k)
+            if key is not None and key.client:
+                keys[k] = key.value(config[k])
+        typed = {k: type(getattr(self, k))(v) for k, v in values.items()}
+        return replace(self, **typed, strategy_keys=keys)
 
     def validate(self) -> None:
         """A clear error for values no run could use."""
@@ -151,20 +264,15 @@ class Settings:
             raise ValueError(f"strategy {self.strategy!r} names a strategy twice")
         for name in names:
             self._check_capabilities(registered(name))
+        self._check_keys(names)
         one_of(self.reduce, REDUCES, "reduce")
         one_of(self.universe_start, UNIVERSE_STARTS, "universe-start")
-        one_of(self.ff_lift, FF_LIFTS, "ff-lift")
-        one_of(self.ot_cost, OT_COSTS, "ot-cost")
         one_of(self.screen, ("none", *SCREENS), "screen")
         self.screen_options()
         one_of(self.partitioner, SCHEMES, "partitioner")
         one_of(self.local_optimizer, OPTIMIZERS, "local-optimizer")
-        one_of(self.scaffold_variate, VARIATES, "scaffold-variate")
-        if self.proximal_mu < 0 or self.server_lr < 0 or not 0 <= self.server_momentum < 1:
-            raise ValueError(
-                "proximal-mu and server-lr must be non-negative and server-momentum in [0, 1): got "
-                f"{self.proximal_mu}, {self.server_lr}, {self.server_momentum}"
-            )
+        if self.proximal_mu < 0:
+            raise ValueError(f"proximal-mu must be non-negative: got {self.proximal_mu}")
         self.matching()
         self.scale()
 
@@ -191,16 +299,23 @@ class Settings:
                 f"{', '.join(names(screen=True, server_data=True))} with guard=true, not {name}"
                 + ("" if self.guard else " with guard=false")
             )
-        if self.ff_lift != Universe.ff_lift and not can.mixed_widths:
-            raise ValueError(
-                f"ff-lift={self.ff_lift!r} lifts a narrower client into a mixed-width universe: strategies "
-                f"{', '.join(names(mixed_widths=True))}, not {name}"
-            )
         if self.universe_start != "previous" and not can.universe:
             raise ValueError(
                 f"universe-start={self.universe_start!r} is where the aligned and refined strategies' universe "
                 f"starts: strategies {', '.join(names(universe=True))}, not {name}"
             )
+
+    def _check_keys(self, strategies: list[str]) -> None:
+        """A strategy's key set to other than its default is refused unless a strategy of the run owns it
+        (an option no strategy of the run would read is never accepted in silence)."""
+        for name, value in self.strategy_keys.items():
+            key = declared(name)
+            mine = [n for n in strategies if any(k.name == name for k in registered(n).keys)]
+            if key is not None and value != key.default and not mine:
+                raise ValueError(
+                    f"{name}={value!r} is an option of the strategies {', '.join(owners(name))}, not of "
+                    f"{', '.join(map(repr, strategies))}"
+                )
 
     def strategies(self) -> list[str]:
         """The strategy, or the strategies a side-by-side comparison aggregates the same replies with."""
@@ -231,17 +346,6 @@ class Settings:
         """The refinement's options, learning on ``data`` (the server's refinement half)."""
         return Refinement(data=data, steps=self.refine_steps)
 
-    def on_clients(self) -> OnClients:
-        """Where the refinement's gradients and the guard's losses come from for ``*-clients`` strategies."""
-        return OnClients(
-            clients_per_step=self.clients_per_step,
-            batches_per_client=self.batches_per_client,
-            samples_per_message=self.samples_per_message,
-            check_clients=self.check_clients,
-            timeout=min(OnClients.timeout, self.round_timeout),
-            guard=self.guard,
-        )
-
     def report_data(self, splits: Splits) -> Optional[Data]:
         """A data set on which the strategy records every reply's loss each round (None: no report)."""
         return None
@@ -252,7 +356,8 @@ class Settings:
             torch.set_num_threads(self.threads)
 
     def to_run_config(self) -> dict[str, Any]:
-        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        own = {k.replace("_", "-"): v for k, v in asdict(self).items() if k != "strategy_keys"}
+        return {**own, **self.strategy_keys}
 
     def factors(self) -> list[float]:
         return [float(x) for x in self.width_factors.replace(" ", "").split(",") if x] or [1.0]
@@ -377,3 +482,17 @@ def refine_parts(val: Data) -> tuple[Data, Data, Data]:
     refine, guard = halves(val)
     train, check = split(refine, 0.75)
     return train, check, guard
+
+
+def key_table(cls: type = Settings, beyond: Optional[type] = None) -> str:
+    """The run's own run_config keys of ``cls`` (those not in ``beyond``) as a Markdown table: key, default,
+    what it does (docs/federations.md's)."""
+    skip = {"strategy_keys"} | ({f.name for f in fields(beyond)} if beyond is not None else set())
+    lines = ["| key | default | what it does |", "|---|---|---|"]
+    for f in fields(cls):
+        if f.name not in skip:
+            lines.append(f"| `{f.name.replace('_', '-')}` | `{json.dumps(f.default)}` | {f.metadata.get('doc', '')} |")
+    return "\n".join(lines)
+
+
+RUN_KEYS.update(f.name.replace("_", "-") for f in fields(Settings) if f.name != "strategy_keys")

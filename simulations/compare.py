@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from rich.console import Console
 
-from fedlmc.strategies.registry import registered
+from fedlmc.strategies.registry import all_keys, registered
 
 from .experiment import ExperimentSettings as Settings
 from .simulate import run_in_subprocess
@@ -259,7 +259,8 @@ def run_all(
             if metrics.is_file():
                 doc = json.loads(metrics.read_text())
                 wanted = Settings.from_run_config(cfg).to_run_config()
-                defaults = Settings().to_run_config()  # keys added since the run default to their old behaviour
+                # keys added since the run default to their old behaviour (a strategy's own: its declared default)
+                defaults = {**{k: key.default for k, key in all_keys().items()}, **Settings().to_run_config()}
                 if "finished" in doc and all(
                     doc["settings"].get(k, defaults[k]) == v for k, v in wanted.items() if k not in SPEED_ONLY
                 ):

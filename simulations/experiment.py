@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -30,8 +30,9 @@ from clients.app import Round, fit
 from clients.app import make_app as make_client_app
 from fedlmc.data import ArrayData, Data, Splits, TokenData
 from fedlmc.data.partition import PARTITIONS_VERSION
-from fedlmc.federated import Settings, local_train
+from fedlmc.federated import Settings, doc, local_train
 from fedlmc.options import Refinement, one_of
+from fedlmc.strategies.registry import RUN_KEYS
 from server.app import make_app as make_server_app
 
 
@@ -39,21 +40,52 @@ from server.app import make_app as make_server_app
 class ExperimentSettings(Settings):
     """``Settings`` plus the experiment keys (run_config ``poison-partition`` is ``poison_partition``)."""
 
-    report: bool = False  # record every client's, the plain average's and the aggregate's test loss each round
-    client_cache: str = ""  # one-shot comparisons: a round-1 client trained once is reused by every strategy
-    poison_partition: int = -1  # robustness experiments: this partition's client is poisoned (-1: none)
-    poison: str = "labels"  # labels (trains on shuffled labels / tokens) | sign-flip (sends start - scale * update)
-    poison_scale: float = 1.0
-    refine_alpha: float = Refinement.alpha  # Refinement.alpha
-    refine_check_every: int = Refinement.check_every  # Refinement.check_every (0: run every step)
-    refine_patience: int = Refinement.patience  # Refinement.patience
-    refine_check_sigmas: float = Refinement.check_sigmas  # Refinement.check_sigmas (0: any improvement)
-    # fixed in the production app (Settings' class attributes), keys here
-    form: str = Settings.form  # factored | circuit
-    keep_layernorm: bool = Settings.keep_layernorm
-    guard_batches: int = Settings.guard_batches
-    aggregate_threads: int = Settings.aggregate_threads  # 0: every core while the clients wait
-    hf: bool = Settings.hf
+    report: bool = doc(
+        False,
+        "every round records each reply's, the plain average's, the aggregate's and the clients' output "
+        "ensemble's test loss",
+    )
+    client_cache: str = doc(
+        "",
+        "a directory: round-1 clients of an independently started federation are trained once and reused by "
+        "every strategy",
+    )
+    poison_partition: int = doc(-1, "this partition's client is an attacker (-1: none)")
+    poison: str = doc(
+        "labels",
+        "`labels` (trains on shuffled labels or tokens) or `sign-flip` (sends `start − poison-scale·update`)",
+    )
+    poison_scale: float = doc(1.0, "the sign-flipper's scale")
+    refine_alpha: float = doc(Refinement.alpha, "the refinement's Dirichlet concentration (`Refinement.alpha`)")
+    refine_check_every: int = doc(
+        Refinement.check_every,
+        "score the aggregate on held-out server batches every N refinement steps and keep the best "
+        "(`Refinement.check_every`; 0: run every step)",
+    )
+    refine_patience: int = doc(
+        Refinement.patience,
+        "stop after this many checks without a significant improvement (`Refinement.patience`)",
+    )
+    refine_check_sigmas: float = doc(
+        Refinement.check_sigmas,
+        "an improvement: lower by more than this many standard errors (`Refinement.check_sigmas`; 0: any)",
+    )
+    form: str = doc(Settings.form, "`Universe.form`: `factored` (the clients' shape) or `circuit` (QK / OV products)")
+    keep_layernorm: bool = doc(
+        Settings.keep_layernorm,
+        "`Universe.keep_layernorm`: the global model stays an ordinary LayerNorm model",
+    )
+    guard_batches: int = doc(Settings.guard_batches, "`Guard.batches`: how many batches the guard scores")
+    aggregate_threads: int = doc(
+        Settings.aggregate_threads,
+        "`Scale.threads`: torch threads while the server combines a round (-1: `threads`; 0: every core while"
+        " the clients wait)",
+    )
+    hf: bool = doc(
+        Settings.hf,
+        "the clients train the preset's Hugging Face twin (`GPT2LMHeadModel`, `ViTForImageClassification`, "
+        "`LlamaForCausalLM`) under its own keys",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -160,3 +192,6 @@ def server_app(
 ) -> ServerApp:
     """The production ServerApp with the experiment's settings (the report, the refinement's knobs)."""
     return make_server_app(overrides, after_round, ExperimentSettings)
+
+
+RUN_KEYS.update(f.name.replace("_", "-") for f in fields(ExperimentSettings) if f.name != "strategy_keys")

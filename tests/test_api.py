@@ -98,14 +98,14 @@ def test_one_default_per_knob_from_run_config_to_the_functions():
         "spool": (s.spool, Scale.spool),
         "screen-threshold": (s.screen_threshold, Screen.threshold),
         "malicious": (s.malicious, Screen.malicious),
-        "clients-per-step": (s.clients_per_step, OnClients.clients_per_step),
+        "clients-per-step": (s.key("clients-per-step"), OnClients.clients_per_step),
         "form": (Settings.form, Universe.form),
         "keep_layernorm": (Settings.keep_layernorm, Universe.keep_layernorm),
         "guard_batches": (Settings.guard_batches, Guard.batches),
-        "distill-steps": (s.distill_steps, Distill.steps),
-        "ot-reg": (s.ot_reg, OTFusion.reg),
-        "distill-lr": (s.distill_lr, Distill.lr),
-        "distill-temperature": (s.distill_temperature, Distill.temperature),
+        "distill-steps": (s.key("distill-steps"), Distill.steps),
+        "ot-reg": (s.key("ot-reg"), OTFusion.reg),
+        "distill-lr": (s.key("distill-lr"), Distill.lr),
+        "distill-temperature": (s.key("distill-temperature"), Distill.temperature),
     }
     assert {k: a for k, (a, b) in pairs.items() if a != b} == {}
     # the functions below take the objects, with the objects' own defaults (None: the object's default)

@@ -15,7 +15,6 @@ import pytest
 import tomllib
 
 from fedlmc.federated import Settings
-from simulations.experiment import ExperimentSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [
@@ -72,22 +71,18 @@ def test_readme_is_a_short_users_guide():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
 
 
-def _table(section: str) -> dict[str, str]:
-    """key -> default (as written) of the docs/federations.md table under ``section``."""
-    text = (ROOT / "docs" / "federations.md").read_text()
-    text = text[text.index(section) :]
-    rows = re.findall(r"^\| `([a-z0-9-]+)` \| `([^`]*)` \|", text.split("\n\n|", 1)[1].split("\n\n")[0], re.M)
-    return dict(rows)
+def test_the_apps_run_config_is_every_declared_key_at_its_default():
+    """pyproject.toml's ``[tool.flwr.app.config]`` (what ``flwr run`` passes, and the only keys it lets a
+    ``--run-config`` override) is the run's keys and every registered strategy's own keys, at their
+    declared defaults (the main job's strategy list aside); the docs' key tables are generated from the
+    same declarations."""
+    from fedlmc.strategies.registry import all_keys
 
-
-def test_the_run_config_tables_are_the_settings():
-    production = _table("## run_config keys")
-    assert production == {f.name.replace("_", "-"): json.dumps(f.default) for f in fields(Settings)}
-    base = {f.name for f in fields(Settings)}
-    experiment = _table("### Experiment keys")
-    assert experiment == {
-        f.name.replace("_", "-"): json.dumps(f.default) for f in fields(ExperimentSettings) if f.name not in base
-    }
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    want = {f.name.replace("_", "-"): f.default for f in fields(Settings) if f.name != "strategy_keys"}
+    want.update({k: key.default for k, key in all_keys().items()})
+    assert set(config) == set(want)
+    assert {k: v for k, v in config.items() if v != want[k] and k != "strategy"} == {}
 
 
 def _cited_patterns() -> list[str]:

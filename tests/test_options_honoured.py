@@ -143,3 +143,24 @@ def test_fedprox_at_mu_zero_is_fedavg_and_asks_for_nothing(caplog):
 def test_confirm_marks_only_the_knobs_the_server_sent():
     metrics = confirm(MetricRecord({"num-examples": 1}), {"proximal-mu": 0.1}, "proximal-mu", "scaffold")
     assert metrics[applied_metric("proximal-mu")] == 1.0 and applied_metric("scaffold") not in metrics
+
+
+def test_a_client_knob_reaches_the_clients_trainer_through_the_train_config():
+    """The one path a strategy's client-side knob takes: the strategy puts it in the train config, and the
+    client's settings read it from there (``Settings.with_sent``), whatever its own run_config says."""
+    from flwr.app import ConfigRecord
+
+    from fedlmc.federated import Settings
+
+    grid = Grid(nodes=2)
+    strategy = ScaffoldFedAvg(variate="gradient")
+    msgs = list(strategy.configure_train(1, _mlp_arrays(), ConfigRecord({}), grid))
+    config = msgs[0].content["config"]
+    client = Settings.from_run_config({"scaffold-variate": "trajectory"}, client=True)
+    assert client.key("scaffold-variate") == "trajectory"
+    sent = client.with_sent(config)
+    assert sent.key("scaffold-variate") == "gradient"
+    prox = list(FedProxFedAvg(proximal_mu=0.3).configure_train(1, _mlp_arrays(), ConfigRecord({}), grid))
+    assert client.with_sent(prox[0].content["config"]).proximal_mu == 0.3
+    with pytest.raises(ValueError, match="scaffold-variate"):
+        client.with_sent({"scaffold-variate": "momentum"})

@@ -205,6 +205,7 @@ def test_the_clientapp_keeps_its_variate_in_the_node_state_and_answers_with_its_
         "local-steps": 3,
         "independent-start": False,
         "batch-size": 16,
+        "strategy": "scaffold",
         "scaffold-variate": variate,
     }
     s = Settings.from_run_config(run)

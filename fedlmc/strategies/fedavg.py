@@ -13,8 +13,8 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedlmc.averaging import robust_merge
-from fedlmc.options import Robust, TaskMerge
-from fedlmc.scaffold import CONTROL_KEY, pack, unpack
+from fedlmc.options import Robust, TaskMerge, one_of
+from fedlmc.scaffold import CONTROL_KEY, VARIATES, pack, unpack
 from fedlmc.task_vectors import task_vector_merge
 
 from .base import FedlmcStrategy, loaded
@@ -248,6 +248,10 @@ class ScaffoldFedAvg(ConfirmedKnobs, MeanFedAvg):
 
     Parameters
     ----------
+    variate : {"trajectory", "gradient"}, default "trajectory"
+        How the clients compute their new variate c_i⁺: the paper's option II (from the steps just taken)
+        or option I (the local gradient at the received model); sent in every train message's config
+        (``scaffold-variate``).
     unconfirmed : {"warn", "error"}, default "warn"
         A round whose replies do not confirm the control variates (``applied-scaffold``) is warned
         about, or refused (``fedlmc.strategies.knobs.ConfirmedKnobs``).
@@ -256,8 +260,10 @@ class ScaffoldFedAvg(ConfirmedKnobs, MeanFedAvg):
         replies and their control variates).
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, variate: str = "trajectory", **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        one_of(variate, VARIATES, "variate")
+        self.variate = variate
         self.control: dict = {}
         self._nodes = 0
 
@@ -266,6 +272,7 @@ class ScaffoldFedAvg(ConfirmedKnobs, MeanFedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid):
         config[CONTROL_KEY] = pack(self.control)
+        config["scaffold-variate"] = self.variate
         self._nodes = len(list(grid.get_node_ids()))
         return super().configure_train(server_round, arrays, config, grid)
 

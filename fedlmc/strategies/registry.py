@@ -23,13 +23,27 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from fedlmc.data import split
-from fedlmc.options import Distill, Guard, Matching, OTFusion, Report, Robust, TaskMerge, Universe
+from fedlmc.options import (
+    FF_LIFTS,
+    OT_COSTS,
+    Distill,
+    Guard,
+    Matching,
+    OnClients,
+    OTFusion,
+    Report,
+    Robust,
+    TaskMerge,
+    Universe,
+)
+from fedlmc.scaffold import VARIATES
 
 from .aligned import AlignedFedAvg, RefinedFedAvg
 from .distilled import DistilledFedAvg
 from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ScaffoldFedAvg, ServerOptFedAvg, TaskVectorFedAvg
 from .fusion import OTFusionFedAvg
 from .hetero import HeteroWidthFedAvg, SlicingFedAvg
+from .keys import Key
 
 
 @dataclass(frozen=True)
@@ -74,28 +88,72 @@ class Registered:
     can: Capabilities
     example: str = ""
     client: str = ""
+    keys: tuple[Key, ...] = ()
 
 
 REGISTRY: dict[str, Registered] = {}
 
 
 def register(
-    name: str, *, summary: str, example: str = "", client: str = "", override: bool = False, **capabilities: bool
+    name: str,
+    *,
+    summary: str,
+    example: str = "",
+    client: str = "",
+    keys: tuple[Key, ...] = (),
+    override: bool = False,
+    **capabilities: bool,
 ):
     """Register the decorated builder under run_config name ``name`` (a clear error if it is taken,
     unless ``override``); ``example``: the constructor call a Flower app of one's own writes (see
-    ``Registered``); ``client``: the client code the method needs ("": none); ``capabilities`` are
-    ``Capabilities``' fields."""
+    ``Registered``); ``client``: the client code the method needs ("": none); ``keys``: the run_config
+    keys it owns (``Key``: one name, one meaning: a name two registrations use is the same ``Key``);
+    ``capabilities`` are ``Capabilities``' fields."""
 
     def decorate(build: Callable[["Build"], Any]) -> Callable[["Build"], Any]:
         if name in REGISTRY and not override:
             raise ValueError(f"strategy {name!r} is registered already; pass override=True to replace it")
         if not name or "," in name or "@" in name or "+" in name:
             raise ValueError(f"a strategy's name has no ',', '@' or '+' (the runners' separators): {name!r}")
-        REGISTRY[name] = Registered(name, summary, build, Capabilities(**capabilities), example, client)
+        for key in keys:
+            owned = declared(key.name)
+            if owned is not None and owned != key:
+                raise ValueError(f"run_config key {key.name!r} is declared already, with another meaning: {owned}")
+            if key.name in RUN_KEYS:
+                raise ValueError(
+                    f"run_config key {key.name!r} is one of the run's own keys (fedlmc.federated.Settings)"
+                )
+        REGISTRY[name] = Registered(name, summary, build, Capabilities(**capabilities), example, client, tuple(keys))
         return build
 
     return decorate
+
+
+# the run's own keys (``fedlmc.federated.Settings``' fields), which no strategy may declare again
+RUN_KEYS: set[str] = set()
+
+
+def declared(name: str) -> Optional[Key]:
+    """The registered strategies' key named ``name`` (None: no strategy declares it)."""
+    for r in REGISTRY.values():
+        for key in r.keys:
+            if key.name == name:
+                return key
+    return None
+
+
+def owners(name: str) -> list[str]:
+    """The registered strategies that own run_config key ``name``."""
+    return [r.name for r in REGISTRY.values() if any(k.name == name for k in r.keys)]
+
+
+def all_keys() -> dict[str, Key]:
+    """Every registered strategy's keys, by name, in registration order."""
+    out: dict[str, Key] = {}
+    for r in REGISTRY.values():
+        for key in r.keys:
+            out.setdefault(key.name, key)
+    return out
 
 
 def unregister(name: str) -> None:
@@ -143,6 +201,23 @@ class Build:
             out.update(report=Report(report, batches=s.eval_batches or None))
         return out
 
+    def on_clients(self) -> OnClients:
+        """Where the refinement's gradients and the guard's losses come from (the ``*-clients`` strategies'
+        keys; a strategy that does not own one gets its default)."""
+        s = self.settings
+        return OnClients(
+            clients_per_step=s.key("clients-per-step"),
+            batches_per_client=s.key("batches-per-client"),
+            samples_per_message=s.key("samples-per-message"),
+            check_clients=s.key("check-clients"),
+            timeout=min(OnClients.timeout, s.round_timeout),
+            guard=s.guard,
+        )
+
+    def key(self, name: str) -> Any:
+        """The run's value of a strategy's own run_config key (its declared default when unset)."""
+        return self.settings.key(name)
+
     def halves(self) -> tuple[Any, Any]:
         """The server's validation split cut in two: the refinement learns on the first half, the guard
         judges on the second (so the guard never scores a model on data it was refined on)."""
@@ -169,10 +244,102 @@ class Build:
         )
         out: dict[str, Any] = dict(matching=self.matching(permutations), universe=universe, screen=s.screen_options())
         if on_clients:
-            out.update(guard=None, on_clients=s.on_clients())
+            out.update(guard=None, on_clients=self.on_clients())
         else:
             out.update(guard=self.guard())
         return out
+
+
+# ---- the built-in strategies' own keys -------------------------------------------------------------
+
+
+def _non_negative(v: float) -> str:
+    return "" if v >= 0 else "must be non-negative"
+
+
+OT_REG = Key(
+    "ot-reg",
+    OTFusion.reg,
+    "Sinkhorn's entropic regularisation of each transport map (costs scaled to at "
+    "most 1; the paper's best weight-based value); 0: exact maps, permutations (`OTFusion.reg`)",
+    check=_non_negative,
+)
+OT_COST = Key(
+    "ot-cost",
+    OTFusion.cost,
+    "transport costs from the layers' weight rows, or `activations`: their output "
+    "units' activations on the server's refinement half (`OTFusion.cost`)",
+    choices=OT_COSTS,
+)
+DISTILL_STEPS = Key(
+    "distill-steps",
+    Distill.steps,
+    "at most this many distillation steps on the server's refinement "
+    "half (`Distill.steps`); it stops on its held-out loss to the ensemble",
+    check=_non_negative,
+)
+DISTILL_LR = Key(
+    "distill-lr", Distill.lr, "the distillation's Adam learning rate on the weights (`Distill.lr`)", check=_non_negative
+)
+DISTILL_TEMPERATURE = Key(
+    "distill-temperature",
+    Distill.temperature,
+    "the distillation's softmax temperature (`Distill.temperature`)",
+    check=lambda v: "" if v > 0 else "must be positive",
+)
+DISTILL_KEYS = (DISTILL_STEPS, DISTILL_LR, DISTILL_TEMPERATURE)
+SERVER_LR = Key(
+    "server-lr",
+    0.0,
+    "the server optimiser's learning rate (0: Flower's default, 1.0 for FedAvgM, 0.1 for FedAdam / FedYogi)",
+    check=_non_negative,
+)
+SERVER_MOMENTUM = Key(
+    "server-momentum",
+    0.0,
+    "FedAvgM's server momentum (Flower's default 0 is FedAvg)",
+    check=lambda v: "" if 0 <= v < 1 else "must be in [0, 1)",
+)
+SCAFFOLD_VARIATE = Key(
+    "scaffold-variate",
+    "trajectory",
+    "the clients' variate c_i⁺: the paper's option II "
+    "(`trajectory`) or option I (`gradient`, the local gradient at the received model)",
+    choices=VARIATES,
+    client=True,
+)
+FF_LIFT = Key(
+    "ff-lift",
+    Universe.ff_lift,
+    "a narrower client's FF enters the universe as zero neurons (masked), or "
+    "`split`: its own neurons split over the extra units (`Universe.ff_lift`)",
+    choices=FF_LIFTS,
+)
+CLIENTS_PER_STEP = Key(
+    "clients-per-step",
+    OnClients.clients_per_step,
+    "clients asked for gradients at each refinement step (`OnClients.clients_per_step`; 0: every client)",
+    check=_non_negative,
+)
+BATCHES_PER_CLIENT = Key(
+    "batches-per-client",
+    OnClients.batches_per_client,
+    "local batches each client's gradient averages over (`OnClients.batches_per_client`)",
+    check=lambda v: "" if v >= 1 else "at least 1",
+)
+SAMPLES_PER_MESSAGE = Key(
+    "samples-per-message",
+    OnClients.samples_per_message,
+    "merge-weight draws λ per message, one gradient each (`OnClients.samples_per_message`)",
+    check=lambda v: "" if v >= 1 else "at least 1",
+)
+CHECK_CLIENTS = Key(
+    "check-clients",
+    OnClients.check_clients,
+    "clients that score the checks and the guard (`OnClients.check_clients`; 0: every client)",
+    check=_non_negative,
+)
+REFINE_ON_CLIENTS = (CLIENTS_PER_STEP, BATCHES_PER_CLIENT, SAMPLES_PER_MESSAGE, CHECK_CLIENTS)
 
 
 # ---- the built-in strategies ------------------------------------------------------------------------
@@ -224,6 +391,7 @@ def _aligned(b: Build):
     screen=True,
     universe=True,
     example="AlignedFedAvg(model=model, on_clients=OnClients())",
+    keys=(CHECK_CLIENTS,),
     client="its evaluate answers `eval-loss` on held-out data (the guard's scores)",
 )
 def _aligned_clients(b: Build):
@@ -249,6 +417,7 @@ def _refined(b: Build):
     screen=True,
     universe=True,
     example="RefinedFedAvg(model=model, refine=Refinement(), on_clients=OnClients())",
+    keys=REFINE_ON_CLIENTS,
     client="answers `query.refine` messages with `fedlmc.on_clients.answer` (fedlmc's ClientApp does)",
 )
 def _refined_clients(b: Build):
@@ -261,11 +430,13 @@ def _refined_clients(b: Build):
     "anchor by soft transport maps layer by layer, then averaged; guarded by the plain average",
     server_data=True,
     example="OTFusionFedAvg(model=model)",
+    keys=(OT_REG, OT_COST),
 )
 def _ot_fusion(b: Build):
-    s = b.settings
-    data = b.halves()[0] if s.ot_cost == "activations" else None  # the half the refinement learns on
-    return OTFusionFedAvg(**b.common(), fusion=OTFusion(reg=s.ot_reg, cost=s.ot_cost, data=data), guard=b.guard())
+    cost = b.key("ot-cost")
+    data = b.halves()[0] if cost == "activations" else None  # the half the refinement learns on
+    fusion = OTFusion(reg=b.key("ot-reg"), cost=cost, data=data)
+    return OTFusionFedAvg(**b.common(), fusion=fusion, guard=b.guard())
 
 
 def _distilled(b: Build, start: str, refine: bool = False, on_clients: bool = False):
@@ -275,9 +446,9 @@ def _distilled(b: Build, start: str, refine: bool = False, on_clients: bool = Fa
         data=data,
         start=start,
         refine=s.refinement(data) if refine else None,
-        steps=s.distill_steps,
-        lr=s.distill_lr,
-        temperature=s.distill_temperature,
+        steps=b.key("distill-steps"),
+        lr=b.key("distill-lr"),
+        temperature=b.key("distill-temperature"),
     )
     return DistilledFedAvg(**b.common(), **b.aligned(on_clients=on_clients), distill=options)
 
@@ -287,6 +458,7 @@ def _distilled(b: Build, start: str, refine: bool = False, on_clients: bool = Fa
     summary="FedDF, FedAvg's mean distilled toward the replies' ensemble on the server's unlabelled data",
     server_data=True,
     example='DistilledFedAvg(model=model, distill=Distill(data=data, start="average"))',
+    keys=DISTILL_KEYS,
 )
 def _feddf(b: Build):
     return _distilled(b, "average")
@@ -298,6 +470,7 @@ def _feddf(b: Build):
     server_data=True,
     universe=True,
     example="DistilledFedAvg(model=model, distill=Distill(data=data))",
+    keys=DISTILL_KEYS,
 )
 def _aligned_distilled(b: Build):
     return _distilled(b, "merge")
@@ -309,6 +482,7 @@ def _aligned_distilled(b: Build):
     server_data=True,
     universe=True,
     example="DistilledFedAvg(model=model, distill=Distill(data=data, refine=Refinement(data=data)))",
+    keys=DISTILL_KEYS,
 )
 def _refined_distilled(b: Build):
     return _distilled(b, "merge", refine=True)
@@ -321,6 +495,7 @@ def _refined_distilled(b: Build):
     on_clients=True,
     universe=True,
     example="DistilledFedAvg(model=model, distill=Distill(refine=Refinement()), on_clients=OnClients())",
+    keys=(*DISTILL_KEYS, *REFINE_ON_CLIENTS),
     client="answers `query.refine` messages with `fedlmc.on_clients.answer` and keeps its trained model when "
     "the train config says `keep-model` (fedlmc's ClientApp does)",
 )
@@ -334,7 +509,7 @@ def _hetero(b: Build, refine: bool, permutations: bool = False):
     return HeteroWidthFedAvg(
         **b.common(),
         matching=b.matching(permutations),
-        universe=Universe(iterations=s.iterations, ff_lift=s.ff_lift),
+        universe=Universe(iterations=s.iterations, ff_lift=b.key("ff-lift")),
         guard=guard,
         refine=s.refinement(b.halves()[0]) if refine else None,
     )
@@ -346,6 +521,7 @@ def _hetero(b: Build, refine: bool, permutations: bool = False):
     server_data=True,
     mixed_widths=True,
     example="HeteroWidthFedAvg(model=model)",
+    keys=(FF_LIFT,),
     client="builds its model at the width of the arrays it receives",
 )
 def _hetero_aligned(b: Build):
@@ -358,6 +534,7 @@ def _hetero_aligned(b: Build):
     server_data=True,
     mixed_widths=True,
     example='HeteroWidthFedAvg(model=model, matching=Matching(residual="permutation"))',
+    keys=(FF_LIFT,),
     client="builds its model at the width of the arrays it receives",
 )
 def _hetero_permuted(b: Build):
@@ -370,6 +547,7 @@ def _hetero_permuted(b: Build):
     server_data=True,
     mixed_widths=True,
     example="HeteroWidthFedAvg(model=model, refine=Refinement(data=data))",
+    keys=(FF_LIFT,),
     client="builds its model at the width of the arrays it receives",
 )
 def _hetero_refined(b: Build):
@@ -420,22 +598,25 @@ def _fedprox(b: Build):
     "scaffold",
     summary="SCAFFOLD, the clients' gradients corrected by control variates (c − c_i) that travel with the messages",
     example="ScaffoldFedAvg()",
+    keys=(SCAFFOLD_VARIATE,),
     client="corrects its gradients by c − c_i (`fedlmc.scaffold`), answers Δc_i and confirms it (fedlmc's "
     "ClientApp does)",
 )
 def _scaffold(b: Build):
-    return ScaffoldFedAvg(**b.common())
+    return ScaffoldFedAvg(**b.common(), variate=b.key("scaffold-variate"))
 
 
 def _server_opt(name: str, summary: str) -> None:
     """Register Flower's server optimiser ``name`` (with Flower's default hyper-parameters)."""
     import flwr.serverapp.strategy as flower
 
-    @register(name.lower(), summary=summary, example=f"ServerOptFedAvg(optimiser={name}())")
+    keys = (SERVER_LR, SERVER_MOMENTUM) if name == "FedAvgM" else (SERVER_LR,)
+
+    @register(name.lower(), summary=summary, example=f"ServerOptFedAvg(optimiser={name}())", keys=keys)
     def _build(b: Build):
-        s = b.settings
-        lr = {"server_learning_rate" if name == "FedAvgM" else "eta": s.server_lr} if s.server_lr > 0 else {}
-        momentum = {"server_momentum": s.server_momentum} if name == "FedAvgM" else {}
+        server_lr = b.key("server-lr")
+        lr = {"server_learning_rate" if name == "FedAvgM" else "eta": server_lr} if server_lr > 0 else {}
+        momentum = {"server_momentum": b.key("server-momentum")} if name == "FedAvgM" else {}
         return ServerOptFedAvg(**b.common(), optimiser=getattr(flower, name)(**lr, **momentum))
 
 
@@ -472,6 +653,20 @@ CAPABILITY_COLUMNS = (
     ("universe", "universe-start"),
     ("mixed_widths", "mixed widths"),
 )
+
+
+def key_table() -> str:
+    """Every registered strategy's own run_config keys as a Markdown table: key, default, the strategies
+    that own it, what it does (docs/federations.md's; ``fedlmc strategies`` prints it)."""
+    import json
+
+    lines = ["| key | default | strategies | what it does |", "|---|---|---|---|"]
+    for name, key in all_keys().items():
+        values = f" ({' / '.join(f'`{c}`' for c in key.choices)})" if key.choices else ""
+        client = "; sent to the clients in every train message" if key.client else ""
+        who = ", ".join(f"`{n}`" for n in owners(name))
+        lines.append(f"| `{name}` | `{json.dumps(key.default)}` | {who} | {key.doc}{values}{client} |")
+    return "\n".join(lines)
 
 
 def table() -> str:
