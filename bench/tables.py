@@ -309,6 +309,106 @@ LORA = (
 )
 
 
+def _wins(mine: list[float], theirs: list[float]) -> str:
+    """'k of n seeds' on which ``mine`` is lower than ``theirs`` (per-seed final losses)."""
+    return f"{sum(a < b for a, b in zip(mine, theirs))} of {len(mine)} seeds"
+
+
+CHOOSER_FILES = (
+    "main_job.json",
+    "compare_oneshot_vit-tiny.json",
+    "compare_oneshot_vit-tiny_partitioner-iid.json",
+    "compare_multiround_vit-tiny.json",
+    "compare_widths-independent_vit-tiny.json",
+    "compare_widths_vit-tiny.json",
+    "lora_speaker-r8-steps100.json",
+    "compare_robust-multiround_vit-tiny.json",
+)
+
+
+def chooser(docs: list[dict]) -> str:
+    """The README's "which strategy" table: a situation, what to use, the figure to expect and the peer that
+    does better where one does, every figure read from its results file."""
+    job, oneshot, iid, multi, widths, shared, lora, robust = docs
+    ex = {
+        n: [s["strategies"][n]["test_loss"] - s["mean_client_test_loss"] for s in job["seeds"].values()]
+        for n in ("average", "aligned")
+    }
+    ratio = sorted(a / b for a, b in zip(ex["aligned"], ex["average"]))
+    o, i, m, w, sw, r = oneshot["rows"], iid["rows"], multi["rows"], widths["rows"], shared["rows"], robust["rows"]
+
+    def loss(rows, name):
+        return rows[name]["final_loss"][0]
+
+    def kept(rows, name):
+        return f"{rows[name]['ensemble_recovered'][0]:.0%}"
+
+    def seeds(rows, name):
+        return rows[name]["final_loss_per_seed"]
+
+    lr = lora["rows"]
+    last = {
+        n: [per[-1] for per in lr[n]["test_loss_per_seed"]] for n in ("fedlmc", "fedit", "fedex-lora", "fedlmc-fold")
+    }
+    prox = "fedprox:proximal-mu=0.1"
+    rows = [
+        (
+            "clients trained apart (each from its own start), merged once",
+            "`aligned`: `AlignedFedAvg(model=model)`",
+            f"excess over the clients {ratio[0]:.2f}–{ratio[-1]:.2f}× FedAvg's (GPT-2, 2 clients, 3 seeds; "
+            "`results/main_job.json`)",
+            f"none measured: OT fusion {loss(o, 'ot-fusion'):.2f} vs `aligned` {loss(o, 'aligned'):.2f} (ViT)",
+            "none",
+        ),
+        (
+            "the same, with unlabelled inputs at the server",
+            "`refined-distilled`",
+            f"keeps {kept(o, 'refined-distilled')} of the clients' ensemble's gain over FedAvg (ViT, label skew), "
+            f"{kept(i, 'refined-distilled')} IID",
+            f"FedDF keeps {kept(o, 'feddf')} / {kept(i, 'feddf')}, `refined` "
+            f"({kept(o, 'refined')} / {kept(i, 'refined')}), behind `refined-distilled`",
+            "none",
+        ),
+        (
+            "many rounds from a shared start, strong label skew",
+            "`fedprox` (a peer), or `refined` with `proximal-mu`",
+            f"`refined` {loss(m, 'refined'):.2f}, with FedProx's clients {loss(m, 'refined:proximal-mu=0.1'):.2f}, "
+            f"FedAvg {loss(m, 'average'):.2f} (ViT, 5 rounds)",
+            f"FedProx {loss(m, prox):.2f}: lower than `refined` on {_wins(seeds(m, prox), seeds(m, 'refined'))}",
+            "FedProx's proximal term (fedlmc's ClientApp has it)",
+        ),
+        (
+            "clients of different widths, trained apart",
+            "`hetero-refined`",
+            f"{loss(w, 'hetero-refined'):.2f} vs HeteroFL slicing {loss(w, 'slicing'):.2f} (ViT)",
+            f"from a shared start slicing ties: {loss(sw, 'slicing'):.3f} vs `hetero` {loss(sw, 'hetero'):.3f}",
+            "a model built at the received arrays' width",
+        ),
+        (
+            "LoRA adapters (a FlowerTune-style app)",
+            "`LoraFedAvg(model=peft_model)`",
+            f"{sum(last['fedlmc']) / len(last['fedlmc']):.4f} vs FedIT {sum(last['fedit']) / len(last['fedit']):.4f} "
+            f"(Llama, 4 speakers; lower on {_wins(last['fedlmc'], last['fedit'])})",
+            f'FedEx-LoRA {sum(last["fedex-lora"]) / 3:.4f}; ours with `tail="fold"` {sum(last["fedlmc-fold"]) / 3:.4f}',
+            'none (`tail="fold"`: the base update applied)',
+        ),
+        (
+            "some clients may be attackers",
+            '`aligned` with `reduce = "median"`',
+            f"{loss(r, 'aligned@median'):.2f} vs Flower's FedMedian {loss(r, 'average@median'):.2f} and FedAvg "
+            f"{loss(r, 'average'):.2f} (ViT, one sign-flipping client of 5, 5 rounds)",
+            "none measured over rounds; one-shot, distillation (`refined-distilled`) beats every robust merge",
+            "none",
+        ),
+    ]
+    lines = [
+        "| your situation | use | what to expect | where a peer does better | client code |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+    return "\n".join(lines)
+
+
 def strategies(_) -> str:
     from fedlmc.strategies.registry import table
 
@@ -342,6 +442,12 @@ def benches(_) -> str:
 
 TABLES: dict[str, Table] = {
     "strategies": Table((), (), strategies),
+    "chooser": Table(
+        CHOOSER_FILES,
+        ("python bench/main_job.py", "python -m simulations.compare", "python bench/lora_aggregators.py"),
+        chooser,
+        several=True,
+    ),
     "benches": Table((), (), benches),
     "run-keys": Table((), (), run_keys),
     "experiment-keys": Table((), (), experiment_keys),

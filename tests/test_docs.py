@@ -68,7 +68,14 @@ def test_relative_links_resolve(page):
 
 
 def test_readme_is_a_short_users_guide():
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+    """At most 1,200 words, the chooser under a heading that says so, and the full strategy table only in
+    docs/strategies.md."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.split()) <= 1200, len(text.split())
+    assert "## Which strategy\n" in text and "<!-- table: chooser -->" in text
+    assert "<!-- table: strategies -->" not in text
+    body = text[text.index("<!-- table: chooser -->") : text.index("<!-- /table -->", text.index("chooser"))]
+    assert len([line for line in body.splitlines() if line.startswith("| ")]) <= 7  # the header and 6 rows
 
 
 def test_the_apps_run_config_is_every_declared_key_at_its_default():
