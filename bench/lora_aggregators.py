@@ -200,8 +200,8 @@ def dense_bytes(layout) -> int:
 
 def merge_full(method: str, base, clients: list, weights: list[float]):
     """The global model's state after a full fine-tuning round: ``base`` the model the round sent."""
-    from fedlmc.options import TaskMerge
-    from fedlmc.task_vectors import task_vector_merge
+    from fedlmc.baselines import TaskMerge
+    from fedlmc.baselines.task_vectors import task_vector_merge
 
     if method != "aligned":
         merge = TaskMerge(method="task-arithmetic" if method == "fedavg" else method)
@@ -264,10 +264,10 @@ def run(setting: str, seed: int) -> dict:
     torch.set_num_threads(1)
     if SETTINGS[setting].get("full"):
         return run_full(setting, seed)
-    from fedlmc import lora_baselines as lb
+    from fedlmc.baselines import TaskMerge
+    from fedlmc.baselines import lora as lb
     from fedlmc.hf.pretrained import finetune_partitions, pretrain_and_finetune_text
     from fedlmc.lora import LoraAggregator
-    from fedlmc.options import TaskMerge
 
     cfg = {**DEFAULTS, **SETTINGS[setting]}
     world = Clients(cfg["family"], cfg["base_steps"], cfg["targets"], cfg["alpha"], cfg["lr"])

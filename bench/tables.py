@@ -412,7 +412,13 @@ def chooser(docs: list[dict]) -> str:
 def strategies(_) -> str:
     from fedlmc.strategies.registry import table
 
-    return table()
+    return table(baselines=False)
+
+
+def baselines(_) -> str:
+    from fedlmc.strategies.registry import table
+
+    return table(baselines=True)
 
 
 def run_keys(_) -> str:
@@ -442,6 +448,7 @@ def benches(_) -> str:
 
 TABLES: dict[str, Table] = {
     "strategies": Table((), (), strategies),
+    "baselines": Table((), (), baselines),
     "chooser": Table(
         CHOOSER_FILES,
         ("python bench/main_job.py", "python -m simulations.compare", "python bench/lora_aggregators.py"),

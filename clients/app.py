@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedlmc.baselines.scaffold import CONTROL_KEY, client_round, correct, pack, remove, trajectory_variate, unpack
 from fedlmc.distill import Taught
 from fedlmc.federated import (
     Settings,
@@ -36,7 +37,6 @@ from fedlmc.federated import (
 )
 from fedlmc.hf import Logits, hf_model_for
 from fedlmc.on_clients import answer
-from fedlmc.scaffold import CONTROL_KEY, client_round, correct, pack, remove, trajectory_variate, unpack
 from fedlmc.strategies.knobs import confirm
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
 from fedlmc.widths import shape_of, slice_prefix
@@ -136,7 +136,7 @@ def train(
 
 def _scaffold_start(msg: Message, context: Context, model, data, s: Settings) -> Optional[tuple]:
     """SCAFFOLD (the server sent its control variate ``c``): this client's new variate, its change, the
-    hooks that correct its gradients by ``c − c_i`` while it trains (``fedlmc.scaffold``) and whether it
+    hooks that correct its gradients by ``c − c_i`` while it trains (``fedlmc.baselines.scaffold``) and whether it
     had a variate already (kept in the node's state since an earlier round); None for every other
     strategy."""
     config = msg.content["config"]

@@ -15,9 +15,10 @@
 * ``Scale``: how a server aggregates many replies: on disk, aligned by parallel workers, where, on how
   many threads.
 * ``Screen``: which replies a round leaves out as outliers once they are aligned.
-* ``OTFusion``: optimal-transport fusion's soft maps (``fedlmc.ot_fusion``, ``OTFusionFedAvg``).
 * ``Distill``: ensemble distillation of a round's aggregate onto its replies' outputs on server data
   (``fedlmc.distill``, ``DistilledFedAvg``).
+
+The peers' options live with their strategies (``fedlmc.baselines``: ``OTFusion``, ``TaskMerge``).
 
 A knob has one name from ``run_config`` down to the optimiser: run_config ``refine-check-sigmas`` is
 ``Settings.refine_check_sigmas`` is ``Refinement.check_sigmas``, the one the optimiser reads.
@@ -42,8 +43,6 @@ REDUCES = ("mean", "median", "trimmed")
 ANCHORS = ("heaviest", "central")
 DISTILL_STARTS = ("average", "merge")  # Distill.start: FedAvg's mean (FedDF), or the strategy's own merge
 TEACHERS = ("logits", "probabilities")  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
-RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual: how maps meet at a residual sum
-OT_COSTS = ("weights", "activations")  # OTFusion.cost
 
 
 def one_of(value: Any, allowed: Iterable[Any], what: str) -> Any:
@@ -516,41 +515,6 @@ class Checks:
             )
 
 
-TASK_MERGES = ("task-arithmetic", "ties", "dare", "model-stock")
-
-
-@dataclass(frozen=True)
-class TaskMerge:
-    """How task vectors (clients' models minus the shared base) are merged (``fedlmc.task_vectors``).
-
-    Parameters
-    ----------
-    method : {"task-arithmetic", "ties", "dare", "model-stock"}, default "task-arithmetic"
-        Task Arithmetic (the weighted sum, FedAvg at ``scale=1``), TIES (trim, elect sign, disjoint
-        mean), DARE (random drop and rescale, then Task Arithmetic) or Model Stock (interpolate between
-        the base and the clients' mean by how much their task vectors agree).
-    scale : float, default 1.0
-        λ, the merged task vector's scale (task-arithmetic, ties, dare).
-    density : float, default 0.2
-        TIES: the fraction of each task vector's largest-magnitude entries kept.
-    drop : float, default 0.9
-        DARE: the probability of dropping each entry.
-    seed : int, default 0
-        DARE's random drops.
-    """
-
-    method: str = "task-arithmetic"
-    scale: float = 1.0
-    density: float = 0.2
-    drop: float = 0.9
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        one_of(self.method, TASK_MERGES, "task merge")
-        if not 0.0 < self.density <= 1.0 or not 0.0 <= self.drop < 1.0:
-            raise ValueError(f"density must be in (0, 1] and drop in [0, 1), got {self.density}, {self.drop}")
-
-
 @dataclass(frozen=True)
 class Distill:
     """Ensemble distillation (FedDF: Lin et al., NeurIPS 2020): a round's aggregate is trained on
@@ -614,43 +578,3 @@ class Distill:
             )
         if self.refine is not None and self.start != "merge":
             raise ValueError("Distill(refine=...) refines the merge the student starts from: start must be 'merge'")
-
-
-@dataclass(frozen=True)
-class OTFusion:
-    """Optimal-transport fusion of Transformers (Imfeld et al., ICLR 2024), weight-based: every model is
-    aligned layer by layer to an anchor (the reply of largest weight) with transport maps between units,
-    then averaged.
-
-    Parameters
-    ----------
-    reg : float, default 0.06
-        Sinkhorn's entropic regularisation of each transport problem (costs are scaled to at most 1):
-        soft maps. 0: exact optimal transport, which between equal numbers of units with uniform mass is
-        a permutation (hard maps).
-    residual : {"mean", "transported", "residual"}, default "mean"
-        At a residual sum the stream's map becomes the mean of the skip's map and the block output's
-        ("mean", the paper's), the block output's ("transported") or the skip's ("residual").
-    iterations : int, default 2000
-        At most this many Sinkhorn iterations per map (it stops once the marginals match to 1e-9).
-    cost : {"weights", "activations"}, default "weights"
-        What the transport costs compare: each layer's weight rows, or its output units' activations on
-        ``data`` (the paper's activation-based fusion).
-    data : data set or None, default None
-        Server-side inputs for ``cost="activations"`` (their labels are not used).
-    samples : int, default 1024
-        Positions (tokens; images × (patches + 1)) whose activations make each cost.
-    """
-
-    reg: float = 0.06
-    residual: str = "mean"
-    iterations: int = 2000
-    cost: str = "weights"
-    data: Any = None
-    samples: int = 1024
-
-    def __post_init__(self) -> None:
-        one_of(self.residual, RESIDUAL_POLICIES, "residual policy")
-        one_of(self.cost, OT_COSTS, "OT fusion cost")
-        if self.reg < 0 or self.iterations < 1:
-            raise ValueError(f"OTFusion needs reg >= 0 and iterations >= 1, got {self.reg} and {self.iterations}")

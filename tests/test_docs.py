@@ -290,12 +290,14 @@ def _constructor_scope(names) -> dict:
     ``peft_model``: a PEFT model), as docs/strategies.md says."""
     import flwr.serverapp.strategy as flower
 
+    import fedlmc.baselines as baselines
     import fedlmc.options as options
     import fedlmc.strategies as strategies
 
     scope = {k: getattr(flower, k) for k in dir(flower) if k[:1].isupper()}
     scope.update({k: getattr(options, k) for k in dir(options) if k[:1].isupper()})
     scope.update({k: getattr(strategies, k) for k in strategies.__all__})
+    scope.update({k: getattr(baselines, k) for k in baselines.__all__})
     scope.update(model=names["config"], data=names["train_data"], peft_model=names["peft_model"])
     return scope
 

@@ -24,17 +24,10 @@ from flwr.serverapp.strategy import (
     MultiKrum,
 )
 
+from fedlmc.baselines import KrumFedAvg, SlicingFedAvg
 from fedlmc.models import from_preset
 from fedlmc.options import Checks, Refinement, Robust
-from fedlmc.strategies import (
-    AlignedFedAvg,
-    HeteroWidthFedAvg,
-    KrumFedAvg,
-    LoraFedAvg,
-    RefinedFedAvg,
-    ReportingFedAvg,
-    SlicingFedAvg,
-)
+from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, LoraFedAvg, RefinedFedAvg, ReportingFedAvg
 from fedlmc.strategies.records import config_record
 
 KW = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, image_size=8, patch_size=4)

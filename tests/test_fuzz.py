@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, Re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedlmc.baselines import SlicingFedAvg
 from fedlmc.data import load  # noqa: E402
 from fedlmc.models import from_config, from_preset  # noqa: E402
 from fedlmc.options import (
@@ -23,13 +24,7 @@ from fedlmc.options import (
     Refinement,  # noqa: E402
     Universe,
 )
-from fedlmc.strategies import (
-    AlignedFedAvg,
-    HeteroWidthFedAvg,
-    RefinedFedAvg,
-    ReportingFedAvg,  # noqa: E402
-    SlicingFedAvg,
-)
+from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg, ReportingFedAvg
 from fedlmc.strategies.records import config_record  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -128,7 +128,7 @@ def test_fedrot_lora_undoes_a_rotation_of_one_adapter(record):
     """FedRot-LoRA on planted clients: every client holds the same adapter (B₀, A₀) behind its own
     rotation Q (B₀Q, QᵀA₀); rotated onto the reference A₀ they are the adapter again, so their factor
     means are (B₀, A₀) exactly, where FedIT's means of the same factors are not."""
-    from fedlmc import lora_baselines as lb
+    from fedlmc.baselines import lora as lb
     from fedlmc.symmetry.random import random_orthogonal
 
     layout = LoraLayout.of(gpt2_peft(r=4))
@@ -151,7 +151,7 @@ def test_fedrot_lora_undoes_a_rotation_of_one_adapter(record):
 
 
 def test_energy_shares_are_the_leading_squared_singular_values():
-    from fedlmc.lora_baselines import energy_shares
+    from fedlmc.baselines.lora import energy_shares
 
     g = torch.Generator().manual_seed(0)
     U = torch.linalg.qr(torch.randn(6, 3, generator=g, dtype=torch.float64))[0]
@@ -556,8 +556,8 @@ def test_lora_harness_claims_hold_on_a_small_run():
 def test_task_vector_merges_of_lora_products_on_hand_made_adapters():
     """Task Arithmetic of the dense products is FlexLoRA's cut; TIES on two rank-1 products of opposite
     sign keeps the elected (larger) one alone; DARE at no drop is Task Arithmetic."""
-    from fedlmc import lora_baselines as lb
-    from fedlmc.options import TaskMerge
+    from fedlmc.baselines import TaskMerge
+    from fedlmc.baselines import lora as lb
 
     layout = LoraLayout.of(gpt2_peft(r=4))
     clients = [random_adapter(layout, 4, seed) for seed in range(3)]

@@ -15,17 +15,18 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam
 from test_flower_contract import Grid, _mlp_arrays
 
-from fedlmc.options import OTFusion, Refinement, Robust, TaskMerge
-from fedlmc.strategies import (
+from fedlmc.baselines import (
     FedProxFedAvg,
     KrumFedAvg,
+    OTFusion,
     OTFusionFedAvg,
-    RefinedFedAvg,
-    ReportingFedAvg,
     ScaffoldFedAvg,
     ServerOptFedAvg,
+    TaskMerge,
     TaskVectorFedAvg,
 )
+from fedlmc.options import Refinement, Robust
+from fedlmc.strategies import RefinedFedAvg, ReportingFedAvg
 from fedlmc.strategies.knobs import applied_metric, confirm
 
 

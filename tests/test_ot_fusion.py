@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_flower_contract import task_identity  # noqa: F401  (the fixture)
 
+from fedlmc.baselines import OTFusion
+from fedlmc.baselines.ot_fusion import ground_cost, ot_align, ot_fusion, transport
 from fedlmc.models import from_preset
-from fedlmc.options import OTFusion
-from fedlmc.ot_fusion import ground_cost, ot_align, ot_fusion, transport
 
 SMALL = {
     "vit-tiny": dict(n_layer=2, d_model=16, n_head=4, d_ff=32, image_size=8, patch_size=4),

@@ -11,10 +11,10 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 from test_flower_contract import Grid, _copies, _replies, _same, task_identity  # noqa: F401  (the fixture)
 
+from fedlmc.baselines import FedProxFedAvg, ServerOptFedAvg
 from fedlmc.data import ArrayData
 from fedlmc.federated import Settings
 from fedlmc.models import from_preset
-from fedlmc.strategies import FedProxFedAvg, ServerOptFedAvg
 from fedlmc.strategies.registry import build
 from fedlmc.train import TrainConfig, train
 

@@ -10,10 +10,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from test_flower_contract import Grid, _copies, _replies, _same, task_identity  # noqa: F401  (the fixture)
 
+from fedlmc.baselines import ScaffoldFedAvg
+from fedlmc.baselines.scaffold import CONTROL_KEY, client_round, corrected, local_gradient, pack, remove, unpack
 from fedlmc.data import ArrayData
 from fedlmc.models import from_preset
-from fedlmc.scaffold import CONTROL_KEY, client_round, corrected, local_gradient, pack, remove, unpack
-from fedlmc.strategies import ScaffoldFedAvg
 from fedlmc.train import loss_and_correct
 
 KW = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, image_size=8, patch_size=4)
@@ -157,8 +157,8 @@ def test_option_two_is_the_mean_raw_gradient_along_the_local_steps():
     K iterates (full-batch steps, replayed by hand), whatever the correction was."""
     from dataclasses import replace
 
+    from fedlmc.baselines.scaffold import correct, trajectory_variate
     from fedlmc.federated import Settings
-    from fedlmc.scaffold import correct, trajectory_variate
     from fedlmc.train import train
 
     data = _data(24, 4)

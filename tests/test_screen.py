@@ -12,10 +12,11 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 from test_strategies import _reply
 
 from fedlmc.averaging import aligned_state
+from fedlmc.baselines import KrumFedAvg
 from fedlmc.models import from_preset
 from fedlmc.options import Guard, Robust, Screen, Universe
 from fedlmc.screen import krum_scores, multikrum_selection, screen, squared_distances
-from fedlmc.strategies import AlignedFedAvg, KrumFedAvg
+from fedlmc.strategies import AlignedFedAvg
 from fedlmc.strategies.records import model_from_arrays
 from fedlmc.symmetry import apply_transform, canonical, canonicalize, random_transform, to_layernorm
 from fedlmc.universe import Aligned, universe_merge

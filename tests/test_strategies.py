@@ -412,7 +412,7 @@ class _RenumberedGrid:
 
 
 def test_slicing_baseline_averages_each_entry_over_its_holders():
-    from fedlmc.strategies import SlicingFedAvg
+    from fedlmc.baselines import SlicingFedAvg
     from fedlmc.widths import slice_prefix, width_config
 
     torch.manual_seed(2)

@@ -12,9 +12,8 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 from test_flower_contract import Grid, _copies, _replies, _same, task_identity  # noqa: F401  (the fixture)
 
-from fedlmc.options import TaskMerge
-from fedlmc.strategies import TaskVectorFedAvg
-from fedlmc.task_vectors import stock_ratio, task_vector_merge, trim
+from fedlmc.baselines import TaskMerge, TaskVectorFedAvg
+from fedlmc.baselines.task_vectors import stock_ratio, task_vector_merge, trim
 
 BASE = {"w": torch.tensor([1.0, 1.0, 1.0]), "steps": torch.tensor(7)}
 

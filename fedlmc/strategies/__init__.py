@@ -1,32 +1,49 @@
-"""Flower strategies (Message API) that aggregate client Transformers modulo their symmetries.
+"""fedlmc's own Flower strategies (Message API): aggregation of client Transformers modulo their symmetries.
 
-All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used. The ones a
-``run_config`` can name are registered in ``registry`` (``register`` adds one).
+All are subclasses of ``flwr.serverapp.strategy.FedAvg`` and drop in where FedAvg is used. Each module
+holds its strategies, their registration and the run_config keys they own (``registry``: ``register``
+adds one). The field's methods they are compared with live apart, in ``fedlmc.baselines``.
 """
 
+# isort: off
+# the order registers fedlmc's own strategies first (`average` heads them), then the peers
+from .fedavg import ReportingFedAvg
 from .aligned import AlignedFedAvg, RefinedFedAvg
-from .base import FedlmcStrategy
 from .distilled import DistilledFedAvg
-from .fedavg import FedProxFedAvg, KrumFedAvg, ReportingFedAvg, ScaffoldFedAvg, ServerOptFedAvg, TaskVectorFedAvg
-from .fusion import OTFusionFedAvg
-from .hetero import HeteroWidthFedAvg, SlicingFedAvg
+from .hetero import HeteroWidthFedAvg
 from .lora import LoraFedAvg
+from .base import FedlmcStrategy
 from .registry import register
+from fedlmc import baselines as _baselines  # noqa: F401
+# isort: on
 
 __all__ = [
+    "ReportingFedAvg",
     "AlignedFedAvg",
     "RefinedFedAvg",
     "DistilledFedAvg",
-    "OTFusionFedAvg",
     "HeteroWidthFedAvg",
-    "SlicingFedAvg",
-    "ReportingFedAvg",
-    "KrumFedAvg",
-    "FedProxFedAvg",
-    "ServerOptFedAvg",
-    "ScaffoldFedAvg",
-    "TaskVectorFedAvg",
     "FedlmcStrategy",
     "LoraFedAvg",
     "register",
 ]
+
+# the peers, imported from fedlmc.baselines (a clear error, not an AttributeError, for the old place)
+MOVED = {
+    name: "fedlmc.baselines"
+    for name in (
+        "FedProxFedAvg",
+        "ScaffoldFedAvg",
+        "ServerOptFedAvg",
+        "KrumFedAvg",
+        "OTFusionFedAvg",
+        "TaskVectorFedAvg",
+        "SlicingFedAvg",
+    )
+}
+
+
+def __getattr__(name: str):
+    if name in MOVED:
+        raise ImportError(f"{name} is a peer fedlmc compares with: import it from {MOVED[name]}")
+    raise AttributeError(f"module 'fedlmc.strategies' has no attribute {name!r}")

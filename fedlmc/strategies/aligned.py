@@ -47,6 +47,8 @@ from fedlmc.train import predictions
 from fedlmc.universe import Aligned, ArrivingMean, universe_merge
 
 from .base import FedlmcStrategy, loaded
+from .keys import Key, non_negative
+from .registry import Build, register
 
 
 class AlignedFedAvg(FedlmcStrategy):
@@ -417,3 +419,101 @@ def transform_distance(T, spec) -> float:
         elif kind == "permutation":
             total += float((el != torch.arange(len(el))).float().mean())
     return total
+
+
+# ---- run_config keys and registrations ------------------------------------------------------------
+
+CLIENTS_PER_STEP = Key(
+    "clients-per-step",
+    OnClients.clients_per_step,
+    "clients asked for gradients at each refinement step (`OnClients.clients_per_step`; 0: every client)",
+    check=non_negative,
+)
+BATCHES_PER_CLIENT = Key(
+    "batches-per-client",
+    OnClients.batches_per_client,
+    "local batches each client's gradient averages over (`OnClients.batches_per_client`)",
+    check=lambda v: "" if v >= 1 else "at least 1",
+)
+SAMPLES_PER_MESSAGE = Key(
+    "samples-per-message",
+    OnClients.samples_per_message,
+    "merge-weight draws λ per message, one gradient each (`OnClients.samples_per_message`)",
+    check=lambda v: "" if v >= 1 else "at least 1",
+)
+CHECK_CLIENTS = Key(
+    "check-clients",
+    OnClients.check_clients,
+    "clients that score the checks and the guard (`OnClients.check_clients`; 0: every client)",
+    check=non_negative,
+)
+REFINE_ON_CLIENTS = (CLIENTS_PER_STEP, BATCHES_PER_CLIENT, SAMPLES_PER_MESSAGE, CHECK_CLIENTS)
+
+
+@register(
+    "permuted",
+    summary="aligned with permutations only (heads, FF, the residual's coordinates): the Git "
+    "Re-Basin / FedMA-style peer",
+    server_data=True,
+    reduce=True,
+    screen=True,
+    universe=True,
+    example='AlignedFedAvg(model=model, matching=Matching(residual="permutation"))',
+)
+def _permuted(b: Build):
+    return AlignedFedAvg(**b.common(), **b.aligned(permutations=True), **b.robust())
+
+
+@register(
+    "aligned",
+    summary="weight matching along every symmetry (orthogonal residual, head and FF "
+    "permutations, QK/OV gauges) to a universe, then averaging; guarded by the plain average",
+    server_data=True,
+    reduce=True,
+    screen=True,
+    universe=True,
+    example="AlignedFedAvg(model=model)",
+)
+def _aligned(b: Build):
+    return AlignedFedAvg(**b.common(), **b.aligned(), **b.robust())
+
+
+@register(
+    "aligned-clients",
+    summary="aligned, its guard scored by the clients (no server data)",
+    on_clients=True,
+    reduce=True,
+    screen=True,
+    universe=True,
+    example="AlignedFedAvg(model=model, on_clients=OnClients())",
+    keys=(CHECK_CLIENTS,),
+    client="its evaluate answers `eval-loss` on held-out data (the guard's scores)",
+)
+def _aligned_clients(b: Build):
+    return AlignedFedAvg(**b.common(), **b.aligned(on_clients=True), **b.robust())
+
+
+@register(
+    "refined",
+    summary="aligned, then Dirichlet refinement of the alignments on the server's data",
+    server_data=True,
+    screen=True,
+    universe=True,
+    example="RefinedFedAvg(model=model, refine=Refinement(data=data))",
+)
+def _refined(b: Build):
+    return RefinedFedAvg(**b.common(), **b.aligned(), refine=b.settings.refinement(b.halves()[0]))
+
+
+@register(
+    "refined-clients",
+    summary="the refinement's gradients and the guard computed by the clients (no server data)",
+    on_clients=True,
+    screen=True,
+    universe=True,
+    example="RefinedFedAvg(model=model, refine=Refinement(), on_clients=OnClients())",
+    keys=REFINE_ON_CLIENTS,
+    client="answers `query.refine` messages with `fedlmc.on_clients.answer` (fedlmc's ClientApp does)",
+)
+def _refined_clients(b: Build):
+    return RefinedFedAvg(**b.common(), **b.aligned(on_clients=True), refine=b.settings.refinement(None))

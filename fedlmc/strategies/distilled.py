@@ -18,8 +18,10 @@ from fedlmc.distill import distill as distill_model
 from fedlmc.distill import distill_on_clients
 from fedlmc.options import Distill
 
-from .aligned import AlignedFedAvg, RefinedFedAvg, client_losses, refine_split
+from .aligned import REFINE_ON_CLIENTS, AlignedFedAvg, RefinedFedAvg, client_losses, refine_split
 from .base import loaded
+from .keys import Key, non_negative
+from .registry import Build, register
 
 
 class DistilledFedAvg(AlignedFedAvg):
@@ -83,3 +85,77 @@ class DistilledFedAvg(AlignedFedAvg):
         remote = client_losses(self, self.distill, target="own-model")
         student, record = distill_on_clients(start, remote, self.distill)
         return student, {**record, "clients": remote.record()}
+
+
+# ---- run_config keys and registrations ------------------------------------------------------------
+
+DISTILL_STEPS = Key(
+    "distill-steps",
+    Distill.steps,
+    "at most this many distillation steps on the server's refinement "
+    "half (`Distill.steps`); it stops on its held-out loss to the ensemble",
+    check=non_negative,
+)
+DISTILL_LR = Key(
+    "distill-lr", Distill.lr, "the distillation's Adam learning rate on the weights (`Distill.lr`)", check=non_negative
+)
+DISTILL_TEMPERATURE = Key(
+    "distill-temperature",
+    Distill.temperature,
+    "the distillation's softmax temperature (`Distill.temperature`)",
+    check=lambda v: "" if v > 0 else "must be positive",
+)
+DISTILL_KEYS = (DISTILL_STEPS, DISTILL_LR, DISTILL_TEMPERATURE)
+
+
+def distilled_strategy(b: Build, start: str, refine: bool = False, on_clients: bool = False):
+    s = b.settings
+    data = None if on_clients else b.halves()[0]  # the refinement's half: the same data, the same budget of steps
+    options = Distill(
+        data=data,
+        start=start,
+        refine=s.refinement(data) if refine else None,
+        steps=b.key("distill-steps"),
+        lr=b.key("distill-lr"),
+        temperature=b.key("distill-temperature"),
+    )
+    return DistilledFedAvg(**b.common(), **b.aligned(on_clients=on_clients), distill=options)
+
+
+@register(
+    "aligned-distilled",
+    summary="the aligned merge distilled toward the replies' ensemble on the server's data",
+    server_data=True,
+    universe=True,
+    example="DistilledFedAvg(model=model, distill=Distill(data=data))",
+    keys=DISTILL_KEYS,
+)
+def _aligned_distilled(b: Build):
+    return distilled_strategy(b, "merge")
+
+
+@register(
+    "refined-distilled",
+    summary="the refined merge distilled toward the replies' ensemble on the server's data",
+    server_data=True,
+    universe=True,
+    example="DistilledFedAvg(model=model, distill=Distill(data=data, refine=Refinement(data=data)))",
+    keys=DISTILL_KEYS,
+)
+def _refined_distilled(b: Build):
+    return distilled_strategy(b, "merge", refine=True)
+
+
+@register(
+    "refined-clients-distilled",
+    summary="refined on the clients, then distilled by them, each "
+    "toward the model it trained on its own data (no server data)",
+    on_clients=True,
+    universe=True,
+    example="DistilledFedAvg(model=model, distill=Distill(refine=Refinement()), on_clients=OnClients())",
+    keys=(*DISTILL_KEYS, *REFINE_ON_CLIENTS),
+    client="answers `query.refine` messages with `fedlmc.on_clients.answer` and keeps its trained model when "
+    "the train config says `keep-model` (fedlmc's ClientApp does)",
+)
+def _refined_clients_distilled(b: Build):
+    return distilled_strategy(b, "merge", refine=True, on_clients=True)

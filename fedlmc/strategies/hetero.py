@@ -20,14 +20,16 @@ from flwr.supercore import log
 
 from fedlmc.hf import HFAdapter
 from fedlmc.models import from_config
-from fedlmc.options import Guard, Matching, Refinement, Universe
+from fedlmc.options import FF_LIFTS, Guard, Matching, Refinement, Universe
 from fedlmc.symmetry import spec_for
 from fedlmc.universe import project, universe_merge
 from fedlmc.widths import prefix_average
 
 from .aligned import refine_split, transform_distance
 from .base import FedlmcStrategy, declared_partition
+from .keys import Key
 from .records import MODEL_CONFIG_KEY, state_arrays
+from .registry import Build, register
 
 
 class HeteroWidthFedAvg(FedlmcStrategy):
@@ -247,28 +249,6 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         self.adapter_of = {int(k): int(v) for k, v in (state.get("adapter_of") or {}).items()}
 
 
-class SlicingFedAvg(FedlmcStrategy):
-    """HeteroFL-style baseline for mixed widths: clients train index prefixes of the global model
-    (they slice what they receive); aggregation averages each entry over the clients that hold it.
-
-    Parameters
-    ----------
-    **kwargs
-        ``FedlmcStrategy``'s parameters (``model``: the global, widest model or config, required) and
-        Flower's ``FedAvg``'s.
-    """
-
-    needs_architecture = True
-
-    same_shape = False
-
-    def combine(self, server_round, replies, models, weights):
-        if self._previous is None or self.global_config is None:
-            raise ValueError("SlicingFedAvg needs model= and a previous global model (configure_train)")
-        result = slicing_aggregate(models, weights, self._previous.to_torch_state_dict(), self.global_config)
-        return result, {"widths": [int(m.config.d_model) for m in models]}, None
-
-
 def slicing_aggregate(models, weights, previous: dict, config: dict):
     """HeteroFL's aggregate: each entry of the ``previous`` global state (of ``config``) averaged over the
     replies (index prefixes of it) that hold it."""
@@ -277,3 +257,65 @@ def slicing_aggregate(models, weights, previous: dict, config: dict):
     result = from_config(config)
     result.load_state_dict(sd)
     return result.eval()
+
+
+# ---- run_config keys and registrations ------------------------------------------------------------
+
+FF_LIFT = Key(
+    "ff-lift",
+    Universe.ff_lift,
+    "a narrower client's FF enters the universe as zero neurons (masked), or "
+    "`split`: its own neurons split over the extra units (`Universe.ff_lift`)",
+    choices=FF_LIFTS,
+)
+
+
+def _hetero(b: Build, refine: bool, permutations: bool = False):
+    s = b.settings
+    guard = b.guard() if b.model is None else None  # Hugging Face widths: no server-side guard model
+    return HeteroWidthFedAvg(
+        **b.common(),
+        matching=b.matching(permutations),
+        universe=Universe(iterations=s.iterations, ff_lift=b.key("ff-lift")),
+        guard=guard,
+        refine=s.refinement(b.halves()[0]) if refine else None,
+    )
+
+
+@register(
+    "hetero",
+    summary="clients of several widths aligned into the widest one's universe, each sent its own-width projection",
+    server_data=True,
+    mixed_widths=True,
+    example="HeteroWidthFedAvg(model=model)",
+    keys=(FF_LIFT,),
+    client="builds its model at the width of the arrays it receives",
+)
+def _hetero_aligned(b: Build):
+    return _hetero(b, refine=False)
+
+
+@register(
+    "hetero-permuted",
+    summary="hetero with permutations only",
+    server_data=True,
+    mixed_widths=True,
+    example='HeteroWidthFedAvg(model=model, matching=Matching(residual="permutation"))',
+    keys=(FF_LIFT,),
+    client="builds its model at the width of the arrays it receives",
+)
+def _hetero_permuted(b: Build):
+    return _hetero(b, refine=False, permutations=True)
+
+
+@register(
+    "hetero-refined",
+    summary="hetero, then Dirichlet refinement",
+    server_data=True,
+    mixed_widths=True,
+    example="HeteroWidthFedAvg(model=model, refine=Refinement(data=data))",
+    keys=(FF_LIFT,),
+    client="builds its model at the width of the arrays it receives",
+)
+def _hetero_refined(b: Build):
+    return _hetero(b, refine=True)

@@ -60,3 +60,8 @@ class Key:
         if why:
             raise ValueError(f"run_config {self.name!r} = {value!r}: {why}")
         return value
+
+
+def non_negative(value: float) -> str:
+    """A ``Key.check``: why a negative value is refused ("" when it is not)."""
+    return "" if value >= 0 else "must be non-negative"

@@ -1,7 +1,8 @@
 """Task-vector merges of models fine-tuned from one base: Task Arithmetic, TIES, DARE and Model Stock.
 
 A client's task vector is ``τᵢ = θᵢ − θ_base``. Every method combines the task vectors tensor by tensor
-and adds the result back to the base (``fedlmc.options.TaskMerge`` holds the knobs):
+and adds the result back to the base (``TaskMerge`` holds the knobs; ``TaskVectorFedAvg`` runs them
+as a Flower strategy, registered as ``task-arithmetic``, ``ties``, ``dare`` and ``model-stock``):
 
 * ``task-arithmetic`` (Ilharco et al., ICLR 2023): ``θ = θ_base + λ · Σ wᵢ τᵢ`` with the clients'
   normalised weights ``wᵢ``; ``λ = 1`` is FedAvg exactly.
@@ -19,12 +20,51 @@ Tensors that are not floating point are taken from the base.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
+from flwr.app import ArrayRecord
 
-from .options import TaskMerge
-from .symmetry import StateDict
+from fedlmc.options import one_of
+from fedlmc.strategies.base import loaded
+from fedlmc.strategies.fedavg import MeanFedAvg
+from fedlmc.strategies.registry import Build, register
+from fedlmc.symmetry import StateDict
+
+TASK_MERGES = ("task-arithmetic", "ties", "dare", "model-stock")
+
+
+@dataclass(frozen=True)
+class TaskMerge:
+    """How task vectors (clients' models minus the shared base) are merged (``task_vector_merge``).
+
+    Parameters
+    ----------
+    method : {"task-arithmetic", "ties", "dare", "model-stock"}, default "task-arithmetic"
+        Task Arithmetic (the weighted sum, FedAvg at ``scale=1``), TIES (trim, elect sign, disjoint
+        mean), DARE (random drop and rescale, then Task Arithmetic) or Model Stock (interpolate between
+        the base and the clients' mean by how much their task vectors agree).
+    scale : float, default 1.0
+        λ, the merged task vector's scale (task-arithmetic, ties, dare).
+    density : float, default 0.2
+        TIES: the fraction of each task vector's largest-magnitude entries kept.
+    drop : float, default 0.9
+        DARE: the probability of dropping each entry.
+    seed : int, default 0
+        DARE's random drops.
+    """
+
+    method: str = "task-arithmetic"
+    scale: float = 1.0
+    density: float = 0.2
+    drop: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        one_of(self.method, TASK_MERGES, "task merge")
+        if not 0.0 < self.density <= 1.0 or not 0.0 <= self.drop < 1.0:
+            raise ValueError(f"density must be in (0, 1] and drop in [0, 1), got {self.density}, {self.drop}")
 
 
 def task_vector_merge(
@@ -94,3 +134,56 @@ def stock_ratio(taus: torch.Tensor) -> float:
     cos = (flat @ flat.T) / (norms[:, None] * norms[None, :])
     c = max(0.0, float((cos.sum() - cos.diagonal().sum()) / (n * (n - 1))))
     return n * c / (1.0 + (n - 1) * c)
+
+
+class TaskVectorFedAvg(MeanFedAvg):
+    """Task-vector merges for federations that fine-tune one shared base (Task Arithmetic, TIES, DARE,
+    Model Stock: ``fedlmc.baselines.task_vectors``): each reply's task vector is its model minus the global model
+    the round sent, and the merged task vector is added to that model.
+
+    Parameters
+    ----------
+    merge : TaskMerge, optional
+        The method and its knobs (``fedlmc.options.TaskMerge``); default Task Arithmetic at λ = 1, which
+        is FedAvg.
+    **kwargs
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
+    """
+
+    def __init__(self, *, merge: Optional[TaskMerge] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.merge = merge if merge is not None else TaskMerge()
+
+    def _base(self):
+        if self._previous is None:
+            raise RuntimeError(
+                f"{type(self).__name__} merges task vectors from the global model: configure_train first"
+            )
+        return self._previous
+
+    def combine(self, server_round, replies, models, weights):
+        self._base()
+        base = self.previous_model()
+        states = [loaded(m).state_dict() for m in models]
+        base.load_state_dict(task_vector_merge(base.state_dict(), states, weights, self.merge))
+        return base, {"kept": self.merge.method}, None
+
+    def combine_arrays(self, server_round, replies, weights):
+        base = self._base().to_torch_state_dict()
+        states = [m.content[self.arrayrecord_key].to_torch_state_dict() for m in replies]
+        merged = task_vector_merge(base, states, weights, self.merge)
+        return ArrayRecord(torch_state_dict=merged), {"kept": self.merge.method}
+
+
+def _task_merge(method: str, summary: str) -> None:
+    """Register the task-vector merge ``method`` (``TaskMerge``'s defaults)."""
+
+    @register(method, summary=summary, example=f'TaskVectorFedAvg(merge=TaskMerge(method="{method}"))')
+    def _build(b: Build):
+        return TaskVectorFedAvg(**b.common(), merge=TaskMerge(method=method))
+
+
+_task_merge("task-arithmetic", "Task Arithmetic, the clients' task vectors summed (λ = 1: FedAvg)")
+_task_merge("ties", "TIES, task vectors trimmed to 20 %, sign elected, agreeing entries averaged")
+_task_merge("dare", "DARE, 90 % of each task vector dropped at random, the rest rescaled")
+_task_merge("model-stock", "Model Stock, the clients' mean pulled to the base by their angle")

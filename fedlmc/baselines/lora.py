@@ -11,7 +11,7 @@ says what every client starts the next round from.
   ``A = Vᵀ``).
 * FedEx-LoRA: FedIT's factors plus the residual ``mean(s B A) − s mean(B) mean(A)``, dense, folded
   into the base.
-* Task-vector merges of the products (Task Arithmetic, TIES, DARE, Model Stock: ``fedlmc.task_vectors``):
+* Task-vector merges of the products (Task Arithmetic, TIES, DARE, Model Stock: ``fedlmc.baselines.task_vectors``):
   each client's dense ``sᵢ Bᵢ Aᵢ`` is its task vector from the base; their merge, cut to the rank by
   its SVD as FlexLoRA's (``B = U S / s``, ``A = Vᵀ``).
 * FedRot-LoRA: every client's factors first rotated, ``A → Rᵀ A``, ``B → B R`` (its product unchanged),
@@ -25,9 +25,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from fedlmc.baselines.task_vectors import TaskMerge, task_vector_merge
 from fedlmc.lora import LoraLayout
-from fedlmc.options import TaskMerge
-from fedlmc.task_vectors import task_vector_merge
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
 TASK_VECTOR_METHODS = {"ties-lora": "ties", "dare-lora": "dare", "model-stock-lora": "model-stock"}

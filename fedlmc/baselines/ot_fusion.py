@@ -25,14 +25,62 @@ so no input-side map enters the cost. The embedding tables keep their weight-bas
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from .options import OTFusion
+from fedlmc.options import Guard, one_of
+from fedlmc.strategies.fedavg import MeanFedAvg
+from fedlmc.strategies.keys import Key, non_negative
+from fedlmc.strategies.registry import Build, register
 
 Maps = dict[str, torch.Tensor]
+
+RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual: how maps meet at a residual sum
+OT_COSTS = ("weights", "activations")  # OTFusion.cost
+
+
+@dataclass(frozen=True)
+class OTFusion:
+    """Optimal-transport fusion of Transformers (Imfeld et al., ICLR 2024), weight-based: every model is
+    aligned layer by layer to an anchor (the reply of largest weight) with transport maps between units,
+    then averaged.
+
+    Parameters
+    ----------
+    reg : float, default 0.06
+        Sinkhorn's entropic regularisation of each transport problem (costs are scaled to at most 1):
+        soft maps. 0: exact optimal transport, which between equal numbers of units with uniform mass is
+        a permutation (hard maps).
+    residual : {"mean", "transported", "residual"}, default "mean"
+        At a residual sum the stream's map becomes the mean of the skip's map and the block output's
+        ("mean", the paper's), the block output's ("transported") or the skip's ("residual").
+    iterations : int, default 2000
+        At most this many Sinkhorn iterations per map (it stops once the marginals match to 1e-9).
+    cost : {"weights", "activations"}, default "weights"
+        What the transport costs compare: each layer's weight rows, or its output units' activations on
+        ``data`` (the paper's activation-based fusion).
+    data : data set or None, default None
+        Server-side inputs for ``cost="activations"`` (their labels are not used).
+    samples : int, default 1024
+        Positions (tokens; images × (patches + 1)) whose activations make each cost.
+    """
+
+    reg: float = 0.06
+    residual: str = "mean"
+    iterations: int = 2000
+    cost: str = "weights"
+    data: Any = None
+    samples: int = 1024
+
+    def __post_init__(self) -> None:
+        one_of(self.residual, RESIDUAL_POLICIES, "residual policy")
+        one_of(self.cost, OT_COSTS, "OT fusion cost")
+        if self.reg < 0 or self.iterations < 1:
+            raise ValueError(f"OTFusion needs reg >= 0 and iterations >= 1, got {self.reg} and {self.iterations}")
 
 
 def ground_cost(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -244,3 +292,74 @@ def ot_fusion(models: Sequence[nn.Module], weights: Sequence[float], options: Op
     ref = anchor.state_dict()
     fused.load_state_dict({k: v.to(ref[k].dtype) for k, v in acc.items()})
     return fused
+
+
+# ---- the strategy --------------------------------------------------------------------------------
+
+
+class OTFusionFedAvg(MeanFedAvg):
+    """Each round's replies fused by optimal transport (``fedlmc.baselines.ot_fusion``: Imfeld et al., ICLR 2024,
+    weight-based): every reply carried onto an anchor reply's units by soft transport maps, layer by
+    layer, then averaged with the replies' weights. fedlmc's GPT-2 and ViT models.
+
+    Parameters
+    ----------
+    fusion : OTFusion, optional
+        The maps' regularisation (0: exact, permutations), the residual policy and the anchor.
+    guard : Guard, optional
+        The do-no-harm comparison with the plain average, as ``AlignedFedAvg``'s (None: none).
+    **kwargs
+        ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters (no ``robust``: the transported replies
+        are averaged).
+    """
+
+    needs_architecture = True
+
+    def __init__(self, *, fusion: Optional[OTFusion] = None, guard: Optional[Guard] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fusion = fusion if fusion is not None else OTFusion()
+        self.guard = guard
+
+    def combine(self, server_round, replies, models, weights):
+        t0 = time.time()
+        fused = ot_fusion(models, weights, self.fusion)
+        fields: dict[str, Any] = {"kept": "ot-fusion", "align_seconds": time.time() - t0}
+        plain = super().combine(server_round, replies, models, weights)[0]  # FedAvg's mean: the guard's rival
+        if self.guard is not None:
+            losses = {"ot-fusion": self.guard_loss(self.guard, fused), "average": self.guard_loss(self.guard, plain)}
+            kept, verdict = self.guard_verdict({"ot-fusion": fused, "average": plain}, losses, "server")
+            fields.update(verdict, kept=kept)
+            if kept == "average":
+                fused = plain
+        return fused, fields, plain
+
+
+OT_REG = Key(
+    "ot-reg",
+    OTFusion.reg,
+    "Sinkhorn's entropic regularisation of each transport map (costs scaled to at "
+    "most 1; the paper's best weight-based value); 0: exact maps, permutations (`OTFusion.reg`)",
+    check=non_negative,
+)
+OT_COST = Key(
+    "ot-cost",
+    OTFusion.cost,
+    "transport costs from the layers' weight rows, or `activations`: their output "
+    "units' activations on the server's refinement half (`OTFusion.cost`)",
+    choices=OT_COSTS,
+)
+
+
+@register(
+    "ot-fusion",
+    summary="optimal-transport fusion (Imfeld et al., ICLR 2024), replies carried onto an "
+    "anchor by soft transport maps layer by layer, then averaged; guarded by the plain average",
+    server_data=True,
+    example="OTFusionFedAvg(model=model)",
+    keys=(OT_REG, OT_COST),
+)
+def _ot_fusion(b: Build):
+    cost = b.key("ot-cost")
+    data = b.halves()[0] if cost == "activations" else None  # the half the refinement learns on
+    fusion = OTFusion(reg=b.key("ot-reg"), cost=cost, data=data)
+    return OTFusionFedAvg(**b.common(), fusion=fusion, guard=b.guard())
