@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from fedlmc.cpu import cpu_model
+from fedlmc.scale.cpu import cpu_model
 from fedlmc.train import pick_device
 
 

@@ -1,7 +1,7 @@
 """Benchmark: aggregation on a busy host. An independent gpt2-small pair's weight matching and a universe of
 8 gpt2-small-shaped models (``--universe-layers`` layers, 2 iterations), timed idle and beside 2 and 4
 competing CPU-bound processes (each a 1-thread fp32 GEMM loop), with a fixed GEMM reference timed in
-the same run. Each is timed with fedlmc's thread fitting (``fedlmc.cpu.fitting_threads``: no more
+the same run. Each is timed with fedlmc's thread fitting (``fedlmc.scale.cpu.fitting_threads``: no more
 torch threads than idle cores; median of ``--repeats``) and without it (``FEDLMC_FIT_THREADS=0``:
 torch's default team on every core, once).
 
@@ -23,11 +23,11 @@ from _results import Burners, environment, gemm_seconds, write_results  # noqa: 
 from universe_gpt2_small import noisy_copy  # noqa: E402
 from wm_gpt2_small import pair  # noqa: E402
 
-from fedlmc.allocator import retain_freed_memory
-from fedlmc.cpu import SAMPLE_SECONDS
 from fedlmc.matching import weight_matching
+from fedlmc.merging.universe import universe_merge
 from fedlmc.options import Universe
-from fedlmc.universe import universe_merge
+from fedlmc.scale.allocator import retain_freed_memory
+from fedlmc.scale.cpu import SAMPLE_SECONDS
 
 
 def timed(fn, fit: bool) -> tuple[float, int]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from _results import Burners
 
-from fedlmc.launch import free_ports
+from fedlmc.flower.launch import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def role(args: str) -> str:
         "flwr-clientapp",
         "flower-superexec",
         "flwr-superexec",
-        "fedlmc.launch",
+        "fedlmc.flower.launch",
         "flwr run",
     ):
         if key in args:
@@ -133,7 +133,7 @@ def main() -> None:
         sampler.start()
         t0 = time.time()
         run = subprocess.run(
-            [sys.executable, "-m", "fedlmc.launch", ".", "fedlmc-deploy", "-c", cfg],
+            [sys.executable, "-m", "fedlmc.flower.launch", ".", "fedlmc-deploy", "-c", cfg],
             cwd=ROOT,
             env={**env, "FLWR_HOME": str(d / "flwr")},
             capture_output=True,

@@ -34,7 +34,7 @@ from deploy_gpt2_small import Sampler, deployment_env
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlmc.launch import kill_tree  # noqa: E402
+from fedlmc.flower.launch import kill_tree  # noqa: E402
 
 
 def wait_for(predicate, seconds: float, every: float = 0.5) -> bool:
@@ -111,7 +111,7 @@ def trial(args, interrupt: bool) -> dict:
         link_env = dict(kv.split("=", 1) for kv in Path(f"/proc/{link}/environ").read_text().split("\0") if "=" in kv)
         sampler = Sampler(d / "pids", [os.getpid()])
         sampler.start()
-        launch = [sys.executable, "-m", "fedlmc.launch", ".", "fedlmc-deploy", "-c", cfg]
+        launch = [sys.executable, "-m", "fedlmc.flower.launch", ".", "fedlmc-deploy", "-c", cfg]
         first = subprocess.Popen(
             launch, cwd=ROOT, env=flwr_env, stdout=open(d / "run1.log", "w"), stderr=subprocess.STDOUT
         )

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fedlmc.averaging import interpolate
 from fedlmc.data import load
 from fedlmc.hf import HFAdapter, Logits, from_hf, hf_model_for
+from fedlmc.merging.averaging import interpolate
 from fedlmc.models import preset_config, preset_dataset
 from fedlmc.reproduce import pair_curves
 from fedlmc.symmetry import apply_transform, canonicalize

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from _models import add_model_args, trained_models  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.averaging import interpolate
-from fedlmc.barrier import barrier, interpolation_curve
 from fedlmc.commands import console, load_splits
 from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.merging.averaging import interpolate
+from fedlmc.merging.barrier import barrier, interpolation_curve
 from fedlmc.options import Learning
 from fedlmc.reproduce import seed_pairs
 from fedlmc.symmetry import apply_transform, canonicalize

@@ -207,7 +207,7 @@ def merge_full(method: str, base, clients: list, weights: list[float]):
         merge = TaskMerge(method="task-arithmetic" if method == "fedavg" else method)
         return task_vector_merge(base.state_dict(), [c.state_dict() for c in clients], weights, merge)
     from fedlmc.hf import from_hf, to_hf
-    from fedlmc.universe import universe_merge
+    from fedlmc.merging.universe import universe_merge
 
     merged, _ = universe_merge([from_hf(c) for c in clients], weights, from_hf(base))
     return to_hf(merged).state_dict()

@@ -39,7 +39,7 @@ def run_seed(seed: int, out: Path, timeout: float) -> float:
         [
             sys.executable,
             "-m",
-            "fedlmc.launch",
+            "fedlmc.flower.launch",
             ".",
             "--federation-config",
             "client-resources-num-cpus=1",

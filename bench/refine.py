@@ -38,14 +38,14 @@ from pathlib import Path
 import torch
 from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.averaging import merge
 from fedlmc.data import load
 from fedlmc.federated import Settings, client_data, evaluate_model, global_model, halves, local_train, splits_for
 from fedlmc.matching.profile import profiling
+from fedlmc.merging.averaging import merge
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Refinement, Universe
 from fedlmc.strategies.aligned import refine_split
-from fedlmc.universe import universe_merge
 
 
 def replies(n: int, seed: int = 0) -> tuple[torch.nn.Module, list[torch.nn.Module]]:

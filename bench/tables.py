@@ -79,13 +79,13 @@ def reproduce(doc: dict) -> str:
 
 
 def universe(doc: dict) -> str:
-    from fedlmc.manyway import universe_markdown
+    from fedlmc.merging.manyway import universe_markdown
 
     return "\n".join(universe_markdown(doc["preset"], doc, doc["seeds"]).splitlines()[2:])
 
 
 def widths(doc: dict) -> str:
-    from fedlmc.manyway import width_markdown
+    from fedlmc.merging.manyway import width_markdown
 
     return "\n".join(width_markdown(doc["preset"], doc, doc["d"]).splitlines()[2:])
 

@@ -6,7 +6,7 @@ permutations) plus 1 % noise each, so the answer is known: the universe must be 
 first copy's coordinates), with its noise averaged down. Reports wall time, per-model seconds, a
 profile of where the time went, the peak resident memory of the process during the merge (sampled
 every 20 ms) against the (M + 4) × model-size budget, and the relative distance of the universe to
-the clean model. Runs with ``fedlmc.allocator.retain_freed_memory`` as the ServerApp does
+the clean model. Runs with ``fedlmc.scale.allocator.retain_freed_memory`` as the ServerApp does
 (``--default-allocator``: without).
 """
 
@@ -21,12 +21,12 @@ import psutil
 import torch
 from _results import PeakMemory, environment, write_results  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.matching.profile import profiling
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Universe
+from fedlmc.scale.allocator import release_freed_memory, retain_freed_memory
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform
-from fedlmc.universe import universe_merge
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument(
         "--default-allocator",
         action="store_true",
-        help="leave glibc's malloc thresholds as they are (fedlmc.allocator is what servers use)",
+        help="leave glibc's malloc thresholds as they are (fedlmc.scale.allocator is what servers use)",
     )
     args = p.parse_args()
     if args.threads:

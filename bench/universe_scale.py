@@ -4,7 +4,7 @@ Writes results/bench_universe_scale.{json,png}. Usage:
     python bench/universe_scale.py [--sizes 8,16,32,64] [--independent-sizes 8,16,32] [--layers 12]
 
 Replies (163M parameters, 0.65 GB each in float32) are written once per kind to ``--dir`` and every
-strategy reads the same files, memory-mapped (``fedlmc.replies``):
+strategy reads the same files, memory-mapped (``fedlmc.scale.replies``):
 
 * ``common``: the usual federated round. A global model G; every client trained a little from it:
   G + δ_m, δ_m Gaussian with 2 % of each tensor's standard deviation. The universe starts from G
@@ -54,14 +54,14 @@ import numpy as np
 import torch
 from _results import PeakMemory, environment, gemm_seconds, write_results  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.allocator import release_freed_memory, retain_freed_memory
-from fedlmc.averaging import streamed_mean
 from fedlmc.matching.profile import profiling
+from fedlmc.merging.averaging import streamed_mean
+from fedlmc.merging.universe import ArrivingMean, universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Scale, Universe
-from fedlmc.replies import read_ahead, save_model, stored
+from fedlmc.scale.allocator import release_freed_memory, retain_freed_memory
+from fedlmc.scale.replies import read_ahead, save_model, stored
 from fedlmc.symmetry import apply_transform, canonical, random_transform, rebuild
-from fedlmc.universe import ArrivingMean, universe_merge
 
 STRATEGIES = ("fedavg", "aligned", "aligned-parallel")
 MIN_GAIN = 0.1  # "+min-gain" strategies: Matching(min_gain=MIN_GAIN)

@@ -20,14 +20,14 @@ from typing import Callable
 import torch
 from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.averaging import merge
 from fedlmc.commands import console, load_splits
-from fedlmc.manyway import excess
 from fedlmc.matching import learned_matching
+from fedlmc.merging.averaging import merge
+from fedlmc.merging.manyway import excess
+from fedlmc.merging.universe import universe_merge
 from fedlmc.options import Learning, Matching, Refinement, Universe
 from fedlmc.symmetry import apply_transform, canonicalize
 from fedlmc.train import evaluate
-from fedlmc.universe import universe_merge
 
 
 def pairwise_learned(models, splits, steps: int = 300):

@@ -13,7 +13,7 @@ the time went); "exact" runs the dense assignment solver and float32 products ev
 reference for the fast path); "independent-float32" the default starts with float32 products
 everywhere (the reference for the CPU's fast products at the same solver); "rtol-1e-3" stops on the
 previous, tighter tolerance, "tol-1e-2" on a looser one (``bench/wm_trained.py`` measures what it
-costs in barrier on trained pairs). Runs with ``fedlmc.allocator.retain_freed_memory`` as the ServerApp does
+costs in barrier on trained pairs). Runs with ``fedlmc.scale.allocator.retain_freed_memory`` as the ServerApp does
 (``--default-allocator``: without).
 
 ``--replies N`` measures instead the gain that ``Matching.min_gain`` compares, on N replies trained a
@@ -32,12 +32,12 @@ import time
 import torch
 from _results import environment, gemm_seconds, write_results  # noqa: E402  (bench/, the script's own folder)
 
-from fedlmc.allocator import retain_freed_memory
 from fedlmc.matching import weight_matching
 from fedlmc.matching.profile import profiling
 from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.models import from_preset
 from fedlmc.options import Matching
+from fedlmc.scale.allocator import retain_freed_memory
 from fedlmc.symmetry import apply_transform, canonical_config, canonicalize, random_transform, rebuild
 
 CONFIGS = {  # name: (which B, weight_matching options)
@@ -230,7 +230,7 @@ def main() -> None:
     p.add_argument(
         "--default-allocator",
         action="store_true",
-        help="leave glibc's malloc thresholds as they are (fedlmc.allocator is what servers use)",
+        help="leave glibc's malloc thresholds as they are (fedlmc.scale.allocator is what servers use)",
     )
     args = p.parse_args()
     if args.threads:

@@ -35,10 +35,10 @@ import torch
 from _models import add_model_args, models_record, results_path, trained_models  # noqa: E402  (bench/, the script's own folder)
 from _results import environment, gemm_seconds, write_results  # noqa: E402
 
-from fedlmc.averaging import interpolate
-from fedlmc.barrier import barrier, interpolation_curve
 from fedlmc.commands import load_splits
 from fedlmc.matching import weight_matching
+from fedlmc.merging.averaging import interpolate
+from fedlmc.merging.barrier import barrier, interpolation_curve
 from fedlmc.options import Matching
 from fedlmc.symmetry import apply_transform, canonicalize
 

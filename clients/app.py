@@ -8,7 +8,7 @@ weighted mean means something), the model's config (``model``: architecture and 
 client is (``client``: partition id, training seconds).
 
 For the ``*-clients`` strategies (no server data) it also answers refinement queries (``query.refine``:
-the gradient of its loss at a merged model, or per-example held-out losses; ``fedlmc.on_clients.answer``)
+the gradient of its loss at a merged model, or per-example held-out losses; ``fedlmc.flower.on_clients.answer``)
 on its validation partition, and scores the guard's candidates (an evaluate with ``purpose = "guard"``)
 on that partition's other half (``fedlmc.federated.refine_parts``).
 """
@@ -24,7 +24,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedlmc.baselines.scaffold import CONTROL_KEY, client_round, correct, pack, remove, trajectory_variate, unpack
-from fedlmc.distill import Taught
 from fedlmc.federated import (
     Settings,
     client_config,
@@ -35,11 +34,12 @@ from fedlmc.federated import (
     local_train,
     refine_parts,
 )
+from fedlmc.flower.on_clients import answer
 from fedlmc.hf import Logits, hf_model_for
-from fedlmc.on_clients import answer
+from fedlmc.merging.distill import Taught
+from fedlmc.merging.widths import shape_of, slice_prefix
 from fedlmc.strategies.knobs import confirm
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, config_record, model_from_arrays
-from fedlmc.widths import shape_of, slice_prefix
 
 
 @dataclass
@@ -169,7 +169,7 @@ def refine(
     msg: Message, context: Context, overrides: Optional[dict] = None, settings: type[Settings] = Settings
 ) -> Message:
     """A refinement query of a ``*-clients`` strategy: the gradient at the merged model it carries on this
-    node's refinement data, or the held-out losses for a check (``fedlmc.on_clients.answer``)."""
+    node's refinement data, or the held-out losses for a check (``fedlmc.flower.on_clients.answer``)."""
     s, pid, n, cfg = _node(context, overrides or {}, settings)
     _, val = client_data(s, pid, n)
     train_part, check_part, _ = refine_parts(val)

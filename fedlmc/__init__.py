@@ -5,7 +5,7 @@ machine with only torch's stack runs them); ``fedlmc.strategies`` and the apps i
 ``clients/`` and ``simulations/`` build on Flower.
 """
 
-from .io import load, read_meta, save
+from fedlmc.io import load, read_meta, save
 
 __version__ = "0.1.0"
 __all__ = ["save", "load", "read_meta", "__version__"]

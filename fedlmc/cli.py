@@ -6,8 +6,7 @@ import argparse
 import sys
 from typing import Optional
 
-from .allocator import retain_freed_memory
-from .commands import (
+from fedlmc.commands import (
     cmd_barrier,
     cmd_demo,
     cmd_export,
@@ -19,7 +18,8 @@ from .commands import (
     cmd_widths,
     console,
 )
-from .options import Refinement, Universe
+from fedlmc.options import Refinement, Universe
+from fedlmc.scale.allocator import retain_freed_memory
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +65,7 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     """The registered strategies (``fedlmc.strategies.registry``) as a table."""
     from rich.table import Table
 
-    from .strategies.registry import CAPABILITY_COLUMNS, REGISTRY
+    from fedlmc.strategies.registry import CAPABILITY_COLUMNS, REGISTRY
 
     table = Table(title="fedlmc strategies (run_config `strategy`)")
     table.add_column("strategy", style="bold", no_wrap=True)
@@ -83,8 +83,8 @@ def cmd_strategies(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``flwr run`` through ``fedlmc.launch``: its output streamed, its outcome asked of the SuperLink."""
-    from .launch import launch
+    """``flwr run`` through ``fedlmc.flower.launch``: its output streamed, its outcome asked of the SuperLink."""
+    from fedlmc.flower.launch import launch
 
     return launch([args.app, *args.flwr_args])
 
@@ -105,7 +105,7 @@ def _add_hf_commands(sub) -> None:
 
 def _add_model_commands(sub) -> None:
     """train, barrier, demo, reproduce."""
-    from .models import PRESETS
+    from fedlmc.models import PRESETS
 
     t = sub.add_parser("train", help="train a preset on its data set and save a checkpoint")
     t.add_argument("--preset", required=True, help=f"architecture and data: {', '.join(PRESETS)}")
@@ -210,7 +210,7 @@ def _add_merge_commands(sub) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .data import DataNotFound
+    from fedlmc.data import DataNotFound
 
     args = build_parser().parse_args(argv)
     retain_freed_memory()

@@ -12,17 +12,15 @@ from typing import Any, Optional
 
 from rich.console import Console
 
-from fedlmc.options import Universe
-
-from .options import Matching, Refinement
+from fedlmc.options import Matching, Refinement, Universe
 
 console = Console(stderr=True)
 
 
 def load_splits(preset: str, args: argparse.Namespace, seed: int = 0):
     """The data splits a preset trains on, honouring --dataset/--data-dir/--text."""
-    from .data import load
-    from .models import preset_config, preset_dataset
+    from fedlmc.data import load
+    from fedlmc.models import preset_config, preset_dataset
 
     cfg = preset_config(preset)
     return load(
@@ -66,8 +64,8 @@ def trained(
 ):
     """Train (or reuse from ``cache``) preset ``preset`` with ``seed``; returns the loaded model.
     ``model_overrides`` change the architecture (e.g. ``{"d_model": 64}``), ``over`` the budget."""
-    from . import io
-    from .train import train_config_for, train_preset
+    from fedlmc import io
+    from fedlmc.train import train_config_for, train_preset
 
     cfg = train_config_for(preset, seed, **over)
     path = cache / cache_name(preset, seed, splits, cfg, model_overrides)
@@ -84,8 +82,8 @@ def trained(
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from . import io
-    from .train import train_preset
+    from fedlmc import io
+    from fedlmc.train import train_preset
 
     splits = load_splits(args.preset, args)
     console.print(f"data {splits.summary()}")
@@ -103,7 +101,7 @@ def _eval_split(model, args: argparse.Namespace):
 
 def _splits_for(model, args: argparse.Namespace):
     """The data splits of a saved model: its own data set unless --dataset says otherwise."""
-    from .data import load
+    from fedlmc.data import load
 
     meta = getattr(model, "meta", {})
     name = args.dataset or meta.get("dataset")
@@ -119,8 +117,8 @@ def _splits_for(model, args: argparse.Namespace):
 
 
 def cmd_barrier(args: argparse.Namespace) -> int:
-    from . import io
-    from .barrier import barrier, interpolation_curve, plot_curves
+    from fedlmc import io
+    from fedlmc.merging.barrier import barrier, interpolation_curve, plot_curves
 
     a, b = io.load(args.model_a), io.load(args.model_b)
     data = _eval_split(a, args)
@@ -147,8 +145,8 @@ DEMO_BUDGETS = {"vit-tiny": dict(epochs=15), "gpt2-tiny": dict(steps=500), "vit-
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train two seeds of each preset and measure their vanilla interpolation barrier."""
-    from .barrier import barrier, interpolation_curve, plot_curves
-    from .data import DataNotFound
+    from fedlmc.data import DataNotFound
+    from fedlmc.merging.barrier import barrier, interpolation_curve, plot_curves
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,9 +215,9 @@ def _cached_pair(cache: Path, preset: str, pair, ident: list, methods, learned_s
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Train the seeds a Table-1 reproduction needs (cached) and measure every method's barrier."""
-    from .models import preset_config
-    from .models.layers import is_rotary
-    from .reproduce import METHODS, markdown, pair_curves, seed_pairs, summarise, write_results
+    from fedlmc.models import preset_config
+    from fedlmc.models.layers import is_rotary
+    from fedlmc.reproduce import METHODS, markdown, pair_curves, seed_pairs, summarise, write_results
 
     rotary = is_rotary(preset_config(args.preset))  # no circuit form (``check_circuit``)
     methods = args.methods or [m for m in METHODS if not (rotary and METHODS[m][2] == "circuit")]
@@ -227,7 +225,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
     if any(METHODS[m][2] == "circuit" for m in methods):  # refused before any training
-        from .averaging import check_circuit
+        from fedlmc.merging.averaging import check_circuit
 
         check_circuit(preset_config(args.preset))
     splits = load_splits(args.preset, args)
@@ -281,11 +279,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge saved models (``average``, ``aligned`` universe or ``refined`` universe); mixed widths allowed."""
-    from . import io
-    from .averaging import merge
-    from .manyway import aligned_models, excess, plot_simplex, simplex_losses
-    from .train import evaluate
-    from .universe import universe_merge
+    from fedlmc import io
+    from fedlmc.merging.averaging import merge
+    from fedlmc.merging.manyway import aligned_models, excess, plot_simplex, simplex_losses
+    from fedlmc.merging.universe import universe_merge
+    from fedlmc.train import evaluate
 
     models = [io.load(p) for p in args.models]
     if len(models) < 2:
@@ -349,7 +347,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_universe(args: argparse.Namespace) -> int:
     """Train (cached) M seeds of a preset and compare vanilla / universe / refined merges (+ simplex plot)."""
-    from .manyway import plot_simplex, universe_markdown, universe_table, write
+    from fedlmc.merging.manyway import plot_simplex, universe_markdown, universe_table, write
 
     splits = load_splits(args.preset, args)
     seeds = list(range(args.models))
@@ -388,8 +386,8 @@ def cmd_universe(args: argparse.Namespace) -> int:
 
 def cmd_widths(args: argparse.Namespace) -> int:
     """One model of the preset's width vs models of d/2, d/4, d/8 (trained, cached): barriers."""
-    from .manyway import plot_width_curves, width_experiment, width_markdown, write
-    from .models import preset_config
+    from fedlmc.merging.manyway import plot_width_curves, width_experiment, width_markdown, write
+    from fedlmc.models import preset_config
 
     splits = load_splits(args.preset, args)
     over = {k: v for k, v in budget(args).items() if v is not None}
@@ -436,9 +434,9 @@ def cmd_widths(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A fedlmc checkpoint as a ``save_pretrained`` directory (LayerNorm families leave canonical form first)."""
-    from .hf import to_hf
-    from .io import load as load_checkpoint
-    from .symmetry import to_layernorm
+    from fedlmc.hf import to_hf
+    from fedlmc.io import load as load_checkpoint
+    from fedlmc.symmetry import to_layernorm
 
     model = load_checkpoint(args.checkpoint)
     family = model.meta.get("hf_family")  # the Hugging Face family it was imported from (OPT is GPT-2's architecture)
@@ -452,8 +450,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     """A ``save_pretrained`` directory as a fedlmc checkpoint."""
-    from .hf import from_hf
-    from .io import save
+    from fedlmc.hf import from_hf
+    from fedlmc.io import save
 
     model = from_hf(args.directory)
     save(model, args.out, meta={"source": str(args.directory), "hf_family": model.meta["hf_family"]})

@@ -15,12 +15,13 @@ from typing import Any, ClassVar, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .data import Data, DataNotFound, Splits, TokenData, load, split
-from .data.partition import SCHEMES, partition
-from .hf import Logits, hf_model_for
-from .models import ARCHS, from_config, preset_config, preset_dataset
-from .models.layers import TransformerConfig
-from .options import (
+from fedlmc.data import Data, DataNotFound, Splits, TokenData, load, split
+from fedlmc.data.partition import SCHEMES, partition
+from fedlmc.hf import Logits, hf_model_for
+from fedlmc.merging.widths import width_config
+from fedlmc.models import ARCHS, from_config, preset_config, preset_dataset
+from fedlmc.models.layers import TransformerConfig
+from fedlmc.options import (
     PREDICTION_SCREENS,
     REDUCES,
     SCREENS,
@@ -34,9 +35,8 @@ from .options import (
     Universe,
     one_of,
 )
-from .strategies.registry import RUN_KEYS, all_keys, declared, names, owners, registered
-from .train import OPTIMIZERS, TrainConfig, evaluate, model_for_data, train
-from .widths import width_config
+from fedlmc.strategies.registry import RUN_KEYS, all_keys, declared, names, owners, registered
+from fedlmc.train import OPTIMIZERS, TrainConfig, evaluate, model_for_data, train
 
 
 def doc(default: Any, text: str) -> Any:

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from .models import from_config
+from fedlmc.models import from_config
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 

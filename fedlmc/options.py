@@ -16,7 +16,7 @@
   many threads.
 * ``Screen``: which replies a round leaves out as outliers once they are aligned.
 * ``Distill``: ensemble distillation of a round's aggregate onto its replies' outputs on server data
-  (``fedlmc.distill``, ``DistilledFedAvg``).
+  (``fedlmc.merging.distill``, ``DistilledFedAvg``).
 
 The peers' options live with their strategies (``fedlmc.baselines``: ``OTFusion``, ``TaskMerge``).
 
@@ -196,7 +196,7 @@ class Refinement(Learning):
         What the refinement learns on: anything with fedlmc's ``batches(batch_size, shuffle, generator)``
         (``fedlmc.data.ArrayData(x, y)`` wraps tensors). The strategies split off its last quarter for
         the checks (``check_data``) when they can. Or the clients' losses
-        (``fedlmc.on_clients.ClientLosses``, set by ``RefinedFedAvg(on_clients=...)``): the gradients and
+        (``fedlmc.flower.on_clients.ClientLosses``, set by ``RefinedFedAvg(on_clients=...)``): the gradients and
         the checks' losses come from the clients.
     alpha : float, default 1.0
         The Dirichlet concentration: α = 1 samples the whole simplex of merges evenly.
@@ -220,7 +220,7 @@ class Refinement(Learning):
 @dataclass(frozen=True)
 class OnClients:
     """Where a refinement's gradients and a guard's losses come from when the server holds no data: a
-    sample of the round's clients, through Flower messages (``fedlmc.on_clients``).
+    sample of the round's clients, through Flower messages (``fedlmc.flower.on_clients``).
 
     Each refinement step sends the merged model at ``samples_per_message`` draws of λ to
     ``clients_per_step`` of the round's clients; each answers with the gradient of its loss on
@@ -278,7 +278,7 @@ class Scale:
     Parameters
     ----------
     workers : int, default 1
-        Processes that align a universe iteration's replies at once (``fedlmc.workers``); 1: in the
+        Processes that align a universe iteration's replies at once (``fedlmc.scale.workers``); 1: in the
         server's own process, one after the other; 0: one per available core.
     backend : {"auto", "process", "ray"}, default "auto"
         "process": local worker processes; "ray": Ray tasks (on the cluster at ``ray_address``, or a
@@ -335,7 +335,7 @@ RAW_SCREENS = ("loss", *PREDICTION_SCREENS)  # the screens that score replies as
 
 @dataclass(frozen=True)
 class Screen:
-    """Which replies to leave out of a round because they are outliers once aligned (``fedlmc.screen``).
+    """Which replies to leave out of a round because they are outliers once aligned (``fedlmc.merging.screen``).
 
     After alignment every reply lives in the universe's coordinates, so distances between replies
     measure how differently they compute, not how differently their neurons happen to be ordered.

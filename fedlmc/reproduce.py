@@ -12,13 +12,19 @@ from typing import Callable, Optional, Sequence
 
 import torch.nn as nn
 
-from .averaging import interpolate
-from .barrier import Curve, barrier, interpolation_curve, plot_curves
-from .distill import calibrated
-from .matching import activation_matching, learned_matching, relaxed_model, residual_activation_cross, weight_matching
-from .options import Learning, Matching
-from .symmetry import Transform, apply_transform, canonicalize
-from .train import pick_device
+from fedlmc.matching import (
+    activation_matching,
+    learned_matching,
+    relaxed_model,
+    residual_activation_cross,
+    weight_matching,
+)
+from fedlmc.merging.averaging import interpolate
+from fedlmc.merging.barrier import Curve, barrier, interpolation_curve, plot_curves
+from fedlmc.merging.distill import calibrated
+from fedlmc.options import Learning, Matching
+from fedlmc.symmetry import Transform, apply_transform, canonicalize
+from fedlmc.train import pick_device
 
 
 def _wm(residual: str = "orthogonal", keep_layernorm: bool = False, ff_scale: bool = False) -> Callable:

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .data import Data, Splits, TokenData
-from .models import from_preset
+from fedlmc.data import Data, Splits, TokenData
+from fedlmc.models import from_preset
 
 
 def pick_device(device: Optional[str] = None) -> torch.device:

@@ -21,9 +21,9 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from fedlmc import io
-from fedlmc.allocator import retain_freed_memory
 from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
 from fedlmc.hf import hf_model_for
+from fedlmc.scale.allocator import retain_freed_memory
 from fedlmc.strategies.checkpoint import load_state, save_state
 from fedlmc.strategies.records import state_arrays
 from strategies.factory import build_strategy
@@ -173,7 +173,7 @@ def make_app(
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        retain_freed_memory()  # aggregation's temporaries: reuse freed pages (fedlmc.allocator)
+        retain_freed_memory()  # aggregation's temporaries: reuse freed pages (fedlmc.scale.allocator)
         serve(grid, settings.from_run_config({**overrides, **context.run_config}), after_round)
 
     return server
@@ -195,7 +195,7 @@ def serve(grid: Grid, s: Settings, after_round: Optional[Callable[[int], None]] 
 
 def record_failure(path: Path, error: BaseException) -> None:
     """Write the ServerApp's error into ``metrics.json`` (``failed``, ``error``), so whoever started the
-    run sees it: ``flwr run`` itself exits 0 when the ServerApp crashes (``fedlmc.launch`` checks)."""
+    run sees it: ``flwr run`` itself exits 0 when the ServerApp crashes (``fedlmc.flower.launch`` checks)."""
     import traceback
 
     try:

@@ -30,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fedlmc.cpu import cpu_model
+from fedlmc.scale.cpu import cpu_model
 
 from .compare import SETTINGS, _mean_se, run_all
 

@@ -1,4 +1,4 @@
-"""fedlmc.allocator: a retaining heap keeps freed memory resident; releasing it hands it back."""
+"""fedlmc.scale.allocator: a retaining heap keeps freed memory resident; releasing it hands it back."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_release_freed_memory_hands_a_retained_heap_back_to_the_kernel():
     script = textwrap.dedent("""
         import os, torch
         from pathlib import Path
-        from fedlmc.allocator import release_freed_memory, retain_freed_memory
+        from fedlmc.scale.allocator import release_freed_memory, retain_freed_memory
 
         def rss():
             return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -72,9 +72,9 @@ def test_one_default_per_knob_from_run_config_to_the_functions():
     each default: a knob has one default, defined on its option object."""
     from fedlmc.baselines import OTFusion
     from fedlmc.federated import Settings
+    from fedlmc.merging.universe import universe_merge
     from fedlmc.options import Distill, Guard, Matching, OnClients, Refinement, Robust, Scale, Screen, Universe
     from fedlmc.strategies.registry import Build
-    from fedlmc.universe import universe_merge
 
     s = Settings()
     pairs = {
@@ -141,7 +141,7 @@ def test_one_name_per_knob_from_run_config_to_the_option_objects():
 
 
 def test_universe_merge_takes_the_option_objects():
-    from fedlmc.universe import universe_merge
+    from fedlmc.merging.universe import universe_merge
 
     params = inspect.signature(universe_merge).parameters
     assert {"matching", "refine"} <= set(params) and not {"data", "alpha", "gauge", "residual"} & set(params)

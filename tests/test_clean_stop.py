@@ -88,6 +88,6 @@ def test_clean_stop_stops_reparented_apps_by_marker_and_address_and_spares_anoth
 
 
 def _descendants(pid: int) -> set[int]:
-    from fedlmc.launch import process_tree
+    from fedlmc.flower.launch import process_tree
 
     return set(process_tree(pid))

@@ -1,4 +1,4 @@
-"""Thread fitting on a busy host (``fedlmc.cpu``): busy cores are counted from the kernel's runnable
+"""Thread fitting on a busy host (``fedlmc.scale.cpu``): busy cores are counted from the kernel's runnable
 tasks, and the heavy steps run with no more torch threads than there are idle cores."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from fedlmc import cpu
+from fedlmc.scale import cpu
 
 SPIN = "while True: pass"
 

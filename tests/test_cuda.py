@@ -12,14 +12,14 @@ from conftest import inputs_for
 from fake_cuda import fake_cuda
 from test_matching import SHAPES, make
 
-from fedlmc.barrier import interpolation_curve
 from fedlmc.data.base import TokenData
 from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.merging.barrier import interpolation_curve
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Learning, Universe
 from fedlmc.symmetry import apply_transform, canonicalize
 from fedlmc.train import TrainConfig, evaluate, pick_device, train
-from fedlmc.universe import universe_merge
 
 
 @pytest.fixture(autouse=True)

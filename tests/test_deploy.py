@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fedlmc.launch import free_ports, kill_tree
+from fedlmc.flower.launch import free_ports, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def _deploy_and_run(mode: str, d: Path, strategy: str = "aligned") -> dict:
         [
             sys.executable,
             "-m",
-            "fedlmc.launch",
+            "fedlmc.flower.launch",
             ".",
             "fedlmc-deploy",
             "-c",
@@ -169,7 +169,7 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(mode):
             [
                 sys.executable,
                 "-m",
-                "fedlmc.launch",
+                "fedlmc.flower.launch",
                 ".",
                 "fedlmc-deploy",
                 "-c",
@@ -237,7 +237,7 @@ def test_superlink_restart_and_resume():
         )
         flwr_env = {**env, "FLWR_HOME": str(d / "flwr")}
         first = subprocess.Popen(
-            [sys.executable, "-m", "fedlmc.launch", ".", "fedlmc-deploy", "-c", cfg],
+            [sys.executable, "-m", "fedlmc.flower.launch", ".", "fedlmc-deploy", "-c", cfg],
             cwd=ROOT,
             env=flwr_env,
             stdout=open(d / "run1.log", "w"),
@@ -254,7 +254,7 @@ def test_superlink_restart_and_resume():
             f.write(f"{relinked.pid}\n")
         assert _wait_for(d / "superlink2.log", "Application startup complete", 120)
         second = subprocess.run(
-            [sys.executable, "-m", "fedlmc.launch", ".", "fedlmc-deploy", "-c", cfg + " resume=true"],
+            [sys.executable, "-m", "fedlmc.flower.launch", ".", "fedlmc-deploy", "-c", cfg + " resume=true"],
             cwd=ROOT,
             env=flwr_env,
             capture_output=True,

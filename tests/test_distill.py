@@ -12,7 +12,7 @@ import torch.nn as nn
 from test_flower_contract import task_identity  # noqa: F401  (the fixture)
 
 from fedlmc.data import ArrayData
-from fedlmc.distill import calibrate_temperature, distill, distillation_loss, teacher_logits
+from fedlmc.merging.distill import calibrate_temperature, distill, distillation_loss, teacher_logits
 from fedlmc.models import from_preset
 from fedlmc.options import Distill, Refinement
 
@@ -132,8 +132,8 @@ def test_distillation_by_the_clients_each_toward_its_own_model_lowers_their_held
     both teachers on both clients' held-out batches."""
     from test_on_clients import FakeGrid
 
-    from fedlmc.distill import Taught, distill_on_clients
-    from fedlmc.on_clients import ClientLosses, answer
+    from fedlmc.flower.on_clients import ClientLosses, answer
+    from fedlmc.merging.distill import Taught, distill_on_clients
     from fedlmc.options import OnClients
 
     teachers = {1: _model(1).eval(), 2: _model(2).eval()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fedlmc.data.base import ArrayData
-from fedlmc.ensemble import Ensemble
+from fedlmc.merging.ensemble import Ensemble
 from fedlmc.models import from_preset
 from fedlmc.train import evaluate
 from simulations.compare import ensemble_share

@@ -12,10 +12,10 @@ from test_widths import _gpt, _vit
 
 from fedlmc.data.base import ArrayData, TokenData
 from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.merging.universe import universe_merge
+from fedlmc.merging.widths import into_universe
 from fedlmc.options import Learning, Refinement, Universe
 from fedlmc.symmetry import apply_transform, canonicalize
-from fedlmc.universe import universe_merge
-from fedlmc.widths import into_universe
 
 
 def _data(model, n=96):
@@ -188,7 +188,7 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
     for k, v in full.snapshots[full.best_step][1].items():  # the best step's elements, bit for bit
         assert torch.equal(full.elements[1][k], v), k
     # the start's score is the weight-matched merge's loss on the first batches, computed independently
-    from fedlmc.averaging import merge
+    from fedlmc.merging.averaging import merge
     from fedlmc.train import loss_and_correct
 
     mid = merge([canonicalize(A).float(), apply_transform(canonicalize(B), init).float()], [0.5, 0.5])

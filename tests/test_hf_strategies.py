@@ -185,9 +185,9 @@ def test_hetero_width_fedavg_on_hf_clients_of_two_widths(record, monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedlmc.hf import to_hf
+    from fedlmc.merging.widths import ones_lift, pad
     from fedlmc.strategies import HeteroWidthFedAvg
     from fedlmc.symmetry import Transform, canonicalize
-    from fedlmc.widths import ones_lift, pad
 
     torch.manual_seed(0)
     narrow = shaken(_vit_of_width(16, 2), seed=21)

@@ -1,4 +1,4 @@
-"""``fedlmc run`` hands ``flwr run`` a staged copy of the app (``fedlmc.launch.staged_app``): the FAB
+"""``fedlmc run`` hands ``flwr run`` a staged copy of the app (``fedlmc.flower.launch.staged_app``): the FAB
 built from it is Flower's own, byte for byte, and the folders ``.gitignore`` names (a checkout's
 ``.venv``) are never walked."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from flwr.cli.build import build_fab_from_disk
 
-from fedlmc import launch
+from fedlmc.flower import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 # Flower's FAB rules are pathspec "gitwildmatch" patterns, which pathspec now calls deprecated

@@ -78,22 +78,20 @@ def test_fedlmc_has_no_import_cycle():
 
 # docs/DESIGN.md's layers, bottom first: a module belongs to the layer of its longest matching prefix
 LAYERS = [
-    ("ground", ["fedlmc", "fedlmc.models", "fedlmc.data", "fedlmc.io", "fedlmc.allocator", "fedlmc.cpu"]),
+    ("ground", ["fedlmc", "fedlmc.models", "fedlmc.data", "fedlmc.io", "fedlmc.scale.allocator", "fedlmc.scale.cpu"]),
     ("ground", ["fedlmc.options", "fedlmc.train"]),
     ("symmetry", ["fedlmc.symmetry"]),
     ("adapters", ["fedlmc.hf"]),
-    ("widths", ["fedlmc.widths"]),
-    (
-        "averaging",
-        ["fedlmc.averaging", "fedlmc.barrier", "fedlmc.ensemble", "fedlmc.distill"],
-    ),
+    ("widths", ["fedlmc.merging.widths"]),
+    ("averaging", ["fedlmc.merging.averaging", "fedlmc.merging.barrier", "fedlmc.merging.ensemble"]),
+    ("averaging", ["fedlmc.merging.distill"]),
     ("matching", ["fedlmc.matching"]),
     ("lora", ["fedlmc.lora"]),
-    ("universe", ["fedlmc.replies", "fedlmc.workers", "fedlmc.universe", "fedlmc.screen"]),
-    ("universe", ["fedlmc.manyway", "fedlmc.reproduce"]),
-    ("on_clients", ["fedlmc.arrivals", "fedlmc.on_clients"]),
+    ("universe", ["fedlmc.scale.replies", "fedlmc.scale.workers", "fedlmc.merging.universe", "fedlmc.merging.screen"]),
+    ("universe", ["fedlmc.merging.manyway", "fedlmc.reproduce"]),
+    ("on_clients", ["fedlmc.scale.arrivals", "fedlmc.flower.on_clients"]),
     ("strategies", ["fedlmc.strategies", "fedlmc.baselines"]),
-    ("apps", ["fedlmc.federated", "fedlmc.commands", "fedlmc.cli", "fedlmc.launch", "fedlmc.superlink"]),
+    ("apps", ["fedlmc.federated", "fedlmc.commands", "fedlmc.cli", "fedlmc.flower.launch", "fedlmc.flower.superlink"]),
 ]
 
 
@@ -146,8 +144,15 @@ def test_the_core_imports_without_flower():
         "        if name.split('.')[0] in ('flwr', 'flwr_datasets', 'ray'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import fedlmc.symmetry, fedlmc.matching, fedlmc.universe, fedlmc.train, fedlmc.reproduce, fedlmc.commands\n"
+        "import fedlmc.symmetry, fedlmc.matching, fedlmc.merging.universe, fedlmc.train\n"
+        "import fedlmc.reproduce, fedlmc.commands\n"
         "import flwr\n"  # the blocker works: this line must fail
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "ImportError: blocked flwr" in proc.stderr and proc.stderr.count("blocked") == 1, proc.stderr
+
+
+def test_the_package_shows_its_rooms():
+    """``fedlmc/`` is grouped by concern: at most 12 top-level modules beside its packages."""
+    top = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 12, top

@@ -137,8 +137,8 @@ def test_a_universe_with_ff_scales_merges_rescaled_copies_back_into_the_model(re
     """Three copies of one ReLU model under random FF permutations and scales (and heads, residual):
     the universe that matches scales returns the model; the one that does not averages mismatched
     neuron scales and leaves a gap."""
+    from fedlmc.merging.universe import universe_merge
     from fedlmc.options import Universe
-    from fedlmc.universe import universe_merge
 
     a = make("gpt2-tiny-relu", seed=3)
     copies = [
@@ -182,7 +182,7 @@ def test_the_universe_table_adds_the_merges_that_match_ff_scales(record):
     from types import SimpleNamespace
 
     from fedlmc.data.base import TokenData
-    from fedlmc.manyway import universe_table
+    from fedlmc.merging.manyway import universe_table
     from fedlmc.options import Refinement
 
     g = torch.Generator().manual_seed(0)

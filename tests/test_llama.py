@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from conftest import inputs_for, perturbed
 
-from fedlmc.averaging import interpolate
 from fedlmc.matching import weight_matching
+from fedlmc.merging.averaging import interpolate
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Learning, Matching, Universe
 from fedlmc.symmetry import Transform, apply_transform, canonicalize, random_transform, spec_for
 from fedlmc.symmetry.random import invert_transform, random_invertible
-from fedlmc.universe import universe_merge
 
 KW = dict(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, vocab_size=20, block_size=16)
 

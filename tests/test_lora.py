@@ -496,7 +496,7 @@ def test_lora_example_app_runs_with_flwr_run_and_both_strategies():
 
     from test_simulation import _short_tmp, _stop_local_superlink, run_example
 
-    from fedlmc.launch import local_superlinks
+    from fedlmc.flower.launch import local_superlinks
 
     home = _short_tmp("lora-")
     try:

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import inputs_for, perturbed
 
-from fedlmc.averaging import interpolate
 from fedlmc.data import load, partition
 from fedlmc.matching import activation_matching, learned_matching, weight_matching
 from fedlmc.matching.weight import midpoint_loss
+from fedlmc.merging.averaging import interpolate
 from fedlmc.models import from_preset
 from fedlmc.options import Learning, Matching
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform

@@ -8,14 +8,14 @@ import pytest
 import torch
 from conftest import inputs_for, perturbed
 
-from fedlmc.averaging import interpolate
 from fedlmc.matching import weight_matching
+from fedlmc.merging.averaging import interpolate
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Universe
 from fedlmc.symmetry import Transform, apply_transform, canonicalize, random_transform, spec_for, to_layernorm
 from fedlmc.symmetry.random import random_invertible
 from fedlmc.symmetry.rope import random_rope_gauge, with_pass
-from fedlmc.universe import universe_merge
 
 KW = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=20, block_size=16, rotary_dims=4)
 

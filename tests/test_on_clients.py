@@ -1,4 +1,4 @@
-"""The refinement's gradients and the guard's losses computed by the clients (``fedlmc.on_clients``):
+"""The refinement's gradients and the guard's losses computed by the clients (``fedlmc.flower.on_clients``):
 the chain rule split at the merged state gives the server-data gradient in float64; failing, silent
 and malformed clients are excluded with a reason; too few answers stop the refinement at the best
 alignment checked; the client guard keeps the candidate with the lower client loss."""
@@ -18,6 +18,7 @@ from flwr.serverapp import Grid
 from torch.func import functional_call
 
 from fedlmc.data import ArrayData
+from fedlmc.flower.on_clients import REFINE, ClientLosses, answer, client_guard
 from fedlmc.matching.optimise import (
     Alignments,
     Options,
@@ -28,7 +29,6 @@ from fedlmc.matching.optimise import (
 )
 from fedlmc.matching.weight import canonical_state
 from fedlmc.models import from_preset
-from fedlmc.on_clients import REFINE, ClientLosses, answer, client_guard
 from fedlmc.options import Learning, OnClients, Refinement, Universe
 from fedlmc.symmetry import Transform, canonical_config, random_transform
 
@@ -190,7 +190,7 @@ def answer_gradients(handler, remote: ClientLosses, sd) -> dict:
 def test_client_refine_stops_with_too_few_answers_and_keeps_the_best_checked_alignment():
     """The clients answer the first check and two steps, then go silent: the refinement stops (with the
     reason recorded), and the round still ends with an aggregate, built from the best checked alignment."""
-    from fedlmc.universe import universe_merge
+    from fedlmc.merging.universe import universe_merge
 
     models = [_tiny_gpt2(s, torch.float32) for s in range(3)]
     data = {n: _token_data(20 + n, 12) for n in (1, 2, 3)}
@@ -349,7 +349,7 @@ def test_client_guard_and_checks_ask_only_check_clients():
 
 
 def test_client_guard_counts_the_candidates_bytes():
-    from fedlmc.on_clients import record_nbytes
+    from fedlmc.flower.on_clients import record_nbytes
 
     arrays = ArrayRecord(torch_state_dict={"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.float64)})
     assert record_nbytes(arrays) == 3 * 4 * 4 + 5 * 8
@@ -419,7 +419,7 @@ def test_exchange_collects_replies_soon_after_they_come_and_stops_at_the_timeout
     """A refinement step waits for its clients through ``exchange``: the replies are there within a
     poll of their arrival (Flower's deployment grid looks every 3 s), a node that never answers is
     given up after the timeout, and the polls stay few."""
-    from fedlmc.on_clients import POLL_MAX, exchange
+    from fedlmc.flower.on_clients import POLL_MAX, exchange
 
     grid = _DelayedGrid({1: 0.0, 2: 0.4, 3: None})
     msgs = [Message(RecordDict(), dst_node_id=n, message_type=REFINE) for n in (1, 2, 3)]

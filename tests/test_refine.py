@@ -7,10 +7,10 @@ import torch
 from test_universe import _base, _noisy
 
 from fedlmc.data.base import ArrayData
+from fedlmc.merging.universe import universe_merge
 from fedlmc.options import Refinement, Universe
 from fedlmc.symmetry import apply_transform, random_transform
 from fedlmc.train import evaluate
-from fedlmc.universe import universe_merge
 
 
 def _data(model, n=256):

@@ -17,12 +17,12 @@ from test_exact_learned import _data
 from test_strategies import _reply
 
 from fedlmc.matching import learned_matching, weight_matching
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import GPT2, GPT2Config, ViT, ViTConfig, register_architecture
 from fedlmc.options import Learning, Universe
 from fedlmc.strategies import AlignedFedAvg
 from fedlmc.strategies.records import model_from_arrays
 from fedlmc.symmetry import apply_transform, canonicalize, register_spec, spec_for
-from fedlmc.universe import universe_merge
 
 # every module / parameter name component of ours → the other architecture's
 NAMES = {

@@ -11,13 +11,13 @@ from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
 from test_strategies import _reply
 
-from fedlmc.averaging import robust_state
+from fedlmc.merging.averaging import robust_state
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Robust, Universe
 from fedlmc.strategies import AlignedFedAvg, ReportingFedAvg
 from fedlmc.strategies.records import model_from_arrays
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform, to_layernorm
-from fedlmc.universe import universe_merge
 from simulations.experiment import flip_update, shuffled_labels
 
 KW = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)

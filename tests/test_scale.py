@@ -14,14 +14,14 @@ import pytest
 import torch
 from conftest import perturbed
 
-from fedlmc.averaging import aligned_state
 from fedlmc.matching import weight_matching
+from fedlmc.merging.averaging import aligned_state
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Guard, Matching, Scale, Universe
-from fedlmc.replies import ReplyError, ReplyStore, StoredModel, mmap_state, save_model, stored, sweep
+from fedlmc.scale.replies import ReplyError, ReplyStore, StoredModel, mmap_state, save_model, stored, sweep
+from fedlmc.scale.workers import AlignmentPool
 from fedlmc.symmetry import Transform, apply_transform, canonicalize, random_transform
-from fedlmc.universe import universe_merge
-from fedlmc.workers import AlignmentPool
 
 
 def _copies(n: int = 4, noise: float = 0.05):
@@ -95,7 +95,7 @@ def test_mmap_layernorm_replies_go_into_the_memory_of_the_one_before(tmp_path, r
     """In the server's process, each LayerNorm reply read from its file is put in canonical form in the
     memory of the reply aligned before it (``Canonical.recycle``): the universe and transforms are
     those of the same replies held in memory, bit for bit."""
-    import fedlmc.replies as replies_module
+    import fedlmc.scale.replies as replies_module
     from fedlmc.symmetry import canonical
 
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def test_mmap_store_is_removed_and_a_crashed_servers_files_are_swept(tmp_path):
     assert not store.path.exists()
     # a server killed mid-round leaves its store behind; the next store under the same root removes it
     code = (
-        "import os, sys; from fedlmc.replies import ReplyStore; from fedlmc.models import from_preset;"
+        "import os, sys; from fedlmc.scale.replies import ReplyStore; from fedlmc.models import from_preset;"
         f"s = ReplyStore({str(tmp_path)!r}); s.put(from_preset('gpt2-tiny', n_layer=1)); os._exit(1)"
     )
     subprocess.run([sys.executable, "-c", code], check=False, timeout=120)
@@ -232,8 +232,8 @@ def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, re
 def test_parallel_worker_puts_each_layernorm_reply_in_the_memory_of_the_one_before(tmp_path, monkeypatch):
     """A worker writes each LayerNorm reply's canonical form into the tensors of the reply before it (summed
     by then): the same transforms and the same partial sum, bit for bit, as fresh canonical forms give."""
-    import fedlmc.replies as replies_module
-    import fedlmc.workers as workers
+    import fedlmc.scale.replies as replies_module
+    import fedlmc.scale.workers as workers
     from fedlmc.symmetry import canonical, rebuild
 
     torch.manual_seed(0)
@@ -336,9 +336,9 @@ def test_parallel_universe_from_the_mean_sums_only_the_replies_that_move(tmp_pat
     mean: replies that keep the identity (min_gain) are not summed at all, and the universe is the
     aligned replies' mean as when every reply is summed (the same mean, not marked as one), in the
     workers and in the server's process."""
-    from fedlmc.averaging import RunningSum
+    from fedlmc.merging.averaging import RunningSum
+    from fedlmc.merging.universe import ArrivingMean
     from fedlmc.symmetry import rebuild
-    from fedlmc.universe import ArrivingMean
 
     base = _copies(1, noise=0.0)[0]
     far = apply_transform(_near(base, 3), random_transform(base, seed=5, groups=["residual", "heads", "ff"]))
@@ -396,7 +396,7 @@ def test_parallel_universe_from_the_mean_sums_only_the_replies_that_move(tmp_pat
 def test_parallel_universe_from_the_mean_without_a_reply_that_failed(tmp_path, record):
     """A reply that fails in the first iteration from the replies' mean leaves that mean holding it: the
     universe is then the mean of the others, read again from their files."""
-    from fedlmc.universe import ArrivingMean
+    from fedlmc.merging.universe import ArrivingMean
 
     base = _copies(1, noise=0.0)[0]
     replies = [_near(base, s) for s in range(4)]
@@ -502,7 +502,7 @@ def test_parallel_task_done_early_takes_over_the_replies_a_slower_one_has_not_re
 def test_parallel_takeover_order_takes_each_chunk_from_its_end(tmp_path):
     """A task done with its chunk takes the others' replies from their ends (what their tasks reach
     last), the chunks in turn; a claim is won once."""
-    from fedlmc.workers import claim, takeover_order
+    from fedlmc.scale.workers import claim, takeover_order
 
     assert takeover_order([[1, 4, 7], [2, 5]]) == [7, 5, 4, 2, 1]
     assert takeover_order([]) == []
@@ -540,7 +540,7 @@ def test_parallel_pool_starts_its_workers_when_made():
         # eval is a builtin: running it imports nothing, so the module was there before the task came
         probe = (
             "'fedlmc.matching.weight' in __import__('sys').modules, __import__('os').getpid(),"
-            "__import__('fedlmc.allocator').allocator.retain_freed_memory.cache_info().currsize"
+            "__import__('fedlmc.scale.allocator').scale.allocator.retain_freed_memory.cache_info().currsize"
         )
         got = [f.result(timeout=120) for f in [pool._pool.submit(eval, probe) for _ in range(4)]]
     assert all(imported for imported, _, _ in got), got
@@ -602,7 +602,7 @@ def test_mmap_strategy_spools_replies_and_leaves_no_file(tmp_path, record):
 
 
 def test_mmap_strategy_excludes_a_reply_it_cannot_write(tmp_path, monkeypatch):
-    import fedlmc.replies as replies
+    import fedlmc.scale.replies as replies
 
     real, calls = replies.write_state, []
 
@@ -759,7 +759,7 @@ def test_mmap_arriving_mean_is_the_streamed_mean_of_exactly_the_replies_summed(t
     """``ArrivingMean``: the canonical replies' weighted mean summed as they arrive equals the mean a
     universe streams from their files; the order they arrive in hardly shows (a float64 sum); it is
     given only for exactly the replies summed, with their weights, and never across two shapes."""
-    from fedlmc.universe import ArrivingMean, members
+    from fedlmc.merging.universe import ArrivingMean, members
 
     models = [m.float() for m in _copies(3, noise=0.2)]
     weights = [1.0, 2.0, 5.0]
@@ -831,9 +831,9 @@ def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatc
     while the current one is aligned; ``prefetch`` survives a missing file. The
     server's passes go back and forth (``Members.in_turn``), the first backwards: each starts with the
     files the one before read last (how ``prefetch`` reads a file: the test after this one)."""
-    import fedlmc.replies as replies
-    import fedlmc.workers as workers
-    from fedlmc.workers import align_chunk
+    import fedlmc.scale.replies as replies
+    import fedlmc.scale.workers as workers
+    from fedlmc.scale.workers import align_chunk
 
     paths = [save_model(tmp_path / f"r{i}.safetensors", m).path for i, m in enumerate(_copies(4))]
     events: list[tuple[str, str]] = []
@@ -893,7 +893,7 @@ def test_mmap_prefetch_faults_the_whole_file_in(tmp_path, monkeypatch):
     read-ahead is dropped); elsewhere, or where that fails, by WILLNEED advice over the whole file, a
     piece at a time. A file shorter than the size asked for is not an error (no SIGBUS): nothing is
     populated."""
-    import fedlmc.replies as replies
+    import fedlmc.scale.replies as replies
 
     path = save_model(tmp_path / "r.safetensors", _copies(1)[0]).path
     size = os.path.getsize(path)

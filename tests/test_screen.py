@@ -11,15 +11,15 @@ from flwr.app import ArrayRecord
 from flwr.serverapp.strategy.multikrum import select_multikrum
 from test_strategies import _reply
 
-from fedlmc.averaging import aligned_state
 from fedlmc.baselines import KrumFedAvg
+from fedlmc.merging.averaging import aligned_state
+from fedlmc.merging.screen import krum_scores, multikrum_selection, screen, squared_distances
+from fedlmc.merging.universe import Aligned, universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Guard, Robust, Screen, Universe
-from fedlmc.screen import krum_scores, multikrum_selection, screen, squared_distances
 from fedlmc.strategies import AlignedFedAvg
 from fedlmc.strategies.records import model_from_arrays
 from fedlmc.symmetry import apply_transform, canonical, canonicalize, random_transform, to_layernorm
-from fedlmc.universe import Aligned, universe_merge
 
 KW = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4)
 POISONED = 4  # the index of the poisoned reply
@@ -186,7 +186,7 @@ def test_refined_fedavg_refines_from_the_screens_weight_matching_when_nobody_is_
     matchings = []
     real = weight_module.weight_matching
     spy = lambda *a, **kw: matchings.append(1) or real(*a, **kw)  # noqa: E731
-    monkeypatch.setattr("fedlmc.universe.weight_matching", spy)
+    monkeypatch.setattr("fedlmc.merging.universe.weight_matching", spy)
     out = {}
     for name, screen_ in (("screened", Screen()), ("plain", None)):
         strategy = RefinedFedAvg(
@@ -311,7 +311,7 @@ def test_agreement_screen_excludes_the_reply_whose_predictions_agree_least(metho
     of a low one; the planted attacker among rotated and permuted honest replies is excluded and no
     honest reply is; without the guard's data the strategy refuses the screen."""
     from fedlmc.data import ArrayData
-    from fedlmc.screen import agreement
+    from fedlmc.merging.screen import agreement
 
     base, replies = _federation(poisoned=True)
     cfg = replies[0].config.to_dict()
@@ -340,7 +340,7 @@ def test_information_screen_excludes_the_reply_whose_predictions_tell_nothing_ab
     predictions' information, so none is excluded although they agree on few labels; a reply whose
     predictions are unrelated to the inputs' classes is excluded, with the statistic in the reason and
     the record; the agreement screen cannot tell them apart here."""
-    from fedlmc.screen import information, mutual_information
+    from fedlmc.merging.screen import information, mutual_information
 
     g = torch.Generator().manual_seed(0)
     truth = torch.randint(0, 10, (2000,), generator=g)
@@ -375,7 +375,7 @@ def test_universe_merge_from_an_earlier_merges_alignment_skips_the_matching(monk
     its transforms, and no weight matching; a transform per model missing is refused."""
     _, replies = _federation(poisoned=False, n=3)
     universe, transforms = universe_merge(replies, universe=Universe(iterations=2, keep_layernorm=True))
-    monkeypatch.setattr("fedlmc.universe.weight_matching", lambda *a, **kw: pytest.fail("matched again"))
+    monkeypatch.setattr("fedlmc.merging.universe.weight_matching", lambda *a, **kw: pytest.fail("matched again"))
     again, same = universe_merge(
         replies, start=Aligned(universe, transforms), universe=Universe(keep_layernorm=True, iterations=5)
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fedlmc import io
-from fedlmc.launch import local_superlinks, stop_tree
+from fedlmc.flower.launch import local_superlinks, stop_tree
 from simulations.simulate import run_in_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def run_example(example: str, run_config: str, home: Path) -> str:
         "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}",
     }
     proc = subprocess.run(
-        [os.sys.executable, "-m", "fedlmc.launch", f"examples/{example}", "-c", run_config],
+        [os.sys.executable, "-m", "fedlmc.flower.launch", f"examples/{example}", "-c", run_config],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -231,7 +231,7 @@ def test_the_main_job_shows_alignment_beating_fedavg():
         "FLWR_TELEMETRY_ENABLED": "0",
         "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}",
     }
-    launch = [os.sys.executable, "-m", "fedlmc.launch", "."]
+    launch = [os.sys.executable, "-m", "fedlmc.flower.launch", "."]
     try:
         out = home / "s0"
         proc = subprocess.run(  # make run's command

@@ -291,7 +291,7 @@ def test_guard_keeps_the_aligned_aggregate_when_it_is_better():
 def _narrow_and_moved_wide(residual: str = "orthogonal"):
     """A narrow model, and a wide one that is it zero-padded and moved by a random group element (one
     function at two widths; ``residual`` the kind of its residual map), with the wide config."""
-    from fedlmc.widths import pad
+    from fedlmc.merging.widths import pad
 
     torch.manual_seed(1)
     narrow = perturbed(
@@ -413,7 +413,7 @@ class _RenumberedGrid:
 
 def test_slicing_baseline_averages_each_entry_over_its_holders():
     from fedlmc.baselines import SlicingFedAvg
-    from fedlmc.widths import slice_prefix, width_config
+    from fedlmc.merging.widths import slice_prefix, width_config
 
     torch.manual_seed(2)
     glob = from_preset("vit-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, image_size=12, patch_size=4).eval()
@@ -491,8 +491,8 @@ def test_hetero_guard_keeps_slicing_when_it_is_better_and_then_everyone_slices(m
     """Clients that sliced the global model and did not move: slicing returns the global model exactly,
     the aligned universe does not (a slice is not the wide function), so the guard keeps slicing and
     drops the transforms: next round every node is sent the global model to slice."""
+    from fedlmc.merging.widths import slice_prefix, width_config
     from fedlmc.strategies import HeteroWidthFedAvg
-    from fedlmc.widths import slice_prefix, width_config
 
     torch.manual_seed(2)
     glob = (

@@ -21,7 +21,7 @@ def _state(db, configured: bool):
     saved = (sql_mixin.SQLITE_PRAGMAS, main.get_objectstore_linkstate_factories)
     try:
         if configured:
-            from fedlmc.superlink import configure
+            from fedlmc.flower.superlink import configure
 
             configure(payloads="memory", busy_timeout=60)
         from flwr.superlink.config_loader import get_federation_manager
@@ -64,7 +64,7 @@ def test_state_backend_waits_for_a_slow_writer(tmp_path, configured):
 
 
 def test_superlink_options_are_checked():
-    from fedlmc.superlink import configure
+    from fedlmc.flower.superlink import configure
 
     with pytest.raises(ValueError, match="payloads"):
         configure(payloads="disk")

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import fedlmc
-from fedlmc.averaging import interpolate
-from fedlmc.barrier import Curve, barrier, interpolation_curve, plot_curves
 from fedlmc.cli import build_parser, main
 from fedlmc.data import load
 from fedlmc.data.base import ArrayData
+from fedlmc.merging.averaging import interpolate
+from fedlmc.merging.barrier import Curve, barrier, interpolation_curve, plot_curves
 from fedlmc.models import PRESETS, from_preset, preset_config
 from fedlmc.train import TrainConfig, evaluate, model_for_data, train
 

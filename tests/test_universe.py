@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import inputs_for, perturbed
 
+from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Matching, Universe
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform
-from fedlmc.universe import universe_merge
 
 
 def _base():
@@ -58,7 +58,7 @@ def test_one_hot_weights_return_that_model(record):
 
 
 def test_lift_then_project_is_the_identity(record):
-    from fedlmc.universe import project
+    from fedlmc.merging.universe import project
 
     small = _base()
     x = inputs_for(small)
@@ -83,7 +83,7 @@ def test_central_anchor_is_the_least_noisy_copy_and_residual_data_still_recovers
     import pytest
 
     from fedlmc.data.base import ArrayData
-    from fedlmc.universe import anchor_index, members
+    from fedlmc.merging.universe import anchor_index, members
 
     base = _base()
     x = inputs_for(base)
@@ -121,8 +121,8 @@ def test_central_anchor_is_the_least_noisy_copy_and_residual_data_still_recovers
 def test_the_streamed_average_is_the_average_of_the_aligned_models(record):
     """The universe's average aligns one model at a time and sums its aligned state as it comes (never
     building the aligned models): it equals the weighted average of the aligned models."""
-    from fedlmc.averaging import merge
-    from fedlmc.universe import members
+    from fedlmc.merging.averaging import merge
+    from fedlmc.merging.universe import members
 
     base = _base().double()
     copies = [_noisy(apply_transform(base, random_transform(base, seed=s)), 0.1, s) for s in range(3)]
@@ -235,7 +235,7 @@ def test_a_long_universe_iteration_reports_its_progress_without_being_asked(monk
     end, on Flower's logger; a short one says nothing unless ``progress`` is asked for."""
     import logging
 
-    import fedlmc.universe as universe_module
+    import fedlmc.merging.universe as universe_module
 
     base = _base()
     copies = [

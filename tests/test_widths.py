@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import inputs_for, perturbed
 
+from fedlmc.merging.universe import project, universe_merge
+from fedlmc.merging.widths import common_shape, pad, shape_of, unit_masks, unpad
 from fedlmc.models import from_preset
 from fedlmc.options import Universe
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform
-from fedlmc.universe import project, universe_merge
-from fedlmc.widths import common_shape, pad, shape_of, unit_masks, unpad
 
 
 def _vit(seed=0, **kw):
@@ -81,7 +81,7 @@ def test_mixed_width_universe_recovers_and_projects(record):
             1e-2,
         )
         # the narrow model's transform maps it into the universe exactly (its own shape in, universe out)
-        from fedlmc.widths import into_universe
+        from fedlmc.merging.widths import into_universe
 
         inside = into_universe(small, Ts[1])
         record(
@@ -106,7 +106,7 @@ def test_residual_directions_only_wide_models_span_are_not_diluted():
     """Averaging a wide model with a narrower one lifted into its first 16 coordinates: the last 16
     residual coordinates are the wide model's own (not halved by the narrow model's zeros); the first
     16 are the mean of both."""
-    from fedlmc.averaging import merge
+    from fedlmc.merging.averaging import merge
 
     wide = canonicalize(_vit(1))
     narrow = pad(canonicalize(_vit(2, d_model=16, n_head=4, d_ff=64, d_head=8)), {"d_model": 32})
@@ -126,8 +126,8 @@ def test_layernorm_universe_of_mixed_widths(make, record):
     merged with ``keep_layernorm``: each narrower padded model is first turned by ``ones_lift`` so its
     stream stays centred in the universe; the universe comes back as a LayerNorm model and every client's
     projection converts to LayerNorm exactly (without the lift ``to_layernorm`` refuses: off-centre)."""
+    from fedlmc.merging.widths import ones_lift
     from fedlmc.symmetry import to_layernorm
-    from fedlmc.widths import ones_lift
 
     narrow = make(1, d_model=16, n_head=2, d_ff=40, d_head=8).double()
     wide = make(2, d_model=32, n_head=4, d_ff=64, d_head=8).double()
@@ -156,9 +156,9 @@ def test_the_split_lift_is_exact_and_merges_back(make, act, record):
     """A narrower FF filled with its own neurons split (a semi-permutation: each unit copies one neuron,
     the copies share its output column) computes the same function; every unit is real (nothing
     masked); ``unpad`` merges the copies back exactly, also after a random permutation of the units."""
+    from fedlmc.merging.widths import split_sources
     from fedlmc.symmetry import spec_for
     from fedlmc.symmetry.random import invert_transform
-    from fedlmc.widths import split_sources
 
     small = make(4, d_ff=24, activation=act)
     x = inputs_for(small)

@@ -16,14 +16,14 @@ from its paper and tested against a planted or analytic answer:
 
 from __future__ import annotations
 
-from .feddf import DISTILL_KEYS as _DISTILL_KEYS  # noqa: F401 -- registers feddf
-from .fedprox import FedProxFedAvg
-from .krum import KrumFedAvg
-from .ot_fusion import OTFusion, OTFusionFedAvg
-from .scaffold import ScaffoldFedAvg
-from .server_opt import ServerOptFedAvg
-from .slicing import SlicingFedAvg
-from .task_vectors import TaskMerge, TaskVectorFedAvg
+from fedlmc.baselines.feddf import DISTILL_KEYS as _DISTILL_KEYS  # noqa: F401 -- registers feddf
+from fedlmc.baselines.fedprox import FedProxFedAvg
+from fedlmc.baselines.krum import KrumFedAvg
+from fedlmc.baselines.ot_fusion import OTFusion, OTFusionFedAvg
+from fedlmc.baselines.scaffold import ScaffoldFedAvg
+from fedlmc.baselines.server_opt import ServerOptFedAvg
+from fedlmc.baselines.slicing import SlicingFedAvg
+from fedlmc.baselines.task_vectors import TaskMerge, TaskVectorFedAvg
 
 __all__ = [
     "FedProxFedAvg",

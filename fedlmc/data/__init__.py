@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 from typing import Union
 
-from .base import ArrayData, Data, DataNotFound, Splits, TokenData, split
-from .images import load_cifar10, load_digits, load_mnist, read_idx
-from .partition import partition, partition_indices
-from .text import CharTokenizer, find_shakespeare, load_text
+from fedlmc.data.base import ArrayData, Data, DataNotFound, Splits, TokenData, split
+from fedlmc.data.images import load_cifar10, load_digits, load_mnist, read_idx
+from fedlmc.data.partition import partition, partition_indices
+from fedlmc.data.text import CharTokenizer, find_shakespeare, load_text
 
 DATASETS = ("digits", "mnist", "cifar10", "shakespeare", "text")
 PACKAGED = Path(__file__).resolve().parent  # tinyshakespeare.txt ships here

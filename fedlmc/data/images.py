@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .base import ArrayData, DataNotFound, Splits
+from fedlmc.data.base import ArrayData, DataNotFound, Splits
 
 
 def read_idx(path: Path) -> np.ndarray:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import Data, TokenData, Units
+from fedlmc.data.base import Data, TokenData, Units
 
 SCHEMES = ("iid", "dirichlet", "speaker", "contiguous")
 # The version of each scheme's meaning, part of the client cache's key so that clients trained under an

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import DataNotFound, Splits, TokenData, Units
+from fedlmc.data.base import DataNotFound, Splits, TokenData, Units
 
 
 class CharTokenizer:

@@ -10,8 +10,8 @@ error is returned, and it is zero for any model that came from Hugging Face and 
 symmetries only.
 """
 
-from .adapter import HFAdapter, recognise
-from .convert import Logits, config_of, family_of, from_hf, hf_model_for, hf_state, is_tied, load_hf, to_hf
+from fedlmc.hf.adapter import HFAdapter, recognise
+from fedlmc.hf.convert import Logits, config_of, family_of, from_hf, hf_model_for, hf_state, is_tied, load_hf, to_hf
 
 __all__ = [
     "from_hf",

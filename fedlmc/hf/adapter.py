@@ -9,9 +9,9 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from ..symmetry.canonical import to_layernorm
-from .convert import _transformers, family_of, fedlmc_model, hf_state, is_tied
-from .families import FAMILIES, StateDict
+from fedlmc.hf.convert import _transformers, family_of, fedlmc_model, hf_state, is_tied
+from fedlmc.hf.families import FAMILIES, StateDict
+from fedlmc.symmetry.canonical import to_layernorm
 
 log = logging.getLogger(__name__)
 FIT_WARN = 1e-6  # relative head-fit error above which the adapter warns (see fedlmc.hf.head)

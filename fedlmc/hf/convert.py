@@ -8,10 +8,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..models import from_config
-from ..models.layers import TransformerConfig
-from .families import FAMILIES, HF_TYPES, StateDict
-from .head import fit_head
+from fedlmc.hf.families import FAMILIES, HF_TYPES, StateDict
+from fedlmc.hf.head import fit_head
+from fedlmc.models import from_config
+from fedlmc.models.layers import TransformerConfig
 
 
 def _transformers():

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..models import GPT2Config, LlamaConfig, NeoXConfig, ViTConfig
-from ..models.layers import TransformerConfig
+from fedlmc.models import GPT2Config, LlamaConfig, NeoXConfig, ViTConfig
+from fedlmc.models.layers import TransformerConfig
 
 StateDict = dict[str, torch.Tensor]
 HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "relu": "relu"}

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..models.layers import TransformerConfig
+from fedlmc.models.layers import TransformerConfig
 
 StateDict = dict[str, torch.Tensor]
 

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .profile import section
+from fedlmc.matching.profile import section
 
 # of a layer's rows, at most this fraction is computed exactly; more, and the full product is cheaper
 EXACT_ROWS = 1 / 8

@@ -11,11 +11,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..options import Learning, Matching
-from ..symmetry import Transform, canonical_config, canonicalize, rebuild
-from ..train import pick_device
-from .optimise import Options, learn_alignments
-from .weight import canonical_state, weight_matching
+from fedlmc.matching.optimise import Options, learn_alignments
+from fedlmc.matching.weight import canonical_state, weight_matching
+from fedlmc.options import Learning, Matching
+from fedlmc.symmetry import Transform, canonical_config, canonicalize, rebuild
+from fedlmc.train import pick_device
 
 
 def learned_matching(

@@ -23,15 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from ..averaging import circuit_state, unit_weighted, weighted_state
-from ..models import from_config
-from ..options import Learning
-from ..symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
-from ..train import _progress, loss_and_correct
-from ..widths import permute_masks
-from .profile import section
-from .solvers import Elements, assignments, exact_elements
-from .steps import apply_elements, gauge_step
+from fedlmc.matching.profile import section
+from fedlmc.matching.solvers import Elements, assignments, exact_elements
+from fedlmc.matching.steps import apply_elements, gauge_step
+from fedlmc.merging.averaging import circuit_state, unit_weighted, weighted_state
+from fedlmc.merging.widths import permute_masks
+from fedlmc.models import from_config
+from fedlmc.options import Learning
+from fedlmc.symmetry import StateDict, Transform, apply_to_state, ones_basis, perm_matrix, spec_for
+from fedlmc.train import _progress, loss_and_correct
 
 
 class _Polar(torch.autograd.Function):
@@ -498,7 +498,7 @@ def _descend(
 
 
 class Remote(Protocol):
-    """Where the loss lives when it is not at the server (``fedlmc.on_clients.ClientLosses``): it is sent
+    """Where the loss lives when it is not at the server (``fedlmc.flower.on_clients.ClientLosses``): it is sent
     merged states and answers with gradients and per-example losses."""
 
     def begin(self, config) -> None:

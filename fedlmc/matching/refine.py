@@ -15,11 +15,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..options import Refinement
-from ..symmetry import Transform, canonical_config
-from ..train import pick_device
-from .optimise import Options, is_remote, learn_alignments, learn_alignments_remote
-from .weight import canonical_state
+from fedlmc.matching.optimise import Options, is_remote, learn_alignments, learn_alignments_remote
+from fedlmc.matching.weight import canonical_state
+from fedlmc.options import Refinement
+from fedlmc.symmetry import Transform, canonical_config
+from fedlmc.train import pick_device
 
 
 def dirichlet_refine(

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..symmetry import StateDict
-from ..symmetry.spec import SymmetrySpec
+from fedlmc.symmetry import StateDict
+from fedlmc.symmetry.spec import SymmetrySpec
 
 
 def _unit_rows(t: torch.Tensor, axis: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 import torch
 
-from ..symmetry import SymmetrySpec
-from .profile import section
+from fedlmc.matching.profile import section
+from fedlmc.symmetry import SymmetrySpec
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_matrix

@@ -10,10 +10,8 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from ..symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, perm_matrix
-from ..symmetry.rope import rope_fit, with_pass
-from .profile import section
-from .solvers import (
+from fedlmc.matching.profile import section
+from fedlmc.matching.solvers import (
     Elements,
     Int8Rows,
     _obvious,
@@ -26,6 +24,8 @@ from .solvers import (
     procrustes_fix_ones,
     solve_graph,
 )
+from fedlmc.symmetry import Group, StateDict, SymmetrySpec, Transform, apply_to_state, perm_matrix
+from fedlmc.symmetry.rope import rope_fit, with_pass
 
 
 def residual_element(M: torch.Tensor, residual: str, keep_layernorm: bool) -> torch.Tensor:

@@ -18,17 +18,11 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..averaging import interpolate
-from ..cpu import fitting_threads
-from ..options import PRECISIONS, Matching
-from ..symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
-from ..symmetry.transform import apply_along
-from ..train import evaluate, pick_device
-from .certify import ROTATE_FIRST, certify, certify_heads, circuit_gram, gram_row_max, rotation_size
-from .profile import section
-from .scales import balancing_scales, ff_scales, weighted_distance
-from .solvers import Elements, Int8Blocks, Int8Rows, delta_crosses, int8_scores, score_dtype
-from .steps import (
+from fedlmc.matching.certify import ROTATE_FIRST, certify, certify_heads, circuit_gram, gram_row_max, rotation_size
+from fedlmc.matching.profile import section
+from fedlmc.matching.scales import balancing_scales, ff_scales, weighted_distance
+from fedlmc.matching.solvers import Elements, Int8Blocks, Int8Rows, delta_crosses, int8_scores, score_dtype
+from fedlmc.matching.steps import (
     CIRCUITS,
     anchors,
     apply_elements,
@@ -42,6 +36,12 @@ from .steps import (
     residual_element,
     unit_features,
 )
+from fedlmc.merging.averaging import interpolate
+from fedlmc.options import PRECISIONS, Matching
+from fedlmc.scale.cpu import fitting_threads
+from fedlmc.symmetry import StateDict, Transform, apply_transform, canonical, canonical_config, spec_for
+from fedlmc.symmetry.transform import apply_along
+from fedlmc.train import evaluate, pick_device
 
 
 def canonical_state(model: nn.Module, device: torch.device, dtype: torch.dtype) -> StateDict:
@@ -884,7 +884,7 @@ def weight_matching(
     Transform
         ``info`` records each candidate's objective, which one won, the iterations, the objective after
         each iteration, the seconds and the torch threads it ran with: no more than the host's idle
-        cores (``fedlmc.cpu.fitting_threads``).
+        cores (``fedlmc.scale.cpu.fitting_threads``).
     """
     # full float32 products even where the caller allows TF32 (``set_float32_matmul_precision("high")``,
     # common in GPU training code): the objective is a difference of nearly equal sums, so TF32's

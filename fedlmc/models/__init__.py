@@ -6,11 +6,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from .gpt2 import GPT2, GPT2Config
-from .layers import RMSNorm, TransformerConfig
-from .llama import Llama, LlamaConfig
-from .neox import NeoX, NeoXConfig
-from .vit import ViT, ViTConfig
+from fedlmc.models.gpt2 import GPT2, GPT2Config
+from fedlmc.models.layers import RMSNorm, TransformerConfig
+from fedlmc.models.llama import Llama, LlamaConfig
+from fedlmc.models.neox import NeoX, NeoXConfig
+from fedlmc.models.vit import ViT, ViTConfig
 
 # name -> (config class, fields, default dataset). Tiny presets train in minutes on 2 CPU cores.
 PRESETS: dict[str, tuple[type, dict[str, Any], str]] = {

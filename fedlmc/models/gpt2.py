@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .layers import Block, TransformerConfig, init_weights, make_norm
+from fedlmc.models.layers import Block, TransformerConfig, init_weights, make_norm
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import TransformerConfig, init_weights, make_norm
+from fedlmc.models.layers import TransformerConfig, init_weights, make_norm
 
 
 @dataclass

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import MLP, TransformerConfig, make_norm
-from .llama import RotaryDecoder, rotate
+from fedlmc.models.layers import MLP, TransformerConfig, make_norm
+from fedlmc.models.llama import RotaryDecoder, rotate
 
 
 @dataclass

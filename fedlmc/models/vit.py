@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Block, TransformerConfig, init_weights, make_norm
+from fedlmc.models.layers import Block, TransformerConfig, init_weights, make_norm
 
 
 @dataclass

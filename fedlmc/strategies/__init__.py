@@ -7,13 +7,13 @@ adds one). The field's methods they are compared with live apart, in ``fedlmc.ba
 
 # isort: off
 # the order registers fedlmc's own strategies first (`average` heads them), then the peers
-from .fedavg import ReportingFedAvg
-from .aligned import AlignedFedAvg, RefinedFedAvg
-from .distilled import DistilledFedAvg
-from .hetero import HeteroWidthFedAvg
-from .lora import LoraFedAvg
-from .base import FedlmcStrategy
-from .registry import register
+from fedlmc.strategies.fedavg import ReportingFedAvg
+from fedlmc.strategies.aligned import AlignedFedAvg, RefinedFedAvg
+from fedlmc.strategies.distilled import DistilledFedAvg
+from fedlmc.strategies.hetero import HeteroWidthFedAvg
+from fedlmc.strategies.lora import LoraFedAvg
+from fedlmc.strategies.base import FedlmcStrategy
+from fedlmc.strategies.registry import register
 from fedlmc import baselines as _baselines  # noqa: F401
 # isort: on
 

@@ -2,13 +2,13 @@
 
 ``AlignedFedAvg`` is a drop-in subclass of ``flwr.serverapp.strategy.FedAvg``: it aligns every reply to
 a universe seeded by the previous global model when the replies were trained from it, else by a reply
-(``start_for``; ``fedlmc.universe.universe_merge``), averages there
+(``start_for``; ``fedlmc.merging.universe.universe_merge``), averages there
 (weighted by ``num-examples``) and sends back a model of the clients' own shape (LayerNorm kept by
 default). ``RefinedFedAvg`` adds Dirichlet learned refinement on a small server-side data set.
 
 Do no harm: with a server-side ``guard`` set, the strategy also builds the plain average and keeps
 whichever has the lower loss there (and logs which won, by how much); with ``on_clients`` and no server
-data, the clients score both (``fedlmc.on_clients.client_guard``); without either, weight matching's
+data, the clients score both (``fedlmc.flower.on_clients.client_guard``); without either, weight matching's
 data-free identity guard applies (the identity transform — plain averaging — is one of its candidates).
 ``RefinedFedAvg(on_clients=...)`` refines with no server data: the clients compute its gradients.
 """
@@ -25,10 +25,12 @@ import torch.nn as nn
 from flwr.app import ConfigRecord
 from flwr.supercore import log
 
-from fedlmc.averaging import aligned_state, merge, robust_merge, streamed_mean
 from fedlmc.data import split
-from fedlmc.on_clients import ClientLosses
-from fedlmc.on_clients import client_guard as score_on_clients
+from fedlmc.flower.on_clients import ClientLosses
+from fedlmc.flower.on_clients import client_guard as score_on_clients
+from fedlmc.merging.averaging import aligned_state, merge, robust_merge, streamed_mean
+from fedlmc.merging.screen import screen as screen_replies
+from fedlmc.merging.universe import Aligned, ArrivingMean, universe_merge
 from fedlmc.options import (
     PREDICTION_SCREENS,
     RAW_SCREENS,
@@ -40,15 +42,12 @@ from fedlmc.options import (
     Screen,
     Universe,
 )
-from fedlmc.replies import StoredModel
-from fedlmc.screen import screen as screen_replies
+from fedlmc.scale.replies import StoredModel
+from fedlmc.strategies.base import FedlmcStrategy, loaded
+from fedlmc.strategies.keys import Key, non_negative
+from fedlmc.strategies.registry import Build, register
 from fedlmc.symmetry import canonical, spec_for
 from fedlmc.train import predictions
-from fedlmc.universe import Aligned, ArrivingMean, universe_merge
-
-from .base import FedlmcStrategy, loaded
-from .keys import Key, non_negative
-from .registry import Build, register
 
 
 class AlignedFedAvg(FedlmcStrategy):
@@ -64,7 +63,7 @@ class AlignedFedAvg(FedlmcStrategy):
         trained from it; "mean": their plain weighted mean; otherwise a reply), how many iterations it
         runs, the merge's form and whether the global model stays a LayerNorm model
         (``fedlmc.options.Universe``). With replies on disk and ``start="mean"`` the mean is summed as the
-        replies arrive, while each is in memory anyway (``fedlmc.universe.ArrivingMean``).
+        replies arrive, while each is in memory anyway (``fedlmc.merging.universe.ArrivingMean``).
     guard : Guard, optional
         The do-no-harm guard on the server (``fedlmc.options.Guard``): the aligned aggregate is kept only
         if it scores no worse than the plain one on ``guard.data`` (or by ``guard.fn``).
@@ -284,7 +283,7 @@ class AlignedFedAvg(FedlmcStrategy):
                 seq[:] = [seq[i] for i in keep]
 
     def _screen(self, server_round, replies, models, weights, transforms) -> dict[str, Any]:
-        """Score the replies (``fedlmc.screen``; a distance screen: aligned by ``transforms``, the others as
+        """Score the replies (``fedlmc.merging.screen``; a distance screen: aligned by ``transforms``, the others as
         they came), exclude the outliers (in place), and return the round record's ``screen`` field:
         each node's score and the nodes excluded."""
         t0 = time.time()
@@ -323,7 +322,7 @@ class RefinedFedAvg(AlignedFedAvg):
     With no server data (``refine.data`` None) and ``on_clients``, the clients compute the refinement:
     every step sends the merged model at fresh λ draws to a sample of the round's clients, which answer
     with their loss's gradient on a few local batches (a ``query.refine`` message, answered by
-    ``fedlmc.on_clients.answer``); the checks and the guard are scored by the clients' held-out losses.
+    ``fedlmc.flower.on_clients.answer``); the checks and the guard are scored by the clients' held-out losses.
     A client that fails, times out or answers badly is excluded from that step with a reason; with
     fewer than ``on_clients.min_clients`` answers the refinement stops and keeps the best alignment
     checked so far. ``history[-1]["refine_clients"]`` records messages, bytes and seconds.
@@ -357,7 +356,7 @@ class RefinedFedAvg(AlignedFedAvg):
                 "RefinedFedAvg needs data for its refinement, at the server or at the clients: "
                 "refine=Refinement(data=...) (a small server-side data set), or on_clients=OnClients() (the "
                 "clients compute the gradients: their ClientApp answers 'query.refine' messages with "
-                "fedlmc.on_clients.answer)"
+                "fedlmc.flower.on_clients.answer)"
             )
         self.refine = refine
 
@@ -513,7 +512,7 @@ def _refined(b: Build):
     universe=True,
     example="RefinedFedAvg(model=model, refine=Refinement(), on_clients=OnClients())",
     keys=REFINE_ON_CLIENTS,
-    client="answers `query.refine` messages with `fedlmc.on_clients.answer` (fedlmc's ClientApp does)",
+    client="answers `query.refine` messages with `fedlmc.flower.on_clients.answer` (fedlmc's ClientApp does)",
 )
 def _refined_clients(b: Build):
     return RefinedFedAvg(**b.common(), **b.aligned(on_clients=True), refine=b.settings.refinement(None))

@@ -29,19 +29,18 @@ from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from flwr.supercore import log
 
-from fedlmc.arrivals import ArrivalGrid
-from fedlmc.cpu import available_cores
-from fedlmc.ensemble import Ensemble
 from fedlmc.hf import HFAdapter, recognise
 from fedlmc.hf.adapter import key_mismatch
+from fedlmc.merging.ensemble import Ensemble
 from fedlmc.models import from_config
 from fedlmc.models.layers import TransformerConfig
 from fedlmc.options import Checks, Guard, Report, Robust, Scale, one_of
-from fedlmc.replies import ReplyError, ReplyStore, StoredModel
+from fedlmc.scale.arrivals import ArrivalGrid
+from fedlmc.scale.cpu import available_cores
+from fedlmc.scale.replies import ReplyError, ReplyStore, StoredModel
+from fedlmc.strategies.records import MODEL_CONFIG_KEY, model_from_arrays, state_arrays
+from fedlmc.strategies.validation import InvalidReply, check_arrays, check_reply
 from fedlmc.train import evaluate
-
-from .records import MODEL_CONFIG_KEY, model_from_arrays, state_arrays
-from .validation import InvalidReply, check_arrays, check_reply
 
 # A reply trained from the global model keeps a clear correlation with it (gpt2-tiny: weight cosine 0.82
 # after 100 local steps, 0.43 after 1500); an independently started one has none (|cos| ≤ 0.01), and
@@ -726,7 +725,7 @@ def arrival_key(msg: Message) -> tuple[int, str]:
 
 
 def loaded(model) -> nn.Module:
-    """A reply's model: itself, or read from its file (``fedlmc.replies.StoredModel``)."""
+    """A reply's model: itself, or read from its file (``fedlmc.scale.replies.StoredModel``)."""
     return model.load() if isinstance(model, StoredModel) else model
 
 

@@ -3,7 +3,7 @@ server or by the clients.
 
 ``DistilledFedAvg`` builds its start as ``AlignedFedAvg`` does (or as ``RefinedFedAvg`` does, with
 ``distill.refine``), or takes the replies' plain mean (``distill.start="average"``: FedDF, Lin et al.,
-NeurIPS 2020), then trains it toward the replies' outputs (``fedlmc.distill``): on the server's
+NeurIPS 2020), then trains it toward the replies' outputs (``fedlmc.merging.distill``): on the server's
 unlabelled data toward their ensemble, or, with no server data, by the clients, each on its own data
 toward the model it trained this round (``on_clients``). The do-no-harm guard then compares the
 distilled model with the plain average, on the server's guard data or the clients' held-out data.
@@ -14,14 +14,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fedlmc.distill import distill as distill_model
-from fedlmc.distill import distill_on_clients
+from fedlmc.merging.distill import distill as distill_model
+from fedlmc.merging.distill import distill_on_clients
 from fedlmc.options import Distill
-
-from .aligned import REFINE_ON_CLIENTS, AlignedFedAvg, RefinedFedAvg, client_losses, refine_split
-from .base import loaded
-from .keys import Key, non_negative
-from .registry import Build, register
+from fedlmc.strategies.aligned import REFINE_ON_CLIENTS, AlignedFedAvg, RefinedFedAvg, client_losses, refine_split
+from fedlmc.strategies.base import loaded
+from fedlmc.strategies.keys import Key, non_negative
+from fedlmc.strategies.registry import Build, register
 
 
 class DistilledFedAvg(AlignedFedAvg):
@@ -154,7 +153,7 @@ def _refined_distilled(b: Build):
     universe=True,
     example="DistilledFedAvg(model=model, distill=Distill(refine=Refinement()), on_clients=OnClients())",
     keys=(*DISTILL_KEYS, *REFINE_ON_CLIENTS),
-    client="answers `query.refine` messages with `fedlmc.on_clients.answer` and keeps its trained model when "
+    client="answers `query.refine` messages with `fedlmc.flower.on_clients.answer` and keeps its trained model when "
     "the train config says `keep-model` (fedlmc's ClientApp does)",
 )
 def _refined_clients_distilled(b: Build):

@@ -7,11 +7,10 @@ from typing import Any, Optional
 
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from fedlmc.averaging import robust_merge
+from fedlmc.merging.averaging import robust_merge
 from fedlmc.options import Robust
-
-from .base import FedlmcStrategy
-from .registry import Build, register
+from fedlmc.strategies.base import FedlmcStrategy
+from fedlmc.strategies.registry import Build, register
 
 
 class MeanFedAvg(FedlmcStrategy):

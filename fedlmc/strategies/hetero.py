@@ -19,17 +19,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
 
 from fedlmc.hf import HFAdapter
+from fedlmc.merging.universe import project, universe_merge
+from fedlmc.merging.widths import prefix_average
 from fedlmc.models import from_config
 from fedlmc.options import FF_LIFTS, Guard, Matching, Refinement, Universe
+from fedlmc.strategies.aligned import refine_split, transform_distance
+from fedlmc.strategies.base import FedlmcStrategy, declared_partition
+from fedlmc.strategies.keys import Key
+from fedlmc.strategies.records import MODEL_CONFIG_KEY, state_arrays
+from fedlmc.strategies.registry import Build, register
 from fedlmc.symmetry import spec_for
-from fedlmc.universe import project, universe_merge
-from fedlmc.widths import prefix_average
-
-from .aligned import refine_split, transform_distance
-from .base import FedlmcStrategy, declared_partition
-from .keys import Key
-from .records import MODEL_CONFIG_KEY, state_arrays
-from .registry import Build, register
 
 
 class HeteroWidthFedAvg(FedlmcStrategy):

@@ -14,8 +14,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedlmc.lora import KEEP_FACTOR, LoraAggregator, LoraInputError, LoraLayout, nbytes
-
-from .base import _wrapper_of
+from fedlmc.strategies.base import _wrapper_of
 
 BASE_UPDATE_KEY = "base-update"  # tail="fold": the accumulated dense update of the base weights
 

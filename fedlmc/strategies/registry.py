@@ -31,8 +31,7 @@ from fedlmc.options import (
     Robust,
     Universe,
 )
-
-from .keys import Key
+from fedlmc.strategies.keys import Key
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,7 @@ from typing import Any, Optional
 import torch
 
 from fedlmc.models import from_config
-
-from .records import MODEL_KEY
+from fedlmc.strategies.records import MODEL_KEY
 
 
 class InvalidReply(ValueError):

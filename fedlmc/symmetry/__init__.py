@@ -6,7 +6,7 @@ Everything downstream (matching, merging, strategies) walks the spec; only spec 
 parameters.
 """
 
-from .canonical import (
+from fedlmc.symmetry.canonical import (
     apply_transform,
     canonical,
     canonical_config,
@@ -15,10 +15,19 @@ from .canonical import (
     residual_offcentre,
     to_layernorm,
 )
-from .random import invert_transform, ones_basis, random_invertible, random_orthogonal, random_transform
-from .roles import Roles, spec_from_roles
-from .spec import Group, Member, SpecBuilder, StateDict, SymmetrySpec, register_spec, spec_for, transformer_spec
-from .transform import Transform, WidthMap, act, apply_to_state, check_element, perm_matrix, rebuild
+from fedlmc.symmetry.random import invert_transform, ones_basis, random_invertible, random_orthogonal, random_transform
+from fedlmc.symmetry.roles import Roles, spec_from_roles
+from fedlmc.symmetry.spec import (
+    Group,
+    Member,
+    SpecBuilder,
+    StateDict,
+    SymmetrySpec,
+    register_spec,
+    spec_for,
+    transformer_spec,
+)
+from fedlmc.symmetry.transform import Transform, WidthMap, act, apply_to_state, check_element, perm_matrix, rebuild
 
 __all__ = [
     "Roles",

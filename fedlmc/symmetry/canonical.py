@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .spec import StateDict, spec_for
-from .transform import Transform, apply_along, apply_to_state, rebuild
+from fedlmc.symmetry.spec import StateDict, spec_for
+from fedlmc.symmetry.transform import Transform, apply_along, apply_to_state, rebuild
 
 
 def canonicalize(model: nn.Module, out: Optional[StateDict] = None) -> nn.Module:

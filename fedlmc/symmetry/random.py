@@ -7,10 +7,10 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..models.layers import TransformerConfig
-from .rope import random_rope_gauge, with_pass
-from .spec import SymmetrySpec, spec_for
-from .transform import Transform, perm_matrix
+from fedlmc.models.layers import TransformerConfig
+from fedlmc.symmetry.rope import random_rope_gauge, with_pass
+from fedlmc.symmetry.spec import SymmetrySpec, spec_for
+from fedlmc.symmetry.transform import Transform, perm_matrix
 
 
 def random_orthogonal(

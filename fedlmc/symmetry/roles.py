@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..models.layers import TransformerConfig
-from .spec import Member, SymmetrySpec, transformer_spec
+from fedlmc.models.layers import TransformerConfig
+from fedlmc.symmetry.spec import Member, SymmetrySpec, transformer_spec
 
 
 @dataclass(frozen=True)

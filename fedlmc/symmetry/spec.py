@@ -29,7 +29,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..models.layers import TransformerConfig
+from fedlmc.models.layers import TransformerConfig
 
 StateDict = dict[str, torch.Tensor]
 

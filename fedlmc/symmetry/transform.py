@@ -20,10 +20,10 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..models import ARCHS, from_config
-from ..models.layers import TransformerConfig
-from .rope import rope_structured
-from .spec import Group, StateDict, spec_for
+from fedlmc.models import ARCHS, from_config
+from fedlmc.models.layers import TransformerConfig
+from fedlmc.symmetry.rope import rope_structured
+from fedlmc.symmetry.spec import Group, StateDict, spec_for
 
 
 @dataclass(frozen=True)

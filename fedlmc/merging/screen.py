@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .averaging import robust_state
-from .options import PREDICTION_SCREENS, Screen
+from fedlmc.merging.averaging import robust_state
+from fedlmc.options import PREDICTION_SCREENS, Screen
 
 StateDict = dict[str, torch.Tensor]
 

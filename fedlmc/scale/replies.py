@@ -5,7 +5,7 @@ A server that aligns M replies need not hold M models: each reply is written onc
 ``load()`` builds the model on a read-only memory map of its file. Pages are read when touched and
 belong to the page cache, not to the process's heap, so a universe that loads one reply at a time
 (``universe.universe_merge`` with ``StoredModel``s) keeps a few models in memory whatever M is, and
-workers in other processes (``fedlmc.workers``) read the same file without a copy being sent.
+workers in other processes (``fedlmc.scale.workers``) read the same file without a copy being sent.
 
 Nothing is lost and nothing is left: a reply that cannot be written or read raises ``ReplyError``
 with the reason (the strategies exclude that reply and go on); ``ReplyStore.close()`` removes the
@@ -37,11 +37,11 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from .allocator import libc
-from .matching.profile import section
-from .models import from_config
-from .models.layers import TransformerConfig
-from .symmetry import canonical
+from fedlmc.matching.profile import section
+from fedlmc.models import from_config
+from fedlmc.models.layers import TransformerConfig
+from fedlmc.scale.allocator import libc
+from fedlmc.symmetry import canonical
 
 T = TypeVar("T")
 OWNER = "owner.json"  # in every store: the pid that owns it (stale once that process is gone)

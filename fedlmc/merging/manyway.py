@@ -15,15 +15,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
-from fedlmc.options import Universe
-
-from .averaging import merge
-from .barrier import Curve, barrier, interpolation_curve, plot_curves
-from .matching import weight_matching
-from .options import Matching, Refinement
-from .train import evaluate
-from .universe import universe_merge
-from .widths import into_universe, pad, permute_masks, shape_of, unit_masks
+from fedlmc.matching import weight_matching
+from fedlmc.merging.averaging import merge
+from fedlmc.merging.barrier import Curve, barrier, interpolation_curve, plot_curves
+from fedlmc.merging.universe import universe_merge
+from fedlmc.merging.widths import into_universe, pad, permute_masks, shape_of, unit_masks
+from fedlmc.options import Matching, Refinement, Universe
+from fedlmc.train import evaluate
 
 
 def aligned_models(models: Sequence[nn.Module], transforms) -> tuple[list[nn.Module], list[Optional[dict]]]:

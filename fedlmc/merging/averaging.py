@@ -23,9 +23,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .models.layers import TransformerConfig, is_rotary
-from .options import FORMS, REDUCES
-from .symmetry import StateDict, apply_to_state, canonical, layernorm_native, rebuild, spec_for, to_layernorm
+from fedlmc.models.layers import TransformerConfig, is_rotary
+from fedlmc.options import FORMS, REDUCES
+from fedlmc.symmetry import StateDict, apply_to_state, canonical, layernorm_native, rebuild, spec_for, to_layernorm
 
 
 def _check_same_shape(models: Sequence[nn.Module]) -> None:

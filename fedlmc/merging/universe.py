@@ -12,29 +12,12 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .allocator import release_freed_memory
-from .averaging import RunningSum, add_move, aligned_state, check_circuit, merge, robust_merge
-from .cpu import fitting_threads
-from .matching import residual_activation_cross, weight_matching
-from .matching.activation import residual_states
-from .matching.profile import section
-from .matching.refine import dirichlet_refine
-from .models import from_config
-from .options import ANCHORS, Matching, Refinement, Robust, Scale, Universe, one_of
-from .replies import Canonical, ReplyError, ReplyStore, StoredModel, read_ahead, save_model
-from .symmetry import (
-    Transform,
-    WidthMap,
-    apply_transform,
-    canonical,
-    invert_transform,
-    layernorm_native,
-    rebuild,
-    spec_for,
-    to_layernorm,
-)
-from .symmetry.canonical import recentre
-from .widths import (
+from fedlmc.matching import residual_activation_cross, weight_matching
+from fedlmc.matching.activation import residual_states
+from fedlmc.matching.profile import section
+from fedlmc.matching.refine import dirichlet_refine
+from fedlmc.merging.averaging import RunningSum, add_move, aligned_state, check_circuit, merge, robust_merge
+from fedlmc.merging.widths import (
     common_shape,
     lift_residual,
     ones_lift,
@@ -45,7 +28,24 @@ from .widths import (
     unit_masks,
     unpad,
 )
-from .workers import AlignmentPool
+from fedlmc.models import from_config
+from fedlmc.options import ANCHORS, Matching, Refinement, Robust, Scale, Universe, one_of
+from fedlmc.scale.allocator import release_freed_memory
+from fedlmc.scale.cpu import fitting_threads
+from fedlmc.scale.replies import Canonical, ReplyError, ReplyStore, StoredModel, read_ahead, save_model
+from fedlmc.scale.workers import AlignmentPool
+from fedlmc.symmetry import (
+    Transform,
+    WidthMap,
+    apply_transform,
+    canonical,
+    invert_transform,
+    layernorm_native,
+    rebuild,
+    spec_for,
+    to_layernorm,
+)
+from fedlmc.symmetry.canonical import recentre
 
 # Flower's own logger (its `flwr.supercore.log`), without importing Flower: the library runs without it
 log = logging.getLogger("flwr").log
@@ -314,7 +314,7 @@ def universe_merge(
     Models may differ in width (depth and architecture must agree): each is padded exactly into the
     largest shape, its padded units masked out of the averages, and its transform maps *its own* shape
     into the universe, so ``project(universe, T)`` returns a model of the client's shape. Models may wait
-    on disk (``fedlmc.replies.StoredModel``), read one at a time (memory-mapped) when needed. A model
+    on disk (``fedlmc.scale.replies.StoredModel``), read one at a time (memory-mapped) when needed. A model
     that cannot be read, or whose alignment fails in a worker twice, is excluded (its transform's
     ``info["excluded"]`` says why) and the others' weights are rescaled.
 
@@ -336,7 +336,7 @@ def universe_merge(
         activations on a few batches to every residual step.
     refine : Refinement or None
         Dirichlet refinement after the iterations (on ``refine.data``: a data set, or the clients'
-        losses, ``fedlmc.on_clients.ClientLosses``); None: aligned only.
+        losses, ``fedlmc.flower.on_clients.ClientLosses``); None: aligned only.
     universe : Universe or None
         The iterations, their stopping tolerance, the merge's form, the anchor and whether the merge is
         returned as a LayerNorm model (``fedlmc.options.Universe``; default ``Universe()``).
@@ -413,7 +413,7 @@ def _check_options(refine: Optional[Refinement], u: Universe, r: Robust, start, 
     if refine is not None and refine.data is None:
         raise ValueError(
             "refine needs data for the Dirichlet refinement: Refinement(data=...), a data set at the server or "
-            "the clients' losses (fedlmc.on_clients.ClientLosses)"
+            "the clients' losses (fedlmc.flower.on_clients.ClientLosses)"
         )
     if r.reduce != "mean" and (refine is not None or u.form != "factored"):
         raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, no refinement")

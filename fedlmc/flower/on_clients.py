@@ -28,11 +28,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.supercore import log
 from torch.func import functional_call
 
-from .matching.optimise import endless_batches, example_losses, merged_loss
-from .models import from_config
-from .options import Learning, OnClients
-from .symmetry import StateDict
-from .train import pick_device
+from fedlmc.matching.optimise import endless_batches, example_losses, merged_loss
+from fedlmc.models import from_config
+from fedlmc.options import Learning, OnClients
+from fedlmc.symmetry import StateDict
+from fedlmc.train import pick_device
 
 # Flower's deployment grid looks for replies every 3 s, and a refinement step is one exchange with its
 # clients: ``exchange`` looks after 0.1 s, then 1.5 times later each time, at most 1 s apart
@@ -46,7 +46,7 @@ def exchange(grid, messages: list[Message], timeout: Optional[float]) -> list[Me
     answers through its own ``send_and_receive``."""
     from flwr.serverapp import Grid
 
-    from .arrivals import ArrivalGrid
+    from fedlmc.scale.arrivals import ArrivalGrid
 
     if isinstance(grid, Grid):
         grid = ArrivalGrid(grid, poll=POLL_FIRST, poll_max=POLL_MAX, one_at_a_time=False)

@@ -6,7 +6,7 @@ with ``--stream``, passes its output through, then asks the SuperLink (``flwr ls
 run ended and exits non-zero unless it completed::
 
     fedlmc run APP_DIR [SUPERLINK] [flwr run options...]      # any Flower app
-    python -m fedlmc.launch APP_DIR [SUPERLINK] [flwr run options...]
+    python -m fedlmc.flower.launch APP_DIR [SUPERLINK] [flwr run options...]
 
 A local SuperLink that ``flwr run`` started for this run (``flwr run .`` without a SuperLink of
 one's own) is stopped when the run ends. The app is handed to ``flwr run`` as a copy of the files

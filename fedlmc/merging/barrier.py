@@ -9,9 +9,9 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .averaging import interpolate as interpolate_models
-from .data import Data
-from .train import evaluate
+from fedlmc.data import Data
+from fedlmc.merging.averaging import interpolate as interpolate_models
+from fedlmc.train import evaluate
 
 LAMBDAS = tuple(round(0.1 * i, 10) for i in range(11))
 
@@ -38,7 +38,7 @@ def interpolation_curve(
     max_batches: Optional[int] = None,
     device: Union[str, torch.device, None] = None,
 ) -> Curve:
-    """Evaluate the interpolated model at every λ. ``interpolate`` defaults to ``fedlmc.averaging.interpolate``
+    """Evaluate the interpolated model at every λ. ``interpolate`` defaults to ``fedlmc.merging.averaging.interpolate``
     (plain weight averaging for two LayerNorm models); pass e.g. ``partial(interpolate, form="circuit")``.
     ``device``: where each interpolated model is evaluated (it is moved there); default, where it was built."""
     interpolate = interpolate or interpolate_models

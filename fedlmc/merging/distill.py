@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .options import Distill
-from .train import pick_device
+from fedlmc.options import Distill
+from fedlmc.train import pick_device
 
 
 def teacher_logits(teachers: Sequence[nn.Module], x: torch.Tensor, kind: str = "logits") -> torch.Tensor:
@@ -181,7 +181,7 @@ def _remote_check(remote, model: nn.Module, step: int) -> Optional[float]:
 
 def distill_on_clients(student: nn.Module, remote, options: Distill) -> tuple[nn.Module, dict]:
     """``student`` (a copy) distilled by the clients: every step the round's clients (``remote``, a
-    ``fedlmc.on_clients.ClientLosses`` asking for the distillation loss to each client's own model on
+    ``fedlmc.flower.on_clients.ClientLosses`` asking for the distillation loss to each client's own model on
     its data) answer with the gradient at the student, and Adam steps on their weighted mean; the checks
     score the same loss on the clients' held-out batches. Stops when too few clients answer."""
     student = copy.deepcopy(student).cpu().float()

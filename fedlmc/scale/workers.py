@@ -35,13 +35,13 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .allocator import retain_freed_memory
-from .averaging import RunningSum, add_move, aligned_state
-from .cpu import available_cores
-from .matching import weight_matching
-from .options import Scale
-from .replies import Canonical, StoredModel, mmap_state, read_ahead, stored, write_state
-from .symmetry import Transform
+from fedlmc.matching import weight_matching
+from fedlmc.merging.averaging import RunningSum, add_move, aligned_state
+from fedlmc.options import Scale
+from fedlmc.scale.allocator import retain_freed_memory
+from fedlmc.scale.cpu import available_cores
+from fedlmc.scale.replies import Canonical, StoredModel, mmap_state, read_ahead, stored, write_state
+from fedlmc.symmetry import Transform
 
 _CACHE: dict[str, Any] = {}  # in a worker: the universe it last read, and what matching built from it
 

@@ -32,10 +32,10 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .models import from_config
-from .models.layers import TransformerConfig, is_rotary
-from .options import FF_LIFTS, one_of
-from .symmetry import StateDict, Transform, apply_transform, rebuild, spec_for
+from fedlmc.models import from_config
+from fedlmc.models.layers import TransformerConfig, is_rotary
+from fedlmc.options import FF_LIFTS, one_of
+from fedlmc.symmetry import StateDict, Transform, apply_transform, rebuild, spec_for
 
 SHAPE = ("d_model", "n_head", "d_ff", "d_head")
 
