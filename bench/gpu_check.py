@@ -65,7 +65,7 @@ def product_error(k: int = 50_257, d: int = 768, device: str = "cuda") -> dict:
     """Relative error of a float32 cross-covariance ``AᵀB`` (k × d factors, GPT-2's embedding) and of
     its trace against float64, at the precision weight matching runs with: the size of the sums its
     objective subtracts (a common reply's gain is ~2 % of an objective ~1e-4 of those sums)."""
-    from fedlmc.matching.weight import full_precision_products
+    from fedlmc.matching.problem import full_precision_products
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(k, d, generator=g)

@@ -33,8 +33,8 @@ import torch
 from _results import environment, gemm_seconds, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from fedlmc.matching import weight_matching
+from fedlmc.matching.problem import Problem, canonical_state
 from fedlmc.matching.profile import profiling
-from fedlmc.matching.weight import Problem, canonical_state
 from fedlmc.models import from_preset
 from fedlmc.options import Matching
 from fedlmc.scale.allocator import retain_freed_memory

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
-import fedlmc.matching.weight as weight
+import fedlmc.matching.problem as problem
 from fedlmc.matching import weight_matching
 from fedlmc.matching.certify import ROTATE_FIRST, certify, certify_heads, circuit_gram, gram_row_max, rotation_size
 from fedlmc.matching.steps import circuit_distance, circuit_norm
@@ -227,8 +227,8 @@ def _gpt(seed: int) -> torch.nn.Module:
 
 
 def _uncertified(monkeypatch):
-    monkeypatch.setattr(weight, "certify", lambda *a, **k: False)
-    monkeypatch.setattr(weight, "certify_heads", lambda *a, **k: False)
+    monkeypatch.setattr(problem, "certify", lambda *a, **k: False)
+    monkeypatch.setattr(problem, "certify_heads", lambda *a, **k: False)
 
 
 @pytest.mark.parametrize("case", ["common", "planted"])

@@ -129,7 +129,7 @@ def test_cuda_weight_matching_multiplies_at_full_precision_whatever_the_caller_a
 
 def test_cuda_squared_norms_are_accumulated_in_float64():
     """``sq_norm`` on the device sums in float64, as on the CPU (the objective's norms)."""
-    from fedlmc.matching.weight import sq_norm
+    from fedlmc.matching.problem import sq_norm
 
     t = torch.randn(50_000, 64, generator=torch.Generator().manual_seed(0)) * 3 + 1
     exact = float(t.double().pow(2).sum())

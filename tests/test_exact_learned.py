@@ -149,7 +149,7 @@ def test_stopping_on_the_objective_returns_the_best_checked_alignment_exactly(re
     very element a run snapshotted at that step holds — and stops after ``patience`` checks without
     improvement."""
     from fedlmc.matching.optimise import Options, learn_alignments
-    from fedlmc.matching.weight import canonical_state
+    from fedlmc.matching.problem import canonical_state
     from fedlmc.symmetry import Transform, canonical_config
 
     A, B = make("gpt2", 0), make("gpt2", 1)

@@ -9,9 +9,10 @@ from conftest import perturbed
 from scipy.optimize import linear_sum_assignment
 
 from fedlmc.matching import weight_matching
+from fedlmc.matching.problem import Fixed, Problem, canonical_state
 from fedlmc.matching.solvers import Int8Blocks, Int8Rows, sparse_assignment
 from fedlmc.matching.steps import similarity
-from fedlmc.matching.weight import Fixed, Problem, canonical_state, identity_elements
+from fedlmc.matching.weight import identity_elements
 from fedlmc.models import from_preset
 from fedlmc.options import Matching
 from fedlmc.symmetry import apply_transform, canonical_config, canonicalize, random_transform
@@ -422,9 +423,9 @@ def test_a_universe_iteration_takes_difference_products_for_near_replies(monkeyp
     """Where the difference form is allowed (here forced on a d-64 model) a universe iteration's near
     replies take it, and choose as float32 products do: the same kept identity or transform, the gains
     ``min_gain`` compares within 1 % of their size."""
-    import fedlmc.matching.weight as weight_module
+    import fedlmc.matching.problem as problem_module
 
-    monkeypatch.setattr(weight_module, "delta_crosses", lambda *a: True)
+    monkeypatch.setattr(problem_module, "delta_crosses", lambda *a: True)
     torch.manual_seed(0)
     cfg = dict(n_layer=2, d_model=64, n_head=4, d_ff=256, vocab_size=512, block_size=64)
     A = canonicalize(perturbed(from_preset("gpt2-tiny", **cfg), 0, 0.2)).float()
@@ -490,7 +491,7 @@ def test_auto_precision_takes_int8_scores_only_on_a_cpu_with_int8_but_no_bfloat1
     int8 dot products only; float32 otherwise; never for float64 problems or small FF groups. The
     problem built by "auto" then holds A's FF features as ``Int8Rows`` and matches as "int8" does."""
     from fedlmc.matching import solvers
-    from fedlmc.matching.weight import Fixed
+    from fedlmc.matching.problem import Fixed
 
     cpu = torch.device("cpu")
     for bf16, int8, fast, scores in [(True, True, torch.bfloat16, False), (False, True, torch.float32, True),
@@ -501,7 +502,7 @@ def test_auto_precision_takes_int8_scores_only_on_a_cpu_with_int8_but_no_bfloat1
         assert solvers.int8_scores(torch.float32, cpu, 1024) is scores
         assert not solvers.int8_scores(torch.float64, cpu, 1024) and not solvers.int8_scores(torch.float32, cpu, 512)
     monkeypatch.setattr(solvers, "int8_scores", lambda *a: True)  # a small model standing in for a large one
-    monkeypatch.setattr("fedlmc.matching.weight.int8_scores", lambda *a: True)
+    monkeypatch.setattr("fedlmc.matching.problem.int8_scores", lambda *a: True)
     A, B = _wide_pair(3)
     A, B = A.float(), B.float()
     F = Fixed(canonical_state(A, torch.device("cpu"), torch.float32), canonical_config(A.config), "auto")

@@ -27,7 +27,7 @@ from fedlmc.matching.optimise import (
     merged_pairs,
     merged_template,
 )
-from fedlmc.matching.weight import canonical_state
+from fedlmc.matching.problem import canonical_state
 from fedlmc.models import from_preset
 from fedlmc.options import Learning, OnClients, Refinement, Universe
 from fedlmc.symmetry import Transform, canonical_config, random_transform

@@ -13,9 +13,10 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
+from fedlmc.matching.problem import canonical_state
 from fedlmc.matching.solvers import assignment, grouped_assignment
 from fedlmc.matching.steps import apply_elements, gauge_step, residual_element
-from fedlmc.matching.weight import canonical_state, identity_elements
+from fedlmc.matching.weight import identity_elements
 from fedlmc.symmetry import Transform, canonical, canonical_config, spec_for
 
 

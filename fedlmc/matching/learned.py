@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from fedlmc.matching.optimise import Options, learn_alignments
-from fedlmc.matching.weight import canonical_state, weight_matching
+from fedlmc.matching.problem import canonical_state
+from fedlmc.matching.weight import weight_matching
 from fedlmc.options import Learning, Matching
 from fedlmc.symmetry import Transform, canonical_config, canonicalize, rebuild
 from fedlmc.train import pick_device
@@ -96,6 +97,11 @@ def learned_matching(
         opts=opts,
         label="learned matching",
     )
+    return Transform(got.elements[1], _learned_info(got, learning, perms_only, warm_start))
+
+
+def _learned_info(got, learning: Learning, perms_only: bool, warm_start: Transform) -> dict:
+    """A learned transform's record: the run's knobs, its loss trace, seconds, start and snapshots."""
     info = {
         "method": "learned",
         "perms_only": perms_only,
@@ -108,9 +114,9 @@ def learned_matching(
         "init": warm_start.info,
         "snapshots": {n: Transform(els[1]) for n, els in got.snapshots.items()},
     }
-    if got.relaxed:  # relax="sinkhorn": B aligned by the final soft maps (canonical, on ``dev``)
+    if got.relaxed:  # relax="sinkhorn": B aligned by the final soft maps (canonical)
         info["relaxed_state"] = got.relaxed[1]
-    return Transform(got.elements[1], info)
+    return info
 
 
 def relaxed_model(model_b: nn.Module, transform: Transform) -> nn.Module:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from fedlmc.matching.optimise import Options, is_remote, learn_alignments, learn_alignments_remote
-from fedlmc.matching.weight import canonical_state
+from fedlmc.matching.problem import canonical_state
 from fedlmc.options import Refinement
 from fedlmc.symmetry import Transform, canonical_config
 from fedlmc.train import pick_device

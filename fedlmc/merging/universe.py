@@ -373,19 +373,30 @@ def universe_merge(
     mem, start, aligned = _members_for(models, weights, start, keep_layernorm, reduce, u.ff_lift, u.head_lift)
     align = dict(matching=m, keep_layernorm=keep_layernorm, device=device)
     sc = scale if scale is not None else Scale()
-    parallel = sc.parallel and not mem.hetero and m.residual_data is None and aligned is None
-    if sc.parallel and not parallel and aligned is None:
-        log(INFO, "universe: aligning in this process (workers take same-shape models without residual data)")
-    if not parallel:
+    if not _in_workers(sc, mem, m, aligned):
         with fitting_threads():  # no more torch threads than idle cores (a busy host)
             return _merge(
                 mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress, aligned=aligned
             )
     with ReplyStore(sc.spool_dir) as store, AlignmentPool(sc) as pool:
-        if not all(isinstance(x, StoredModel) for x in models):  # the workers read the models from files
-            on_disk = [x if isinstance(x, StoredModel) else store.put(x) for x in models]
-            mem = Members(**{**mem.__dict__, "models": on_disk, "padded": Canonical(on_disk)})
+        mem = _on_disk(mem, models, store)  # the workers read the models from files
         return _merge(mem, start, anchor, align, refine, iterations, tol, form, reduce, trim, progress, pool, store)
+
+
+def _in_workers(sc: Scale, mem: "Members", m: Matching, aligned) -> bool:
+    """Whether worker processes align (same-shape models without residual data), said when they cannot."""
+    parallel = sc.parallel and not mem.hetero and m.residual_data is None and aligned is None
+    if sc.parallel and not parallel and aligned is None:
+        log(INFO, "universe: aligning in this process (workers take same-shape models without residual data)")
+    return parallel
+
+
+def _on_disk(mem: "Members", models: Sequence, store: ReplyStore) -> "Members":
+    """``mem`` with every model in memory written to ``store`` (the ones on disk already stay)."""
+    if all(isinstance(x, StoredModel) for x in models):
+        return mem
+    on_disk = [x if isinstance(x, StoredModel) else store.put(x) for x in models]
+    return Members(**{**mem.__dict__, "models": on_disk, "padded": Canonical(on_disk)})
 
 
 def _members_for(
