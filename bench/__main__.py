@@ -40,7 +40,7 @@ BENCHES: dict[str, Bench] = {
     ),
     "wm_trained": Bench(
         "weight matching on independently trained gpt2-tiny pairs (`--width` for wider): the barrier after "
-        "k iterations and at each `Matching.tol`, or at each product precision (`--precisions`)",
+        "k iterations and at each `Matching.descent_tol`, or at each product precision (`--precisions`)",
         "`results/bench_wm_stopping_gpt2-tiny{,_w256}.{json,png}`, `results/bench_precision_quality_gpt2-tiny.json`",
         "15–50 min",
     ),

@@ -2,7 +2,7 @@
 at each precision of its products (``--precisions``).
 
 Weight matching's coordinate descent stops when an iteration improves its objective by less than
-``Matching.tol`` (relative), or after ``Matching.iterations``. A looser stop saves whole iterations,
+``Matching.descent_tol`` (relative), or after ``Matching.descent_iterations``. A looser stop saves whole iterations,
 each of which costs the same on a GPT-2-small pair; this bench says what it costs in quality. Models
 of a preset (default gpt2-tiny on Tiny Shakespeare, trained once per seed and cached) are matched in
 pairs as float32 problems:
@@ -143,14 +143,14 @@ def main() -> None:
         ca, cb = canonicalize(models[sa]), canonicalize(models[sb])
         row = {"seeds": [sa, sb], "iterations": {}, "tols": {}}
         for k in range(1, args.max_iterations + 1):
-            r = matched(ca, cb, splits, Matching(iterations=k, tol=0.0, **base), args.max_batches)
+            r = matched(ca, cb, splits, Matching(descent_iterations=k, descent_tol=0.0, **base), args.max_batches)
             row["iterations"][str(k)] = r
             print(
                 f"seeds {sa},{sb} {k:>2d} iterations: barrier {r['barrier']:.4f}  objective {r['objective']:.4f}",
                 flush=True,
             )
         for tol in args.tols:
-            r = matched(ca, cb, splits, Matching(tol=tol, **base), args.max_batches)
+            r = matched(ca, cb, splits, Matching(descent_tol=tol, **base), args.max_batches)
             row["tols"][repr(tol)] = r
             print(
                 f"seeds {sa},{sb} tol {tol:g}: {r['iterations']} iterations, barrier {r['barrier']:.4f}  "
@@ -158,7 +158,7 @@ def main() -> None:
                 flush=True,
             )
         pairs.append(row)
-    default = repr(Matching().tol)
+    default = repr(Matching().descent_tol)
     deltas = {
         t: [r["tols"][t]["barrier"] - r["tols"][default]["barrier"] for r in pairs]
         for t in map(repr, args.tols)
@@ -168,7 +168,7 @@ def main() -> None:
         **models_record(args, over),
         **environment(),
         "gemm_seconds": gemm_seconds(),
-        "default_tol": Matching().tol,
+        "default_tol": Matching().descent_tol,
         "pairs": pairs,
         "barrier_minus_default": deltas,
         "max_abs_barrier_minus_default": {t: max(abs(d) for d in v) for t, v in deltas.items()},

@@ -41,7 +41,7 @@ FF_LIFTS = ("zeros", "split")  # how a narrower FF enters a wider universe (Univ
 FORMS = ("factored", "circuit")
 REDUCES = ("mean", "median", "trimmed")
 ANCHORS = ("heaviest", "central")
-DISTILL_STARTS = ("average", "merge")  # Distill.start: FedAvg's mean (FedDF), or the strategy's own merge
+DISTILL_STUDENTS = ("average", "merge")  # Distill.student: FedAvg's mean (FedDF), or the strategy's own merge
 TEACHERS = ("logits", "probabilities")  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
 
 
@@ -65,10 +65,10 @@ class Matching:
     gauge : {"orthogonal", "invertible", None}, default "orthogonal"
         How the intra-head QK / OV gauges are aligned (the factored merge needs them): Procrustes, least
         squares (recovers any invertible gauge), or not at all.
-    iterations : int, default 15
+    descent_iterations : int, default 15
         At most this many coordinate-descent iterations of one alignment (a universe's own iterations
         are ``Universe.iterations``).
-    tol : float, default 2e-3
+    descent_tol : float, default 2e-3
         A descent stops when an iteration improves its objective by less than this (relative).
     keep_identity : bool, default True
         Also score the identity transform (plain averaging) and return it when the descent found nothing
@@ -106,8 +106,8 @@ class Matching:
 
     residual: str = "orthogonal"
     gauge: Optional[str] = "orthogonal"
-    iterations: int = 15
-    tol: float = 2e-3
+    descent_iterations: int = 15
+    descent_tol: float = 2e-3
     keep_identity: bool = True
     min_gain: float = 0.0
     ff_candidates: Optional[int] = 64
@@ -120,8 +120,8 @@ class Matching:
         one_of(self.residual, RESIDUALS, "residual")
         one_of(self.gauge, GAUGES, "gauge")
         one_of(self.precision, PRECISIONS, "precision")
-        if self.iterations < 1:
-            raise ValueError(f"iterations must be at least 1, got {self.iterations}")
+        if self.descent_iterations < 1:
+            raise ValueError(f"descent_iterations must be at least 1, got {self.descent_iterations}")
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain is a fraction of the identity's objective in [0, 1), got {self.min_gain}")
 
@@ -527,11 +527,11 @@ class Distill:
         quarter for the checks, as the refinement's (``check_data``).
     check_data : data set or None, default None
         Held-out batches the checks score (default: ``data``).
-    start : {"average", "merge"}, default "merge"
-        The student's start: the replies' plain weighted mean (FedDF), or the strategy's own aggregate
-        (the aligned or refined merge).
+    student : {"average", "merge"}, default "merge"
+        Where the student starts: the replies' plain weighted mean (FedDF), or the strategy's own
+        aggregate (the aligned or refined merge).
     refine : Refinement or None, default None
-        With ``start="merge"``: refine the aligned merge on this first (``RefinedFedAvg``'s refinement);
+        With ``student="merge"``: refine the aligned merge on this first (``RefinedFedAvg``'s refinement);
         None distils from the weight-matched merge.
     steps : int, default 100
         At most this many Adam steps on the student's weights (the refinement's budget).
@@ -556,7 +556,7 @@ class Distill:
 
     data: Any = None
     check_data: Any = None
-    start: str = "merge"
+    student: str = "merge"
     refine: Optional[Refinement] = None
     steps: int = 100
     lr: float = 3e-4
@@ -569,12 +569,12 @@ class Distill:
     patience: int = 2
 
     def __post_init__(self) -> None:
-        one_of(self.start, DISTILL_STARTS, "distillation start")
+        one_of(self.student, DISTILL_STUDENTS, "distillation student")
         one_of(self.teacher, TEACHERS, "teacher")
         if self.steps < 0 or self.check_every < 0 or self.temperature <= 0 or self.lr <= 0:
             raise ValueError(
                 "Distill needs steps, check_every >= 0 and temperature, lr > 0: got "
                 f"{self.steps}, {self.check_every}, {self.temperature}, {self.lr}"
             )
-        if self.refine is not None and self.start != "merge":
-            raise ValueError("Distill(refine=...) refines the merge the student starts from: start must be 'merge'")
+        if self.refine is not None and self.student != "merge":
+            raise ValueError("Distill(refine=...) refines the merge the student starts from: student must be 'merge'")

@@ -4,6 +4,7 @@ parameter lists, and a wheel that installs only the library."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 from dataclasses import fields
@@ -173,3 +174,86 @@ def test_the_fab_carries_the_apps_and_not_the_library(tmp_path):
     names = zipfile.ZipFile(next(out.glob("*.fab"))).namelist()
     assert {"clients/app.py", "server/app.py", "server/comparison.py", "strategies/factory.py"} <= set(names)
     assert not [n for n in names if n.startswith(("fedlmc/", "simulations/", "tests/"))], names
+
+
+# names more than one option object uses, each with one meaning wherever it appears
+SHARED = {
+    "batch_size": "examples per optimisation step of the object's own loop",
+    "batches": "how many batches of the object's data are scored",
+    "check_batches": "held-out batches each check scores",
+    "check_data": "the held-out data the checks score",
+    "check_every": "steps between two checks",
+    "check_sigmas": "standard errors an improvement must exceed",
+    "data": "the server-side data set the object learns or scores on",
+    "device": "where the object's tensors live (CUDA when present)",
+    "loss_fn": "the loss of a batch's logits and targets",
+    "lr": "the learning rate of the object's own optimiser",
+    "method": "which variant of the object's algorithm",
+    "patience": "checks in a row without improvement before stopping",
+    "perm_lr": "the permutation latents' learning rate",
+    "relax": "how permutations are relaxed while learning",
+    "schedule": "the learning-rate schedule",
+    "seed": "seeds the object's randomness",
+    "steps": "at most this many optimisation steps",
+    "tau": "the Sinkhorn relaxation's temperature",
+}
+
+
+def _option_objects():
+    import fedlmc.baselines as baselines
+    import fedlmc.options as options
+    from fedlmc.train import TrainConfig
+
+    found = [getattr(options, n) for n in dir(options) if n[:1].isupper()]
+    found += [getattr(baselines, n) for n in baselines.__all__]
+    return [c for c in found if dataclasses.is_dataclass(c) and isinstance(c, type)] + [TrainConfig]
+
+
+def test_one_name_one_meaning_across_the_option_objects():
+    """A field name two option objects share is one meaning (SHARED says which); `iterations`, `tol`,
+    `residual`, `start` each name one thing (the universe's iterations and tolerance, the residual
+    group, the universe's start), and `optimizer` is the one spelling."""
+    import collections
+
+    users = collections.defaultdict(set)
+    for cls in _option_objects():
+        for f in dataclasses.fields(cls):
+            users[f.name].add(cls.__name__)
+    collisions = {n: sorted(c) for n, c in users.items() if len(c) > 1 and n not in SHARED}
+    assert collisions == {}, collisions
+    assert users["iterations"] == {"Universe"} and users["tol"] == {"Universe"} and users["start"] == {"Universe"}
+    assert users["residual"] == {"Matching"}
+    spelled = {n for _, _, names in _public_functions() for n in names if "optimiser" in n}
+    assert not spelled and not any("optimiser" in n for n in users), spelled
+
+
+def test_one_name_one_meaning_from_run_config_to_the_options():
+    """A run_config key named as an option field fills that field (one meaning, one default), and so does
+    a strategy's own key (its doc names the field)."""
+    from fedlmc.federated import Settings
+    from fedlmc.strategies.registry import all_keys
+
+    by_name: dict[str, list[str]] = {}
+    for cls in _option_objects():
+        for f in dataclasses.fields(cls):
+            by_name.setdefault(f.name, []).append(cls.__name__)
+    fills = {
+        "iterations": "Universe",
+        "residual": "Matching",
+        "min_gain": "Matching",
+        "ff_scale": "Matching",
+        "reduce": "Robust",
+        "trim": "Robust",
+        "malicious": "Screen",
+        "guard": "OnClients",
+        **{k: "Scale" for k in ("device", "threads", "workers", "spool", "spool_dir", "ray_address")},
+        **{k: "TrainConfig" for k in ("lr", "batch_size", "seed", "proximal_mu")},
+        "alpha": "Refinement",  # SHARED: a Dirichlet concentration (the partitioner's; the merge weights')
+    }
+    for f in dataclasses.fields(Settings):
+        if f.name in by_name:
+            assert fills.get(f.name) in by_name[f.name], (f.name, by_name[f.name])
+    for name, key in all_keys().items():  # a strategy's key named as a field is that field, and says so
+        field_name = name.replace("-", "_")
+        if field_name in by_name:
+            assert any(f"`{c}.{field_name}`" in key.doc for c in by_name[field_name]), (name, key.doc)

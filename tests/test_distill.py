@@ -64,10 +64,10 @@ def test_distillation_lowers_the_held_out_loss_to_the_ensemble_and_never_returns
 
 
 def test_distill_options_refuse_what_no_run_could_use():
-    with pytest.raises(ValueError, match="start"):
-        Distill(start="median")
+    with pytest.raises(ValueError, match="student"):
+        Distill(student="median")
     with pytest.raises(ValueError, match="merge"):
-        Distill(start="average", refine=Refinement())
+        Distill(student="average", refine=Refinement())
     with pytest.raises(ValueError, match="data"):
         distill(_model(0), [_model(1)], Distill(), device="cpu")
 

@@ -139,7 +139,7 @@ def test_profiling_reports_the_ff_candidate_graphs_apart_from_the_solves():
 )
 def test_weight_matching_records_what_its_ff_scores_were(precision, dtype, expected):
     A, B = _wide_pair()
-    T = weight_matching(A, B, Matching(precision=precision, dtype=dtype, iterations=1))
+    T = weight_matching(A, B, Matching(precision=precision, dtype=dtype, descent_iterations=1))
     assert T.info["ff_scores"] == expected
 
 
@@ -147,7 +147,7 @@ def test_one_pass_objective_and_cross_covariance_match_the_direct_ones():
     """The descent's trace comes from ``moving_objective`` on the transformed B; its last value must be
     the objective of the returned elements computed from scratch."""
     A, B = _wide_pair(1)
-    T = weight_matching(A, B, Matching(keep_identity=False, iterations=3))
+    T = weight_matching(A, B, Matching(keep_identity=False, descent_iterations=3))
     P = Problem(
         canonical_state(A, torch.device("cpu"), torch.float64),
         canonical_state(B, torch.device("cpu"), torch.float64),
@@ -234,7 +234,7 @@ def test_a_descent_with_the_moved_units_cross_is_the_one_without(monkeypatch):
     torch.manual_seed(0)
     kw = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=20, block_size=16)
     A, B = from_preset("gpt2-tiny", **kw), from_preset("gpt2-tiny", **kw)
-    m = Matching(keep_identity=False, dtype=torch.float64, tol=1e-6, iterations=8)
+    m = Matching(keep_identity=False, dtype=torch.float64, descent_tol=1e-6, descent_iterations=8)
     used = []
     moved = Problem._moved_units_cross
     monkeypatch.setattr(Problem, "_moved_units_cross", lambda self, *a: used.append(moved(self, *a)) or used[-1])
@@ -456,7 +456,9 @@ def test_the_fast_path_finds_the_exact_paths_permutations_on_a_planted_model_at_
     A, B = _wide_pair(3)
     A, B = A.float(), B.float()
     fast = weight_matching(A, B, Matching(precision=precision, ff_candidates=16))  # 256 FF neurons: candidates
-    exact = weight_matching(A, B, Matching(precision="exact", ff_candidates=None, tol=1e-6, iterations=30))
+    exact = weight_matching(
+        A, B, Matching(precision="exact", ff_candidates=None, descent_tol=1e-6, descent_iterations=30)
+    )
     perms = [k for k, v in exact.elements.items() if not v.is_floating_point()]
     assert any(k.startswith("ff.") for k in perms)
     assert all(torch.equal(fast[k], exact[k]) for k in perms)

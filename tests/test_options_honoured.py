@@ -40,7 +40,7 @@ def task_identity(monkeypatch):
 
 NO_ROBUST = {
     "KrumFedAvg": lambda **kw: KrumFedAvg(**kw),
-    "ServerOptFedAvg": lambda **kw: ServerOptFedAvg(optimiser=FedAdam(), **kw),
+    "ServerOptFedAvg": lambda **kw: ServerOptFedAvg(optimizer=FedAdam(), **kw),
     "TaskVectorFedAvg": lambda **kw: TaskVectorFedAvg(merge=TaskMerge(), **kw),
     "ScaffoldFedAvg": lambda **kw: ScaffoldFedAvg(**kw),
     "OTFusionFedAvg": lambda **kw: OTFusionFedAvg(fusion=OTFusion(), **kw),

@@ -137,7 +137,7 @@ def test_soft_fusion_is_between_the_models_and_the_options_are_checked():
     x = _inputs("vit-tiny", g)
     assert torch.isfinite(fused(x)).all()
     with pytest.raises(ValueError, match="residual policy"):
-        OTFusion(residual="max")
+        OTFusion(residual_policy="max")
     for other in ("llama-tiny", "neox-tiny"):  # rotary positions, no position table: refused up front
         with pytest.raises(ValueError, match="GPT-2 and ViT"):
             ot_align(from_preset(other, n_layer=1, d_model=16, n_head=2, d_ff=32, vocab_size=11, block_size=8), model)

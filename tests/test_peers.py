@@ -62,7 +62,7 @@ def test_fedprox_sends_flowers_config_and_aggregates_as_fedavg():
 
 def test_fedavgm_at_server_learning_rate_one_and_no_momentum_is_fedavg():
     arrays = ArrayRecord([np.zeros((2, 3), np.float32), np.zeros(4, np.float32)])
-    strategy = ServerOptFedAvg(optimiser=FedAvgM(server_learning_rate=1.0))
+    strategy = ServerOptFedAvg(optimizer=FedAvgM(server_learning_rate=1.0))
     list(strategy.configure_train(1, arrays, ConfigRecord({}), Grid(3)))
     replies = _replies(3, seed=6)
     got, _ = strategy.aggregate_train(1, _copies(replies))
@@ -74,7 +74,7 @@ def test_server_optimisers_are_flowers_over_rounds(optimiser):
     """Two rounds of the same replies: ours (validation, history) and Flower's own strategy agree, the
     optimiser's state (momentum, moments) carried across rounds."""
     arrays = ArrayRecord([np.ones((2, 3), np.float32), np.ones(4, np.float32)])
-    ours, flower = ServerOptFedAvg(optimiser=optimiser()), optimiser()
+    ours, flower = ServerOptFedAvg(optimizer=optimiser()), optimiser()
     for rnd in (1, 2):
         replies = _replies(3, seed=10 + rnd)
         list(ours.configure_train(rnd, arrays, ConfigRecord({}), Grid(3)))
@@ -94,7 +94,7 @@ def test_the_peers_are_registered_strategies():
     assert isinstance(got, FedProxFedAvg) and got.proximal_mu == 0.1
     for name, cls in (("fedavgm", FedAvgM), ("fedadam", FedAdam), ("fedyogi", FedYogi)):
         got = build(Settings.from_run_config({"strategy": name}), model.config.to_dict(), None)
-        assert isinstance(got, ServerOptFedAvg) and type(got.optimiser) is cls
+        assert isinstance(got, ServerOptFedAvg) and type(got.optimizer) is cls
 
 
 class _Recording(Grid):
@@ -129,8 +129,8 @@ def test_any_strategys_clients_get_the_proximal_term_from_the_run_config(tmp_pat
 def test_the_server_optimisers_take_their_knobs_from_the_run_config():
     model = from_preset("vit-digits")
     got = build(Settings.from_run_config({"strategy": "fedadam", "server-lr": 0.003}), model.config.to_dict(), None)
-    assert got.optimiser.eta == 0.003
+    assert got.optimizer.eta == 0.003
     got = build(Settings.from_run_config({"strategy": "fedavgm", "server-momentum": 0.9}), model.config.to_dict(), None)
-    assert got.optimiser.server_momentum == 0.9 and got.optimiser.server_learning_rate == 1.0
+    assert got.optimizer.server_momentum == 0.9 and got.optimizer.server_learning_rate == 1.0
     with pytest.raises(ValueError, match="server-momentum"):
         Settings.from_run_config({"strategy": "fedavgm", "server-momentum": 1.0})

@@ -1,5 +1,5 @@
 """FedDF (Lin et al., NeurIPS 2020): FedAvg's mean distilled toward the replies' output ensemble on the
-server's unlabelled data; ``DistilledFedAvg`` with ``Distill(start="average")``."""
+server's unlabelled data; ``DistilledFedAvg`` with ``Distill(student="average")``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fedlmc.strategies.registry import Build, register
     "feddf",
     summary="FedDF, FedAvg's mean distilled toward the replies' ensemble on the server's unlabelled data",
     server_data=True,
-    example='DistilledFedAvg(model=model, distill=Distill(data=data, start="average"))',
+    example='DistilledFedAvg(model=model, distill=Distill(data=data, student="average"))',
     keys=DISTILL_KEYS,
 )
 def _feddf(b: Build):

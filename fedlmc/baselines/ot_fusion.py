@@ -39,7 +39,7 @@ from fedlmc.strategies.registry import Build, register
 
 Maps = dict[str, torch.Tensor]
 
-RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual: how maps meet at a residual sum
+RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual_policy: how maps meet at a residual sum
 OT_COSTS = ("weights", "activations")  # OTFusion.cost
 
 
@@ -55,10 +55,10 @@ class OTFusion:
         Sinkhorn's entropic regularisation of each transport problem (costs are scaled to at most 1):
         soft maps. 0: exact optimal transport, which between equal numbers of units with uniform mass is
         a permutation (hard maps).
-    residual : {"mean", "transported", "residual"}, default "mean"
+    residual_policy : {"mean", "transported", "residual"}, default "mean"
         At a residual sum the stream's map becomes the mean of the skip's map and the block output's
         ("mean", the paper's), the block output's ("transported") or the skip's ("residual").
-    iterations : int, default 2000
+    sinkhorn_iterations : int, default 2000
         At most this many Sinkhorn iterations per map (it stops once the marginals match to 1e-9).
     cost : {"weights", "activations"}, default "weights"
         What the transport costs compare: each layer's weight rows, or its output units' activations on
@@ -70,17 +70,19 @@ class OTFusion:
     """
 
     reg: float = 0.06
-    residual: str = "mean"
-    iterations: int = 2000
+    residual_policy: str = "mean"
+    sinkhorn_iterations: int = 2000
     cost: str = "weights"
     data: Any = None
     samples: int = 1024
 
     def __post_init__(self) -> None:
-        one_of(self.residual, RESIDUAL_POLICIES, "residual policy")
+        one_of(self.residual_policy, RESIDUAL_POLICIES, "residual policy")
         one_of(self.cost, OT_COSTS, "OT fusion cost")
-        if self.reg < 0 or self.iterations < 1:
-            raise ValueError(f"OTFusion needs reg >= 0 and iterations >= 1, got {self.reg} and {self.iterations}")
+        if self.reg < 0 or self.sinkhorn_iterations < 1:
+            raise ValueError(
+                f"OTFusion needs reg >= 0 and sinkhorn_iterations >= 1, got {self.reg} and {self.sinkhorn_iterations}"
+            )
 
 
 def ground_cost(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -122,7 +124,7 @@ def transport(cost: torch.Tensor, reg: float, iterations: int = 2000) -> torch.T
 
 def unit_map(cost: torch.Tensor, options: OTFusion) -> torch.Tensor:
     """The transport plan scaled by the number of units: each anchor unit's column sums to one."""
-    return transport(cost, options.reg, options.iterations) * cost.shape[0]
+    return transport(cost, options.reg, options.sinkhorn_iterations) * cost.shape[0]
 
 
 def _linear(w, b, anchor_w, t_in, options, last=False, acts=None):
@@ -194,7 +196,7 @@ def _embeddings(sd: dict, anchor: dict, out: dict, options: OTFusion, acts=None)
             acts=_of(acts, "patch_emb"),
         )
         out["patch_emb.weight"], out["patch_emb.bias"] = w, b
-    t_res = _meet(t_pos, t_in, options.residual)
+    t_res = _meet(t_pos, t_in, options.residual_policy)
     if "cls_token" in sd:
         out["cls_token"] = sd["cls_token"] @ t_res
     return t_res
@@ -230,7 +232,7 @@ def _block(sd: dict, anchor: dict, out: dict, i: int, t_res: torch.Tensor, optio
         options,
         acts=_of(acts, key),
     )
-    t_res = _meet(t_res, maps[key], options.residual)
+    t_res = _meet(t_res, maps[key], options.residual_policy)
     _norm(sd, out, p + "ln2", t_res)
     t_in = t_res
     for name in ("fc1", "fc2"):
@@ -239,7 +241,7 @@ def _block(sd: dict, anchor: dict, out: dict, i: int, t_res: torch.Tensor, optio
             sd[key + ".weight"], sd.get(key + ".bias"), anchor[key + ".weight"], t_in, options, acts=_of(acts, key)
         )
         t_in = maps[key]
-    return _meet(t_res, t_in, options.residual)
+    return _meet(t_res, t_in, options.residual_policy)
 
 
 def ot_align(

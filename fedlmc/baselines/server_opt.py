@@ -22,23 +22,23 @@ class ServerOptFedAvg(MeanFedAvg):
 
     Parameters
     ----------
-    optimiser : flwr.serverapp.strategy.FedAvgM or FedOpt (FedAdam, FedYogi, FedAdagrad)
+    optimizer : flwr.serverapp.strategy.FedAvgM or FedOpt (FedAdam, FedYogi, FedAdagrad)
         The Flower strategy whose aggregation is used, with its hyper-parameters (``FedAdam(eta=0.01)``).
     **kwargs
         ``FedlmcStrategy``'s and Flower's ``FedAvg``'s parameters.
     """
 
-    def __init__(self, *, optimiser: Any, **kwargs: Any) -> None:
+    def __init__(self, *, optimizer: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not isinstance(optimiser, (FedAvgM, FedOpt)):
-            raise ValueError(f"optimiser must be Flower's FedAvgM, FedAdam, FedYogi or FedAdagrad, got {optimiser!r}")
-        self.optimiser = optimiser
+        if not isinstance(optimizer, (FedAvgM, FedOpt)):
+            raise ValueError(f"optimizer must be Flower's FedAvgM, FedAdam, FedYogi or FedAdagrad, got {optimizer!r}")
+        self.optimizer = optimizer
 
     def _step(self, server_round: int, replies: list) -> ArrayRecord:
         """The optimiser's aggregate of ``replies``, stepping from the global model sent this round."""
         if self._previous is None:
             raise RuntimeError(f"{type(self).__name__} steps from the global model: configure_train first")
-        opt = self.optimiser
+        opt = self.optimizer
         if isinstance(opt, FedOpt):
             opt.current_arrays = {k: a.numpy() for k, a in self._previous.items()}
         else:
@@ -47,11 +47,11 @@ class ServerOptFedAvg(MeanFedAvg):
         return arrays
 
     def combine(self, server_round, replies, models, weights):
-        name = type(self.optimiser).__name__.lower()
+        name = type(self.optimizer).__name__.lower()
         return self.model_of(self._step(server_round, replies)), {"kept": name}, None
 
     def combine_arrays(self, server_round, replies, weights):
-        return self._step(server_round, replies), {"kept": type(self.optimiser).__name__.lower()}
+        return self._step(server_round, replies), {"kept": type(self.optimizer).__name__.lower()}
 
 
 SERVER_LR = Key(
@@ -74,12 +74,12 @@ def _server_opt(name: str, summary: str) -> None:
 
     keys = (SERVER_LR, SERVER_MOMENTUM) if name == "FedAvgM" else (SERVER_LR,)
 
-    @register(name.lower(), summary=summary, example=f"ServerOptFedAvg(optimiser={name}())", keys=keys)
+    @register(name.lower(), summary=summary, example=f"ServerOptFedAvg(optimizer={name}())", keys=keys)
     def _build(b: Build):
         server_lr = b.key("server-lr")
         lr = {"server_learning_rate" if name == "FedAvgM" else "eta": server_lr} if server_lr > 0 else {}
         momentum = {"server_momentum": b.key("server-momentum")} if name == "FedAvgM" else {}
-        return ServerOptFedAvg(**b.common(), optimiser=getattr(flower, name)(**lr, **momentum))
+        return ServerOptFedAvg(**b.common(), optimizer=getattr(flower, name)(**lr, **momentum))
 
 
 _server_opt("FedAvgM", "FedAvg with server momentum (Flower's; `server-momentum`)")

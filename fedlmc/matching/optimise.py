@@ -222,7 +222,7 @@ class Alignments:
         self.ref = reference if reference is not None else self.fixed_state
         self.read = {m.param for kind in ("qk", "ov") for g in self.spec.layer_groups(kind) for m in g.members}
 
-    def optimiser(self) -> torch.optim.Optimizer:
+    def optimizer(self) -> torch.optim.Optimizer:
         learn = self.opts.learn
         groups = [{"params": [v for la in self.lat if la for v in la.p.values()], "lr": learn.perm_lr}]
         if self.opts.learn_residual:
@@ -329,7 +329,7 @@ def learn_alignments(
             return check is not None and check.after(n)
 
         gradient = _local_gradient(states, cfg, data, opts, al.align_all, sample_weights)
-        trace, _ = _descend(opts, al.optimiser(), gradient, label, on_step)
+        trace, _ = _descend(opts, al.optimizer(), gradient, label, on_step)
         relaxed = al.relaxed() if opts.keep_relaxed and learn.relax == "sinkhorn" else []
         if check is None:
             return Learned(al.exact(), trace, time.time() - t0, snaps, {}, len(trace), relaxed=relaxed)
@@ -573,7 +573,7 @@ def learn_alignments_remote(
                 stopped = f"check at step {n}: too few answers"
             return check.failed or check.stale >= learn.patience
 
-        trace, failed = _descend(opts, al.optimiser(), gradient, label, on_step)
+        trace, failed = _descend(opts, al.optimizer(), gradient, label, on_step)
         stopped = stopped or failed
         if check is None:
             out = Learned(al.exact(), trace, time.time() - t0, {}, {}, len(trace))

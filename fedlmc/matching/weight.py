@@ -301,11 +301,11 @@ def _descent_options(m: Matching, keep_layernorm: bool, residual_acts, dev, dtyp
         residual=m.residual,
         keep_layernorm=keep_layernorm,
         gauge=m.gauge,
-        iterations=m.iterations,
+        iterations=m.descent_iterations,
         M_extra=Mx,
         extra_weight=1.0 if Mx is not None else 0.0,
         candidates=m.ff_candidates,
-        tol=m.tol,
+        tol=m.descent_tol,
     )
 
 

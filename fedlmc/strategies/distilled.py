@@ -2,7 +2,7 @@
 server or by the clients.
 
 ``DistilledFedAvg`` builds its start as ``AlignedFedAvg`` does (or as ``RefinedFedAvg`` does, with
-``distill.refine``), or takes the replies' plain mean (``distill.start="average"``: FedDF, Lin et al.,
+``distill.refine``), or takes the replies' plain mean (``distill.student="average"``: FedDF, Lin et al.,
 NeurIPS 2020), then trains it toward the replies' outputs (``fedlmc.merging.distill``): on the server's
 unlabelled data toward their ensemble, or, with no server data, by the clients, each on its own data
 toward the model it trained this round (``on_clients``). The do-no-harm guard then compares the
@@ -64,7 +64,7 @@ class DistilledFedAvg(AlignedFedAvg):
 
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
-        if self.distill.start == "average":  # FedDF: distil FedAvg's mean
+        if self.distill.student == "average":  # FedDF: distil FedAvg's mean
             start = self.plain(models, weights)
             fields: dict[str, Any] = {"kept": "average"}
         else:
@@ -107,12 +107,12 @@ DISTILL_TEMPERATURE = Key(
 DISTILL_KEYS = (DISTILL_STEPS, DISTILL_LR, DISTILL_TEMPERATURE)
 
 
-def distilled_strategy(b: Build, start: str, refine: bool = False, on_clients: bool = False):
+def distilled_strategy(b: Build, student: str, refine: bool = False, on_clients: bool = False):
     s = b.settings
     data = None if on_clients else b.halves()[0]  # the refinement's half: the same data, the same budget of steps
     options = Distill(
         data=data,
-        start=start,
+        student=student,
         refine=s.refinement(data) if refine else None,
         steps=b.key("distill-steps"),
         lr=b.key("distill-lr"),
