@@ -8,6 +8,7 @@ from typing import Any, Optional
 from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
+from fedlmc.strategies.base import node_of
 from fedlmc.strategies.fedavg import MeanFedAvg
 from fedlmc.strategies.registry import Build, register
 
@@ -55,7 +56,7 @@ class KrumFedAvg(MeanFedAvg):
         f = self.num_malicious_nodes
         select = self.num_nodes_to_select or max(1, len(replies) - f)
         chosen = {id(c) for c in select_multikrum(contents, num_malicious_nodes=f, num_nodes_to_select=select)}
-        nodes = [int(m.metadata.src_node_id) for m in replies]
+        nodes = [node_of(m) for m in replies]
         left_out = [i for i, c in enumerate(contents) if id(c) not in chosen]
         for i in left_out:
             self.exclude(server_round, nodes[i], f"Krum (raw coordinates, f={f}): not among the {select} selected")

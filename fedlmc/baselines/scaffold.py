@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from safetensors.torch import load, save
 
 from fedlmc.options import one_of
+from fedlmc.strategies.base import node_of
 from fedlmc.strategies.fedavg import MeanFedAvg
 from fedlmc.strategies.keys import Key
 from fedlmc.strategies.knobs import ClientKnob, ConfirmedKnobs
@@ -186,11 +187,11 @@ class ScaffoldFedAvg(ConfirmedKnobs, MeanFedAvg):
         for msg, w in zip(replies, weights):
             rec = msg.content.config_records.get(CONTROL_KEY)
             if rec is None or "delta" not in rec:
-                missing.append(int(msg.metadata.src_node_id))
+                missing.append(node_of(msg))
                 continue
             deltas.append((w / total, unpack(rec["delta"])))
             if not rec.get("had-variate", True):
-                fresh.append(int(msg.metadata.src_node_id))
+                fresh.append(node_of(msg))
         share = len(replies) / max(self._nodes, len(replies))
         for name in set().union(*(d for _, d in deltas)):
             mean = sum(w * d[name] for w, d in deltas if name in d)

@@ -249,7 +249,7 @@ class AlignedFedAvg(FedlmcStrategy):
         elif guarded:
             losses, cost = score_on_clients(
                 self.require_grid(),
-                self.round.nodes,
+                self._known_nodes("scoring the guard on the clients"),
                 {"aligned": self.arrays_of(merged), "average": self.arrays_of(plain)},
                 self._with_config(ConfigRecord({"server-round": server_round})),
                 self.on_clients,
@@ -382,7 +382,7 @@ def client_losses(strategy, options, target: str = "") -> ClientLosses:
     check batches and seed; ``target``: ``ClientLosses``')."""
     return ClientLosses(
         strategy.require_grid(),
-        strategy.round.nodes,
+        strategy._known_nodes("asking the clients for the refinement"),
         strategy.on_clients,
         options.batch_size,
         options.check_batches,

@@ -394,7 +394,7 @@ class FedlmcStrategy(FedAvg):
         if self.global_config is None:
             self.global_config = models[0].config.to_dict()
         t0 = time.time()
-        self.round = RoundState(server_round, [int(m.metadata.src_node_id) for m in valid])
+        self.round = RoundState(server_round, [node_of(m) for m in valid])
         try:
             with torch_threads(self.scale.threads) as threads:
                 result, fields, plain = self.combine(server_round, valid, models, weights)
@@ -404,9 +404,7 @@ class FedlmcStrategy(FedAvg):
 
     def _recorded(self, server_round, valid, models, result, fields, plain, threads, t0):
         """The round's record (with the report's scores), its train metrics and the aggregate's arrays."""
-        record = self.round_record(
-            server_round, nodes=[m.metadata.src_node_id for m in valid], threads=threads, **fields
-        )
+        record = self.round_record(server_round, nodes=[node_of(m) for m in valid], threads=threads, **fields)
         record.setdefault("align_seconds", time.time() - t0)
         self.report(record, models, result, plain)
         record["seconds"] = time.time() - t0
@@ -440,7 +438,7 @@ class FedlmcStrategy(FedAvg):
                     max_norm_ratio=self.checks.max_norm_ratio,
                 )
             except InvalidReply as e:
-                self.exclude(server_round, msg.metadata.src_node_id, str(e))
+                self.exclude(server_round, node_of(msg), str(e))
                 continue
             shapes = shapes or {k: tuple(v.shape) for k, v in sd.items()}
             kept.append(msg)
@@ -451,7 +449,7 @@ class FedlmcStrategy(FedAvg):
         t0 = time.time()
         arrays, fields = self.combine_arrays(server_round, kept, weights)
         metrics = self.train_metrics_aggr_fn([m.content for m in kept], self.weighted_by_key)
-        record = self.round_record(server_round, nodes=[m.metadata.src_node_id for m in kept], plain=True, **fields)
+        record = self.round_record(server_round, nodes=[node_of(m) for m in kept], plain=True, **fields)
         record.update(align_seconds=time.time() - t0, train_metrics=dict(metrics) if metrics is not None else {})
         self.history.append(record)
         self._returned = arrays
@@ -498,7 +496,7 @@ class FedlmcStrategy(FedAvg):
                     raise InvalidReply(read)
                 model, w = read if read is not None else self.read_reply(msg, ref_norm)
             except (InvalidReply, ReplyError) as e:
-                self.exclude(server_round, msg.metadata.src_node_id, str(e))
+                self.exclude(server_round, node_of(msg), str(e))
                 continue
             kept.append(msg)
             models.append(model)
@@ -511,16 +509,14 @@ class FedlmcStrategy(FedAvg):
         """The replies that are not errors, with the failed messages logged and recorded, and who each
         node is (the partition its client declares)."""
         ok, failed = self._check_and_log_replies(list(replies), is_train=True, validate=False)
-        self._failures = [{"node": m.metadata.src_node_id, "reason": str(m.error.reason)} for m in failed]
-        self._partitions = {
-            str(m.metadata.src_node_id): p for m in ok for p in [declared_partition(m)] if p is not None
-        }
+        self._failures = [{"node": node_of(m), "reason": str(m.error.reason)} for m in failed]
+        self._partitions = {str(node_of(m)): p for m in ok for p in [declared_partition(m)] if p is not None}
         log(
             INFO,
             "%s round %d: replies from nodes %s; failures from nodes %s",
             type(self).__name__,
             server_round,
-            sorted(m.metadata.src_node_id for m in ok) or "none",
+            sorted(str(node_of(m)) for m in ok) or "none",
             [f["node"] for f in self._failures] or "none",
         )
         return ok
@@ -568,7 +564,7 @@ class FedlmcStrategy(FedAvg):
         if self.store is None:
             return model.eval(), w
         # with a store, the reply waits on disk and is read back (memory-mapped) when needed
-        handle = self.store.put(model, f"node-{msg.metadata.src_node_id}")
+        handle = self.store.put(model, f"node-{node_of(msg)}")
         if seen is not None:
             seen(handle, model.eval(), w)
         return handle, w
@@ -589,6 +585,15 @@ class FedlmcStrategy(FedAvg):
             "failures": self._failures,
             **({"partitions": self._partitions} if self._partitions else {}),
         }
+
+    def _known_nodes(self, why: str) -> list[int]:
+        """The round's nodes, or a ``ValueError`` naming the missing metadata and what needs it."""
+        if any(n is None for n in self.round.nodes):
+            raise ValueError(
+                f"{type(self).__name__}: replies without metadata (no src_node_id, as Flower's create_mock_reply "
+                f"makes them): {why} needs each reply's node"
+            )
+        return list(self.round.nodes)
 
     def previous_model(self) -> Optional[nn.Module]:
         """The current global model (the one this round's replies started from), if known."""
@@ -719,9 +724,29 @@ def robust_arrays(records: list[ArrayRecord], robust: Robust) -> ArrayRecord:
     return out
 
 
+def node_of(msg: Message) -> Optional[int]:
+    """The node a reply came from, or None for a reply without metadata (Flower's ``create_mock_reply``
+    in its own strategy tests): plain averaging needs no node's identity; what does says so."""
+    try:
+        return int(msg.metadata.src_node_id)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def require_nodes(strategy: Any, replies: list, why: str) -> list[int]:
+    """The replies' node ids, or a ``ValueError`` naming the missing metadata and what needs it."""
+    nodes = [node_of(m) for m in replies]
+    if any(n is None for n in nodes):
+        raise ValueError(
+            f"{type(strategy).__name__}: replies without metadata (no src_node_id, as Flower's create_mock_reply "
+            f"makes them): {why} needs each reply's node"
+        )
+    return nodes
+
+
 def arrival_key(msg: Message) -> tuple[int, str]:
     """A reply's key in a round: its node and the message it answers."""
-    return int(msg.metadata.src_node_id), str(msg.metadata.reply_to_message_id)
+    return node_of(msg), str(getattr(msg.metadata, "reply_to_message_id", ""))
 
 
 def loaded(model) -> nn.Module:
@@ -759,7 +784,8 @@ def reply_order(msg: Message) -> tuple[int, int]:
     with independently started clients float sums in another order can change what matching finds;
     a resumed run must aggregate exactly as an uninterrupted one."""
     pid = declared_partition(msg)
-    return (pid if pid is not None else -1, int(msg.metadata.src_node_id))
+    node = node_of(msg)
+    return (pid if pid is not None else -1, node if node is not None else -1)
 
 
 def _key_mismatch(arrays: ArrayRecord, config: dict[str, Any]) -> str:

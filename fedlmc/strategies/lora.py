@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedlmc.lora import KEEP_FACTOR, LoraAggregator, LoraInputError, LoraLayout, nbytes
-from fedlmc.strategies.base import _wrapper_of
+from fedlmc.strategies.base import _wrapper_of, node_of
 
 BASE_UPDATE_KEY = "base-update"  # tail="fold": the accumulated dense update of the base weights
 
@@ -178,13 +178,13 @@ class LoraFedAvg(FedAvg):
         ok, _ = self._check_and_log_replies(list(replies), is_train=True, validate=False)
         accepted, factors, weights, excluded, received = [], [], [], [], 0
         for msg in ok:
-            node = int(msg.metadata.src_node_id)
+            node = node_of(msg)
             try:
                 arrays, weight = self._unpack(msg)
                 received += arrays.count_bytes()
                 f = self.layout.read(arrays, mixed_ranks=self.mixed_ranks)
             except LoraInputError as err:
-                log(WARNING, "LoraFedAvg: reply from node %d excluded: %s", node, err)
+                log(WARNING, "LoraFedAvg: reply from node %s excluded: %s", node, err)
                 excluded.append({"node": node, "reason": str(err)})
                 continue
             self.node_ranks[node] = {name: a.shape[0] for name, (_, a) in f.items()}
