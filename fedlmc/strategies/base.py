@@ -127,6 +127,11 @@ class FedlmcStrategy(FedAvg):
     ) -> None:
         super().__init__(**fedavg)
         one_of(fallback, ("error", "average"), "fallback")
+        if fallback != "error" and not self.needs_architecture:
+            raise TypeError(
+                f"{type(self).__name__} averages arrays it cannot read as Flower's FedAvg does: fallback applies "
+                "to the strategies that align or slice (they stop on such arrays unless fallback='average')"
+            )
         self.adapter, self.client_keys, self.unknown_model = None, None, None
         self.global_config = self._config_of(model, fallback)
         self.fallback, self.plain_reason = fallback, None
@@ -171,7 +176,7 @@ class FedlmcStrategy(FedAvg):
             "Hugging Face GPT-2 / ViT / Llama model: describe your own Transformer's parameters with "
             "fedlmc.symmetry.Roles (docs: models), or pass fallback='average' to average it plainly"
         )
-        if fallback == "error":
+        if fallback == "error" and self.needs_architecture:
             raise ValueError(reason)
         self.unknown_model = reason
         return None
