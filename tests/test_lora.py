@@ -630,3 +630,51 @@ def test_lora_harness_adds_rows_only_where_its_reference_reproduces(tmp_path):
     assert list(out["rows"]) == ["fedit", "fedrot-lora"] and out["reproduced"]["added"] == ["fedrot-lora"]
     with pytest.raises(SystemExit, match="does not reproduce"):
         harness.merged(path, {**new, "rows": {"fedit": row(2.01), "fedrot-lora": row(1.9)}})
+
+
+@pytest.mark.parametrize("confirms", [False, True])
+def test_fold_replies_must_confirm_the_base_update_they_were_sent(confirms, monkeypatch, caplog):
+    """tail="fold" runs partly in the ClientApp (it adds the base update): a round whose replies do not
+    confirm it is warned about, naming the client code (refused with ``unconfirmed="error"``)."""
+    import logging
+
+    from fedlmc.strategies.knobs import confirm
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    model = gpt2_peft(r=2)
+    layout = LoraLayout.of(model)
+    strategy = LoraFedAvg(model=model, tail="fold", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
+    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+    clients = [random_adapter(layout, 2, s, scale=0.1) for s in range(2)]
+    arrays, _ = strategy.aggregate_train(1, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])
+
+    class Grid:
+        def get_node_ids(self):
+            return [1]
+
+    (msg,) = strategy.configure_train(2, arrays, ConfigRecord({}), Grid())
+    assert "base-update" in msg.content
+    replies = [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)]
+    if confirms:
+        for r in replies:
+            confirm(r.content["metrics"], msg.content, "base-update")
+    with caplog.at_level(logging.WARNING):
+        strategy.aggregate_train(2, replies)
+    assert ("do not confirm 'base-update'" in caplog.text) is not confirms
+    assert ("unconfirmed" in strategy.history[-1]) is not confirms
+    if not confirms:
+        assert "apply_base_update" in caplog.text
+        strict = LoraFedAvg(
+            model=model,
+            tail="fold",
+            unconfirmed="error",
+            fraction_evaluate=0.0,
+            min_available_nodes=1,
+            min_train_nodes=1,
+        )
+        strict.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+        own, _ = strict.aggregate_train(1, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])
+        list(strict.configure_train(2, own, ConfigRecord({}), Grid()))
+        with pytest.raises(ValueError, match="base-update"):
+            strict.aggregate_train(2, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])

@@ -67,23 +67,33 @@ class ConfirmedKnobs:
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         replies = list(replies)
+        missing = self.check_confirmed(server_round, replies)
+        before = len(self.history)
+        out = super().aggregate_train(server_round, replies)
+        self.note_unconfirmed(missing, before)
+        return out
+
+    def check_confirmed(self, server_round: int, replies: list[Message]) -> dict[ClientKnob, list]:
+        """Each knob in force that some replies do not confirm, and their nodes: warned about once per knob
+        (naming the client code), or a ``ValueError`` with ``unconfirmed="error"``."""
         missing = self._missing(replies)
         for knob, nodes in missing.items():
             why = (
-                f"{type(self).__name__} round {self.real_round(server_round)}: the replies of nodes {nodes} do not "
-                f"confirm '{knob.key}' (metric '{knob.metric}'): their ClientApp did not apply it, so this round "
-                f"is not {type(self).__name__}'s method. {knob.code}"
+                f"{type(self).__name__} round {getattr(self, 'real_round', int)(server_round)}: the replies of nodes "
+                f"{nodes} do not confirm '{knob.key}' (metric '{knob.metric}'): their ClientApp did not apply it, so "
+                f"this round is not {type(self).__name__}'s method. {knob.code}"
             )
             if self.unconfirmed == "error":
                 raise ValueError(why)
             if knob.key not in self._warned:
                 log(WARNING, "%s", why)
                 self._warned.add(knob.key)
-        before = len(self.history)
-        out = super().aggregate_train(server_round, replies)
+        return missing
+
+    def note_unconfirmed(self, missing: dict[ClientKnob, list], before: int) -> None:
+        """Record the unconfirmed knobs in the round's record (when the round added one)."""
         if missing and len(self.history) > before:
             self.history[-1]["unconfirmed"] = {k.key: nodes for k, nodes in missing.items()}
-        return out
 
     def _missing(self, replies: list[Message]) -> dict[ClientKnob, list]:
         """Each knob in force and the nodes whose (non-error) replies do not confirm it."""

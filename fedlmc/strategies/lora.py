@@ -15,11 +15,18 @@ from flwr.supercore import log
 
 from fedlmc.lora import KEEP_FACTOR, LoraAggregator, LoraInputError, LoraLayout, nbytes
 from fedlmc.strategies.base import _wrapper_of, node_of
+from fedlmc.strategies.knobs import ClientKnob, ConfirmedKnobs
 
 BASE_UPDATE_KEY = "base-update"  # tail="fold": the accumulated dense update of the base weights
+FOLD = ClientKnob(
+    BASE_UPDATE_KEY,
+    "tail='fold': the ClientApp adds the message's 'base-update' ArrayRecord to its base weights "
+    "(fedlmc.lora.apply_base_update) and confirms it with "
+    "fedlmc.strategies.knobs.confirm(metrics, msg.content, 'base-update').",
+)
 
 
-class LoraFedAvg(FedAvg):
+class LoraFedAvg(ConfirmedKnobs, FedAvg):
     """``FedAvg`` whose aggregate of LoRA adapters is the weighted mean of the clients' updates
     ``sᵢ·Bᵢ·Aᵢ``, sent back as rank-r factors (in the balanced SVD gauge by default: ``fedlmc.lora``).
 
@@ -55,6 +62,9 @@ class LoraFedAvg(FedAvg):
         its own rank (the rank of its last reply; before that, the declared rank, which its client
         truncates: the factors are ordered by singular value, so the first rᵢ components are the best
         rank-rᵢ approximation). Declare the largest rank in the config.
+    unconfirmed : {"warn", "error"}, default "warn"
+        With ``tail="fold"``: a round whose replies do not confirm that the client added the base update
+        it was sent (``applied-base-update``) is warned about, or refused (``strategies.knobs``).
     **fedavg
         Flower's ``FedAvg`` parameters (``fraction_train``, ``min_available_nodes``...).
     """
@@ -69,9 +79,10 @@ class LoraFedAvg(FedAvg):
         keep_factor: float = KEEP_FACTOR,
         gauge: str = "balanced",
         mixed_ranks: bool = False,
+        unconfirmed: str = "warn",
         **fedavg: Any,
     ) -> None:
-        super().__init__(**fedavg)
+        super().__init__(unconfirmed=unconfirmed, **fedavg)
         if model is None and lora_config is None:
             raise LoraInputError("LoraFedAvg needs model=<your PeftModel> or lora_config=<its LoraConfig>")
         self.layout: Optional[LoraLayout] = (
@@ -85,6 +96,7 @@ class LoraFedAvg(FedAvg):
         self.node_ranks: dict[int, dict[str, int]] = {}
         self.history: list[dict[str, Any]] = []
         self._sent = 0
+        self._sent_base = False  # this round's train messages carried a base update (tail="fold")
         self._initial: Optional[ArrayRecord] = None  # the adapter set_initial read
         self._returned: Optional[ArrayRecord] = None  # the last aggregate this strategy returned
 
@@ -134,6 +146,7 @@ class LoraFedAvg(FedAvg):
         msgs = list(super().configure_train(server_round, arrays, config, grid))
         out, self._sent = [], 0
         base = self.aggregator.base_update() if self.aggregator is not None else {}
+        self._sent_base = bool(base)
         for msg in msgs:
             node = msg.metadata.dst_node_id
             ranks = self.node_ranks.get(int(node))
@@ -151,6 +164,9 @@ class LoraFedAvg(FedAvg):
                 out.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
             self._sent += own.count_bytes() + nbytes(base.values())
         return out
+
+    def client_knobs(self) -> list[ClientKnob]:
+        return [FOLD] if self._sent_base else []
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid
@@ -175,7 +191,15 @@ class LoraFedAvg(FedAvg):
                 "configure_train(), or call set_initial(initial_arrays) first"
             )
         t0 = time.perf_counter()
-        ok, _ = self._check_and_log_replies(list(replies), is_train=True, validate=False)
+        replies = list(replies)
+        missing, before = self.check_confirmed(server_round, replies), len(self.history)
+        try:
+            return self._aggregate_adapters(server_round, replies, t0)
+        finally:
+            self.note_unconfirmed(missing, before)
+
+    def _aggregate_adapters(self, server_round: int, replies: list, t0: float):
+        ok, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
         accepted, factors, weights, excluded, received = [], [], [], [], 0
         for msg in ok:
             node = node_of(msg)
