@@ -441,21 +441,30 @@ def test_peft_strategy_sends_each_mixed_rank_node_its_own_rank(monkeypatch):
     assert strategy._sent == sum(m.content["arrays"].count_bytes() for m in msgs)
 
 
+class _OneNode:
+    def get_node_ids(self):
+        return [1]
+
+
+def _fold_round_two(clients_n: int, **kw):
+    """A ``tail="fold"`` strategy after round 1 on random adapters: the strategy, the layout, the clients'
+    factors and its round-2 message to the one node (it carries the base update)."""
+    model = gpt2_peft(r=2)
+    layout = LoraLayout.of(model)
+    strategy = LoraFedAvg(
+        model=model, tail="fold", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1, **kw
+    )
+    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+    clients = [random_adapter(layout, 2, s, scale=0.1) for s in range(clients_n)]
+    arrays, _ = strategy.aggregate_train(1, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])
+    (msg,) = strategy.configure_train(2, arrays, ConfigRecord({}), _OneNode())
+    return strategy, layout, clients, msg
+
+
 def test_peft_fold_base_update_travels_and_applies_to_a_fresh_model(record, monkeypatch):
     for attr in ("_run_id", "_node_id", "_task_id"):
         monkeypatch.setattr(TaskIdentity, attr, 1)
-    model = gpt2_peft(r=2)
-    layout = LoraLayout.of(model)
-    strategy = LoraFedAvg(model=model, tail="fold", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
-    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
-    clients = [random_adapter(layout, 2, s, scale=0.1) for s in range(3)]
-    arrays, _ = strategy.aggregate_train(1, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])
-
-    class Grid:
-        def get_node_ids(self):
-            return [1]
-
-    (msg,) = strategy.configure_train(2, arrays, ConfigRecord({}), Grid())
+    strategy, layout, clients, msg = _fold_round_two(3)
     fresh = gpt2_peft(r=2).double()
     base0 = {k: v.clone() for k, v in fresh.state_dict().items()}
     apply_base_update(fresh, msg.content["base-update"])
@@ -642,18 +651,7 @@ def test_fold_replies_must_confirm_the_base_update_they_were_sent(confirms, monk
 
     for attr in ("_run_id", "_node_id", "_task_id"):
         monkeypatch.setattr(TaskIdentity, attr, 1)
-    model = gpt2_peft(r=2)
-    layout = LoraLayout.of(model)
-    strategy = LoraFedAvg(model=model, tail="fold", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
-    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
-    clients = [random_adapter(layout, 2, s, scale=0.1) for s in range(2)]
-    arrays, _ = strategy.aggregate_train(1, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])
-
-    class Grid:
-        def get_node_ids(self):
-            return [1]
-
-    (msg,) = strategy.configure_train(2, arrays, ConfigRecord({}), Grid())
+    strategy, layout, clients, msg = _fold_round_two(2)
     assert "base-update" in msg.content
     replies = [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)]
     if confirms:
@@ -665,16 +663,6 @@ def test_fold_replies_must_confirm_the_base_update_they_were_sent(confirms, monk
     assert ("unconfirmed" in strategy.history[-1]) is not confirms
     if not confirms:
         assert "apply_base_update" in caplog.text
-        strict = LoraFedAvg(
-            model=model,
-            tail="fold",
-            unconfirmed="error",
-            fraction_evaluate=0.0,
-            min_available_nodes=1,
-            min_train_nodes=1,
-        )
-        strict.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
-        own, _ = strict.aggregate_train(1, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])
-        list(strict.configure_train(2, own, ConfigRecord({}), Grid()))
+        strict, layout, clients, _ = _fold_round_two(2, unconfirmed="error")
         with pytest.raises(ValueError, match="base-update"):
             strict.aggregate_train(2, [_reply(layout.write(c), i + 1) for i, c in enumerate(clients)])
