@@ -512,21 +512,16 @@ def markdown(
             )
             lines.append(f"| {n} | {ms(steps, '.0f')} | {ms(comm, '.1f')} | {ms(sec, '.1f')} | {agree} |")
     reach = {n: r["rounds_to_baseline_per_seed"] for n, r in rows.items() if r.get("rounds_to_baseline_per_seed")}
-    if reach:
-        lines += [
-            "",
-            "Per seed, the first round whose test loss is at most the baseline's final one (– never): "
-            + "; ".join(f"{n}: " + ", ".join("–" if x is None else str(x) for x in v) for n, v in reach.items()),
-        ]
     lines += [
         "",
-        "Per seed, excess over the mean client loss (last round): "
-        + "; ".join(
-            f"{n}: " + ", ".join(f"{x:+.3f}" for x in r["excess_per_seed"])
-            for n, r in rows.items()
-            if r["excess_per_seed"]
-        ),
+        "| strategy | excess over the mean client per seed (last round) "
+        + ("| first round at the baseline's final loss, per seed (– never) |" if reach else "|"),
+        "|---|---|" + ("---|" if reach else ""),
     ]
+    for n, r in rows.items():
+        excess = ", ".join(f"{x:+.3f}" for x in r["excess_per_seed"] or [])
+        first = ", ".join("–" if x is None else str(x) for x in reach.get(n, [])) + " |" if reach else ""
+        lines.append(f"| {n} | {excess} |" + (f" {first}" if reach else ""))
     return "\n".join(lines)
 
 
