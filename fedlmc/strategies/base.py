@@ -593,12 +593,7 @@ class FedlmcStrategy(FedAvg):
 
     def _known_nodes(self, why: str) -> list[int]:
         """The round's nodes, or a ``ValueError`` naming the missing metadata and what needs it."""
-        if any(n is None for n in self.round.nodes):
-            raise ValueError(
-                f"{type(self).__name__}: replies without metadata (no src_node_id, as Flower's create_mock_reply "
-                f"makes them): {why} needs each reply's node"
-            )
-        return list(self.round.nodes)
+        return require_nodes(self, self.round.nodes, why)
 
     def previous_model(self) -> Optional[nn.Module]:
         """The current global model (the one this round's replies started from), if known."""
@@ -738,9 +733,8 @@ def node_of(msg: Message) -> Optional[int]:
         return None
 
 
-def require_nodes(strategy: Any, replies: list, why: str) -> list[int]:
-    """The replies' node ids, or a ``ValueError`` naming the missing metadata and what needs it."""
-    nodes = [node_of(m) for m in replies]
+def require_nodes(strategy: Any, nodes: list[Optional[int]], why: str) -> list[int]:
+    """``nodes`` (replies' ``node_of``), or a ``ValueError`` naming the missing metadata and what needs it."""
     if any(n is None for n in nodes):
         raise ValueError(
             f"{type(strategy).__name__}: replies without metadata (no src_node_id, as Flower's create_mock_reply "

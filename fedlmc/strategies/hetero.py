@@ -24,7 +24,7 @@ from fedlmc.merging.widths import prefix_average
 from fedlmc.models import from_config
 from fedlmc.options import FF_LIFTS, Guard, Matching, Refinement, Universe
 from fedlmc.strategies.aligned import refine_split, transform_distance
-from fedlmc.strategies.base import FedlmcStrategy, declared_partition, require_nodes
+from fedlmc.strategies.base import FedlmcStrategy, declared_partition, node_of, require_nodes
 from fedlmc.strategies.keys import Key
 from fedlmc.strategies.records import MODEL_CONFIG_KEY, state_arrays
 from fedlmc.strategies.registry import Build, register
@@ -155,7 +155,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
 
     def adapter_for(self, msg: Message) -> Optional[HFAdapter]:
         """The adapter whose client shapes the reply has (the widest when none fits: its error names why)."""
-        node = require_nodes(self, [msg], "sending each node its own width")[0]  # remember who the node is
+        node = require_nodes(self, [node_of(msg)], "sending each node its own width")[0]  # remember who it is
         self._seen.add(node)
         pid = declared_partition(msg)
         if pid is not None:
@@ -220,7 +220,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
             sorted(set(widths)),
             universe.config.d_model,
         )
-        nodes = require_nodes(self, replies, "sending each node its own width")
+        nodes = require_nodes(self, [node_of(m) for m in replies], "sending each node its own width")
         previous = self._previous.to_torch_state_dict() if self._previous is not None else {}
         if (
             self.guard is not None

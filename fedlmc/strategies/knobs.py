@@ -14,6 +14,7 @@ from flwr.app import Message, MetricRecord
 from flwr.supercore import log
 
 from fedlmc.options import one_of
+from fedlmc.strategies.base import node_of
 
 UNCONFIRMED = ("warn", "error")
 
@@ -100,7 +101,7 @@ class ConfirmedKnobs:
         out: dict[ClientKnob, list] = {}
         answered = [m for m in replies if not m.has_error() and m.has_content()]
         for knob in self.client_knobs():
-            nodes = [_node(m) for m in answered if not _confirms(m, knob.metric)]
+            nodes = [node_of(m) for m in answered if not _confirms(m, knob.metric)]
             if nodes:
                 out[knob] = nodes
         return out
@@ -108,10 +109,3 @@ class ConfirmedKnobs:
 
 def _confirms(msg: Message, metric: str) -> bool:
     return any(metric in rec and rec[metric] for rec in msg.content.metric_records.values())
-
-
-def _node(msg: Message) -> Any:
-    try:
-        return int(msg.metadata.src_node_id)
-    except (AttributeError, TypeError, ValueError):  # a reply without metadata (Flower's mock replies)
-        return "?"
