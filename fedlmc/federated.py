@@ -38,6 +38,10 @@ from fedlmc.options import (
 from fedlmc.strategies.registry import RUN_KEYS, all_keys, declared, names, owners, registered
 from fedlmc.train import OPTIMIZERS, TrainConfig, evaluate, model_for_data, train
 
+# the run's own keys a strategy may send its clients in the train config (FedProx's proximal term); any
+# other run key in a train config (a user's app may send `lr`) leaves the client's settings as they are
+SENT_RUN_KEYS = ("proximal-mu",)
+
 
 def doc(default: Any, text: str) -> Any:
     """A run_config key's default and what it does (the docs' key table prints ``text``)."""
@@ -242,8 +246,7 @@ class Settings:
         strategy sets for its clients (``proximal-mu``) and the strategies' client keys
         (``Key(client=True)``: ``scaffold-variate``). The one path by which a strategy's client-side knob
         reaches the client's trainer."""
-        own = {f.name for f in fields(self)} - {"strategy_keys"}
-        values = {k.replace("-", "_"): config[k] for k in config if k.replace("-", "_") in own and "-" in k}
+        values = {k.replace("-", "_"): config[k] for k in SENT_RUN_KEYS if k in config}
         keys = dict(self.strategy_keys)
         for k in config:
             key = declared(k)

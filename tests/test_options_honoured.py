@@ -163,5 +163,7 @@ def test_a_client_knob_reaches_the_clients_trainer_through_the_train_config():
     assert sent.key("scaffold-variate") == "gradient"
     prox = list(FedProxFedAvg(proximal_mu=0.3).configure_train(1, _mlp_arrays(), ConfigRecord({}), grid))
     assert client.with_sent(prox[0].content["config"]).proximal_mu == 0.3
+    untouched = client.with_sent({"lr": 0.5, "local-epochs": 9.0, "batch-size": 3})  # not a strategy's knob
+    assert (untouched.lr, untouched.local_epochs, untouched.batch_size) == (client.lr, client.local_epochs, 32)
     with pytest.raises(ValueError, match="scaffold-variate"):
         client.with_sent({"scaffold-variate": "momentum"})
