@@ -32,7 +32,7 @@ run: $(STAMP)
 	# virtual client (Flower's default of 2 would train the two clients one after the other on 2 cores)
 	$(FLWR_ENV) $(BIN)/fedlmc run . --federation-config "client-resources-num-cpus=1"
 
-# Two seeds of the tiny presets and their vanilla barrier (results/demo).
+# Two seeds of the tiny presets and their averaging barrier (results/demo).
 demo: $(STAMP)
 	$(BIN)/fedlmc demo --out results/demo
 

@@ -103,7 +103,7 @@ def one(condition: str, replies: int, layers: int) -> dict:
         model=model.config,
         scale=Scale(spool=condition != "memory"),
         matching=Matching(min_gain=0.1),
-        universe=Universe(start="mean"),
+        universe=Universe(start="average"),
         fraction_evaluate=0.0,
         min_available_nodes=replies,
         min_train_nodes=replies,

@@ -11,7 +11,7 @@ Steps, in this order, inside one deadline (``--budget`` seconds; each step gets 
    budget's share (``--train-seconds``) cannot hold them (the JSON says how many ran), evaluated on
    the validation split every 100 steps and ending with the best weights (trained to convergence
    without overfitting: 1 MB of text overfits within a few thousand steps). Meanwhile the ``tests``
-   run. Then the vanilla, weight-matching and learned barriers over the 3 seed pairs, beside the
+   run. Then the averaging, weight-matching and learned barriers over the 3 seed pairs, beside the
    paper's 2.02 / 0.34 / 0.02.
 3. ``tests``: the everyday suite (``pytest -m "not slow"``) with CUDA visible, ``tests/test_cuda.py``
    included: every path that picks a device picks the GPU. A module that cannot be collected (the
@@ -42,7 +42,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-PAPER = {"vanilla": 2.02, "wm-orth-factored": 0.34, "learned": 0.02}  # Theus et al., Table 1, GPT-2
+PAPER = {"average": 2.02, "wm-orth-factored": 0.34, "learned": 0.02}  # Theus et al., Table 1, GPT-2
 PRESET, ARCH = "gpt2-shakespeare", {"block_size": 256}  # the preset is the paper's 6 × 256 × 4 × 1024 model
 SEEDS = (0, 1, 2)
 # trained to convergence on the validation split: evaluated every 100 steps, the best weights kept
@@ -203,7 +203,7 @@ def train_seeds(steps: int) -> tuple[list[subprocess.Popen], float]:
 
 
 def barriers(steps: int, learned_steps: int, trained: dict) -> dict:
-    """Vanilla, weight-matching and learned barriers of the 3 seed pairs (curves evaluated on the GPU)."""
+    """Averaging, weight-matching and learned barriers of the 3 seed pairs (curves evaluated on the GPU)."""
     from fedlmc.commands import trained as load_trained
     from fedlmc.reproduce import pair_curves, seed_pairs, summarise
 

@@ -1,6 +1,6 @@
 """Pairwise barriers of two independently trained Hugging Face models, by the reproduction protocol
 (`fedlmc reproduce`: the matching preset's training budget, test split, learned matching 300 steps
-from weight matching): vanilla, weight matching, learned matching.
+from weight matching): averaging, weight matching, learned matching.
 
 Each model is a ``transformers`` model of a fedlmc preset's shape, trained through its *own* forward
 with fedlmc's trainer (AdamW, warmup + cosine, the preset's budget), then converted exactly with
@@ -39,7 +39,7 @@ from fedlmc.train import evaluate, train, train_config_for
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny", "llama": "llama-tiny", "opt": "gpt2-tiny-relu", "neox": "neox-tiny"}
 TIED = ("gpt2", "opt")
-METHODS = ["vanilla", "wm-orth-factored", "wm-orth-keepln", "learned"]  # keepln = factored for Llama (no LayerNorm)
+METHODS = ["average", "wm-orth-factored", "wm-orth-keepln", "learned"]  # keepln = factored for Llama (no LayerNorm)
 
 
 def hf_model(family: str, splits, seed: int) -> nn.Module:
@@ -102,7 +102,7 @@ def main() -> None:
         "steps": args.steps,
         "client_test_loss": [evaluate(m, splits.test)["loss"] for m in (a, b)],
         "barriers": {k: v["barrier"] for k, v in curves.items()},
-        "ratio_to_vanilla": {k: v["barrier"] / curves["vanilla"]["barrier"] for k, v in curves.items()},
+        "ratio_to_average": {k: v["barrier"] / curves["average"]["barrier"] for k, v in curves.items()},
         "curves": curves,
     }
     if args.family in TIED:  # the tied head: each residual group's midpoint, untied vs written back tied
@@ -126,7 +126,7 @@ def main() -> None:
     out.write_text(json.dumps(doc, indent=2))
     print(
         json.dumps(
-            {k: doc[k] for k in ("barriers", "ratio_to_vanilla")} | ({"tied": doc["tied"]} if "tied" in doc else {}),
+            {k: doc[k] for k in ("barriers", "ratio_to_average")} | ({"tied": doc["tied"]} if "tied" in doc else {}),
             indent=2,
         )
     )

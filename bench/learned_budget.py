@@ -76,14 +76,14 @@ def one_pair(a, b, splits, epoch: int, long: int, cache: Path, tag: str, log, on
     t0 = time.time()
     wm = weight_matching(a, b)
     if not out:
-        out["vanilla"] = barrier(interpolation_curve(a, b, splits.test))
+        out["average"] = barrier(interpolation_curve(a, b, splits.test))
         out["weight matching"] = {
             "factored": measure(ca, cb, wm, splits.test),
             "seconds": time.time() - t0,
             "circuit": measure(ca, cb, wm, splits.test, "circuit"),
         }
         base_file.write_text(json.dumps(out))
-    log(f"  vanilla {out['vanilla']:.4f}, weight matching {out['weight matching']['factored']:.4f}")
+    log(f"  average {out['average']:.4f}, weight matching {out['weight matching']['factored']:.4f}")
     for name, kw in variants(epoch, long).items():
         if only and name != "constant" and not any(o in name for o in only):
             continue
@@ -112,16 +112,16 @@ def one_pair(a, b, splits, epoch: int, long: int, cache: Path, tag: str, log, on
 
 
 def summary(per_pair: list[dict], epoch: int, long: int) -> list[dict]:
-    """Rows (label, steps, mean barrier, s.e., × vanilla) averaged over pairs."""
+    """Rows (label, steps, mean barrier, s.e., × average) averaged over pairs."""
 
     def stats(vals):
         n = len(vals)
         m = sum(vals) / n
         return m, (math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1) / n) if n > 1 else 0.0)
 
-    van = stats([p["vanilla"] for p in per_pair])[0]
+    van = stats([p["average"] for p in per_pair])[0]
     rows = [
-        ("vanilla averaging", 0, [p["vanilla"] for p in per_pair]),
+        ("averaging", 0, [p["average"] for p in per_pair]),
         ("weight matching (factored)", 0, [p["weight matching"]["factored"] for p in per_pair]),
         ("weight matching (circuit merge)", 0, [p["weight matching"]["circuit"] for p in per_pair]),
     ]
@@ -158,7 +158,7 @@ def markdown(preset: str, rows: list[dict], pairs, epoch: int, budget: str) -> s
         f"### Learned matching's budget, {preset}: {len(pairs)} pair(s) {pairs}, models trained for {budget}; "
         f"one epoch = {epoch} steps of batch {BATCH}",
         "",
-        "| method | steps | loss barrier (mean ± s.e.) | × vanilla |",
+        "| method | steps | loss barrier (mean ± s.e.) | × average |",
         "|---|---|---|---|",
     ]
     for r in rows:
@@ -169,7 +169,7 @@ def markdown(preset: str, rows: list[dict], pairs, epoch: int, budget: str) -> s
 
 
 def plot(preset: str, rows: list[dict], epoch: int, path: Path) -> None:
-    """Left: barrier × vanilla's against epochs of data seen (constant rate, batch 64); right: every
+    """Left: barrier × averaging's against epochs of data seen (constant rate, batch 64); right: every
     variant that stays within one epoch."""
     import matplotlib
 
@@ -189,11 +189,11 @@ def plot(preset: str, rows: list[dict], epoch: int, path: Path) -> None:
     left.axvline(1, color="grey", ls=":")
     left.set_xscale("symlog", linthresh=1)
     left.set_xlabel("epochs (constant rate, batch 64; labels: steps)")
-    left.set_ylabel("barrier × vanilla's")
+    left.set_ylabel("barrier × averaging's")
     left.set_ylim(bottom=0)
     left.grid(alpha=0.3)
     names = [r["label"].replace("learned, ", "").replace(", one epoch", "").replace(" (one epoch)", "") for r in one]
-    van = rows[0]["barrier_mean"]  # rows[0] is vanilla averaging
+    van = rows[0]["barrier_mean"]  # rows[0] is averaging
     right.barh(
         range(len(one)),
         [r["ratio"] for r in one],
@@ -202,7 +202,7 @@ def plot(preset: str, rows: list[dict], epoch: int, path: Path) -> None:
         alpha=0.7,
     )
     right.set_yticks(range(len(one)), names, fontsize=7)
-    right.set_xlabel("barrier × vanilla's, one epoch of data (± s.e.)")
+    right.set_xlabel("barrier × averaging's, one epoch of data (± s.e.)")
     right.grid(alpha=0.3, axis="x")
     fig.suptitle(f"{preset}: what learned matching's budget buys")
     fig.tight_layout()

@@ -27,7 +27,7 @@ from _results import environment, write_results  # noqa: E402  (bench/, the scri
 FAMILY, BASE_STEPS, ALPHA, LR, BATCH, CLIENTS, TEST_BATCHES = "llama", 1500, 16, 3e-3, 16, 4, 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HOMOGENEOUS = (
-    "fedit",
+    "average",
     "ffa-lora",
     "fedsa-lora",
     "flora",
@@ -43,8 +43,8 @@ HOMOGENEOUS = (
 # what LoraFedAvg sends back, one change at a time (``LoraAggregator``'s gauge and tail), and clients whose
 # AdamW state lives on across rounds (``+adam``)
 ABLATION = (
-    "fedit",
-    "fedit+adam",
+    "average",
+    "average+adam",
     "fedlmc-balanced",
     "fedlmc-even",
     "fedlmc-anchored",
@@ -68,7 +68,7 @@ SETTINGS = {
         ranks=[4, 4],
         steps=200,
         rounds=3,
-        methods=("fedit", "fedlmc", "fedlmc-anchored", "fedlmc-fold", "fedrot-lora"),
+        methods=("average", "fedlmc", "fedlmc-anchored", "fedlmc-fold", "fedrot-lora"),
     ),
     "speaker-r8-steps10": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=10, rounds=8, methods=HOMOGENEOUS),
     "speaker-r8-steps100": dict(
@@ -78,7 +78,7 @@ SETTINGS = {
         rounds=4,
         methods=HOMOGENEOUS
         + ("fedlmc-even", "fedlmc-anchored", "fedlmc-drop", "fedlmc-anchored-drop")
-        + ("fedit+adam", "fedlmc+adam", "fedlmc-anchored+adam"),
+        + ("average+adam", "fedlmc+adam", "fedlmc-anchored+adam"),
     ),
     "speaker-r8-steps500": dict(scheme="speaker", ranks=[8] * CLIENTS, steps=500, rounds=2, methods=HOMOGENEOUS),
     "iid-r8-steps100": dict(scheme="iid", ranks=[8] * CLIENTS, steps=100, rounds=3, methods=HOMOGENEOUS),
@@ -317,7 +317,14 @@ def run(setting: str, seed: int) -> dict:
             for i, r in enumerate(ranks):
                 if rnd == 1 and method not in ("ffa-lora", "fedsa-lora"):  # every method's first start
                     s = init[r]
-                elif method in ("fedit", "fedit+adam", "hetlora", "fedex-lora", "fedrot-lora", *lb.TASK_VECTOR_METHODS):
+                elif method in (
+                    "average",
+                    "average+adam",
+                    "hetlora",
+                    "fedex-lora",
+                    "fedrot-lora",
+                    *lb.TASK_VECTOR_METHODS,
+                ):
                     s = {n: lb.pad(b, a, r) for n, (b, a) in g.items()}
                 elif method == "ffa-lora":
                     s = {n: (g[n][0], init[r][n][1]) for n in g}
@@ -333,7 +340,7 @@ def run(setting: str, seed: int) -> dict:
                 deltas.append(delta)
             replies = [local(i, starts[i], deltas[i], rnd, freeze, adams[i]) for i in range(len(ranks))]
             t0 = time.perf_counter()
-            if method in ("fedit", "fedit+adam", "hetlora", "ffa-lora", "fedsa-lora"):
+            if method in ("average", "average+adam", "hetlora", "ffa-lora", "fedsa-lora"):
                 g = lb.factor_mean(layout, replies, weights, rmax)
                 if method == "fedsa-lora":
                     local_b = replies
@@ -434,7 +441,7 @@ def summarise(setting: str, runs: list[dict]) -> dict:
             rows[method]["test_loss_server_product"] = [
                 statistics.mean(c[i] for c in products) for i in range(len(products[0]))
             ]
-    ref = next(m for m in ("hetlora", "fedit", "fedavg") if m in rows)
+    ref = next(m for m in ("hetlora", "average", "fedavg") if m in rows)
     target = rows[ref]["final_loss"]
     for row in rows.values():
         row["rounds_to_reference_final"] = next((i + 1 for i, x in enumerate(row["test_loss"]) if x <= target), None)
@@ -577,7 +584,7 @@ def main() -> None:
             unknown = [m for m in adding if m not in listed]
             if unknown:
                 raise SystemExit(f"{s} has no method {unknown}; it runs {', '.join(listed)}")
-            ref = next(m for m in ("hetlora", "fedit", "fedavg") if m in listed)
+            ref = next(m for m in ("hetlora", "average", "fedavg") if m in listed)
             SETTINGS[s] = {**SETTINGS[s], "methods": tuple(m for m in listed if m == ref or m in adding)}
     if args.tables:
         import json

@@ -26,7 +26,7 @@ product of weight matching in float32 (``Matching(precision="exact")``, the refe
 fast products: bfloat16 factors, or int8 FF scores); ``+bfloat16`` takes bfloat16 products everywhere
 (``Matching(precision="bfloat16")``: without the difference form ``AᵀA + Aᵀ(B − A)`` that
 ``precision="auto"`` takes for replies near the universe); ``+from-mean`` starts the common replies' universe
-at their plain mean instead of G (``Universe(start="mean")``), streamed from the files; ``+at-arrival``
+at their plain mean instead of G (``Universe(start="average")``), streamed from the files; ``+at-arrival``
 starts it at the mean summed as the replies arrive (``universe.ArrivingMean``, what the strategy does
 with replies on disk): each reply is read once, canonicalised and added before the round's clock starts,
 and that work is reported apart (``arrival_seconds``: a stand-in for the reply coming off the network,
@@ -152,8 +152,8 @@ def one_run(args: argparse.Namespace) -> dict:
 
                 descent = weight_module.coordinate_descent
                 weight_module.coordinate_descent = lambda P, el, give_up=None, **kw: descent(P, el, **kw)
-            if "from-mean" in flags:  # the replies' plain mean instead of G (Universe(start="mean"))
-                start = "mean"
+            if "from-mean" in flags:  # the replies' plain mean instead of G (Universe(start="average"))
+                start = "average"
             if "at-arrival" in flags:  # that mean summed as the replies arrive: not on the round's clock
                 t_arrival = time.perf_counter()
                 arriving, w = ArrivingMean(), 1.0 / len(replies)

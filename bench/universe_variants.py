@@ -1,7 +1,7 @@
 """Universe variants: which way of merging M independently trained models keeps pairwise quality?
 
 Each variant merges the same M models (seeds 0..M−1); the table gives the merged model's test loss,
-its excess over the mean endpoint loss, and that excess × vanilla averaging's. Writes
+its excess over the mean endpoint loss, and that excess × averaging's. Writes
 results/universe_variants_{preset}[_d{width}].{json,md}. Usage:
     python bench/universe_variants.py --preset vit-tiny
     python bench/universe_variants.py --preset gpt2-tiny --train-steps 1000 --width 128
@@ -61,7 +61,7 @@ def variants(refine_steps: int) -> dict[str, Callable]:
         )[0]
 
     return {
-        "vanilla averaging": lambda models, splits: merge(models, [1 / len(models)] * len(models)),
+        "averaging": lambda models, splits: merge(models, [1 / len(models)] * len(models)),
         "universe, 10 iterations (the default anchor: heaviest = model 0)": uni(iterations=10),
         "universe, 1 iteration (each model weight-matched to model 0, averaged)": uni(iterations=1),
         "universe, until it stops moving (≤ 50 iterations, tol 1e-6)": uni(iterations=50, tol=1e-6),
@@ -118,7 +118,7 @@ def main() -> None:
         }
         f.write_text(json.dumps(rows[label]))
         console.print(f"{label}: loss {ev['loss']:.4f} excess {rows[label]['excess']:+.4f} ({secs:.0f} s)")
-    van = rows["vanilla averaging"]["excess"]
+    van = rows["averaging"]["excess"]
     for r in rows.values():
         r["ratio"] = r["excess"] / van
     budget = f"{args.train_steps} steps" if args.train_steps else "the preset's budget"
@@ -129,7 +129,7 @@ def main() -> None:
         "",
         "Endpoint test losses: " + ", ".join(f"{x:.3f}" for x in ends),
         "",
-        "| merge | test loss | acc | excess E | E / E(vanilla) | seconds |",
+        "| merge | test loss | acc | excess E | E / E(average) | seconds |",
         "|---|---|---|---|---|---|",
     ]
     lines += [

@@ -1,5 +1,5 @@
-"""Width study: do wider models connect better? Barriers of vanilla averaging, of the width-and-
-temperature control (vanilla averaging with each interpolated model's softmax temperature calibrated on
+"""Width study: do wider models connect better? Barriers of averaging, of the width-and-
+temperature control (averaging with each interpolated model's softmax temperature calibrated on
 the validation split: Ito et al., ICLR 2026), of weight matching and of learned matching for one pair of
 independently trained models per width, same depth.
 
@@ -28,7 +28,7 @@ from fedlmc.reproduce import METHODS, pair_curves
 
 PRESET = {"gpt2": "gpt2-tiny", "vit": "vit-tiny"}
 WIDTHS = {"gpt2": [64, 128, 256], "vit": [32, 64, 128]}
-METHOD_KEYS = ["vanilla", "vanilla-temperature", "wm-orth-circuit", "wm-orth-factored", "learned"]
+METHOD_KEYS = ["average", "average-temperature", "wm-orth-circuit", "wm-orth-factored", "learned"]
 
 
 def one_width(preset: str, d: int, splits, args) -> dict:
@@ -49,7 +49,7 @@ def one_width(preset: str, d: int, splits, args) -> dict:
     train_s = time.time() - t0
     console.rule(f"{preset} at d = {d}: {sum(p.numel() for p in a.parameters()) / 1e6:.2f}M parameters")
     curves = pair_curves(a, b, splits, METHOD_KEYS, args.learned_steps, progress=not args.quiet, log=console.print)
-    van = curves["vanilla"]["barrier"]
+    van = curves["average"]["barrier"]
     row = {
         "d_model": d,
         **arch,
@@ -77,7 +77,7 @@ def markdown(arch: str, rows: list[dict], args) -> str:
         "",
         "| d_model | parameters | endpoint test losses | "
         + " | ".join(METHODS[k][0] for k in METHOD_KEYS)
-        + " | weight matching × vanilla | learned × vanilla | weight matching × the control |",
+        + " | weight matching × average | learned × average | weight matching × the control |",
         "|---|---|---|" + "---|" * len(METHOD_KEYS) + "---|---|---|",
     ]
     for r in rows:
@@ -86,7 +86,7 @@ def markdown(arch: str, rows: list[dict], args) -> str:
         lines.append(
             f"| {r['d_model']} | {r['parameters'] / 1e6:.2f}M | {losses} | {bars} | "
             f"{r['ratio']['wm-orth-circuit']:.3f}× | {r['ratio']['learned']:.3f}× | "
-            f"{r['barrier']['wm-orth-circuit'] / r['barrier']['vanilla-temperature']:.3f}× |"
+            f"{r['barrier']['wm-orth-circuit'] / r['barrier']['average-temperature']:.3f}× |"
         )
     return "\n".join(lines) + "\n"
 
@@ -101,9 +101,9 @@ def plot(arch: str, rows: list[dict], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for i, k in enumerate(METHOD_KEYS):  # one colour per method in both panels
         left.plot(ds, [r["barrier"][k] for r in rows], marker="o", color=f"C{i}", label=METHODS[k][0])
-        if k != "vanilla":
+        if k != "average":
             right.plot(ds, [r["ratio"][k] for r in rows], marker="o", color=f"C{i}", label=METHODS[k][0])
-    for ax, ylabel in ((left, "loss barrier (test)"), (right, "barrier × vanilla's")):
+    for ax, ylabel in ((left, "loss barrier (test)"), (right, "barrier × averaging's")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ds, [str(d) for d in ds])
         ax.set_xlabel("width d_model")

@@ -126,7 +126,7 @@ def _add_model_commands(sub) -> None:
     _add_data_args(b)
     b.set_defaults(func=cmd_barrier)
 
-    d = sub.add_parser("demo", help="train two seeds of the tiny presets and plot their vanilla barrier")
+    d = sub.add_parser("demo", help="train two seeds of the tiny presets and plot their averaging barrier")
     d.add_argument("--out", default="results/demo")
     d.add_argument("--presets", nargs="+", default=["vit-tiny", "gpt2-tiny"])
     d.add_argument("--seeds", nargs=2, type=int, default=[0, 1])
@@ -173,7 +173,7 @@ def _add_merge_commands(sub) -> None:
     _add_data_args(m)
     m.set_defaults(func=cmd_merge)
 
-    u = sub.add_parser("universe", help="M seeds of a preset: vanilla vs universe vs refined merge (table + simplex)")
+    u = sub.add_parser("universe", help="M seeds of a preset: average vs universe vs refined merge (table + simplex)")
     u.add_argument("--preset", required=True)
     u.add_argument("--models", type=int, default=4)
     u.add_argument(

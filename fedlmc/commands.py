@@ -127,7 +127,7 @@ def cmd_barrier(args: argparse.Namespace) -> int:
         "model_a": args.model_a,
         "model_b": args.model_b,
         "split": args.split,
-        "method": "vanilla",
+        "method": "average",
         "barrier": barrier(curve),
         "curve": curve.to_dict(),
     }
@@ -135,7 +135,7 @@ def cmd_barrier(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
     if args.plot:
-        plot_curves({"vanilla": curve}, args.plot, title=f"{Path(args.model_a).name} ↔ {Path(args.model_b).name}")
+        plot_curves({"average": curve}, args.plot, title=f"{Path(args.model_a).name} ↔ {Path(args.model_b).name}")
     print(json.dumps({"barrier": out["barrier"], "loss": curve.loss, "acc": curve.acc}))
     return 0
 
@@ -144,7 +144,7 @@ DEMO_BUDGETS = {"vit-tiny": dict(epochs=15), "gpt2-tiny": dict(steps=500), "vit-
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Train two seeds of each preset and measure their vanilla interpolation barrier."""
+    """Train two seeds of each preset and measure their interpolation barrier."""
     from fedlmc.data import DataNotFound
     from fedlmc.merging.barrier import barrier, interpolation_curve, plot_curves
 
@@ -168,7 +168,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         train_s = time.time() - t0
         curve = interpolation_curve(models[0], models[1], splits.test)
         png = plot_curves(
-            {"vanilla": curve}, out / f"barrier_{preset}.png", title=f"{preset}: seed {args.seeds[0]} ↔ {args.seeds[1]}"
+            {"average": curve}, out / f"barrier_{preset}.png", title=f"{preset}: seed {args.seeds[0]} ↔ {args.seeds[1]}"
         )
         summary[preset] = {
             "dataset": splits.name,
@@ -181,7 +181,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         }
         console.print(
             f"{preset}: test loss {[round(t['loss'], 4) for t in summary[preset]['test']]}, "
-            f"vanilla barrier {summary[preset]['barrier']:.4f}  → {png}"
+            f"averaging barrier {summary[preset]['barrier']:.4f}  → {png}"
         )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: {"barrier": round(v["barrier"], 4), "test": v["test"]} for k, v in summary.items()}, indent=1))
@@ -336,7 +336,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.plot:
         if len(models) != 3:
             raise ValueError("--plot draws the loss over the 2-simplex: give exactly three models")
-        panels = {"vanilla": simplex_losses(models, data, args.simplex_n, max_batches=args.max_batches)}
+        panels = {"average": simplex_losses(models, data, args.simplex_n, max_batches=args.max_batches)}
         if Ts is not None:
             al, masks = aligned_models(models, Ts)
             panels[method] = simplex_losses(al, data, args.simplex_n, masks=masks, max_batches=args.max_batches)
@@ -346,7 +346,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_universe(args: argparse.Namespace) -> int:
-    """Train (cached) M seeds of a preset and compare vanilla / universe / refined merges (+ simplex plot)."""
+    """Train (cached) M seeds of a preset and compare average / universe / refined merges (+ simplex plot)."""
     from fedlmc.merging.manyway import plot_simplex, universe_markdown, universe_table, write
 
     splits = load_splits(args.preset, args)

@@ -100,7 +100,7 @@ class Settings:
     universe_start: str = doc(
         Universe.start,
         "where the universe starts when the replies were trained from the global model (`Universe.start`): "
-        "that model, or `mean`, the replies' plain weighted mean; with `min-gain`, `mean` settles such a "
+        "that model, or `average`, the replies' weighted mean; with `min-gain`, `average` settles such a "
         "round in one universe iteration — [performance](performance.md#many-replies)",
     )
     residual: str = doc(
@@ -138,7 +138,7 @@ class Settings:
     )
     reduce: str = doc(
         Robust.reduce,
-        "`Robust.reduce`: `mean`, or `median` / `trimmed`: robust aggregation (for `average`, Flower's "
+        "`Robust.reduce`: `average`, or `median` / `trimmed`: robust aggregation (for the `average` strategy, Flower's "
         "FedMedian / FedTrimmedAvg; for `aligned` and `permuted`, among the aligned replies)",
     )
     trim: float = doc(Robust.trim, "`Robust.trim`, for `trimmed`: the fraction cut at each end of every coordinate")
@@ -287,7 +287,7 @@ class Settings:
                 f"width-factors {self.width_factors!r} make a mixed-width federation: use one of the strategies "
                 f"{', '.join(names(mixed_widths=True))}, not {name}"
             )
-        if self.reduce != "mean" and not can.reduce:
+        if self.reduce != "average" and not can.reduce:
             raise ValueError(
                 f"reduce={self.reduce!r} applies to strategies {', '.join(names(reduce=True))}, not {name}"
             )

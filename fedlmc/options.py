@@ -36,12 +36,13 @@ GAUGES = ("orthogonal", "invertible", None)
 PRECISIONS = ("auto", "exact", "bfloat16", "int8")
 SCHEDULES = ("constant", "cosine")
 RELAXATIONS = ("ste", "sinkhorn")
-UNIVERSE_STARTS = ("previous", "mean")  # Universe.start: the previous global model, or the replies' mean
+UNIVERSE_STARTS = ("previous", "average")  # Universe.start: the previous global model, or the replies' mean
 FF_LIFTS = ("zeros", "split")  # how a narrower FF enters a wider universe (Universe.ff_lift)
 FORMS = ("factored", "circuit")
-REDUCES = ("mean", "median", "trimmed")
+REDUCES = ("average", "median", "trimmed")
 ANCHORS = ("heaviest", "central")
 DISTILL_STUDENTS = ("average", "merge")  # Distill.student: FedAvg's mean (FedDF), or the strategy's own merge
+UNCONFIRMED = ("warn", "error")  # what a round does whose clients did not run the method's client code
 TEACHERS = ("logits", "probabilities")  # Distill.teacher: the replies' mean logits (FedDF) or probabilities
 
 
@@ -248,6 +249,10 @@ class OnClients:
         The metric that holds the loss in an evaluate reply (the guard reuses the ClientApp's evaluate).
     guard : bool, default True
         With no server-side guard: whether the clients score the do-no-harm guard's candidates.
+    unconfirmed : {"warn", "error"}, default "warn"
+        What a query or a guard that every asked client answered without the method's result does (their
+        ClientApp lacks the client code it needs): warn, naming that code, and go on without it (the
+        refinement keeps the best alignment, the guard gives no verdict), or raise.
     """
 
     clients_per_step: int = 4
@@ -258,8 +263,10 @@ class OnClients:
     timeout: float = 300.0
     loss_key: str = "eval-loss"
     guard: bool = True
+    unconfirmed: str = "warn"
 
     def __post_init__(self) -> None:
+        one_of(self.unconfirmed, UNCONFIRMED, "unconfirmed")
         if min(self.clients_per_step, self.check_clients) < 0:
             raise ValueError("clients_per_step and check_clients must be non-negative (0: every client)")
         if min(self.batches_per_client, self.samples_per_message, self.min_clients) < 1:
@@ -387,10 +394,10 @@ class Universe:
         At most this many universe iterations (each aligns every reply to the universe, then averages).
     tol : float, default 1e-4
         Stop once an iteration moves the universe by less than this (relative Frobenius change).
-    start : {"previous", "mean"}, default "previous"
+    start : {"previous", "average"}, default "previous"
         A strategy's universe, when the replies were trained from the previous global model: that
         model, or the replies' plain weighted mean (FedAvg's aggregate). With ``Matching(min_gain=...)``
-        and replies trained a little from the global model, "mean" settles the round in one iteration
+        and replies trained a little from the global model, "average" settles the round in one iteration
         instead of two. (``universe_merge`` takes its start as an argument.)
     form : {"factored", "circuit"}, default "factored"
         The merge's form: factored (the clients' shape) or circuit (QK / OV products).
@@ -460,14 +467,14 @@ class Robust:
 
     Parameters
     ----------
-    reduce : {"mean", "median", "trimmed"}, default "mean"
+    reduce : {"average", "median", "trimmed"}, default "average"
         The weighted mean (FedAvg), or the unweighted coordinate-wise median / trimmed mean (Flower's
         FedMedian / FedTrimmedAvg; among aligned replies: robust aggregation modulo the symmetries).
     trim : float, default 0.2
         "trimmed": the fraction cut at each end of every coordinate.
     """
 
-    reduce: str = "mean"
+    reduce: str = "average"
     trim: float = 0.2
 
     def __post_init__(self) -> None:

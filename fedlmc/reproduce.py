@@ -57,12 +57,12 @@ def _learned(perms_only: bool, start: str = "wm-orth-factored", relax: str = "st
     return run
 
 
-# key -> (label, transform builder or None for vanilla, merge form, keep_layernorm)
+# key -> (label, transform builder or None for averaging, merge form, keep_layernorm)
 METHODS: dict[str, tuple[str, Optional[Callable], str, bool]] = {
-    "vanilla": ("vanilla averaging", None, "factored", False),
-    # the width-and-temperature control (Ito et al., ICLR 2026): vanilla averaging, each interpolated
+    "average": ("averaging", None, "factored", False),
+    # the width-and-temperature control (Ito et al., ICLR 2026): averaging, each interpolated
     # model's softmax temperature calibrated on the validation split
-    "vanilla-temperature": ("vanilla averaging, temperature calibrated", None, "factored", False),
+    "average-temperature": ("averaging, temperature calibrated", None, "factored", False),
     "activation": ("activation matching (factored)", _act, "factored", False),
     "wm-perm-circuit": (
         "weight matching, permutation residual (circuit)",
@@ -146,7 +146,7 @@ def pair_curves(
     for key in order:
         label, build, form, keep = METHODS[key]
         t0 = time.time()
-        if key == "vanilla-temperature":
+        if key == "average-temperature":
             curve = interpolation_curve(a, b, splits.test, interpolate=_calibrated_on(splits.val), device=dev)
         elif key == "learned-relaxed":
             curve = _relaxed_curve(ca, cb, ctx["learned-sinkhorn"], splits.test, dev)
@@ -186,7 +186,7 @@ def _relaxed_curve(ca: nn.Module, cb: nn.Module, T: Transform, data, dev) -> Cur
 
 
 def summarise(per_pair: list[dict[str, dict]], methods: Sequence[str]) -> dict[str, dict]:
-    """Mean ± standard error of the barrier (and λ = 0.5 accuracy) over pairs; ratio to vanilla."""
+    """Mean ± standard error of the barrier (and λ = 0.5 accuracy) over pairs; ratio to averaging's."""
     rows = {}
     for key in methods:
         vals = [p[key]["barrier"] for p in per_pair]
@@ -202,15 +202,15 @@ def summarise(per_pair: list[dict[str, dict]], methods: Sequence[str]) -> dict[s
             "seconds": sum(p[key]["seconds"] for p in per_pair) / n,
             "barriers": vals,
         }
-    if "vanilla" in rows and rows["vanilla"]["barrier_mean"] > 0:
+    if "average" in rows and rows["average"]["barrier_mean"] > 0:
         for r in rows.values():
-            r["ratio"] = r["barrier_mean"] / rows["vanilla"]["barrier_mean"]
+            r["ratio"] = r["barrier_mean"] / rows["average"]["barrier_mean"]
     return rows
 
 
 def markdown(preset: str, rows: dict[str, dict], pairs: list, show_acc: bool, test_losses: dict) -> str:
     head = (
-        "| method | loss barrier (mean ± s.e.) | × vanilla |"
+        "| method | loss barrier (mean ± s.e.) | × average |"
         + (" acc at λ = 0.5 |" if show_acc else "")
         + " s / pair |"
     )

@@ -257,3 +257,36 @@ def test_one_name_one_meaning_from_run_config_to_the_options():
         field_name = name.replace("-", "_")
         if field_name in by_name:
             assert any(f"`{c}.{field_name}`" in key.doc for c in by_name[field_name]), (name, key.doc)
+
+
+def test_plain_averaging_has_one_name():
+    """Plain (weighted) averaging is `average` wherever a user picks it: the registry, the fallback, the
+    universe's start, the robust reduction, FedDF's student, the LoRA peers, the barrier methods and
+    `fedlmc merge`; its class is AverageFedAvg (the old name says so)."""
+    import argparse
+
+    import fedlmc.baselines.lora as lb
+    import fedlmc.options as options
+    from fedlmc.cli import build_parser
+    from fedlmc.reproduce import METHODS
+    from fedlmc.strategies.registry import REGISTRY
+
+    others = {"mean", "vanilla", "plain", "fedit", "fedavg", "avg"}
+    offered = {
+        "registry": set(REGISTRY),
+        "Universe.start": set(options.UNIVERSE_STARTS),
+        "Robust.reduce": set(options.REDUCES),
+        "Distill.student": set(options.DISTILL_STUDENTS),
+        "LoRA peers": set(lb.METHODS),
+        "barrier methods": set(METHODS),
+    }
+    merge = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["merge"]
+    offered["fedlmc merge"] = set(next(a for a in merge._actions if a.dest == "method").choices)
+    for where, names in offered.items():
+        assert "average" in names and not names & others, (where, sorted(names))
+    from fedlmc.strategies import AlignedFedAvg
+
+    with pytest.raises(ValueError, match="'average'"):
+        AlignedFedAvg(model=None, fallback="mean")
+    with pytest.raises(ImportError, match="AverageFedAvg"):
+        from fedlmc.strategies import ReportingFedAvg  # noqa: F401

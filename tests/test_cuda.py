@@ -139,7 +139,7 @@ def test_cuda_squared_norms_are_accumulated_in_float64():
 
 def test_cuda_pair_curves_of_models_trained_on_the_device():
     """The GPU check's paper step in miniature: two models trained on the device (early stopping), then
-    vanilla, weight-matching and learned curves evaluated there; alignment lowers the barrier."""
+    averaging, weight-matching and learned curves evaluated there; alignment lowers the barrier."""
     from fedlmc.data import load
     from fedlmc.reproduce import pair_curves
     from fedlmc.train import train_preset
@@ -150,9 +150,9 @@ def test_cuda_pair_curves_of_models_trained_on_the_device():
         train_preset("gpt2-tiny", splits, s, False, shape, steps=30, eval_every=10, keep_best=True)[0] for s in (0, 1)
     ]
     assert all(next(m.parameters()).is_cuda and "best" in m.meta for m in models)
-    out = pair_curves(*models, splits, ["vanilla", "wm-orth-factored", "learned"], learned_steps=5, progress=False)
-    assert out["wm-orth-factored"]["barrier"] < out["vanilla"]["barrier"]
-    assert out["learned"]["barrier"] < out["vanilla"]["barrier"]
+    out = pair_curves(*models, splits, ["average", "wm-orth-factored", "learned"], learned_steps=5, progress=False)
+    assert out["wm-orth-factored"]["barrier"] < out["average"]["barrier"]
+    assert out["learned"]["barrier"] < out["average"]["barrier"]
 
 
 def test_cuda_server_aggregates_planted_replies_with_the_aligned_strategy(record):

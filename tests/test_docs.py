@@ -170,15 +170,15 @@ def test_the_gpu_table_reads_a_successful_check_as_well_as_a_failed_one():
         "paper": {
             "trained": failed["paper"]["trained"],
             "barriers": {
-                "vanilla": {"ours": 2.01, "se": 0.05, "paper": 2.02},
+                "average": {"ours": 2.01, "se": 0.05, "paper": 2.02},
                 "learned": {"ours": 0.03, "se": 0.01, "paper": 0.02},
             },
-            "per_pair": [{"vanilla": 2.0, "learned": 0.03}] * 3,
+            "per_pair": [{"average": 2.0, "learned": 0.03}] * 3,
         },
         "tests": {**failed["tests"], "passed": 230, "failed": 0, "errors": 0},
     }
     table = gpu(ok)
-    assert "| barrier, vanilla | 2.010 ± 0.050 (pairs 2.000, 2.000, 2.000); the paper's 2.02 |" in table
+    assert "| barrier, average | 2.010 ± 0.050 (pairs 2.000, 2.000, 2.000); the paper's 2.02 |" in table
     assert "230 passed, 0 failed, 0 collection errors" in table and "not measured" not in table
 
 

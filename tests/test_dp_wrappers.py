@@ -84,7 +84,7 @@ def test_a_wrapped_fallback_averages_what_it_cannot_align():
     strategy = AlignedFedAvg(fallback="average")
     wrapped = DifferentialPrivacyClientSideFixedClipping(strategy, 0.0, 10.0, 2)
     result = wrapped.start(grid=Grid(nodes=2), initial_arrays=_mlp_arrays(), num_rounds=2)
-    assert len(result.arrays) == 4 and [r["plain"] for r in strategy.history] == [True, True]
+    assert len(result.arrays) == 4 and [r["arrays_only"] for r in strategy.history] == [True, True]
 
 
 @pytest.mark.parametrize("wrap", ["client-fixed", "server-fixed"])

@@ -276,14 +276,14 @@ def test_reproduce_s_relaxed_row_starts_at_b_itself():
         A.float(),
         B.float(),
         Splits,
-        ["vanilla", "learned-relaxed"],
+        ["average", "learned-relaxed"],
         learned_steps=2,
         progress=False,
         log=lambda s: None,
     )
-    assert set(out) == {"vanilla", "learned-relaxed"}
-    van, rel = out["vanilla"]["curve"], out["learned-relaxed"]["curve"]
-    assert rel["loss"][0] == pytest.approx(van["loss"][0], abs=1e-4)  # B's loss (vanilla's λ = 0 is B too)
+    assert set(out) == {"average", "learned-relaxed"}
+    van, rel = out["average"]["curve"], out["learned-relaxed"]["curve"]
+    assert rel["loss"][0] == pytest.approx(van["loss"][0], abs=1e-4)  # B's loss (averaging's λ = 0 is B too)
     assert rel["loss"][-1] == pytest.approx(van["loss"][-1], abs=1e-4)  # A's
 
 
@@ -296,12 +296,12 @@ def test_reproduce_reuses_a_pair_s_curves_from_any_earlier_set_of_methods(tmp_pa
     from fedlmc.commands import _cached_pair, _pair_key
 
     ident = [0, 12.5, 1, 13.0]
-    (tmp_path / f"pair-p-0-1-{_pair_key(ident, ['vanilla', 'learned'], 300)}.json").write_text(
-        json.dumps({"vanilla": {"barrier": 1.0}, "learned": {"barrier": 0.2}})
+    (tmp_path / f"pair-p-0-1-{_pair_key(ident, ['average', 'learned'], 300)}.json").write_text(
+        json.dumps({"average": {"barrier": 1.0}, "learned": {"barrier": 0.2}})
     )
     (tmp_path / f"pair-p-0-1-{_pair_key(ident, ['wm-orth-factored'], 100)}.json").write_text(
         json.dumps({"wm-orth-factored": {"barrier": 0.5}})
     )
-    got = _cached_pair(tmp_path, "p", (0, 1), ident, ["vanilla", "learned", "wm-orth-factored", "learned-relaxed"], 300)
-    assert got == {"vanilla": {"barrier": 1.0}, "learned": {"barrier": 0.2}}
-    assert _cached_pair(tmp_path, "p", (0, 1), [0, 12.5, 1, 14.0], ["vanilla"], 300) == {}
+    got = _cached_pair(tmp_path, "p", (0, 1), ident, ["average", "learned", "wm-orth-factored", "learned-relaxed"], 300)
+    assert got == {"average": {"barrier": 1.0}, "learned": {"barrier": 0.2}}
+    assert _cached_pair(tmp_path, "p", (0, 1), [0, 12.5, 1, 14.0], ["average"], 300) == {}

@@ -15,12 +15,12 @@ import torch
 from test_flower_contract import Grid
 
 from fedlmc.federated import Settings, global_model
-from fedlmc.strategies import ReportingFedAvg, register
+from fedlmc.strategies import AverageFedAvg, register
 from fedlmc.strategies.keys import Key
 from fedlmc.strategies.registry import key_table, table, unregister
 
 
-class Damped(ReportingFedAvg):
+class Damped(AverageFedAvg):
     """FedAvg's mean, taken only ``damping`` of the way from the global model.
 
     Parameters
@@ -28,7 +28,7 @@ class Damped(ReportingFedAvg):
     damping : float, default 1.0
         The share of the step from the global model to the replies' mean (1: FedAvg).
     **kwargs
-        ``ReportingFedAvg``'s parameters.
+        ``AverageFedAvg``'s parameters.
     """
 
     def __init__(self, *, damping: float = 1.0, **kwargs: Any) -> None:

@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import FedAvg
 from test_flower_contract import Grid, _lora, _mlp_arrays
 
 from fedlmc.federated import Settings, global_model, splits_for
-from fedlmc.strategies import AlignedFedAvg, ReportingFedAvg
+from fedlmc.strategies import AlignedFedAvg, AverageFedAvg
 from fedlmc.strategies.records import state_arrays
 from fedlmc.strategies.registry import REGISTRY
 from strategies.factory import build_strategy
@@ -86,7 +86,7 @@ def test_a_round_where_half_the_nodes_fail_aggregates_the_others(name):
     assert 1 in result.evaluate_metrics_clientapp  # the evaluation of the nodes that answered
 
 
-@pytest.mark.parametrize("make", [ReportingFedAvg, lambda: AlignedFedAvg(fallback="average")])
+@pytest.mark.parametrize("make", [AverageFedAvg, lambda: AlignedFedAvg(fallback="average")])
 def test_an_unreadable_model_round_with_every_node_failed_goes_on_as_flowers_fedavg(make):
     """Arrays that are no fedlmc model (averaged as Flower's FedAvg averages them): the same result as
     Flower's FedAvg on the same grid, rounds 1 (every node failed) and 2."""

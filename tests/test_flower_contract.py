@@ -27,7 +27,7 @@ from flwr.serverapp.strategy import (
 from fedlmc.baselines import KrumFedAvg, SlicingFedAvg
 from fedlmc.models import from_preset
 from fedlmc.options import Checks, Refinement, Robust
-from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, LoraFedAvg, RefinedFedAvg, ReportingFedAvg
+from fedlmc.strategies import AlignedFedAvg, AverageFedAvg, HeteroWidthFedAvg, LoraFedAvg, RefinedFedAvg
 from fedlmc.strategies.records import config_record
 
 KW = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, image_size=8, patch_size=4)
@@ -81,7 +81,7 @@ def _replies(n: int = 3, seed: int = 0, weights=None) -> list[Message]:
 # only when told to average what it cannot read
 LORA_SKIP = "LoraFedAvg reads LoRA adapters (A, B factors), not arbitrary arrays: its mean is of s·B·A (test_lora.py)"
 PLAIN = {
-    "ReportingFedAvg()": lambda **kw: ReportingFedAvg(**kw),
+    "AverageFedAvg()": lambda **kw: AverageFedAvg(**kw),
     "AlignedFedAvg(fallback='average')": lambda **kw: AlignedFedAvg(fallback="average", **kw),
     "RefinedFedAvg(fallback='average')": lambda **kw: RefinedFedAvg(
         fallback="average", refine=Refinement(data=[0]), **kw
@@ -248,8 +248,8 @@ def _with(make):
 
 # every strategy, with arrays of the model it is given
 SAMPLED = {
-    "ReportingFedAvg()": _with(lambda **kw: ReportingFedAvg(**kw)),
-    "ReportingFedAvg(model=...)": _with(lambda **kw: ReportingFedAvg(model=_fedlmc_config(), **kw)),
+    "AverageFedAvg()": _with(lambda **kw: AverageFedAvg(**kw)),
+    "AverageFedAvg(model=...)": _with(lambda **kw: AverageFedAvg(model=_fedlmc_config(), **kw)),
     "AlignedFedAvg(model=...)": _with(lambda **kw: AlignedFedAvg(model=_fedlmc_config(), **kw)),
     "RefinedFedAvg(model=...)": _with(
         lambda **kw: RefinedFedAvg(model=_fedlmc_config(), refine=Refinement(data=[0]), **kw)
@@ -334,6 +334,6 @@ def test_the_model_config_reply_record_is_not_needed():
         if declare:
             content["model"] = config_record(base)
         replies.append(Message(content=content, metadata=metadata(node)))
-    strategy = ReportingFedAvg(model=base.config.to_dict(), checks=Checks(min_replies=2))
+    strategy = AverageFedAvg(model=base.config.to_dict(), checks=Checks(min_replies=2))
     got, _ = strategy.aggregate_train(1, replies)
     assert got is not None and strategy.history[-1]["excluded"] == []

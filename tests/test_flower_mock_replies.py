@@ -16,7 +16,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Krum
 
 from fedlmc.baselines import KrumFedAvg
 from fedlmc.options import Refinement, Robust
-from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg, ReportingFedAvg
+from fedlmc.strategies import AlignedFedAvg, AverageFedAvg, HeteroWidthFedAvg, RefinedFedAvg
 
 
 def mock_reply(arrays: ArrayRecord, num_examples: float) -> Message:
@@ -34,7 +34,7 @@ def _replies(weights=(5, 2, 9)):
 
 
 FEDAVG_LIKE = {
-    "ReportingFedAvg()": lambda: ReportingFedAvg(),
+    "AverageFedAvg()": lambda: AverageFedAvg(),
     "AlignedFedAvg(fallback='average')": lambda: AlignedFedAvg(fallback="average"),
     "RefinedFedAvg(fallback='average')": lambda: RefinedFedAvg(fallback="average", refine=Refinement(data=[0])),
     "HeteroWidthFedAvg(fallback='average')": lambda: HeteroWidthFedAvg(fallback="average"),
@@ -52,8 +52,8 @@ def test_mock_replies_are_averaged_as_flowers_fedavg_averages_them(make):
 @pytest.mark.parametrize(
     "oracle,ours",
     [
-        (FedMedian(), ReportingFedAvg(robust=Robust(reduce="median"))),
-        (FedTrimmedAvg(beta=0.2), ReportingFedAvg(robust=Robust(reduce="trimmed", trim=0.2))),
+        (FedMedian(), AverageFedAvg(robust=Robust(reduce="median"))),
+        (FedTrimmedAvg(beta=0.2), AverageFedAvg(robust=Robust(reduce="trimmed", trim=0.2))),
         (Krum(num_malicious_nodes=0), KrumFedAvg(num_malicious_nodes=0, num_nodes_to_select=1)),
     ],
     ids=["FedMedian", "FedTrimmedAvg", "Krum"],
@@ -71,7 +71,7 @@ def test_an_inconsistent_reply_is_excluded_where_flower_refuses_the_round():
     odd = mock_reply(ArrayRecord([np.array([1.0, 2.0]), np.array([3.0])]), 4)
     with pytest.raises(InconsistentMessageReplies):
         FedAvg().aggregate_train(1, [*replies, odd])
-    strategy = ReportingFedAvg()
+    strategy = AverageFedAvg()
     got, _ = strategy.aggregate_train(1, [*_replies(), odd])
     want, _ = FedAvg().aggregate_train(1, _replies())
     np.testing.assert_allclose(got.to_numpy_ndarrays()[0], want.to_numpy_ndarrays()[0], rtol=1e-12)

@@ -24,7 +24,7 @@ from fedlmc.options import (
     Refinement,  # noqa: E402
     Universe,
 )
-from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, RefinedFedAvg, ReportingFedAvg
+from fedlmc.strategies import AlignedFedAvg, AverageFedAvg, HeteroWidthFedAvg, RefinedFedAvg
 from fedlmc.strategies.records import config_record  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -110,7 +110,7 @@ def make_reply(kind: str, node: int, pick: int, where: float) -> Message:
 
 
 STRATEGIES = {
-    "average": lambda: ReportingFedAvg(model=CONFIG),
+    "average": lambda: AverageFedAvg(model=CONFIG),
     "aligned": lambda: AlignedFedAvg(model=CONFIG, universe=Universe(iterations=1)),
     "refined": lambda: RefinedFedAvg(
         model=CONFIG, refine=Refinement(data=DIGITS.val, steps=1), universe=Universe(iterations=1)

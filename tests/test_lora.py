@@ -441,6 +441,38 @@ def test_peft_strategy_sends_each_mixed_rank_node_its_own_rank(monkeypatch):
     assert strategy._sent == sum(m.content["arrays"].count_bytes() for m in msgs)
 
 
+def test_mixed_ranks_names_the_client_code_when_a_smaller_rank_fails_on_the_declared_one(caplog):
+    """Round 1 sends every node the declared rank (8). A FlowerTune-style client of rank 2 that loads it
+    with PEFT's ``set_peft_model_state_dict`` fails (a size mismatch); the server warns, naming
+    ``fedlmc.lora.set_adapter``, and records the nodes. The same client through ``set_adapter`` answers."""
+    from flwr.app import Error
+
+    model = gpt2_peft(r=8)
+    layout = LoraLayout.of(model)
+    sent = layout.write(random_adapter(layout, 8, 0, scale=0.1))
+    small = gpt2_peft(r=2)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        set_peft_model_state_dict(small, sent)
+    set_adapter(small, ArrayRecord(sent))  # the client code the warning names
+    own = LoraLayout.of(small).read(get_peft_model_state_dict(small))
+    assert {a.shape[0] for _, a in own.values()} == {2}
+
+    strategy = LoraFedAvg(model=model, mixed_ranks=True)
+    strategy.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+    failed = Message(Error(code=2, reason="size mismatch for lora_A"), metadata=metadata(1))
+    replies = [failed, _reply(layout.write(random_adapter(layout, 8, 1)), node=2)]
+    with caplog.at_level("WARNING"):
+        strategy.aggregate_train(1, replies)
+        strategy.aggregate_train(2, replies)
+    said = [r.getMessage() for r in caplog.records if "set_adapter" in r.getMessage()]
+    assert len(said) == 1 and "[1]" in said[0] and "size mismatch" in said[0]
+    assert strategy.history[0]["unconfirmed"] == {"mixed-ranks": [1]} and strategy.history[0]["replies"] == 1
+    plain = LoraFedAvg(model=model)  # without mixed_ranks the failure is an ordinary failed reply
+    plain.set_initial(ArrayRecord(get_peft_model_state_dict(model)))
+    plain.aggregate_train(1, replies)
+    assert "unconfirmed" not in plain.history[0]
+
+
 class _OneNode:
     def get_node_ids(self):
         return [1]
@@ -550,16 +582,16 @@ def test_lora_harness_claims_hold_on_a_small_run():
     import lora_aggregators as harness
 
     harness.SETTINGS["claim-r8"] = dict(
-        base_steps=200, scheme="speaker", ranks=[8] * 4, steps=30, rounds=2, methods=("fedit", "fedlmc")
+        base_steps=200, scheme="speaker", ranks=[8] * 4, steps=30, rounds=2, methods=("average", "fedlmc")
     )
     harness.SETTINGS["claim-mixed"] = dict(
         base_steps=200, scheme="speaker", ranks=[2, 4, 8, 16], steps=30, rounds=2, methods=("hetlora", "fedlmc")
     )
     same = harness.run("claim-r8", 0)["rows"]
     mixed = harness.run("claim-mixed", 0)["rows"]
-    assert same["fedlmc"]["test_loss"][-1] <= same["fedit"]["test_loss"][-1] + 0.002, same
+    assert same["fedlmc"]["test_loss"][-1] <= same["average"]["test_loss"][-1] + 0.002, same
     assert mixed["fedlmc"]["test_loss"][-1] < mixed["hetlora"]["test_loss"][-1] - 0.01, mixed
-    assert same["fedlmc"]["bytes_down"] == same["fedit"]["bytes_down"]  # no extra bytes on the wire
+    assert same["fedlmc"]["bytes_down"] == same["average"]["bytes_down"]  # no extra bytes on the wire
 
 
 def test_task_vector_merges_of_lora_products_on_hand_made_adapters():
@@ -631,14 +663,14 @@ def test_lora_harness_adds_rows_only_where_its_reference_reproduces(tmp_path):
     import lora_aggregators as harness
 
     row = lambda x: {"test_loss_per_seed": [[x, x - 0.1]], "final_loss": x - 0.1}  # noqa: E731
-    stored = {"setting": "speaker-r8-steps10", "seeds": [0], "reference": "fedit", "rows": {"fedit": row(2.0)}}
+    stored = {"setting": "speaker-r8-steps10", "seeds": [0], "reference": "average", "rows": {"average": row(2.0)}}
     path = tmp_path / "lora_speaker-r8-steps10.json"
     path.write_text(json.dumps(stored))
-    new = {**stored, "rows": {"fedit": row(2.0), "fedrot-lora": row(1.9)}, "environment": {}}
+    new = {**stored, "rows": {"average": row(2.0), "fedrot-lora": row(1.9)}, "environment": {}}
     out = harness.merged(path, new)
-    assert list(out["rows"]) == ["fedit", "fedrot-lora"] and out["reproduced"]["added"] == ["fedrot-lora"]
+    assert list(out["rows"]) == ["average", "fedrot-lora"] and out["reproduced"]["added"] == ["fedrot-lora"]
     with pytest.raises(SystemExit, match="does not reproduce"):
-        harness.merged(path, {**new, "rows": {"fedit": row(2.01), "fedrot-lora": row(1.9)}})
+        harness.merged(path, {**new, "rows": {"average": row(2.01), "fedrot-lora": row(1.9)}})
 
 
 @pytest.mark.parametrize("confirms", [False, True])

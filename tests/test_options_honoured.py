@@ -25,8 +25,8 @@ from fedlmc.baselines import (
     TaskMerge,
     TaskVectorFedAvg,
 )
-from fedlmc.options import Refinement, Robust
-from fedlmc.strategies import RefinedFedAvg, ReportingFedAvg
+from fedlmc.options import Distill, Refinement, Robust
+from fedlmc.strategies import AlignedFedAvg, AverageFedAvg, DistilledFedAvg, RefinedFedAvg
 from fedlmc.strategies.knobs import applied_metric, confirm
 
 
@@ -49,7 +49,7 @@ NO_ROBUST = {
 
 
 @pytest.mark.parametrize("make", NO_ROBUST.values(), ids=NO_ROBUST.keys())
-@pytest.mark.parametrize("robust", [Robust(reduce="median"), Robust(reduce="mean", trim=0.3)])
+@pytest.mark.parametrize("robust", [Robust(reduce="median"), Robust(reduce="average", trim=0.3)])
 def test_a_strategy_that_cannot_reduce_robustly_refuses_robust(make, robust):
     make()  # builds without it
     with pytest.raises(TypeError, match="robust"):
@@ -62,13 +62,13 @@ def test_the_strategies_that_take_robust_apply_it():
     initial = ArrayRecord([rng.normal(size=(3, 2)).astype(np.float32)])
     outs = {}
     for name, strategy in (
-        ("mean", ReportingFedAvg()),
-        ("median", ReportingFedAvg(robust=Robust(reduce="median"))),
+        ("average", AverageFedAvg()),
+        ("median", AverageFedAvg(robust=Robust(reduce="median"))),
         ("prox-median", FedProxFedAvg(proximal_mu=0.0, robust=Robust(reduce="median"))),
     ):
         outs[name] = strategy.start(grid=replies, initial_arrays=initial, num_rounds=1).arrays.to_numpy_ndarrays()[0]
         replies = Grid(nodes=5, step=1.0)
-    assert not np.allclose(outs["mean"], outs["median"])
+    assert not np.allclose(outs["average"], outs["median"])
     np.testing.assert_allclose(outs["prox-median"], outs["median"])
 
 
@@ -167,3 +167,91 @@ def test_a_client_knob_reaches_the_clients_trainer_through_the_train_config():
     assert (untouched.lr, untouched.local_epochs, untouched.batch_size) == (client.lr, client.local_epochs, 32)
     with pytest.raises(ValueError, match="scaffold-variate"):
         client.with_sent({"scaffold-variate": "momentum"})
+
+
+# ---- the same app under the strategies that ask the clients (no server data) ----------------------------
+@plain.evaluate()
+def _plain_evaluate(msg: Message, context: Context) -> Message:
+    """Flower's quickstart names its loss ``eval_loss``: not the ``eval-loss`` the guard reads."""
+    metrics = MetricRecord({"num-examples": 10, "eval_loss": 1.0, "eval_acc": 0.5})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+class EveryMessageGrid:
+    """Nodes running ``plain`` on every message, a ClientApp's exception answered as Flower's SuperNode does
+    (an error reply): ``plain`` registers no ``query`` function."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.app import Error
+
+        out = []
+        for i, m in enumerate(messages):
+            node = int(m.metadata.dst_node_id)
+            m.metadata.__dict__["_message_id"] = f"m{i}"
+            ctx = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+            try:
+                reply = plain(m, ctx)
+            except ValueError as e:
+                reply = Message(Error(code=2, reason=str(e)), reply_to=m)
+            reply.metadata.__dict__["_src_node_id"] = node
+            out.append(reply)
+        return out
+
+
+def _on_clients_round(make, unconfirmed="warn"):
+    from fedlmc.options import OnClients
+    from tests.test_on_clients import _tiny_gpt2
+    from tests.test_strategies import _reply
+
+    models = [_tiny_gpt2(s, torch.float32) for s in range(2)]
+    strategy = make(models[0].config.to_dict(), OnClients(unconfirmed=unconfirmed, timeout=5.0))
+    strategy._previous = ArrayRecord(torch_state_dict=dict(models[0].state_dict()))
+    strategy.grid = EveryMessageGrid([1, 2])
+    strategy.aggregate_train(1, [_reply(models[0], 5, node=1), _reply(models[1], 5, node=2)])
+    return strategy
+
+
+def _refinement():
+    return Refinement(steps=2, check_every=1, batch_size=4, check_batches=1, patience=5)
+
+
+ON_CLIENTS = {
+    "aligned-clients": ("guard", lambda cfg, on: AlignedFedAvg(model=cfg, on_clients=on)),
+    "refined-clients": ("refine", lambda cfg, on: RefinedFedAvg(model=cfg, refine=_refinement(), on_clients=on)),
+    "refined-clients-distilled": (
+        "distill",
+        lambda cfg, on: DistilledFedAvg(model=cfg, distill=Distill(steps=2, refine=_refinement()), on_clients=on),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ON_CLIENTS)
+def test_a_plain_flower_clientapp_under_an_on_clients_strategy_is_warned_about(name, caplog):
+    """The clients answer the queries with errors (no query function) and the guard without `eval-loss`:
+    the round still aggregates, the warning names the client code the registry says it needs, and the
+    round's record lists it; with ``OnClients(unconfirmed="error")`` the round raises instead."""
+    from fedlmc.strategies.registry import REGISTRY
+
+    what, make = ON_CLIENTS[name]
+    with caplog.at_level(logging.WARNING):
+        strategy = _on_clients_round(make)
+    said = [r.getMessage() for r in caplog.records if "no client answered with it" in r.getMessage()]
+    assert said and all("did not run" in s for s in said)
+    assert any(REGISTRY[name].client in s for s in said), (REGISTRY[name].client, said)
+    assert REGISTRY[name].client in strategy.history[-1]["unconfirmed"].values()
+    assert what in strategy.history[-1]["unconfirmed"]
+    with pytest.raises(ValueError, match="no client answered with it"):
+        _on_clients_round(make, unconfirmed="error")
+
+
+def test_on_clients_unconfirmed_takes_warn_or_error():
+    from fedlmc.options import OnClients
+
+    with pytest.raises(ValueError, match="unconfirmed"):
+        OnClients(unconfirmed="ignore")

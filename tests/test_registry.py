@@ -8,11 +8,11 @@ import torch
 from test_flower_contract import Grid
 
 from fedlmc.federated import Settings, global_model
-from fedlmc.strategies import ReportingFedAvg, register
+from fedlmc.strategies import AverageFedAvg, register
 from fedlmc.strategies.registry import REGISTRY, names, registered, table, unregister
 
 
-class HalfStep(ReportingFedAvg):
+class HalfStep(AverageFedAvg):
     """A strategy of a user's: FedAvg's mean, then only half the way from the previous global model to it."""
 
     def combine(self, server_round, replies, models, weights):

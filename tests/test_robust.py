@@ -15,7 +15,7 @@ from fedlmc.merging.averaging import robust_state
 from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Robust, Universe
-from fedlmc.strategies import AlignedFedAvg, ReportingFedAvg
+from fedlmc.strategies import AlignedFedAvg, AverageFedAvg
 from fedlmc.strategies.records import model_from_arrays
 from fedlmc.symmetry import apply_transform, canonicalize, random_transform, to_layernorm
 from simulations.experiment import flip_update, shuffled_labels
@@ -81,7 +81,7 @@ def test_reporting_fedavg_reduce_is_flowers_fedmedian_and_fedtrimmedavg():
         return [_reply(m.float(), 10, node=i + 1) for i, m in enumerate(copies + [bad])]
 
     for reduce, theirs in (("median", FedMedian()), ("trimmed", FedTrimmedAvg(beta=0.25))):
-        ours = ReportingFedAvg(model=copies[0].config.to_dict(), robust=Robust(reduce=reduce, trim=0.25))
+        ours = AverageFedAvg(model=copies[0].config.to_dict(), robust=Robust(reduce=reduce, trim=0.25))
         a, _ = ours.aggregate_train(1, replies())
         b, _ = theirs.aggregate_train(1, replies())
         sa, sb = a.to_torch_state_dict(), b.to_torch_state_dict()

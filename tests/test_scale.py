@@ -188,7 +188,7 @@ def test_parallel_alignments_equal_the_sequential_path(tmp_path, record):
 def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, record):
     """Matching(min_gain) in the workers: replies that are the start model plus a little noise keep the
     identity, the universe is their plain mean and stops after two iterations, as in the server's process
-    (after one from that mean, ``start="mean"``)."""
+    (after one from that mean, ``start="average"``)."""
     from fedlmc.symmetry import rebuild
 
     base = _copies(1, noise=0.0)[0]
@@ -213,7 +213,7 @@ def test_parallel_min_gain_keeps_replies_from_the_start_as_they_are(tmp_path, re
     assert T_par[0].info["universe_iterations"] == T_seq[0].info["universe_iterations"] == 2
     par_mean, T_mean = universe_merge(
         replies,
-        start="mean",
+        start="average",
         matching=m,
         scale=Scale(workers=2, backend="process", spool_dir=str(tmp_path)),
         universe=Universe(iterations=5, keep_layernorm=False),
@@ -747,12 +747,12 @@ def test_parallel_ray_tasks_equal_the_sequential_path(tmp_path, record):
 
 
 def test_mmap_replies_on_disk_are_refused_by_strategies_that_hold_them_in_memory():
-    from fedlmc.strategies import HeteroWidthFedAvg, ReportingFedAvg
+    from fedlmc.strategies import AverageFedAvg, HeteroWidthFedAvg
 
-    for cls in (ReportingFedAvg, HeteroWidthFedAvg):
+    for cls in (AverageFedAvg, HeteroWidthFedAvg):
         with pytest.raises(ValueError, match="AlignedFedAvg and RefinedFedAvg"):
             cls(scale=Scale(spool=True))
-    ReportingFedAvg(scale=Scale())  # the default (in memory) is every strategy's
+    AverageFedAvg(scale=Scale())  # the default (in memory) is every strategy's
 
 
 def test_mmap_arriving_mean_is_the_streamed_mean_of_exactly_the_replies_summed(tmp_path, record):
@@ -787,7 +787,7 @@ def test_mmap_arriving_mean_is_the_streamed_mean_of_exactly_the_replies_summed(t
 
 
 def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_path, record, monkeypatch):
-    """``Universe(start="mean")`` on replies written to disk as they arrive: the start (the replies'
+    """``Universe(start="average")`` on replies written to disk as they arrive: the start (the replies'
     mean) and ``start_for``'s cosines are computed while each reply is in memory, so the round reads each
     reply's file once (its one universe iteration) instead of three times, and merges the same model."""
     from flwr.app import ArrayRecord
@@ -809,7 +809,7 @@ def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_pa
             model=base.config.to_dict(),
             scale=scale,
             matching=Matching(min_gain=0.5),
-            universe=Universe(start="mean"),
+            universe=Universe(start="average"),
             fraction_evaluate=0.0,
         )
         loads.clear()
@@ -817,7 +817,7 @@ def test_mmap_universe_mean_summed_as_replies_arrive_reads_each_file_once(tmp_pa
             grid=ReplyingGrid(near), initial_arrays=ArrayRecord(torch_state_dict=base.state_dict()), num_rounds=1
         )
         results[name] = result.arrays.to_torch_state_dict()
-        assert strategy.history[-1]["start"] == "mean" and strategy.history[-1]["excluded"] == []
+        assert strategy.history[-1]["start"] == "average" and strategy.history[-1]["excluded"] == []
         if scale is not None:
             assert len(loads) == len(near) == len(set(loads)), f"the replies' files were read {len(loads)} times"
     diff = max(float((results["disk"][k] - v).abs().max()) for k, v in results["memory"].items())
@@ -856,7 +856,7 @@ def test_mmap_next_reply_is_prefetched_while_one_is_aligned(tmp_path, monkeypatc
     events.clear()
     universe_merge(
         [stored(p) for p in paths],
-        start="mean",
+        start="average",
         matching=Matching(keep_identity=False),
         universe=Universe(iterations=1, keep_layernorm=False),
     )

@@ -106,7 +106,7 @@ def test_aligned_fedavg_screen_excludes_the_outlier_and_merges_the_rest():
         arrays, _ = strategy.aggregate_replies(1, msgs, previous)
         return model_from_arrays(arrays, strategy.global_config), strategy.history[-1]
 
-    for reduce in ("mean", "median"):
+    for reduce in ("average", "median"):
         screened, rec = run(
             AlignedFedAvg(model=cfg, screen=Screen(), robust=Robust(reduce=reduce)), list(enumerate(replies))
         )

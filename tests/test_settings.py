@@ -194,9 +194,9 @@ def test_universe_start_reaches_the_aligned_and_refined_strategies_and_nothing_e
 
     model = from_preset("vit-digits")
     for strategy in ("aligned", "refined", "refined-clients", "permuted"):
-        cfg = {"strategy": strategy, "preset": "vit-digits", "universe-start": "mean"}
+        cfg = {"strategy": strategy, "preset": "vit-digits", "universe-start": "average"}
         got = build_strategy(Settings.from_run_config(cfg), model.config.to_dict(), load("digits"))
-        assert got.universe.start == "mean", strategy
+        assert got.universe.start == "average", strategy
     default = build_strategy(
         Settings.from_run_config({"preset": "vit-digits", "strategy": "aligned"}),
         model.config.to_dict(),
@@ -205,7 +205,7 @@ def test_universe_start_reaches_the_aligned_and_refined_strategies_and_nothing_e
     assert default.universe.start == "previous"
     for strategy in ("average", "hetero", "krum"):
         with pytest.raises(ValueError, match="universe-start"):
-            Settings.from_run_config({"strategy": strategy, "universe-start": "mean"})
+            Settings.from_run_config({"strategy": strategy, "universe-start": "average"})
     with pytest.raises(ValueError, match="universe-start"):
         Settings.from_run_config({"strategy": "aligned", "universe-start": "median"})
 

@@ -216,12 +216,12 @@ def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_tr
     strategy.aggregate_train(1, [_reply(m, 50, node=i + 1) for i, m in enumerate(near)])
     assert strategy.history[0]["start"] == "previous"
 
-    # Universe(start="mean"): replies trained from the global model start the universe at their plain mean
+    # Universe(start="average"): replies trained from the global model start the universe at their plain mean
     # (with min_gain they keep the identity there, and one universe iteration settles the round)
     from fedlmc.options import Matching
 
     merged = {}
-    for start in ("previous", "mean"):
+    for start in ("previous", "average"):
         strategy = AlignedFedAvg(
             model=base.config.to_dict(), matching=Matching(min_gain=0.5), universe=Universe(start=start)
         )
@@ -233,9 +233,9 @@ def test_the_universe_starts_from_the_global_model_only_when_the_replies_were_tr
         )
         arrays, _ = strategy.aggregate_train(1, [_reply(m, 50, node=i + 1) for i, m in enumerate(near)])
         assert strategy.history[0]["start"] == start
-        assert seen == ["mean"] if start == "mean" else isinstance(seen[0], torch.nn.Module)
+        assert seen == ["average"] if start == "average" else isinstance(seen[0], torch.nn.Module)
         merged[start] = model_from_arrays(arrays, base.config.to_dict()).state_dict()
-    assert max(float((merged["mean"][k] - v).abs().max()) for k, v in merged["previous"].items()) < 1e-5
+    assert max(float((merged["average"][k] - v).abs().max()) for k, v in merged["previous"].items()) < 1e-5
     strategy._previous = ArrayRecord(torch_state_dict=unrelated.state_dict())  # one-shot: still from a reply
     strategy.aggregate_train(2, [_reply(c, 100, node=i + 1) for i, c in enumerate(clients)])
     assert strategy.history[1]["start"] == "reply"

@@ -106,7 +106,7 @@ def test_interpolation_curve_endpoints(digits, tmp_path):
     assert curve.loss[0] == pytest.approx(evaluate(b, digits.test)["loss"])
     assert curve.loss[-1] == pytest.approx(evaluate(a, digits.test)["loss"])
     assert barrier(interpolation_curve(a, a, digits.test, lambdas=[0, 0.3, 1])) == pytest.approx(0.0, abs=1e-6)
-    png = plot_curves({"vanilla": curve}, tmp_path / "c.png")
+    png = plot_curves({"average": curve}, tmp_path / "c.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="differ in shape"):
         interpolate(a, from_preset("vit-digits", d_ff=32), 0.5)

@@ -141,7 +141,7 @@ def test_the_streamed_average_is_the_average_of_the_aligned_models(record):
 def test_min_gain_keeps_replies_from_the_global_model_and_still_aligns_planted_copies():
     """Matching(min_gain): replies trained a little from the start model (small noise) keep the identity,
     so the universe is their plain mean and stops after its second iteration (after its first when it
-    starts from that mean, ``start="mean"``); copies in other
+    starts from that mean, ``start="average"``); copies in other
     coordinates (a planted symmetry) are still aligned, whatever min_gain below their gain."""
     base = _base()
     common = [_noisy(canonicalize(base), 0.01, 10 + s) for s in range(4)]
@@ -156,7 +156,7 @@ def test_min_gain_keeps_replies_from_the_global_model_and_still_aligns_planted_c
     assert all(T.elements for T in plain)
 
     from_mean, Ts_mean = universe_merge(
-        common, start="mean", matching=m, universe=Universe(iterations=5, keep_layernorm=False)
+        common, start="average", matching=m, universe=Universe(iterations=5, keep_layernorm=False)
     )  # one iteration does
     assert all(T.elements == {} for T in Ts_mean) and Ts_mean[0].info["universe_iterations"] == 1
     assert max(float((from_mean.state_dict()[k] - v).abs().max()) for k, v in mean.items()) < 1e-12

@@ -12,7 +12,7 @@ from test_strategies import _reply
 
 from fedlmc.models import from_preset
 from fedlmc.options import Checks, Universe
-from fedlmc.strategies import AlignedFedAvg, HeteroWidthFedAvg, ReportingFedAvg
+from fedlmc.strategies import AlignedFedAvg, AverageFedAvg, HeteroWidthFedAvg
 from fedlmc.strategies.records import config_record
 
 
@@ -114,7 +114,7 @@ def test_the_fedavg_baseline_validates_replies_too():
 
     good = [_model(1), _model(2)]
     replies = [_reply(g, 10, node=i + 1) for i, g in enumerate(good)]
-    strategy = ReportingFedAvg(model=good[0].config.to_dict())
+    strategy = AverageFedAvg(model=good[0].config.to_dict())
     arrays, _ = strategy.aggregate_train(1, replies + [_bad("nan")])
     assert [e["node"] for e in strategy.history[-1]["excluded"]] == [99]
     out, ref = arrays.to_torch_state_dict(), FedAvg().aggregate_train(1, replies)[0].to_torch_state_dict()

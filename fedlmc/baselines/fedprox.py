@@ -6,7 +6,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord
 
-from fedlmc.strategies.fedavg import ReportingFedAvg
+from fedlmc.strategies.fedavg import AverageFedAvg
 from fedlmc.strategies.knobs import ClientKnob, ConfirmedKnobs
 from fedlmc.strategies.registry import Build, register
 
@@ -18,7 +18,7 @@ PROXIMAL = ClientKnob(
 )
 
 
-class FedProxFedAvg(ConfirmedKnobs, ReportingFedAvg):
+class FedProxFedAvg(ConfirmedKnobs, AverageFedAvg):
     """FedProx (Li et al., 2020) as Flower has it: FedAvg's aggregation, and every train message tells the
     clients the proximal term's weight (config ``proximal-mu``), which fedlmc's ClientApp adds to its
     local loss as ``mu / 2 · ‖w − w_global‖²`` (``TrainConfig.proximal_mu``).
@@ -31,7 +31,7 @@ class FedProxFedAvg(ConfirmedKnobs, ReportingFedAvg):
         A round whose replies do not confirm the proximal term (``applied-proximal-mu``, a ClientApp that
         does not run FedProx) is warned about, or refused (``fedlmc.strategies.knobs.ConfirmedKnobs``).
     **kwargs
-        ``ReportingFedAvg``'s parameters.
+        ``AverageFedAvg``'s parameters.
     """
 
     def __init__(self, *, proximal_mu: float = 0.0, **kwargs: Any) -> None:

@@ -9,11 +9,11 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedlmc.strategies.base import node_of
-from fedlmc.strategies.fedavg import MeanFedAvg
+from fedlmc.strategies.fedavg import AverageBase
 from fedlmc.strategies.registry import Build, register
 
 
-class KrumFedAvg(MeanFedAvg):
+class KrumFedAvg(AverageBase):
     """Flower's Krum / Multi-Krum on the raw replies (``flwr.serverapp.strategy.MultiKrum``'s own
     ``select_multikrum``), with fedlmc's validation and a record of the replies it left out: the
     raw-coordinate baseline for screening modulo symmetries (``AlignedFedAvg(screen=...)``).

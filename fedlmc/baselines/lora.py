@@ -30,7 +30,7 @@ from fedlmc.lora import LoraLayout
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
 TASK_VECTOR_METHODS = {"ties-lora": "ties", "dare-lora": "dare", "model-stock-lora": "model-stock"}
-METHODS = ("fedit", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedrot-lora", *TASK_VECTOR_METHODS)
+METHODS = ("average", "ffa-lora", "fedsa-lora", "flora", "flexlora", "fedex-lora", "fedrot-lora", *TASK_VECTOR_METHODS)
 
 
 def _normalised(weights: Sequence[float]) -> list[float]:

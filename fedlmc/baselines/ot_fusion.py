@@ -8,7 +8,7 @@ maximum) defines a transport problem with uniform mass on both sides, solved by 
 regularisation ``reg`` (soft maps) or exactly (``reg = 0``: a permutation). The map ``T`` (model's
 units × anchor's units, scaled so that each anchor unit receives a convex combination) carries the
 layer's rows and bias: ``W' = Tᵀ W T_in``. The residual stream has no layer of its own: at each sum its
-map becomes the mean of the skip's and the block output's maps (the paper's "mean" policy); LayerNorm
+map becomes the mean of the skip's and the block output's maps (the paper's "average" policy); LayerNorm
 gains and biases, the class token and the head's input side follow it. Q, K and V get maps of their own
 over all their output units; the attention output's input side follows V's. Aligned models are then
 averaged with the replies' weights.
@@ -33,13 +33,13 @@ import torch
 import torch.nn as nn
 
 from fedlmc.options import Guard, one_of
-from fedlmc.strategies.fedavg import MeanFedAvg
+from fedlmc.strategies.fedavg import AverageBase
 from fedlmc.strategies.keys import Key, non_negative
 from fedlmc.strategies.registry import Build, register
 
 Maps = dict[str, torch.Tensor]
 
-RESIDUAL_POLICIES = ("mean", "transported", "residual")  # OTFusion.residual_policy: how maps meet at a residual sum
+RESIDUAL_POLICIES = ("average", "transported", "residual")  # OTFusion.residual_policy: how maps meet at a residual sum
 OT_COSTS = ("weights", "activations")  # OTFusion.cost
 
 
@@ -55,9 +55,9 @@ class OTFusion:
         Sinkhorn's entropic regularisation of each transport problem (costs are scaled to at most 1):
         soft maps. 0: exact optimal transport, which between equal numbers of units with uniform mass is
         a permutation (hard maps).
-    residual_policy : {"mean", "transported", "residual"}, default "mean"
+    residual_policy : {"average", "transported", "residual"}, default "average"
         At a residual sum the stream's map becomes the mean of the skip's map and the block output's
-        ("mean", the paper's), the block output's ("transported") or the skip's ("residual").
+        ("average", the paper's), the block output's ("transported") or the skip's ("residual").
     sinkhorn_iterations : int, default 2000
         At most this many Sinkhorn iterations per map (it stops once the marginals match to 1e-9).
     cost : {"weights", "activations"}, default "weights"
@@ -70,7 +70,7 @@ class OTFusion:
     """
 
     reg: float = 0.06
-    residual_policy: str = "mean"
+    residual_policy: str = "average"
     sinkhorn_iterations: int = 2000
     cost: str = "weights"
     data: Any = None
@@ -177,7 +177,7 @@ def _columns(e, anchor_e, options):
 
 def _meet(skip: torch.Tensor, block: torch.Tensor, policy: str) -> torch.Tensor:
     """The residual stream's map after a sum of the skip (map ``skip``) and a block output (``block``)."""
-    return {"mean": 0.5 * (skip + block), "transported": block, "residual": skip}[policy]
+    return {"average": 0.5 * (skip + block), "transported": block, "residual": skip}[policy]
 
 
 def _embeddings(sd: dict, anchor: dict, out: dict, options: OTFusion, acts=None) -> torch.Tensor:
@@ -299,7 +299,7 @@ def ot_fusion(models: Sequence[nn.Module], weights: Sequence[float], options: Op
 # ---- the strategy --------------------------------------------------------------------------------
 
 
-class OTFusionFedAvg(MeanFedAvg):
+class OTFusionFedAvg(AverageBase):
     """Each round's replies fused by optimal transport (``fedlmc.baselines.ot_fusion``: Imfeld et al., ICLR 2024,
     weight-based): every reply carried onto an anchor reply's units by soft transport maps, layer by
     layer, then averaged with the replies' weights. fedlmc's GPT-2 and ViT models.

@@ -22,7 +22,7 @@ from safetensors.torch import load, save
 
 from fedlmc.options import one_of
 from fedlmc.strategies.base import node_of
-from fedlmc.strategies.fedavg import MeanFedAvg
+from fedlmc.strategies.fedavg import AverageBase
 from fedlmc.strategies.keys import Key
 from fedlmc.strategies.knobs import ClientKnob, ConfirmedKnobs
 from fedlmc.strategies.registry import Build, register
@@ -131,7 +131,7 @@ SCAFFOLD = ClientKnob(
 )
 
 
-class ScaffoldFedAvg(ConfirmedKnobs, MeanFedAvg):
+class ScaffoldFedAvg(ConfirmedKnobs, AverageBase):
     """SCAFFOLD (Karimireddy et al., ICML 2020) on Flower's Message API: every train message carries the
     server's control variate ``c`` (config key ``scaffold``, safetensors bytes); fedlmc's ClientApp
     keeps its own variate in the node's ``context.state``, corrects its gradients by ``c − c_i`` and

@@ -9,12 +9,12 @@ from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import FedAvgM
 from flwr.serverapp.strategy.fedopt import FedOpt
 
-from fedlmc.strategies.fedavg import MeanFedAvg
+from fedlmc.strategies.fedavg import AverageBase
 from fedlmc.strategies.keys import Key, non_negative
 from fedlmc.strategies.registry import Build, register
 
 
-class ServerOptFedAvg(MeanFedAvg):
+class ServerOptFedAvg(AverageBase):
     """A server optimiser of Flower's (``FedAvgM``, ``FedAdam``, ``FedYogi``, ``FedAdagrad``: Reddi et al.,
     2021) with fedlmc's validation and history: the valid replies go to the Flower strategy, whose own
     ``aggregate_train`` takes FedAvg's mean and steps from the previous global model with its state

@@ -28,7 +28,7 @@ from flwr.app import ArrayRecord
 
 from fedlmc.options import one_of
 from fedlmc.strategies.base import loaded
-from fedlmc.strategies.fedavg import MeanFedAvg
+from fedlmc.strategies.fedavg import AverageBase
 from fedlmc.strategies.registry import Build, register
 from fedlmc.symmetry import StateDict
 
@@ -136,7 +136,7 @@ def stock_ratio(taus: torch.Tensor) -> float:
     return n * c / (1.0 + (n - 1) * c)
 
 
-class TaskVectorFedAvg(MeanFedAvg):
+class TaskVectorFedAvg(AverageBase):
     """Task-vector merges for federations that fine-tune one shared base (Task Arithmetic, TIES, DARE,
     Model Stock: ``fedlmc.baselines.task_vectors``): each reply's task vector is its model minus the global model
     the round sent, and the merged task vector is added to that model.

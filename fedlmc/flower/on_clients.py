@@ -34,6 +34,32 @@ from fedlmc.options import Learning, OnClients
 from fedlmc.symmetry import StateDict
 from fedlmc.train import pick_device
 
+# the client code each query needs (the registrations' `client` column says the same)
+REFINE_CODE = "answers `query.refine` messages with `fedlmc.flower.on_clients.answer` (fedlmc's ClientApp does)"
+DISTILL_CODE = REFINE_CODE[: -len(" (fedlmc's ClientApp does)")] + (
+    " and keeps its trained model when the train config says `keep-model` (fedlmc's ClientApp does)"
+)
+
+
+def guard_code(loss_key: str = OnClients.loss_key) -> str:
+    """The client code the clients' guard needs: an evaluate that answers the loss and the example count."""
+    return f"its evaluate answers `{loss_key}` (`OnClients.loss_key`) and `num-examples` on held-out data"
+
+
+def unconfirmed(on: OnClients, what: str, code: str, reasons: list[str]) -> str:
+    """Every client asked for ``what`` answered without it (``reasons``, the first two said): their
+    ClientApp lacks ``code``. Warns, naming the code, or raises with ``on.unconfirmed="error"``;
+    returns the code (for the round's record)."""
+    why = (
+        f"{what}: no client answered with it ({'; '.join(reasons[:2])}): their ClientApp does not run the "
+        f"client code this strategy needs, so its method did not run. The ClientApp {code}"
+    )
+    if on.unconfirmed == "error":
+        raise ValueError(why)
+    log(WARNING, "%s", why)
+    return code
+
+
 # Flower's deployment grid looks for replies every 3 s, and a refinement step is one exchange with its
 # clients: ``exchange`` looks after 0.1 s, then 1.5 times later each time, at most 1 s apart
 POLL_FIRST, POLL_MAX = 0.1, 1.0
@@ -209,6 +235,8 @@ class ClientLosses:
         self.config_json: Optional[str] = None
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.excluded: list[dict[str, Any]] = []
+        self.code = DISTILL_CODE if target == "own-model" else REFINE_CODE
+        self.unconfirmed: Optional[str] = None
         self.steps = self.checks = self.messages = self.bytes_sent = self.bytes_received = 0
         self.seconds = 0.0
 
@@ -265,15 +293,19 @@ class ClientLosses:
             self.shapes = {k: tuple(v.shape) for k, v in states[0].items() if v.is_floating_point()}
         replies = self._ask(self.step_nodes(step), states, GRADIENT, self.on.batches_per_client, step)
         good: list[tuple[float, list[StateDict], float]] = []
+        reasons = []
         for node, reply in sorted(replies.items()):
             try:
                 n, loss = _count_and_loss(reply)
                 grads = [self._gradient(reply, k) for k in range(len(states))]
             except BadAnswer as e:
                 self._exclude(step, GRADIENT, node, str(e))
+                reasons.append(f"node {node}: {e}")
                 continue
             self.bytes_received += sum(nbytes(g) for g in grads)
             good.append((n, grads, loss))
+        if reasons and not good:
+            self.unconfirmed = unconfirmed(self.on, f"refinement on the clients, step {step}", self.code, reasons)
         if len(good) < self.on.min_clients:
             log(
                 WARNING,
@@ -312,6 +344,7 @@ class ClientLosses:
         self.checks += 1
         replies = self._ask(self.check_nodes, [state], LOSSES, self.check_batches, step)
         out: dict[int, torch.Tensor] = {}
+        reasons = []
         for node, reply in sorted(replies.items()):
             try:
                 n, _ = _count_and_loss(reply)
@@ -321,8 +354,13 @@ class ClientLosses:
                     raise BadAnswer(f"{len(per)} per-example losses for {n} examples, or not finite")
             except BadAnswer as e:
                 self._exclude(step, LOSSES, node, str(e))
+                reasons.append(f"node {node}: {e}")
                 continue
             out[node] = per
+        if reasons and not out:
+            self.unconfirmed = unconfirmed(
+                self.on, f"refinement on the clients, check at step {step}", self.code, reasons
+            )
         if len(out) < self.on.min_clients:
             log(WARNING, "refinement on the clients, check at step %d: %d valid answers: stopping", step, len(out))
             return None
@@ -341,6 +379,7 @@ class ClientLosses:
             "check_clients": len(self.check_nodes),
             "samples_per_message": self.samples,
             "excluded": self.excluded,
+            **({"unconfirmed": self.unconfirmed} if self.unconfirmed else {}),
         }
 
 
@@ -421,6 +460,9 @@ def client_guard(
     }
     for e in excluded:
         log(WARNING, "%s on the clients: excluded node %s: %s", label, e["node"], e["reason"])
+    answered = [f"node {e['node']}: {e['reason']}" for e in excluded if "no answer" not in e["reason"]]
+    if answered and not both:
+        cost["unconfirmed"] = unconfirmed(on, f"the {label} on the clients", guard_code(on.loss_key), answered)
     if len(both) < on.min_clients:
         log(
             WARNING,

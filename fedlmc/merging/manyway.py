@@ -133,7 +133,7 @@ def universe_table(
     tol: float = 1e-6,
     ff_scale: bool = False,
 ) -> dict[str, Any]:
-    """Vanilla average vs universe (weight matching) vs Dirichlet-refined universe of ``models``:
+    """Plain average vs universe (weight matching) vs Dirichlet-refined universe of ``models``:
     test loss of each merge and its excess over the mean endpoint loss. With ``simplex_n`` > 0 and
     the first three models, also the loss over their 2-simplex for each method. ``ff_scale`` adds the
     universe and the refined universe whose matching also solves the FF neurons' scales (ReLU, SwiGLU:
@@ -152,7 +152,7 @@ def universe_table(
 
     n = len(models)
     t = time.time()
-    row("vanilla", merge(models, [1 / n] * n), time.time() - t)
+    row("average", merge(models, [1 / n] * n), time.time() - t)
     t = time.time()
     uni, T_wm = universe_merge(
         models, progress=progress, universe=Universe(iterations=iterations, tol=tol, keep_layernorm=False)
@@ -184,7 +184,7 @@ def universe_table(
         T_ref = T_ref or T
     if ff_scale:
         _ff_scale_rows(models, replace(refine, data=splits.train, alpha=alphas[0]), iterations, tol, progress, row)
-    v = rows["vanilla"]["excess"]
+    v = rows["average"]["excess"]
     for name in rows:
         rows[name]["ratio"] = rows[name]["excess"] / v if v > 0 else float("nan")
     out: dict[str, Any] = {
@@ -196,7 +196,7 @@ def universe_table(
     }
     if simplex_n and n >= 3:
         three = list(models[:3])
-        panels = {"vanilla": simplex_losses(three, splits.test, simplex_n, max_batches=max_batches)}
+        panels = {"average": simplex_losses(three, splits.test, simplex_n, max_batches=max_batches)}
         for name, Ts in (("universe", T_wm), (f"refined (α={alphas[0]:g})", T_ref)):
             al, masks = aligned_models(three, Ts[:3])
             panels[name] = simplex_losses(al, splits.test, simplex_n, masks=masks, max_batches=max_batches)
@@ -210,7 +210,7 @@ def universe_markdown(preset: str, result: dict[str, Any], seeds: Sequence[int])
         "",
         "Endpoint test losses: " + ", ".join(f"{e['loss']:.3f}" for e in result["endpoints"]),
         "",
-        "| merge | test loss | acc | excess E | E / E(vanilla) | seconds |",
+        "| merge | test loss | acc | excess E | E / E(average) | seconds |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in result["rows"].items():

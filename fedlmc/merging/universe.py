@@ -132,12 +132,12 @@ class Members:
         return out
 
     def merge(
-        self, transforms: list[Transform], form: str = "factored", reduce: str = "mean", trim: float = 0.2
+        self, transforms: list[Transform], form: str = "factored", reduce: str = "average", trim: float = 0.2
     ) -> nn.Module:
         """The weighted average of the live models, each aligned by its transform (``reduce``: or their
         coordinate-wise median / trimmed mean, see ``averaging.robust_state``)."""
         live = self.live
-        if reduce != "mean":
+        if reduce != "average":
             return robust_merge([apply_transform(self.padded[i], transforms[i]) for i in live], reduce, trim)
         if form == "factored" and not self.hetero:
             return self._streamed_average(transforms)
@@ -324,12 +324,12 @@ def universe_merge(
         The fedlmc models to merge.
     weights : sequence of float or None
         Non-negative merge weights (e.g. example counts); default uniform.
-    start : nn.Module, "mean", Aligned or None
-        The model the universe starts from: a model (e.g. the previous global model); "mean", the
+    start : nn.Module, "average", Aligned or None
+        The model the universe starts from: a model (e.g. the previous global model); "average", the
         models' plain weighted mean (streamed: FedAvg's aggregate); an ``Aligned``, a universe these
         models are already aligned to (the iterations are skipped: e.g. a screen's weight-matched
         universe, refined when the screen excluded nobody), or None, the ``anchor``. For replies
-        trained a little from one global model with ``Matching(min_gain=...)``, "mean" ends the merge
+        trained a little from one global model with ``Matching(min_gain=...)``, "average" ends the merge
         after one iteration: every reply keeps the identity, so the universe stays where it started.
     matching : Matching or None
         Weight matching's knobs; default ``Matching()``. ``matching.residual_data`` adds residual
@@ -412,7 +412,7 @@ def _members_for(
     mem = members(models, weights, None if isinstance(start, str) else start, keep_layernorm, ff_lift, head_lift)
     if aligned is not None and mem.hetero:
         raise ValueError("Aligned: models of one shape (a mixed-width universe is padded anew)")
-    if reduce != "mean" and mem.hetero:
+    if reduce != "average" and mem.hetero:
         raise ValueError("a robust reduce needs models of one shape (mixed widths are averaged over their holders)")
     return mem, start, aligned
 
@@ -426,10 +426,10 @@ def _check_options(refine: Optional[Refinement], u: Universe, r: Robust, start, 
             "refine needs data for the Dirichlet refinement: Refinement(data=...), a data set at the server or "
             "the clients' losses (fedlmc.flower.on_clients.ClientLosses)"
         )
-    if r.reduce != "mean" and (refine is not None or u.form != "factored"):
+    if r.reduce != "average" and (refine is not None or u.form != "factored"):
         raise ValueError("a robust reduce combines aligned models coordinate-wise: factored form, no refinement")
     if isinstance(start, str):
-        one_of(start, ("mean",), "start")
+        one_of(start, ("average",), "start")
 
 
 def _merge(
@@ -453,7 +453,7 @@ def _merge(
     mean = _is_mean(start, mem)
     if aligned is not None:  # already weight-matched into ``start``
         universe, transforms = canonical(start), list(aligned)
-    elif isinstance(start, str):  # "mean": the replies' plain weighted mean, streamed (in canonical form)
+    elif isinstance(start, str):  # "average": the replies' plain weighted mean, streamed (in canonical form)
         universe = mem.merge([Transform() for _ in mem.models])
     elif start is not None:
         universe = (
@@ -490,7 +490,7 @@ def _merge(
         universe = mem.merge(transforms)
     if form == "circuit":  # the last aligned models, merged as circuits
         universe = mem.merge(transforms, form="circuit")
-    if keep_layernorm and reduce != "mean":  # a median of centred streams is not centred: project it back
+    if keep_layernorm and reduce != "average":  # a median of centred streams is not centred: project it back
         universe = recentre(universe)
     for i, reason in mem.excluded.items():
         transforms[i] = Transform(info={"excluded": reason})
@@ -499,7 +499,7 @@ def _merge(
 
 def _is_mean(start: Union[nn.Module, str, None], mem: Members) -> bool:
     """Whether the universe starts at the live models' plain weighted mean, in canonical form: the
-    streamed one (``start="mean"``), or an ``ArrivingMean``'s of exactly these files and weights."""
+    streamed one (``start="average"``), or an ``ArrivingMean``'s of exactly these files and weights."""
     if mem.hetero:
         return False
     if isinstance(start, str):
@@ -554,7 +554,7 @@ def _iterate(
         t0 = time.time()
         todo = [i for i in mem.live if not (it == 0 and i == first)]
         warm = {i: transforms[i] if it else None for i in todo}
-        streamed = reduce == "mean" and not mem.hetero  # align and sum each model in one visit
+        streamed = reduce == "average" and not mem.hetero  # align and sum each model in one visit
         moves = streamed and mean and it == 0
         excluded = len(mem.excluded)
         if pool is not None:

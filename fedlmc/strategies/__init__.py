@@ -7,7 +7,7 @@ adds one). The field's methods they are compared with live apart, in ``fedlmc.ba
 
 # isort: off
 # the order registers fedlmc's own strategies first (`average` heads them), then the peers
-from fedlmc.strategies.fedavg import ReportingFedAvg
+from fedlmc.strategies.fedavg import AverageFedAvg
 from fedlmc.strategies.aligned import AlignedFedAvg, RefinedFedAvg
 from fedlmc.strategies.distilled import DistilledFedAvg
 from fedlmc.strategies.hetero import HeteroWidthFedAvg
@@ -18,7 +18,7 @@ from fedlmc import baselines as _baselines  # noqa: F401
 # isort: on
 
 __all__ = [
-    "ReportingFedAvg",
+    "AverageFedAvg",
     "AlignedFedAvg",
     "RefinedFedAvg",
     "DistilledFedAvg",
@@ -43,7 +43,13 @@ MOVED = {
 }
 
 
+# renamed: one name per meaning (plain averaging is `average` / AverageFedAvg everywhere)
+RENAMED = {"ReportingFedAvg": "AverageFedAvg"}
+
+
 def __getattr__(name: str):
+    if name in RENAMED:
+        raise ImportError(f"{name} is now {RENAMED[name]}: from fedlmc.strategies import {RENAMED[name]}")
     if name in MOVED:
         raise ImportError(f"{name} is a peer fedlmc compares with: import it from {MOVED[name]}")
     raise AttributeError(f"module 'fedlmc.strategies' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from flwr.app import ConfigRecord
 from flwr.supercore import log
 
 from fedlmc.data import split
-from fedlmc.flower.on_clients import ClientLosses
+from fedlmc.flower.on_clients import REFINE_CODE, ClientLosses, guard_code
 from fedlmc.flower.on_clients import client_guard as score_on_clients
 from fedlmc.merging.averaging import aligned_state, merge, robust_merge, streamed_mean
 from fedlmc.merging.screen import screen as screen_replies
@@ -60,9 +60,9 @@ class AlignedFedAvg(FedlmcStrategy):
         the permutation-only peers' method.
     universe : Universe, optional
         Where each round's universe starts ("previous": the previous global model when the replies were
-        trained from it; "mean": their plain weighted mean; otherwise a reply), how many iterations it
+        trained from it; "average": their plain weighted mean; otherwise a reply), how many iterations it
         runs, the merge's form and whether the global model stays a LayerNorm model
-        (``fedlmc.options.Universe``). With replies on disk and ``start="mean"`` the mean is summed as the
+        (``fedlmc.options.Universe``). With replies on disk and ``start="average"`` the mean is summed as the
         replies arrive, while each is in memory anyway (``fedlmc.merging.universe.ArrivingMean``).
     guard : Guard, optional
         The do-no-harm guard on the server (``fedlmc.options.Guard``): the aligned aggregate is kept only
@@ -121,7 +121,7 @@ class AlignedFedAvg(FedlmcStrategy):
     def on_arrival(self, handle: StoredModel, model: nn.Module, weight: float) -> None:
         """Also adds the reply to the round's ``ArrivingMean`` when the universe may start at the mean."""
         super().on_arrival(handle, model, weight)
-        if self.universe.start == "mean":
+        if self.universe.start == "average":
             if self._arriving is None:
                 self._arriving = ArrivingMean()
             self._arriving.add(handle.path, model, weight)
@@ -131,10 +131,10 @@ class AlignedFedAvg(FedlmcStrategy):
         self._arriving = None
 
     def start_model(self, models: list, weights: list[float], start: Union[nn.Module, str, None]):
-        """``start``, with "mean" replaced by the mean summed as the replies arrived when it holds exactly
-        ``models`` with ``weights`` (a screen or a failed alignment may have dropped some: then "mean",
+        """``start``, with "average" replaced by the mean summed as the replies arrived when it holds exactly
+        ``models`` with ``weights`` (a screen or a failed alignment may have dropped some: then "average",
         streamed by the merge)."""
-        if not (isinstance(start, str) and start == "mean") or self._arriving is None:
+        if not (isinstance(start, str) and start == "average") or self._arriving is None:
             return start
         paths = {m.path: w for m, w in zip(models, weights) if isinstance(m, StoredModel)}
         mean = self._arriving.model_for(paths) if len(paths) == len(models) else None
@@ -167,10 +167,10 @@ class AlignedFedAvg(FedlmcStrategy):
             scale=self.scale,
         )
 
-    def plain(self, models: list, weights: list[float]) -> nn.Module:
+    def average(self, models: list, weights: list[float]) -> nn.Module:
         """The unaligned counterpart: FedAvg's weighted mean, or Flower's FedMedian / FedTrimmedAvg
         (replies on disk: the mean streamed, one reply at a time)."""
-        if self.robust.reduce != "mean":
+        if self.robust.reduce != "average":
             return robust_merge([loaded(m) for m in models], self.robust.reduce, self.robust.trim)
         total = sum(weights)
         if not any(isinstance(m, StoredModel) for m in models):
@@ -188,7 +188,7 @@ class AlignedFedAvg(FedlmcStrategy):
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
         previous = self.start_for(models)
-        start = "mean" if previous is not None and self.universe.start == "mean" else previous
+        start = "average" if previous is not None and self.universe.start == "average" else previous
         merged, transforms, screened = self._merge_screened(server_round, replies, models, weights, start)
         fields: dict[str, Any] = {
             "align_seconds": time.time() - t0,
@@ -205,6 +205,7 @@ class AlignedFedAvg(FedlmcStrategy):
                 fields["refine_stopped"] = refined["stopped"]
         if self.round.clients_cost is not None:
             fields["refine_clients"] = self.round.clients_cost
+            unconfirmed(fields, "refine", self.round.clients_cost)
         result, plain = self._guarded(server_round, merged, models, weights, fields)
         log(
             INFO,
@@ -242,7 +243,7 @@ class AlignedFedAvg(FedlmcStrategy):
         the server's guard or the clients' held-out data) and the plain average when one was built."""
         on_server = self.guard is not None
         guarded = on_server or (self.on_clients is not None and self.on_clients.guard)
-        plain = self.plain(models, weights) if guarded or self.report_data is not None else None
+        plain = self.average(models, weights) if guarded or self.report_data is not None else None
         losses = None
         if on_server:
             losses = {"aligned": self.guard_loss(self.guard, merged), "average": self.guard_loss(self.guard, plain)}
@@ -255,6 +256,7 @@ class AlignedFedAvg(FedlmcStrategy):
                 self.on_clients,
             )
             fields["guard_clients"] = cost
+            unconfirmed(fields, "guard", cost)
             if losses is None:
                 fields["guard"] = "no verdict (too few clients answered): kept the aligned aggregate"
         if losses is None:
@@ -307,6 +309,13 @@ class AlignedFedAvg(FedlmcStrategy):
             "excluded": [nodes[i] for i in sorted(found.excluded)],
             "seconds": time.time() - t0,
         }
+
+
+def unconfirmed(fields: dict[str, Any], what: str, cost: dict[str, Any]) -> None:
+    """The round record's ``unconfirmed``: for each query (``refine``, ``guard``, ``distill``) that no
+    client answered with the method's result, the client code their ClientApp lacks."""
+    if cost.get("unconfirmed"):
+        fields.setdefault("unconfirmed", {})[what] = cost["unconfirmed"]
 
 
 class RefinedFedAvg(AlignedFedAvg):
@@ -486,7 +495,7 @@ def _aligned(b: Build):
     universe=True,
     example="AlignedFedAvg(model=model, on_clients=OnClients())",
     keys=(CHECK_CLIENTS,),
-    client="its evaluate answers `eval-loss` on held-out data (the guard's scores)",
+    client=guard_code(),
 )
 def _aligned_clients(b: Build):
     return AlignedFedAvg(**b.common(), **b.aligned(on_clients=True), **b.robust())
@@ -512,7 +521,7 @@ def _refined(b: Build):
     universe=True,
     example="RefinedFedAvg(model=model, refine=Refinement(), on_clients=OnClients())",
     keys=REFINE_ON_CLIENTS,
-    client="answers `query.refine` messages with `fedlmc.flower.on_clients.answer` (fedlmc's ClientApp does)",
+    client=REFINE_CODE,
 )
 def _refined_clients(b: Build):
     return RefinedFedAvg(**b.common(), **b.aligned(on_clients=True), refine=b.settings.refinement(None))

@@ -134,7 +134,7 @@ class FedlmcStrategy(FedAvg):
             )
         self.adapter, self.client_keys, self.unknown_model = None, None, None
         self.global_config = self._config_of(model, fallback)
-        self.fallback, self.plain_reason = fallback, None
+        self.fallback, self.arrays_only_reason = fallback, None
         self._ready = False  # check_architecture has run (start(), or the first configure / aggregate call)
         self._returned: Optional[ArrayRecord] = None  # the last aggregate this strategy returned
         self.report_data, self.report_batches = (report.data, report.batches) if report is not None else (None, None)
@@ -227,7 +227,7 @@ class FedlmcStrategy(FedAvg):
         self._ensure_ready(arrays)
         self._previous = arrays  # this round's aggregate starts from (and is checked against) the global model
         self.grid = grid
-        if self.scale.on_disk and self.plain_reason is None:  # replies written to disk as they arrive
+        if self.scale.on_disk and self.arrays_only_reason is None:  # replies written to disk as they arrive
             self._close_store()
             self.store, self._arrived = ReplyStore(self.scale.spool_dir), {}
         msgs = super().configure_train(self.real_round(server_round), arrays, self._with_config(config), grid)
@@ -315,7 +315,7 @@ class FedlmcStrategy(FedAvg):
         """A model the strategy cannot align is an error before the first round (naming the fix), not a
         federation that silently stops learning because every reply is excluded; with
         ``fallback="average"`` it is averaged plainly instead, with a warning every round. A strategy
-        that needs no architecture (``ReportingFedAvg``, ``KrumFedAvg``) averages such replies as
+        that needs no architecture (``AverageFedAvg``, ``KrumFedAvg``) averages such replies as
         Flower's FedAvg does. ``arrays``: the global arrays (None: not known yet)."""
         self._ready = True
         if self.adapter is not None and arrays is not None:
@@ -324,12 +324,12 @@ class FedlmcStrategy(FedAvg):
         if reason is None:
             return
         if not self.needs_architecture:
-            self.plain_reason = reason
+            self.arrays_only_reason = reason
             log(INFO, "%s: %s; its replies are averaged as Flower's FedAvg averages them", type(self).__name__, reason)
             return
         if self.fallback == "error":
             raise ValueError(reason + "; or pass fallback='average' to average such a model plainly")
-        self.plain_reason = reason
+        self.arrays_only_reason = reason
         log(WARNING, "%s; averaging plainly (fallback='average')", reason)
 
     def _unreadable(self, arrays: Optional[ArrayRecord]) -> Optional[str]:
@@ -369,16 +369,16 @@ class FedlmcStrategy(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         self._ensure_ready(self._previous)
-        if self.plain_reason is not None:
+        if self.arrays_only_reason is not None:
             if self.needs_architecture:
                 log(
                     WARNING,
                     "round %d: averaging plainly, not aligning: %s",
                     self.real_round(server_round),
-                    self.plain_reason,
+                    self.arrays_only_reason,
                 )
             try:
-                return self._plain_round(self.real_round(server_round), replies)
+                return self._arrays_round(self.real_round(server_round), replies)
             finally:
                 self._close_store()
         server_round = self.real_round(server_round)
@@ -423,7 +423,7 @@ class FedlmcStrategy(FedAvg):
         return arrays, metrics
 
     # ---- replies that are not a model this strategy reads: Flower's aggregation, validated ------------------
-    def _plain_round(self, server_round: int, replies: Iterable[Message]):
+    def _arrays_round(self, server_round: int, replies: Iterable[Message]):
         """Flower's aggregation of the replies (``combine_arrays``), after what can be validated without a
         model: each reply's weight, its arrays' keys and shapes against the global arrays sent (else the
         first reply's), finite values and the norm bound. The round is recorded as the others are."""
@@ -454,7 +454,7 @@ class FedlmcStrategy(FedAvg):
         t0 = time.time()
         arrays, fields = self.combine_arrays(server_round, kept, weights)
         metrics = self.train_metrics_aggr_fn([m.content for m in kept], self.weighted_by_key)
-        record = self.round_record(server_round, nodes=[node_of(m) for m in kept], plain=True, **fields)
+        record = self.round_record(server_round, nodes=[node_of(m) for m in kept], arrays_only=True, **fields)
         record.update(align_seconds=time.time() - t0, train_metrics=dict(metrics) if metrics is not None else {})
         self.history.append(record)
         self._returned = arrays
@@ -465,7 +465,7 @@ class FedlmcStrategy(FedAvg):
         mean (``aggregate_arrayrecords``), or with ``robust`` its FedMedian / FedTrimmedAvg result."""
         robust = getattr(self, "robust", None)
         contents = [m.content for m in replies]
-        if robust is None or robust.reduce == "mean":
+        if robust is None or robust.reduce == "average":
             return aggregate_arrayrecords(contents, self.weighted_by_key), {"kept": "average"}
         return robust_arrays([c[self.arrayrecord_key] for c in contents], robust), {"kept": robust.reduce}
 

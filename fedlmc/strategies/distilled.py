@@ -14,10 +14,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from fedlmc.flower.on_clients import DISTILL_CODE
 from fedlmc.merging.distill import distill as distill_model
 from fedlmc.merging.distill import distill_on_clients
 from fedlmc.options import Distill
-from fedlmc.strategies.aligned import REFINE_ON_CLIENTS, AlignedFedAvg, RefinedFedAvg, client_losses, refine_split
+from fedlmc.strategies.aligned import (
+    REFINE_ON_CLIENTS,
+    AlignedFedAvg,
+    RefinedFedAvg,
+    client_losses,
+    refine_split,
+    unconfirmed,
+)
 from fedlmc.strategies.base import loaded
 from fedlmc.strategies.keys import Key, non_negative
 from fedlmc.strategies.registry import Build, register
@@ -65,12 +73,13 @@ class DistilledFedAvg(AlignedFedAvg):
     def combine(self, server_round, replies, models, weights):
         t0 = time.time()
         if self.distill.student == "average":  # FedDF: distil FedAvg's mean
-            start = self.plain(models, weights)
+            start = self.average(models, weights)
             fields: dict[str, Any] = {"kept": "average"}
         else:
             start, fields, _ = super().combine(server_round, replies, models, weights)
         student, record = self._distilled(start, models)
         fields.update({f"distill_{k}": v for k, v in record.items()}, distill_from=fields.get("kept"))
+        unconfirmed(fields, "distill", record.get("clients", {}))
         result, plain = self._guarded(server_round, student, models, weights, fields)
         fields["kept"] = "distilled" if result is student else "average"
         fields["align_seconds"] = time.time() - t0
@@ -153,8 +162,7 @@ def _refined_distilled(b: Build):
     universe=True,
     example="DistilledFedAvg(model=model, distill=Distill(refine=Refinement()), on_clients=OnClients())",
     keys=(*DISTILL_KEYS, *REFINE_ON_CLIENTS),
-    client="answers `query.refine` messages with `fedlmc.flower.on_clients.answer` and keeps its trained model when "
-    "the train config says `keep-model` (fedlmc's ClientApp does)",
+    client=DISTILL_CODE,
 )
 def _refined_clients_distilled(b: Build):
     return distilled_strategy(b, "merge", refine=True, on_clients=True)

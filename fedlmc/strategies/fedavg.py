@@ -13,7 +13,7 @@ from fedlmc.strategies.base import FedlmcStrategy
 from fedlmc.strategies.registry import Build, register
 
 
-class MeanFedAvg(FedlmcStrategy):
+class AverageBase(FedlmcStrategy):
     """Flower's FedAvg mean of the replies that pass fedlmc's validation: what the strategies that change
     what is averaged, or how the mean is stepped, start from. It takes no ``robust``: a strategy that
     cannot apply a robust reduction does not accept one.
@@ -29,7 +29,7 @@ class MeanFedAvg(FedlmcStrategy):
         return self.model_of(arrays), {"kept": "average"}, None
 
 
-class ReportingFedAvg(MeanFedAvg):
+class AverageFedAvg(AverageBase):
     """Flower's FedAvg aggregation of the replies that pass fedlmc's validation, plus the model config in
     every message and a per-round history: the baseline the other strategies are compared with.
 
@@ -47,7 +47,7 @@ class ReportingFedAvg(MeanFedAvg):
         self.robust = robust if robust is not None else Robust()
 
     def combine(self, server_round, replies, models, weights):
-        if self.robust.reduce != "mean":
+        if self.robust.reduce != "average":
             return robust_merge(models, self.robust.reduce, self.robust.trim), {"kept": self.robust.reduce}, None
         return super().combine(server_round, replies, models, weights)
 
@@ -59,7 +59,7 @@ class ReportingFedAvg(MeanFedAvg):
     "average",
     summary="Flower's FedAvg of the validated replies (FedMedian / FedTrimmedAvg with reduce)",
     reduce=True,
-    example="ReportingFedAvg()",
+    example="AverageFedAvg()",
 )
 def _average(b: Build):
-    return ReportingFedAvg(**b.common(), **b.robust())
+    return AverageFedAvg(**b.common(), **b.robust())

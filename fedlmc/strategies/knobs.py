@@ -13,10 +13,8 @@ from typing import Any, Iterable
 from flwr.app import Message, MetricRecord
 from flwr.supercore import log
 
-from fedlmc.options import one_of
+from fedlmc.options import UNCONFIRMED, one_of
 from fedlmc.strategies.base import node_of
-
-UNCONFIRMED = ("warn", "error")
 
 
 @dataclass(frozen=True)

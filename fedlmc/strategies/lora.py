@@ -26,6 +26,13 @@ FOLD = ClientKnob(
 )
 
 
+MIXED_RANKS_CODE = (
+    "mixed_ranks: a client whose rank is below the one sent loads the factors with "
+    "fedlmc.lora.set_adapter(peft_model, arrays), which takes their first r components (PEFT's "
+    "set_peft_model_state_dict refuses factors of another rank)"
+)
+
+
 class LoraFedAvg(ConfirmedKnobs, FedAvg):
     """``FedAvg`` whose aggregate of LoRA adapters is the weighted mean of the clients' updates
     ``sᵢ·Bᵢ·Aᵢ``, sent back as rank-r factors (in the balanced SVD gauge by default: ``fedlmc.lora``).
@@ -199,6 +206,7 @@ class LoraFedAvg(ConfirmedKnobs, FedAvg):
             self.note_unconfirmed(missing, before)
 
     def _aggregate_adapters(self, server_round: int, replies: list, t0: float):
+        failed = self._failed_at_their_first_rank(server_round, replies)
         ok, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
         accepted, factors, weights, excluded, received = [], [], [], [], 0
         for msg in ok:
@@ -219,6 +227,7 @@ class LoraFedAvg(ConfirmedKnobs, FedAvg):
             "round": server_round,
             "replies": len(accepted),
             "excluded": excluded,
+            **({"unconfirmed": {"mixed-ranks": failed}} if failed else {}),
             "bytes_sent": self._sent,
             "bytes_received": received,
         }
@@ -234,6 +243,25 @@ class LoraFedAvg(ConfirmedKnobs, FedAvg):
         log(INFO, "LoraFedAvg: round %d aggregated %d adapters in %.3f s", server_round, len(accepted), seconds)
         self._returned = arrays
         return arrays, metrics
+
+    def _failed_at_their_first_rank(self, server_round: int, replies: list) -> list:
+        """With ``mixed_ranks``: the nodes that failed before the server saw their rank (they were sent the
+        declared rank), warned about once, naming the client code a smaller rank needs."""
+        if not self.mixed_ranks:
+            return []
+        failed = [node_of(m) for m in replies if m.has_error() and node_of(m) not in self.node_ranks]
+        if failed and "mixed-ranks" not in self._warned:
+            reason = next(m.error.reason for m in replies if m.has_error())
+            log(
+                WARNING,
+                "LoraFedAvg round %d: nodes %s failed on the declared rank's adapter (%s). %s",
+                server_round,
+                failed,
+                reason,
+                MIXED_RANKS_CODE,
+            )
+            self._warned.add("mixed-ranks")
+        return failed
 
     def _unpack(self, msg: Message) -> tuple[ArrayRecord, float]:
         records = list(msg.content.array_records.values())
