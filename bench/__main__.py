@@ -41,7 +41,7 @@ BENCHES: dict[str, Bench] = {
     "wm_trained": Bench(
         "weight matching on independently trained gpt2-tiny pairs (`--width` for wider): the barrier after "
         "k iterations and at each `Matching.descent_tol`, or at each product precision (`--precisions`)",
-        "`results/bench_wm_stopping_gpt2-tiny{,_w256}.{json,png}`, `results/bench_precision_quality_gpt2-tiny.json`",
+        "`results/bench_wm_stopping_gpt2-tiny{,_w256}.json`, `results/bench_precision_quality_gpt2-tiny.json`",
         "15–50 min",
     ),
     "ff_scale_overhead": Bench(
@@ -58,7 +58,7 @@ BENCHES: dict[str, Bench] = {
     "universe_scale": Bench(
         "aggregation of M = 8 … 64 GPT-2-small-shaped replies on disk: in the server, in worker processes, "
         "FedAvg; seconds and peak memory against M (`--plan` picks the runs)",
-        "`results/bench_universe_scale*.{json,png}`",
+        "`results/bench_universe_scale*.json`",
         "1 h",
     ),
     "dp_spool": Bench(
@@ -102,23 +102,23 @@ BENCHES: dict[str, Bench] = {
     ),
     "learned_budget": Bench(
         "barrier against learned-matching steps and one-epoch recipes",
-        "`results/learned_budget_*.{md,json,png}`",
+        "`results/learned_budget_*.json`",
         "1–3 h",
     ),
     "width_study": Bench(
         "barriers of one trained pair per width (d = 32 … 256)",
-        "`results/width_study_{vit,gpt2}.{md,json,png}`",
+        "`results/width_study_{vit,gpt2}.json`",
         "10 min – 3 h",
     ),
     "universe_variants": Bench(
         "every universe / refinement variant on the same 4 trained models",
-        "`results/universe_variants_*.{md,json}`",
+        "`results/universe_variants_*.json`",
         "1 h",
     ),
     "lora_aggregators": Bench(
         "PEFT LoRA federations: FedIT, FFA-LoRA, FedSA-LoRA, FLoRA, FlexLoRA, FedEx-LoRA, FedRot-LoRA, task-vector "
         "merges and `LoraFedAvg` on the same clients, 8 settings × 3 seeds",
-        "`results/lora_<setting>.{json,png}`, `results/lora_summary.md`",
+        "`results/lora_<setting>.json`",
         "2 h",
     ),
     "flowertune_app": Bench(

@@ -3,7 +3,6 @@ torch version), and the JSON file itself."""
 
 from __future__ import annotations
 
-import json
 import platform
 import threading
 import time
@@ -12,8 +11,11 @@ from pathlib import Path
 import psutil
 import torch
 
+from fedlmc import provenance
 from fedlmc.scale.cpu import cpu_model
 from fedlmc.train import pick_device
+
+provenance.watch()  # every bench imports this module first: the load is sampled through the whole run
 
 
 def environment() -> dict:
@@ -27,11 +29,10 @@ def environment() -> dict:
     }
 
 
-def write_results(path: str | Path, res: dict) -> Path:
-    """Write ``res`` as indented JSON to ``path`` (its folder made if needed); returns the path."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+def write_results(path: str | Path, res: dict, seeds=None) -> Path:
+    """Write ``res`` as JSON to ``path`` (its folder made if needed) with its provenance record
+    (``fedlmc.provenance``; ``seeds``: default, those ``res`` names); returns the path."""
+    out = provenance.write(path, res, seeds)
     print(f"wrote {out}")
     return out
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from _results import Burners
 
+from fedlmc import provenance
 from fedlmc.flower.launch import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +101,7 @@ class Sampler(threading.Thread):
 
 
 def main() -> None:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--local-steps", type=int, default=1)
     p.add_argument("--strategy", default="average")
@@ -156,7 +158,7 @@ def main() -> None:
     doc["peak_rss_mb"] = {k: v for k, v in doc.get("peak_rss_mb", {}).items() if not k.startswith("ps ")}
     name = f"deploy_gpt2_small_{args.database}" + ("_flower" if args.superlink == "flower" else "")
     name += f"_load{args.burners}" if args.burners else ""
-    (ROOT / "results" / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    provenance.write(ROOT / "results" / f"{name}.json", doc)
     print(json.dumps({k: v for k, v in doc.items() if k != "log_tail"}, indent=1))
     print(doc.get("log_tail", "")[-1500:])
 

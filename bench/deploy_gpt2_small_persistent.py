@@ -34,6 +34,7 @@ from deploy_gpt2_small import Sampler, deployment_env
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fedlmc import provenance  # noqa: E402
 from fedlmc.flower.launch import kill_tree  # noqa: E402
 
 
@@ -181,6 +182,7 @@ def trial(args, interrupt: bool) -> dict:
 
 
 def main() -> None:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--local-steps", type=int, default=1)
@@ -192,7 +194,7 @@ def main() -> None:
     doc: dict = {"config": vars(args), "reference": None, "trials": []}
 
     def save() -> None:
-        path.write_text(json.dumps(doc, indent=1))
+        provenance.write(path, doc)
 
     doc["reference"] = trial(args, interrupt=False)
     save()

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from fedlmc import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PAPER = {"average": 2.02, "wm-orth-factored": 0.34, "learned": 0.02}  # Theus et al., Table 1, GPT-2
@@ -233,6 +235,7 @@ def barriers(steps: int, learned_steps: int, trained: dict) -> dict:
 
 
 def main() -> int:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="reference,paper,tests,bench")
     p.add_argument("--steps", type=int, default=5000, help="training steps per seed of the paper's GPT-2 (at most)")
@@ -258,7 +261,7 @@ def main() -> int:
     res: dict = {"device": device(), "budget_s": args.budget}
 
     def write() -> None:
-        (out / "gpu_check.json").write_text(json.dumps(res, indent=2, default=str))
+        provenance.write(out / "gpu_check.json", json.loads(json.dumps(res, default=str)))
 
     if "reference" in steps_wanted:
         res["reference"] = (

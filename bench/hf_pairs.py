@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from fedlmc import provenance
 from fedlmc.data import load
 from fedlmc.hf import HFAdapter, Logits, from_hf, hf_model_for
 from fedlmc.merging.averaging import interpolate
@@ -81,6 +82,7 @@ def tied_midpoint(a, b_aligned, hf_dir: Path, splits) -> dict:
 
 
 def main() -> None:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", required=True, choices=list(PRESET))
     p.add_argument("--seeds", nargs=2, type=int, default=[0, 1])
@@ -123,7 +125,7 @@ def main() -> None:
         doc["tied"]["plain"] = tied_midpoint(a, b, ref, splits)
     doc["seconds"] = time.time() - t0
     out = Path(args.out or ROOT / "results" / f"bench_hf_pair_{args.family}.json")
-    out.write_text(json.dumps(doc, indent=2))
+    provenance.write(out, doc)
     print(
         json.dumps(
             {k: doc[k] for k in ("barriers", "ratio_to_average")} | ({"tied": doc["tied"]} if "tied" in doc else {}),

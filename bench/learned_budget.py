@@ -2,7 +2,7 @@
 300, 1000), and variants that stay within one epoch of the training split (cosine schedule with a
 higher rate, smaller batches, the circuit form).
 
-Writes results/learned_budget_{preset}.{json,md,png}. Usage:
+Writes results/learned_budget_{preset}.{json,png} and prints its table. Usage:
     python bench/learned_budget.py --preset vit-tiny [--pairs 3] [--train-steps N]
 Models come from the reproduction's cache (the preset's training budget unless --train-steps); each
 pair's measurements are cached, so an interrupted run resumes.
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from _models import add_model_args, trained_models  # noqa: E402  (bench/, the script's own folder)
 
+from fedlmc import provenance
 from fedlmc.commands import console, load_splits
 from fedlmc.matching import learned_matching, weight_matching
 from fedlmc.merging.averaging import interpolate
@@ -210,6 +211,7 @@ def plot(preset: str, rows: list[dict], epoch: int, path: Path) -> None:
 
 
 def main() -> None:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="vit-tiny")
     p.add_argument("--pairs", type=int, default=3)
@@ -241,22 +243,19 @@ def main() -> None:
     md = markdown(args.preset, rows, pairs, epoch, budget)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     stem = Path(args.out) / (f"learned_budget_{args.preset}" + (f"_d{args.width}" if args.width else ""))
-    stem.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "preset": args.preset,
-                "pairs": pairs,
-                "epoch_steps": epoch,
-                "batch": BATCH,
-                "train_steps": args.train_steps,
-                "threads": args.threads,
-                "rows": rows,
-                "per_pair": per_pair,
-            },
-            indent=1,
-        )
+    provenance.write(
+        stem.with_suffix(".json"),
+        {
+            "preset": args.preset,
+            "pairs": pairs,
+            "epoch_steps": epoch,
+            "batch": BATCH,
+            "train_steps": args.train_steps,
+            "threads": args.threads,
+            "rows": rows,
+            "per_pair": per_pair,
+        },
     )
-    stem.with_suffix(".md").write_text(md)
     plot(args.preset, rows, epoch, stem.with_suffix(".png"))
     print(md)
 

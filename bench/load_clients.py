@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from fedlmc import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,6 +58,7 @@ def tree_rss(pid: int) -> tuple[int, int]:
 
 
 def main() -> None:
+    provenance.watch()  # samples the load through the run, for the results file's record
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
@@ -130,7 +133,7 @@ def main() -> None:
         "rss_samples_mib": [(t, round(b / 2**20)) for t, b in samples[:: max(1, len(samples) // 60)]],
     }
     out = Path(args.out or ROOT / f"results/bench_load_{args.clients}_clients.json")
-    out.write_text(json.dumps(res, indent=1))
+    provenance.write(out, res)
     print(json.dumps({k: v for k, v in res.items() if k != "rss_samples_mib"}, indent=1))
 
 

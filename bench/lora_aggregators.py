@@ -10,7 +10,7 @@ the same batches (round 1, identical for all but FFA-LoRA, is computed once). Pe
 and round: the global model's test loss (mean of 3 seeds), the bytes each way (float32), the server's
 aggregation seconds and what the server holds (the server's time against Flower's FedAvg is
 ``bench/lora_server_time.py``'s). Writes ``results/lora_<setting>.{json,png}`` and
-``results/lora_summary.md``. Settings are run as Ray tasks, one per (setting, seed).
+prints the tables. Settings are run as Ray tasks, one per (setting, seed).
 """
 
 from __future__ import annotations
@@ -592,7 +592,6 @@ def main() -> None:
         results = [json.loads((Path(args.out) / f"lora_{s}.json").read_text()) for s in settings]
         for res in results:
             plot(res, Path(args.out) / f"lora_{res['setting']}.png")
-        (Path(args.out) / "lora_summary.md").write_text(markdown(results))
         print(markdown(results))
         return
     from fedlmc.hf.pretrained import pretrained_base
@@ -623,9 +622,6 @@ def main() -> None:
         write_results(out / f"lora_{s}.json", res)
         plot(res, out / f"lora_{s}.png")
         results.append(res)
-    if set(settings) == set(SETTINGS):
-        (out / "lora_summary.md").write_text(markdown(results))
-        print(f"wrote {out / 'lora_summary.md'}")
     print(markdown(results))
 
 

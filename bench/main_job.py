@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedlmc import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 # The README's claim about the main job: aligned aggregation of the same two replies ends at least this
 # much lower in test loss than FedAvg's, on every seed.
@@ -83,6 +85,7 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def main() -> int:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--runs", default="runs/main_job", help="one run directory per seed (reused when complete)")
@@ -122,7 +125,7 @@ def main() -> int:
         "seeds": seeds,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(doc, indent=1, default=float))
+    provenance.write(args.out + ".json", doc)
     plot(doc, Path(args.out + ".png"))
     for n in names:
         print(

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from fedlmc import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), BENCH / "README.md"]
@@ -67,7 +69,7 @@ def main_job(doc: dict) -> str:
     clients = _ms([s["mean_client_test_loss"] for s in seeds.values()])
     walls = _ms(list(doc["wall_seconds"].values()), ".0f")
     lines += ["", f"Seeds {', '.join(seeds)}; the clients' own mean test loss {clients}; {walls} s a run "]
-    lines[-1] += f"({doc['cpus']} CPU cores, {doc['machine']}, nothing else running)."
+    lines[-1] += f"({doc['cpus']} CPU cores, {doc['machine']})."
     return "\n".join(lines)
 
 
@@ -272,7 +274,8 @@ class Table:
         body = self.render(docs if self.several else docs[0])
         made = "; ".join(dict.fromkeys(f"`{c}`" for c in self.commands))
         files = ", ".join(f"`results/{f}`" for f in self.files)
-        return f"{made} → {files}\n\n{body}\n"
+        how = " ".join(dict.fromkeys(provenance.conditions(d.get("provenance", {})) for d in docs))
+        return f"{made} → {files}\n\n{body}\n\n{how}\n"
 
 
 def one(file: str, command: str, render: Callable) -> Table:

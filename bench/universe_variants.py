@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
+from fedlmc import provenance
 from fedlmc.commands import console, load_splits
 from fedlmc.matching import learned_matching
 from fedlmc.merging.averaging import merge
@@ -82,6 +83,7 @@ def variants(refine_steps: int) -> dict[str, Callable]:
 
 
 def main() -> None:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="vit-tiny")
     p.add_argument("--models", type=int, default=4)
@@ -139,22 +141,19 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     stem = Path(args.out) / (f"universe_variants_{args.preset}" + (f"_d{args.width}" if args.width else ""))
-    stem.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "preset": args.preset,
-                "models": args.models,
-                "width": args.width,
-                "train_steps": args.train_steps,
-                "refine_steps": args.refine_steps,
-                "threads": args.threads,
-                "endpoints": ends,
-                "rows": rows,
-            },
-            indent=1,
-        )
+    provenance.write(
+        stem.with_suffix(".json"),
+        {
+            "preset": args.preset,
+            "models": args.models,
+            "width": args.width,
+            "train_steps": args.train_steps,
+            "refine_steps": args.refine_steps,
+            "threads": args.threads,
+            "endpoints": ends,
+            "rows": rows,
+        },
     )
-    stem.with_suffix(".md").write_text(md)
     print(md)
 
 

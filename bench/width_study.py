@@ -3,7 +3,7 @@ temperature control (averaging with each interpolated model's softmax temperatur
 the validation split: Ito et al., ICLR 2026), of weight matching and of learned matching for one pair of
 independently trained models per width, same depth.
 
-Writes results/width_study_{arch}.{json,md,png}. Usage:
+Writes results/width_study_{arch}.{json,png} and prints its table. Usage:
     python bench/width_study.py --arch gpt2 [--widths 64 128 256] [--train-steps 1000] [--seeds 0 1]
     python bench/width_study.py --arch vit  [--widths 32 64 128]
 Only the width changes: d_model = d, d_ff = the preset's ratio × d, the preset's head count (so d_head
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
 
+from fedlmc import provenance
 from fedlmc.commands import console, load_splits
 from fedlmc.models import preset_config
 from fedlmc.reproduce import METHODS, pair_curves
@@ -117,6 +118,7 @@ def plot(arch: str, rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", choices=list(PRESET), required=True)
     p.add_argument("--widths", type=int, nargs="+")
@@ -146,9 +148,8 @@ def main() -> None:
         "seconds": round(time.time() - t0, 1),
         "rows": rows,
     }
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    provenance.write(stem.with_suffix(".json"), payload)
     md = markdown(args.arch, rows, args)
-    stem.with_suffix(".md").write_text(md)
     plot(args.arch, rows, stem.with_suffix(".png"))
     print(md)
 

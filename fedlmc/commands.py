@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from rich.console import Console
 
+from fedlmc import provenance
 from fedlmc.options import Matching, Refinement, Universe
 
 console = Console(stderr=True)
@@ -183,7 +184,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{preset}: test loss {[round(t['loss'], 4) for t in summary[preset]['test']]}, "
             f"averaging barrier {summary[preset]['barrier']:.4f}  → {png}"
         )
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    provenance.write(out / "summary.json", summary, seeds=args.seeds)
     print(json.dumps({k: {"barrier": round(v["barrier"], 4), "test": v["test"]} for k, v in summary.items()}, indent=1))
     return 0
 
@@ -271,7 +272,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         "summary": rows,
         "per_pair": per_pair,
     }
-    files = write_results(Path(args.out), args.preset, payload, md, per_pair, methods)
+    files = write_results(Path(args.out), args.preset, payload, per_pair, methods)
     print(md)
     console.print(f"wrote {files}")
     return 0
@@ -370,7 +371,7 @@ def cmd_universe(args: argparse.Namespace) -> int:
     res.update(preset=args.preset, seeds=seeds, dataset=splits.name, budget=over)
     md = universe_markdown(args.preset, res, seeds)
     stem = f"universe_{args.preset}"
-    files = write(Path(args.out), stem, res, md)
+    files = write(Path(args.out), stem, res)
     if "simplex" in res:
         files.append(
             plot_simplex(
@@ -421,7 +422,7 @@ def cmd_widths(args: argparse.Namespace) -> int:
         steps={str(k): m.meta.get("steps") for k, m in narrow.items()} | {"wide": wide.meta.get("steps")},
     )
     md = width_markdown(args.preset, res, d)
-    files = write(Path(args.out), f"widths_{args.preset}", res, md)
+    files = write(Path(args.out), f"widths_{args.preset}", res)
     files.append(
         plot_width_curves(
             res, Path(args.out) / f"widths_{args.preset}.png", f"{args.preset}: width {d} ↔ narrower models"
@@ -450,6 +451,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     """A ``save_pretrained`` directory as a fedlmc checkpoint."""
+    provenance.watch()  # samples the load through the run, for the results file's record
+    provenance.watch()  # samples the load through the run, for the results file's record
+    provenance.watch()  # samples the load through the run, for the results file's record
     from fedlmc.hf import from_hf
     from fedlmc.io import save
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import time
 from functools import partial
@@ -12,6 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch.nn as nn
 
+from fedlmc import provenance
 from fedlmc.matching import (
     activation_matching,
     learned_matching,
@@ -245,15 +245,13 @@ def plot_mean_curves(per_pair: list[dict[str, dict]], methods: Sequence[str], pa
     return plot_curves(curves, path, title=title)
 
 
-def write_results(out_dir: Path, preset: str, payload: dict, md: str, per_pair: list, methods: Sequence[str]) -> dict:
+def write_results(out_dir: Path, preset: str, payload: dict, per_pair: list, methods: Sequence[str]) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"reproduce_{preset}.json").write_text(json.dumps(payload, indent=2))
-    (out_dir / f"reproduce_{preset}.md").write_text(md)
+    provenance.write(out_dir / f"reproduce_{preset}.json", payload)
     png = plot_mean_curves(
         per_pair, methods, out_dir / f"reproduce_{preset}.png", f"{preset}: mean interpolation curves"
     )
     return {
         "json": str(out_dir / f"reproduce_{preset}.json"),
-        "md": str(out_dir / f"reproduce_{preset}.md"),
         "png": str(png),
     }

@@ -7,7 +7,7 @@
 
 Every strategy runs with identical seeds and partitions (one process per run, so Ray never leaks
 between runs). Prints a table (final test loss / accuracy, excess over the mean client loss, seconds
-per round and per aggregation) and writes ``results/compare_<setting>_<preset>.{md,json,png}``.
+per round and per aggregation) and writes ``results/compare_<setting>_<preset>.{json,png}``.
 Finished runs are reused from ``--runs`` (delete it to start over).
 """
 
@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from rich.console import Console
 
+from fedlmc import provenance
 from fedlmc.strategies.registry import all_keys, registered
 
 from .experiment import ExperimentSettings as Settings
@@ -568,6 +569,7 @@ def plot(rows: dict[str, Any], path: Path, title: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", choices=list(SETTINGS), default="oneshot")
     p.add_argument("--preset", default="vit-tiny")
@@ -625,28 +627,24 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"compare_{args.setting}_{args.preset}{suffix}".replace(",", "-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text(md + "\n")
-    (out / f"{stem}.json").write_text(
-        json.dumps(
-            {
-                "setting": args.setting,
-                "preset": args.preset,
-                "seeds": args.seeds,
-                "config": cfg,
-                "rows": rows,
-                "ensemble": ensemble,
-                "clients": clients_ref,
-            },
-            indent=1,
-            default=float,
-        )
+    provenance.write(
+        out / f"{stem}.json",
+        {
+            "setting": args.setting,
+            "preset": args.preset,
+            "seeds": args.seeds,
+            "config": cfg,
+            "rows": rows,
+            "ensemble": ensemble,
+            "clients": clients_ref,
+        },
     )
     part = cfg.get("partitioner", "iid") + (f"({cfg['alpha']})" if cfg.get("partitioner") == "dirichlet" else "")
     png = plot(
         rows, out / f"{stem}.png", f"{args.setting}, {args.preset}, {part}, {clients} clients, seeds {args.seeds}"
     )
     print(md)
-    console.print(f"wrote {out / (stem + '.md')}, {out / (stem + '.json')}, {png}")
+    console.print(f"wrote {out / (stem + '.json')}, {png}")
     return 0
 
 

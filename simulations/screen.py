@@ -30,6 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fedlmc import provenance
 from fedlmc.scale.cpu import cpu_model
 
 from .compare import SETTINGS, _mean_se, run_all
@@ -118,6 +119,7 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    provenance.watch()  # samples the load through the run, for the results file's record
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", nargs="+", choices=SCREEN_SETTINGS, default=list(SCREEN_SETTINGS))
     p.add_argument("--preset", default="vit-tiny")
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1))
+        provenance.write(path, doc)
         table = Table(title=f"{setting}, {args.preset}: {spec['config']}")
         for col in ("strategy", "poisoned client caught", "honest excluded", "final test loss", "acc"):
             table.add_column(col)

@@ -7,7 +7,6 @@ model is than the models it came from, on average.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
+from fedlmc import provenance
 from fedlmc.matching import weight_matching
 from fedlmc.merging.averaging import merge
 from fedlmc.merging.barrier import Curve, barrier, interpolation_curve, plot_curves
@@ -290,13 +290,10 @@ def width_markdown(preset: str, result: dict[str, Any], d: int) -> str:
     return "\n".join(lines)
 
 
-def write(out_dir: Path, stem: str, payload: dict, md: str) -> list[Path]:
+def write(out_dir: Path, stem: str, payload: dict) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
-    files[0].write_text(json.dumps(payload, indent=1, default=float))
-    files[1].write_text(md + "\n")
-    return files
+    return [provenance.write(out_dir / f"{stem}.json", payload)]
 
 
 def plot_width_curves(result: dict[str, Any], path: Path, title: str) -> Path:

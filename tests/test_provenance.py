@@ -1,0 +1,117 @@
+"""Every results file says how it was made (``fedlmc.provenance``): the record's fields, a commit that is
+the checkout's (dirty when it differs outside ``results/``), the versions installed, the load measured
+while it ran; a file nobody recorded says so, with the reason, and the tables built from it show it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedlmc import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = sorted((ROOT / "results").rglob("*.json"))
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: str(p.relative_to(ROOT / "results")))
+def test_every_results_file_carries_a_valid_provenance_record(path):
+    doc = json.loads(path.read_text())
+    assert provenance.validate(doc.get("provenance")) == []
+
+
+def test_a_record_written_now_is_complete_and_true(tmp_path):
+    out = provenance.write(tmp_path / "r.json", {"seeds": [0, 2], "figure": 1.5})
+    prov = json.loads(out.read_text())["provenance"]
+    assert provenance.validate(prov) == [] and "reason" not in prov
+    assert prov["seeds"] == [0, 2] and prov["wall_seconds"] >= 0
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert prov["commit"] == head
+    import flwr
+    import torch
+
+    assert prov["versions"]["torch"] == torch.__version__ and prov["versions"]["flwr"] == flwr.__version__
+    assert prov["host"]["threads"] >= prov["host"]["cores"] >= 1
+    assert prov["command"].startswith("python ") or prov["command"].startswith("pytest")
+
+
+def test_dirty_is_a_change_outside_results(tmp_path):
+    run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    run("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "start")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "results" / "r.json").write_text("{}")
+    run("add", ".")
+    run("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "files")
+    (tmp_path / "results" / "r.json").write_text('{"new": 1}')
+    clean = provenance.commit(tmp_path)
+    assert clean["dirty"] is False and "diff_sha256" not in clean and len(clean["commit"]) == 40
+    (tmp_path / "code.py").write_text("x = 2\n")
+    dirty = provenance.commit(tmp_path)
+    assert dirty["dirty"] is True and len(dirty["diff_sha256"]) == 64
+    (tmp_path / "code.py").write_text("x = 3\n")
+    assert provenance.commit(tmp_path)["diff_sha256"] != dirty["diff_sha256"]
+    assert provenance.commit(tmp_path / "results")["commit"] == clean["commit"]  # from anywhere inside
+    outside = provenance.commit(Path("/"))
+    assert outside["commit"] == "unknown" and outside["reason"]
+
+
+def test_the_command_is_the_one_a_user_types():
+    assert provenance.command_line(["/x/.venv/bin/python3.11", "-m", "bench", "lora", "--seeds", "0 1"]) == (
+        "python -m bench lora --seeds '0 1'"
+    )
+    assert provenance.command_line(["/x/bin/fedlmc", "reproduce", "--preset", "vit-tiny"]) == (
+        "fedlmc reproduce --preset vit-tiny"
+    )
+
+
+def test_an_unknown_field_needs_its_reason_and_malformed_fields_are_named():
+    assert provenance.validate(None) == ["no provenance record"]
+    full = provenance.unknown("made before records")
+    assert provenance.validate(full) == []
+    assert "unknown without a reason" in provenance.validate({**full, "reason": ""})[0]
+    bad = {**provenance.record(seeds=[1]), "commit": "abc", "seeds": ["0"], "date": "yesterday"}
+    problems = " ".join(provenance.validate(bad))
+    assert "commit" in problems and "seeds" in problems and "date" in problems
+    assert provenance.validate({k: v for k, v in full.items() if k != "load"}) == ["no 'load'"]
+
+
+def test_the_load_is_other_processes_share_of_the_machine(tmp_path):
+    """A busy loop that is not this process's child shows up in ``others_cpu``; this process's own work
+    does not."""
+    cpus = provenance.LoadWatch(0.1).cpus
+    quiet = provenance.LoadWatch(0.2)
+    t = time.time()
+    while time.time() - t < 1.0:  # this process busy: not counted as others
+        sum(i * i for i in range(1000))
+    quiet.stop()
+    flag = tmp_path / "stop"
+    code = f"import os,pathlib\nwhile not pathlib.Path({str(flag)!r}).exists(): pass"
+    subprocess.run(f"{sys.executable} -c {shlex.quote(code)} > /dev/null 2>&1 &", shell=True, check=True)
+    try:
+        busy = provenance.LoadWatch(0.2)
+        time.sleep(1.5)
+        busy.stop()
+    finally:
+        flag.write_text("")
+    got = busy.summary()
+    assert got["samples"] >= 5 and got["others_cpu_mean"] >= 0.6 / cpus, got
+    assert got["others_cpu_mean"] > quiet.summary()["others_cpu_mean"] + 0.3 / cpus
+
+
+def test_the_tables_say_how_their_files_were_made(tmp_path, monkeypatch):
+    """A table's foot is its file's record: the commit and load when known, the mark when not."""
+    import bench.tables as tables
+
+    known = {"rows": [], "provenance": provenance.record(seeds=[0])}
+    unknown = {"rows": [], "provenance": provenance.unknown("made before records")}
+    for doc, want in ((known, known["provenance"]["commit"][:10]), (unknown, "unknown")):
+        monkeypatch.setattr(tables, "_load", lambda name, d=doc: d)
+        text = tables.one("x.json", "python -m x", lambda d: "| a |\n|---|").markdown()
+        assert want in text.splitlines()[-1], text
