@@ -132,13 +132,21 @@ def summarise(cfg: dict, runs: list[dict]) -> dict:
     return {"config": cfg, "seeds": [r["seed"] for r in runs], "runs": runs, "per_round": per_round}
 
 
+def run_config_for(cfg: dict) -> str:
+    """The ``-c`` overrides that run the example app at ``cfg`` (its defaults differ)."""
+    defaults = tomli.loads((APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    diff = {k: v for k, v in cfg.items() if k in defaults and defaults[k] != v and k not in ("strategy", "seed")}
+    return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in diff.items())
+
+
 def markdown(doc: dict) -> str:
     cfg = doc["config"]
     lines = [
         f"`examples/flowertune-gpt2`: HF GPT-2 (d 64, 2 layers, base {cfg['base-steps']} steps), LoRA r "
         f"{cfg['lora-r']} α {cfg['lora-alpha']} on `{cfg['lora-targets']}`, 2 clients ({cfg['partitioner']}), "
         f"{cfg['num-server-rounds']} rounds × {cfg['local-steps']} AdamW steps, lr {cfg['lr']}; "
-        f"seeds {doc['seeds'][0]}–{doc['seeds'][-1]}.",
+        f"seeds {doc['seeds'][0]}–{doc['seeds'][-1]}. In the app (its defaults differ): "
+        f'`fedlmc run examples/flowertune-gpt2 -c "{run_config_for(cfg)}"`.',
         "",
         "| round | FedAvg (FedIT) | LoraFedAvg | LoraFedAvg − FedAvg, mean ± s.e. | seeds where LoraFedAvg is lower |",
         "|---|---|---|---|---|",

@@ -37,18 +37,12 @@ def budget(args: argparse.Namespace) -> dict[str, Any]:
     return dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, device=args.device)
 
 
-# TrainConfig fields added after models were cached: named in a cache key only when not at these
-# defaults, so the models trained before a field existed (with its default behaviour) are found again
-LATER_FIELDS = {"keep_best": False, "optimizer": "adamw"}
-
-
 def cache_name(preset: str, seed: int, splits, cfg, model_overrides: Optional[dict[str, Any]] = None) -> str:
-    """The folder name of a trained model under the cache: the preset, the seed and a hash of what the
-    model is trained on and how (the data, the training config, the architecture's overrides)."""
-    kept = {k: v for k, v in cfg.__dict__.items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
-    parts: list[Any] = [preset, splits.name, splits.meta.get("source"), kept]
-    if model_overrides:  # only when given, so earlier caches keep their names
-        parts.append(model_overrides)
+    """The folder name of a trained model under the cache: the preset, the seed and a hash of what made
+    the model: the data, every training field, the architecture's overrides and the training code
+    (``provenance.code_hash``: the model, data and training modules, and torch's version)."""
+    parts: list[Any] = [preset, splits.name, splits.meta.get("source"), cfg.__dict__, model_overrides or {}]
+    parts.append(provenance.code_hash(provenance.TRAINING_CODE))
     key = json.dumps(parts, sort_keys=True, default=str)
     tag = "".join(f"-{k}{v}" for k, v in sorted((model_overrides or {}).items())).replace("_", "")
     return f"{preset}{tag}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
@@ -72,6 +66,7 @@ def trained(
     path = cache / cache_name(preset, seed, splits, cfg, model_overrides)
     if (path / io.WEIGHTS).is_file():
         console.print(f"[dim]reusing {path}[/dim]")
+        provenance.reused(path)
         return io.load(path)
     model, hist = train_preset(preset, splits, seed=seed, progress=progress, model_overrides=model_overrides, **over)
     io.save(model, path, model.meta)
@@ -190,11 +185,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _pair_key(ident: list, methods, learned_steps: int) -> str:
-    """A pair's cache key: its models (seeds, training seconds), the methods and learned matching's steps."""
-    # the list's layout is the one older caches were written with, so they are found again
+    """A pair's cache key: its models (seeds, training seconds), the methods, learned matching's steps and
+    the library's code (``provenance.code_hash``), so curves another version measured are not served."""
     a_seed, a_secs, b_seed, b_secs = ident
+    code = provenance.code_hash(("fedlmc",))
     return hashlib.sha1(
-        json.dumps([a_seed, b_seed, a_secs, b_secs, sorted(methods), learned_steps]).encode()
+        json.dumps([a_seed, b_seed, a_secs, b_secs, sorted(methods), learned_steps, code]).encode()
     ).hexdigest()[:12]
 
 
@@ -211,6 +207,7 @@ def _cached_pair(cache: Path, preset: str, pair, ident: list, methods, learned_s
             f = cache / f"pair-{preset}-{pair[0]}-{pair[1]}-{_pair_key(ident, subset, learned_steps)}.json"
             if f.is_file():
                 found.update({k: v for k, v in json.loads(f.read_text()).items() if k in subset and k not in found})
+                provenance.reused(f)
     return found
 
 

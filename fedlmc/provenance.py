@@ -40,6 +40,30 @@ LOAD_FIELDS = ("samples", "every_seconds", "loadavg_mean", "loadavg_max", "other
 HOST_FIELDS = ("cpu", "cores", "threads", "torch_threads", "device")
 UNKNOWN = "unknown"
 COMMIT = re.compile(r"[0-9a-f]{40}")
+# what a trained model depends on (the model cache's key hashes it), and what a federated run does
+TRAINING_CODE = ("fedlmc/train.py", "fedlmc/models", "fedlmc/data")
+FEDERATION_CODE = ("fedlmc", "server", "clients", "simulations")
+_REUSED: list[str] = []
+
+
+def code_hash(parts: Iterable[str] = TRAINING_CODE) -> str:
+    """The SHA-256 of the Python sources under ``parts`` (paths from the folder that holds the ``fedlmc``
+    package; those absent, as the apps beside an installed wheel, are skipped), with torch's version:
+    a cache keyed by it never serves what other code computed."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(torch.__version__.encode())
+    for part in parts:
+        path = root / part
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []
+        for f in files:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def reused(entry: "str | Path") -> None:
+    """Note that this run read ``entry`` from a cache instead of computing it: the next record names it."""
+    if str(entry) not in _REUSED:
+        _REUSED.append(str(entry))
 
 
 class LoadWatch:
@@ -166,7 +190,8 @@ def host() -> dict[str, Any]:
 
 def record(seeds: Iterable[int] = (), command: Optional[str] = None, **extra: Any) -> dict[str, Any]:
     """The provenance record of a results file written now: ``seeds`` the run used, ``command`` (default:
-    this process's command line); ``extra`` fields (e.g. ``reused``: cache entries the run read) are kept."""
+    this process's command line); ``reused``: the cache entries the run read (``reused()``); ``extra``
+    fields are kept."""
     w = watch()
     started = psutil.Process().create_time()
     return {
@@ -178,6 +203,7 @@ def record(seeds: Iterable[int] = (), command: Optional[str] = None, **extra: An
         "load": w.summary(),
         "seeds": [int(s) for s in seeds],
         "wall_seconds": round(time.time() - started, 1),
+        **({"reused": list(_REUSED)} if _REUSED else {}),
         **extra,
     }
 

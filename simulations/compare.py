@@ -256,8 +256,9 @@ def run_all(
             if cfg["num-server-rounds"] == 1:  # one-shot: every strategy aggregates the same clients
                 cfg.setdefault("client-cache", str((runs / tag / "clients").resolve()))
             Settings.from_run_config(cfg)  # validate before spending time
-            metrics = run_dir / "metrics.json"
-            if metrics.is_file():
+            metrics, made_by = run_dir / "metrics.json", run_dir / "code.sha256"
+            code = provenance.code_hash(provenance.FEDERATION_CODE)
+            if metrics.is_file() and made_by.is_file() and made_by.read_text() == code:  # this code's run
                 doc = json.loads(metrics.read_text())
                 wanted = Settings.from_run_config(cfg).to_run_config()
                 # keys added since the run default to their old behaviour (a strategy's own: its declared default)
@@ -266,12 +267,14 @@ def run_all(
                     doc["settings"].get(k, defaults[k]) == v for k, v in wanted.items() if k not in SPEED_ONLY
                 ):
                     console.print(f"[dim]{strategy} seed {seed}: reusing {metrics}[/dim]")
+                    provenance.reused(metrics)
                     out[strategy][seed] = doc
                     continue
             console.print(f"{strategy} seed {seed}: running ({clients} clients) → {run_dir}")
             t0 = time.time()
             run_dir.mkdir(parents=True, exist_ok=True)
             doc = run_in_subprocess(cfg, num_supernodes=clients, timeout=timeout, log_path=run_dir / "log.txt")
+            made_by.write_text(code)
             last = doc["rounds"][-1]
             console.print(
                 f"  done in {time.time() - t0:.0f} s: test loss {last['test_loss']:.4f} acc {last['test_acc']:.4f}"

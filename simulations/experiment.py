@@ -28,6 +28,7 @@ from flwr.serverapp import ServerApp
 
 from clients.app import Round, fit
 from clients.app import make_app as make_client_app
+from fedlmc import provenance
 from fedlmc.data import ArrayData, Data, Splits, TokenData
 from fedlmc.data.partition import PARTITIONS_VERSION
 from fedlmc.federated import Settings, doc, local_train
@@ -150,14 +151,16 @@ def cached_first_round(model: nn.Module, data: Data, s: ExperimentSettings, rnd:
     trained = {k: getattr(s, k) for k in TRAINING_KEYS}
     if s.poison_partition >= 0:  # only then part of the key, so unpoisoned caches stay valid
         trained.update(poison_partition=s.poison_partition, poison=s.poison, poison_scale=s.poison_scale)
+    made = [rnd.partition, rnd.partitions, rnd.seed, model.config.to_dict(), PARTITIONS_VERSION[s.partitioner]]
     key = json.dumps(
-        [trained, rnd.partition, rnd.partitions, rnd.seed, model.config.to_dict(), PARTITIONS_VERSION[s.partitioner]],
+        [trained, *made, provenance.code_hash(provenance.FEDERATION_CODE)],
         sort_keys=True,
         default=str,
     )
     path = Path(s.client_cache).expanduser() / hashlib.sha1(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file() and (path / "history.json").is_file():
         model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+        provenance.reused(path)
         return json.loads((path / "history.json").read_text())
     hist = local_train(model, data, s, rnd.seed)
     path.mkdir(parents=True, exist_ok=True)

@@ -344,3 +344,25 @@ def test_every_registered_example_builds_its_strategy(names):
         s = Settings.from_run_config(run)
         model = global_model(s)
         assert type(built) is type(build_strategy(s, model.config, splits_for(s))), name
+
+
+def test_the_example_apps_quoted_run_config_is_the_benchs_setting():
+    """docs/lora.md quotes the example app's figures with the `-c` overrides that run the app at the
+    bench's setting: Flower parses them, over the app's defaults, into exactly the bench's config."""
+    import sys
+
+    import tomllib
+    from flwr.common.config import parse_config_args
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench.flowertune_app import app_config, run_config_for
+
+    cfg = json.loads((ROOT / "results" / "flowertune_gpt2.json").read_text())["config"]
+    quoted = re.search(r'flowertune-gpt2 -c "([^"]+)"', (ROOT / "docs" / "lora.md").read_text()).group(1)
+    assert quoted == run_config_for(cfg)
+    defaults = tomllib.loads((ROOT / "examples" / "flowertune-gpt2" / "pyproject.toml").read_text())
+    ran = {**defaults["tool"]["flwr"]["app"]["config"], **parse_config_args([quoted])}
+    assert {k: v for k, v in ran.items() if k not in ("strategy", "seed")} == {
+        k: v for k, v in cfg.items() if k not in ("strategy", "seed")
+    }
+    assert app_config({}) == {**ran, "strategy": app_config({})["strategy"], "seed": app_config({})["seed"]}

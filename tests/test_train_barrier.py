@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,28 +273,42 @@ def test_evaluation_batches_of_a_large_vocabulary_are_capped(monkeypatch):
     assert max(m.seen) == 16 and sum(m.seen) == 100 and abs(out["loss"] - float(torch.log(torch.tensor(1000.0)))) < 1e-4
 
 
-def test_a_cache_name_names_later_fields_only_off_their_defaults():
-    """A training-config field added after models were cached (``optimizer``, ``keep_best``) enters the
-    cache key only when it changes the training: the models trained before it existed are found again,
-    and a model trained otherwise gets a name of its own."""
+def test_a_cache_name_changes_with_every_training_field_and_the_training_code(tmp_path, monkeypatch):
+    """The model cache's key covers every training field (each changed alone gives a new name), the
+    architecture's overrides and the training code: a changed model, data or training module (or torch)
+    makes a new entry, so no result reuses a model other code trained. A reused entry is named in the
+    next results file's record."""
     import dataclasses
-    import json
+    import shutil
 
-    from fedlmc.commands import LATER_FIELDS, cache_name
+    from fedlmc import provenance
+    from fedlmc.commands import cache_name
     from fedlmc.train import TrainConfig
 
     class Splits:
         name, meta = "shakespeare", {"source": "tinyshakespeare.txt"}
 
     cfg = TrainConfig(steps=10, lr=2e-3)
-    assert {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in LATER_FIELDS} == LATER_FIELDS
-    older = {k: v for k, v in cfg.__dict__.items() if k not in LATER_FIELDS}  # the key before those fields
-    import hashlib
-
-    key = json.dumps(["gpt2-tiny", "shakespeare", "tinyshakespeare.txt", older], sort_keys=True, default=str)
-    assert cache_name("gpt2-tiny", 0, Splits, cfg) == f"gpt2-tiny-s0-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-    names = {
-        cache_name("gpt2-tiny", 0, Splits, dataclasses.replace(cfg, **c))
-        for c in ({}, {"optimizer": "sgd"}, {"keep_best": True})
-    }
-    assert len(names) == 3
+    base = cache_name("gpt2-tiny", 0, Splits, cfg)
+    assert base == cache_name("gpt2-tiny", 0, Splits, TrainConfig(steps=10, lr=2e-3))  # stable
+    changed = {"keep_best": True, "optimizer": "sgd", "lr": 1e-3, "steps": 11, "batch_size": 7, "seed": 5}
+    assert set(changed) <= {f.name for f in dataclasses.fields(TrainConfig)}
+    names = {k: cache_name("gpt2-tiny", 0, Splits, dataclasses.replace(cfg, **{k: v})) for k, v in changed.items()}
+    assert base not in names.values() and len(set(names.values())) == len(changed)
+    assert cache_name("gpt2-tiny", 0, Splits, cfg, {"d_model": 64}) != base
+    # the training code: a copy of the package with one byte of train.py changed hashes differently
+    root = Path(provenance.__file__).resolve().parents[1]
+    copy = tmp_path / "fedlmc"
+    shutil.copytree(root / "fedlmc", copy, ignore=shutil.ignore_patterns("__pycache__", "*.txt"))
+    fake = copy / "provenance.py"
+    monkeypatch.setattr(provenance, "__file__", str(fake))
+    same = provenance.code_hash()
+    assert same == provenance.code_hash() and cache_name("gpt2-tiny", 0, Splits, cfg) == base
+    (copy / "train.py").write_text((copy / "train.py").read_text() + "\n# changed\n")
+    assert provenance.code_hash() != same and cache_name("gpt2-tiny", 0, Splits, cfg) != base
+    (copy / "train.py").write_text((root / "fedlmc" / "train.py").read_text())
+    (copy / "models" / "gpt2.py").write_text((copy / "models" / "gpt2.py").read_text() + "\n")
+    assert provenance.code_hash() != same
+    monkeypatch.setattr(provenance, "_REUSED", [])
+    provenance.reused(tmp_path / "entry")
+    assert provenance.record()["reused"] == [str(tmp_path / "entry")]

@@ -18,6 +18,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from fedlmc import provenance
 from fedlmc.data import TokenData, load, partition, split
 
 FAMILIES = ("gpt2", "llama")
@@ -151,8 +152,10 @@ def pretrained_base(
     from safetensors.torch import load_file, save_file
 
     model = tiny_causal_lm(family, seed=seed)
-    path = (cache or cache_dir()) / f"base-{family}-{steps}-{seed}-{lr}-{batch_size}.safetensors"
+    code = provenance.code_hash(provenance.TRAINING_CODE + ("fedlmc/hf",))[:10]  # what trained it
+    path = (cache or cache_dir()) / f"base-{family}-{steps}-{seed}-{lr}-{batch_size}-{code}.safetensors"
     if path.is_file():
+        provenance.reused(path)
         model.load_state_dict(load_file(str(path)), strict=False)  # a tied head is stored once
         return model.eval()
     text, _, _ = pretrain_and_finetune_text(data_dir)
