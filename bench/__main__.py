@@ -2,6 +2,7 @@
 
     python -m bench                      # list them: what each measures, how long, which results file
     python -m bench NAME [OPTIONS...]    # run bench/NAME.py with its own options (NAME --help lists them)
+    python -m bench verify [--quick]     # rerun the cheap results files' figures and compare them
 
 ``python -m bench.tables`` then regenerates the docs' tables from the files they write.
 """
@@ -131,6 +132,12 @@ BENCHES: dict[str, Bench] = {
         "`LoraFedAvg`'s server seconds per round against Flower's FedAvg on the same replies",
         "`results/lora_server_time.json`",
         "1 min",
+    ),
+    "verify": Bench(
+        "reruns a slice of each cheap results file into a scratch folder and compares every figure with the "
+        "file, within a stated tolerance (`--quick`: the CI subset); lists the files verified by hand",
+        "nothing (`--record`: the verification, into the file's record)",
+        "`--quick` 2 min, all 5 min",
     ),
     "gpu_check": Bench(
         "`make gpu-check` on a CUDA machine: the paper's GPT-2 setting, the everyday suite with CUDA visible, "

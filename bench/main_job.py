@@ -31,10 +31,13 @@ MAIN_JOB_MARGIN = 0.25
 
 
 def run_seed(seed: int, out: Path, timeout: float) -> float:
-    """One main job; returns its wall seconds (a reused run's from its ``wall_seconds.txt``, else NaN)."""
-    wall = out / "wall_seconds.txt"
-    if (out / "summary.json").is_file():
-        return float(wall.read_text()) if wall.is_file() else float("nan")
+    """One main job; returns its wall seconds. A finished run of this very code is reused (its
+    ``code.sha256`` is ``provenance.code_hash`` of the federation's code) and named in the record."""
+    wall, made_by = out / "wall_seconds.txt", out / "code.sha256"
+    code = provenance.code_hash(provenance.FEDERATION_CODE)
+    if (out / "summary.json").is_file() and wall.is_file() and made_by.is_file() and made_by.read_text() == code:
+        provenance.reused(out)
+        return float(wall.read_text())
     t0 = time.time()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     subprocess.run(
@@ -54,6 +57,7 @@ def run_seed(seed: int, out: Path, timeout: float) -> float:
         timeout=timeout,
     )
     wall.write_text(f"{time.time() - t0:.1f}")
+    made_by.write_text(code)
     return time.time() - t0
 
 

@@ -141,6 +141,7 @@ DEMO_BUDGETS = {"vit-tiny": dict(epochs=15), "gpt2-tiny": dict(steps=500), "vit-
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train two seeds of each preset and measure their interpolation barrier."""
+    provenance.watch()  # samples the load through the run, for the results file's record
     from fedlmc.data import DataNotFound
     from fedlmc.merging.barrier import barrier, interpolation_curve, plot_curves
 
@@ -213,6 +214,7 @@ def _cached_pair(cache: Path, preset: str, pair, ident: list, methods, learned_s
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Train the seeds a Table-1 reproduction needs (cached) and measure every method's barrier."""
+    provenance.watch()  # samples the load through the run, for the results file's record
     from fedlmc.models import preset_config
     from fedlmc.models.layers import is_rotary
     from fedlmc.reproduce import METHODS, markdown, pair_curves, seed_pairs, summarise, write_results
@@ -345,6 +347,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_universe(args: argparse.Namespace) -> int:
     """Train (cached) M seeds of a preset and compare average / universe / refined merges (+ simplex plot)."""
+    provenance.watch()  # samples the load through the run, for the results file's record
     from fedlmc.merging.manyway import plot_simplex, universe_markdown, universe_table, write
 
     splits = load_splits(args.preset, args)
@@ -448,9 +451,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     """A ``save_pretrained`` directory as a fedlmc checkpoint."""
-    provenance.watch()  # samples the load through the run, for the results file's record
-    provenance.watch()  # samples the load through the run, for the results file's record
-    provenance.watch()  # samples the load through the run, for the results file's record
     from fedlmc.hf import from_hf
     from fedlmc.io import save
 

@@ -44,6 +44,7 @@ COMMIT = re.compile(r"[0-9a-f]{40}")
 TRAINING_CODE = ("fedlmc/train.py", "fedlmc/models", "fedlmc/data")
 FEDERATION_CODE = ("fedlmc", "server", "clients", "simulations")
 _REUSED: list[str] = []
+SCRIPTS = ("fedlmc", "flwr", "pytest")  # console scripts a command line names by their own name
 
 
 def code_hash(parts: Iterable[str] = TRAINING_CODE) -> str:
@@ -133,9 +134,11 @@ def watch(every: float = 1.0) -> LoadWatch:
 def command_line(argv: Optional[list[str]] = None) -> str:
     """The command that started this process, as a user types it (``python -m bench.x --a 1``)."""
     argv = list(argv if argv is not None else getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    if len(argv) > 1 and Path(argv[0]).name.startswith("python") and Path(argv[1]).name in SCRIPTS:
+        argv = argv[1:]  # a console script: python /venv/bin/fedlmc ... is `fedlmc ...`
     if argv and Path(argv[0]).name.startswith("python"):
         argv[0] = "python"
-    elif argv and Path(argv[0]).name in ("fedlmc", "pytest"):
+    elif argv and Path(argv[0]).name in SCRIPTS:
         argv[0] = Path(argv[0]).name
     return shlex.join(argv)
 
@@ -145,12 +148,14 @@ def _git(*args: str, cwd: Path) -> str:
 
 
 def commit(root: Optional[Path] = None) -> dict[str, Any]:
-    """The checkout's commit, whether it differs from it outside ``results/`` (``dirty``) and then the
-    hash of that difference; ``commit: "unknown"`` with the reason outside a git checkout."""
-    root = Path(root or Path.cwd())
+    """The commit of the checkout that holds ``root`` (default: the one this ``fedlmc`` package runs
+    from, wherever the command was started), whether it differs from it outside ``results/`` (``dirty``)
+    and then the hash of that difference; ``commit: "unknown"`` with the reason outside a git checkout
+    (a wheel's install)."""
+    root = Path(root or Path(__file__).resolve().parents[1])
     try:
         sha = _git("rev-parse", "HEAD", cwd=root).strip()
-        diff = _git("diff", "HEAD", "--", ".", ":(exclude)results", cwd=root)
+        diff = _git("diff", "HEAD", "--", ":(top)", ":(top,exclude)results", cwd=root)
     except (OSError, subprocess.SubprocessError) as e:
         return {"commit": UNKNOWN, "dirty": False, "reason": f"not a git checkout ({type(e).__name__})"}
     out: dict[str, Any] = {"commit": sha, "dirty": bool(diff)}

@@ -247,7 +247,8 @@ def plot_mean_curves(per_pair: list[dict[str, dict]], methods: Sequence[str], pa
 
 def write_results(out_dir: Path, preset: str, payload: dict, per_pair: list, methods: Sequence[str]) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    provenance.write(out_dir / f"reproduce_{preset}.json", payload)
+    seeds = sorted({int(s) for pair in payload.get("pairs", []) for s in pair})
+    provenance.write(out_dir / f"reproduce_{preset}.json", payload, seeds)
     png = plot_mean_curves(
         per_pair, methods, out_dir / f"reproduce_{preset}.png", f"{preset}: mean interpolation curves"
     )

@@ -57,9 +57,16 @@ def test_dirty_is_a_change_outside_results(tmp_path):
     assert dirty["dirty"] is True and len(dirty["diff_sha256"]) == 64
     (tmp_path / "code.py").write_text("x = 3\n")
     assert provenance.commit(tmp_path)["diff_sha256"] != dirty["diff_sha256"]
-    assert provenance.commit(tmp_path / "results")["commit"] == clean["commit"]  # from anywhere inside
+    assert provenance.commit(tmp_path / "results") == provenance.commit(tmp_path)  # from anywhere inside
     outside = provenance.commit(Path("/"))
     assert outside["commit"] == "unknown" and outside["reason"]
+    here = subprocess.run(  # by default, the checkout this fedlmc runs from, wherever the command started
+        [sys.executable, "-c", "from fedlmc import provenance; print(provenance.commit()['commit'])"],
+        cwd="/",
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert here == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def test_the_command_is_the_one_a_user_types():
@@ -69,6 +76,7 @@ def test_the_command_is_the_one_a_user_types():
     assert provenance.command_line(["/x/bin/fedlmc", "reproduce", "--preset", "vit-tiny"]) == (
         "fedlmc reproduce --preset vit-tiny"
     )
+    assert provenance.command_line(["/x/bin/python", "/x/bin/fedlmc", "demo"]) == "fedlmc demo"  # a console script
 
 
 def test_an_unknown_field_needs_its_reason_and_malformed_fields_are_named():
