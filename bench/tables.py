@@ -274,8 +274,23 @@ class Table:
         body = self.render(docs if self.several else docs[0])
         made = "; ".join(dict.fromkeys(f"`{c}`" for c in self.commands))
         files = ", ".join(f"`results/{f}`" for f in self.files)
-        how = " ".join(dict.fromkeys(provenance.conditions(d.get("provenance", {})) for d in docs))
-        return f"{made} → {files}\n\n{body}\n\n{how}\n"
+        return f"{made} → {files}\n\n{body}\n\n{self.conditions(docs)}\n"
+
+    def conditions(self, docs: list[dict]) -> str:
+        """The foot: how the files were made (their records), each condition naming its files when the
+        files differ."""
+        by: dict[str, list[str]] = {}
+        for f, d in zip(self.files, docs):
+            by.setdefault(provenance.conditions(d.get("provenance", {})), []).append(f)
+        if len(by) == 1:
+            return next(iter(by))
+        unknown = by.pop(provenance.conditions({}), [])
+        said = [f"{', '.join(f'`{f}`' for f in fs)}: {c}" for c, fs in by.items()]
+        if unknown:
+            said.append(
+                f"The other {len(unknown)}: {provenance.conditions({})[0].lower()}{provenance.conditions({})[1:]}"
+            )
+        return " ".join(said)
 
 
 def one(file: str, command: str, render: Callable) -> Table:
