@@ -61,7 +61,7 @@ test-fast: $(STAMP)
 # On a CUDA machine: the everyday suite, the speed benches and the paper's GPT-2 setting (6 layers, d 256,
 # block 256, 3 pairs) on the GPU, written to results/gpu/*.json with the device's name.
 gpu-check: $(STAMP)
-	$(BIN)/python bench/gpu_check.py
+	$(BIN)/python simulations/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .flwr

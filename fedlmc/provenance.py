@@ -132,7 +132,7 @@ def watch(every: float = 1.0) -> LoadWatch:
 
 
 def command_line(argv: Optional[list[str]] = None) -> str:
-    """The command that started this process, as a user types it (``python -m bench.x --a 1``)."""
+    """The command that started this process, as a user types it (``python -m simulations.x --a 1``)."""
     argv = list(argv if argv is not None else getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
     if len(argv) > 1 and Path(argv[0]).name.startswith("python") and Path(argv[1]).name in SCRIPTS:
         argv = argv[1:]  # a console script: python /venv/bin/fedlmc ... is `fedlmc ...`

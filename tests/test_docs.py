@@ -21,7 +21,7 @@ PAGES = [
     ROOT / "README.md",
     *sorted((ROOT / "docs").glob("*.md")),
     *sorted((ROOT / "examples").glob("*/README.md")),
-    ROOT / "bench" / "README.md",
+    ROOT / "simulations" / "README.md",
 ]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 PROCESS = re.compile(
@@ -57,7 +57,7 @@ def test_every_code_block_parses(page, lang, code):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_pages_describe_the_product_not_its_history(page):
     """The prose, that is: a generated table may name the commit and date its results file records."""
-    from bench.tables import prose
+    from simulations.tables import prose
 
     found = [m.group(0) for m in PROCESS.finditer(prose(page.read_text()))]
     assert not found, found
@@ -134,18 +134,18 @@ def test_results_holds_only_files_the_docs_cite():
 
 
 def test_the_generated_tables_are_their_results_files():
-    """Every ``<!-- table: NAME -->`` block is what ``python -m bench.tables`` renders from the results
+    """Every ``<!-- table: NAME -->`` block is what ``python -m simulations.tables`` renders from the results
     files today (rerun it after a bench), and every name is known."""
-    from bench.tables import PAGES as TABLE_PAGES
-    from bench.tables import regenerate
+    from simulations.tables import PAGES as TABLE_PAGES
+    from simulations.tables import regenerate
 
     stale = [str(p.relative_to(ROOT)) for p in TABLE_PAGES if regenerate(p.read_text()) != p.read_text()]
-    assert not stale, f"run `python -m bench.tables`: {stale}"
+    assert not stale, f"run `python -m simulations.tables`: {stale}"
 
 
 def _prose(page: Path) -> str:
     """What a page's authors wrote: the page without its generated tables and code blocks."""
-    from bench.tables import prose
+    from simulations.tables import prose
 
     return FENCE.sub("", prose(page.read_text()))
 
@@ -168,7 +168,7 @@ def test_the_docs_are_a_guide_not_a_notebook():
 def test_the_gpu_table_reads_a_successful_check_as_well_as_a_failed_one():
     """``make gpu-check``'s file renders whether its paper step finished (barriers beside the paper's)
     or stopped (the error's last line), with the suite's counts either way."""
-    from bench.tables import gpu
+    from simulations.tables import gpu
 
     failed = json.loads((ROOT / "results/gpu/gpu_check.json").read_text())
     assert "not measured:" in gpu(failed) and f"{failed['tests']['passed']} passed" in gpu(failed)
@@ -189,10 +189,13 @@ def test_the_gpu_table_reads_a_successful_check_as_well_as_a_failed_one():
     assert "230 passed, 0 failed, 0 collection errors" in table and "not measured" not in table
 
 
-def test_every_bench_script_is_listed():
-    from bench.__main__ import BENCHES
+def test_every_lab_entry_is_listed():
+    """Every runnable script of the lab is an entry of ``python -m simulations`` (the tables, the
+    experiment layer the ClientApp reads and the one-run subprocess are its parts, not entries)."""
+    from simulations.__main__ import BENCHES
 
-    scripts = {p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_") and p.stem != "tables"}
+    parts = {"tables", "experiment", "simulate"}
+    scripts = {p.stem for p in (ROOT / "simulations").glob("*.py") if not p.stem.startswith("_")} - parts
     assert scripts == set(BENCHES)
 
 
@@ -354,8 +357,8 @@ def test_the_example_apps_quoted_run_config_is_the_benchs_setting():
     import tomllib
     from flwr.common.config import parse_config_args
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench.flowertune_app import app_config, run_config_for
+    sys.path.insert(0, str(ROOT / "simulations"))
+    from simulations.flowertune_app import app_config, run_config_for
 
     cfg = json.loads((ROOT / "results" / "flowertune_gpt2.json").read_text())["config"]
     quoted = re.search(r'flowertune-gpt2 -c "([^"]+)"', (ROOT / "docs" / "lora.md").read_text()).group(1)

@@ -79,6 +79,7 @@ def test_fedlmc_has_no_import_cycle():
 # docs/DESIGN.md's layers, bottom first: a module belongs to the layer of its longest matching prefix
 LAYERS = [
     ("ground", ["fedlmc", "fedlmc.models", "fedlmc.data", "fedlmc.io", "fedlmc.scale.allocator", "fedlmc.scale.cpu"]),
+    ("ground", ["fedlmc.provenance"]),
     ("ground", ["fedlmc.options", "fedlmc.train"]),
     ("symmetry", ["fedlmc.symmetry"]),
     ("adapters", ["fedlmc.hf"]),
@@ -156,3 +157,17 @@ def test_the_package_shows_its_rooms():
     """``fedlmc/`` is grouped by concern: at most 12 top-level modules beside its packages."""
     top = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 12, top
+
+
+def test_the_library_never_imports_the_lab_or_the_apps():
+    """``fedlmc`` imports no module of the lab (``simulations``), of the apps (``clients``, ``server``,
+    ``strategies``) or of the tests, anywhere in its body: the wheel ships the library alone."""
+    outside = ("simulations", "clients", "server", "strategies", "tests", "bench", "_results", "_models")
+    found = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [(str(path.relative_to(ROOT)), n) for n in names if n.split(".")[0] in outside]
+    assert not found, found

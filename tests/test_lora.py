@@ -572,13 +572,13 @@ def test_lora_layout_read_copies_and_never_aliases_the_callers_tensors():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lora_harness_claims_hold_on_a_small_run():
-    """The LoRA page's claims, on a small run of the same harness (bench/lora_aggregators.py: a weaker
+    """The LoRA page's claims, on a small run of the same harness (simulations/lora_aggregators.py: a weaker
     base, 30 local steps, 2 rounds, seed 0): LoraFedAvg is not worse than FedIT, and with mixed ranks
     it beats HetLoRA's zero-padding clearly."""
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simulations"))
     import lora_aggregators as harness
 
     harness.SETTINGS["claim-r8"] = dict(
@@ -653,13 +653,13 @@ def test_train_lm_carries_the_optimiser_state_across_calls():
 
 
 def test_lora_harness_adds_rows_only_where_its_reference_reproduces(tmp_path):
-    """``bench/lora_aggregators.py --methods``: new rows join a setting's stored results only when the
+    """``simulations/lora_aggregators.py --methods``: new rows join a setting's stored results only when the
     reference method run beside them gives the stored figures again (the same clients and code)."""
     import json
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simulations"))
     import lora_aggregators as harness
 
     row = lambda x: {"test_loss_per_seed": [[x, x - 0.1]], "final_loss": x - 0.1}  # noqa: E731

@@ -70,8 +70,8 @@ def test_dirty_is_a_change_outside_results(tmp_path):
 
 
 def test_the_command_is_the_one_a_user_types():
-    assert provenance.command_line(["/x/.venv/bin/python3.11", "-m", "bench", "lora", "--seeds", "0 1"]) == (
-        "python -m bench lora --seeds '0 1'"
+    assert provenance.command_line(["/x/.venv/bin/python3.11", "-m", "simulations", "lora", "--seeds", "0 1"]) == (
+        "python -m simulations lora --seeds '0 1'"
     )
     assert provenance.command_line(["/x/bin/fedlmc", "reproduce", "--preset", "vit-tiny"]) == (
         "fedlmc reproduce --preset vit-tiny"
@@ -115,7 +115,7 @@ def test_the_load_is_other_processes_share_of_the_machine(tmp_path):
 
 def test_the_tables_say_how_their_files_were_made(tmp_path, monkeypatch):
     """A table's foot is its file's record: the commit and load when known, the mark when not."""
-    import bench.tables as tables
+    import simulations.tables as tables
 
     known = {"rows": [], "provenance": provenance.record(seeds=[0])}
     unknown = {"rows": [], "provenance": provenance.unknown("made before records")}
@@ -123,3 +123,24 @@ def test_the_tables_say_how_their_files_were_made(tmp_path, monkeypatch):
         monkeypatch.setattr(tables, "_load", lambda name, d=doc: d)
         text = tables.one("x.json", "python -m x", lambda d: "| a |\n|---|").markdown()
         assert want in text.splitlines()[-1], text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_verify_quick_reruns_a_results_file_and_agrees():
+    """``python -m simulations verify --quick`` (the CI subset) retrains vit-tiny's pair (0, 1) into a scratch
+    folder and finds every compared figure of ``results/reproduce_vit-tiny.json`` within its tolerance."""
+    import os
+
+    if not os.environ.get("FEDLMC_DATA"):
+        pytest.skip("vit-tiny trains on MNIST: point FEDLMC_DATA at a folder holding mnist/")
+    proc = subprocess.run(
+        [sys.executable, "-m", "simulations", "verify", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if "reproduce_vit-tiny.json" in line]
+    assert len(rows) == 4 and all(line.rstrip(" │").endswith("yes") for line in rows), proc.stdout

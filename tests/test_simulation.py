@@ -217,10 +217,10 @@ def test_the_main_job_shows_alignment_beating_fedavg():
     """The README's first command, ``fedlmc run .`` (``flwr run .`` on the app's defaults, against a
     local SuperLink the CLI starts itself): FedAvg, aligned and refined aggregate the same one-epoch
     clients, the table reaches the terminal, summary.json / comparison.png / each aggregate are written
-    and the SuperLink is stopped; aligned beats FedAvg by the README's margin (``bench/main_job.py``
+    and the SuperLink is stopped; aligned beats FedAvg by the README's margin (``simulations/main_job.py``
     checks the same margin on seeds 0, 1 and 2: three trainings are too long for CI). A ServerApp that
     crashes is a failed run for whoever started it."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "simulations"))
     from main_job import MAIN_JOB_MARGIN
 
     home = _short_tmp("flwrhome-")

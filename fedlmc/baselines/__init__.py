@@ -11,7 +11,7 @@ from its paper and tested against a planted or analytic answer:
 * ``task_vectors``: Task Arithmetic, TIES, DARE, Model Stock (``TaskMerge``, ``TaskVectorFedAvg``).
 * ``slicing``: HeteroFL's width slicing (``SlicingFedAvg``: ``slicing``).
 * ``lora``: the published LoRA aggregators (FedIT, FFA-LoRA, FedSA-LoRA, FLoRA, FlexLoRA, FedEx-LoRA,
-  FedRot-LoRA), for ``bench/lora_aggregators.py``.
+  FedRot-LoRA), for ``simulations/lora_aggregators.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The published LoRA aggregators, server side, for side-by-side comparisons with ``LoraAggregator``
-(``bench/lora_aggregators.py``). Each takes the round's replies ``{module: (B, A)}`` and weights and
+(``simulations/lora_aggregators.py``). Each takes the round's replies ``{module: (B, A)}`` and weights and
 says what every client starts the next round from.
 
 * FedIT (FlowerTune's FedAvg): ``B`` and ``A`` averaged separately; with mixed ranks, HetLoRA's

@@ -5,7 +5,7 @@ A registration maps the name (run_config ``strategy``) to a builder and to what 
 ``fedlmc.federated.Settings.validate`` checks a run's keys against these capabilities, the apps' factory
 (``strategies/factory.py``) calls the builder, the comparison runner (``simulations.compare``) checks its
 strategy lists here, ``fedlmc strategies`` prints the table, and docs/strategies.md's table is generated
-from it (``python -m bench.tables``). Adding a strategy is its class plus one ``register`` call::
+from it (``python -m simulations.tables``). Adding a strategy is its class plus one ``register`` call::
 
     from fedlmc.strategies import register
 

@@ -7,7 +7,7 @@ weight matching in this process without and with ``ff_scale``, then a fresh proc
 defaults; the medians over ``--repeats`` and their ratios go to
 ``results/bench_ff_scale_overhead_{preset}[_w{width}].json``.
 
-    python -m bench ff_scale_overhead --preset vit-tiny --width 128 --against /tmp/fedlmc-before --repeats 5
+    python -m simulations ff_scale_overhead --preset vit-tiny --width 128 --against /tmp/fedlmc-before --repeats 5
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from _models import add_model_args, models_record, results_path, trained_models, width_arch  # noqa: E402  (bench/)
+from _models import add_model_args, models_record, results_path, trained_models, width_arch  # noqa: E402  (simulations/)
 from _results import environment, gemm_seconds, write_results  # noqa: E402
 
 from fedlmc.commands import cache_name, load_splits

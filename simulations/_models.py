@@ -23,7 +23,7 @@ def width_arch(preset: str, width: Optional[int]) -> Optional[dict]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-steps", type=int, help="training steps per model (default: the preset's budget)")
-    p.add_argument("--width", type=int, help="d_model (d_ff scaled with it, as bench/width_study.py)")
+    p.add_argument("--width", type=int, help="d_model (d_ff scaled with it, as simulations/width_study.py)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--cache", default="runs/cache")
     p.add_argument("--out", default="results")

@@ -15,7 +15,7 @@ with fedlmc's trainer (AdamW, warmup + cosine, the preset's budget), then conver
 For the tied GPT-2 and OPT the aligned midpoint is also written back in the clients' tied form
 (``HFAdapter.to_client``, what the strategies send) and evaluated through Hugging Face's forward.
 
-    python bench/hf_pairs.py --family gpt2 [--seeds 0 1] [--steps N]   # results/bench_hf_pair_{family}.json
+    python simulations/hf_pairs.py --family gpt2 [--seeds 0 1] [--steps N]   # results/bench_hf_pair_{family}.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark: universe merge of 8 gpt2-small-shaped models (12 layers, d 768, 12 heads, d_ff 3072).
 
-Writes results/bench_universe_gpt2_small.json. Usage: python bench/universe_gpt2_small.py [--models 8]
+Writes results/bench_universe_gpt2_small.json. Usage: python simulations/universe_gpt2_small.py [--models 8]
 The 8 models are one random gpt2-small under 8 random group elements (residual O, head and FF
 permutations) plus 1 % noise each, so the answer is known: the universe must be that model (in the
 first copy's coordinates), with its noise averaged down. Reports wall time, per-model seconds, a
@@ -19,7 +19,7 @@ import time
 
 import psutil
 import torch
-from _results import PeakMemory, environment, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import PeakMemory, environment, write_results  # noqa: E402  (simulations/, the script's own folder)
 
 from fedlmc.matching.profile import profiling
 from fedlmc.merging.universe import universe_merge

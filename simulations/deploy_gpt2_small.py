@@ -1,11 +1,11 @@
-"""bench/deploy_gpt2_small.py: one round of a real deployment (a SuperLink and 2 SuperNodes on loopback,
+"""simulations/deploy_gpt2_small.py: one round of a real deployment (a SuperLink and 2 SuperNodes on loopback,
 ``deploy/start.sh``) with a GPT-2-small-shaped model: 12 layers, d 768, 12 heads, d_ff 3072, block 1024,
 the vocabulary padded to GPT-2's 50257 (124M parameters, ~500 MB in float32), so every message is that
 size both ways. Clients receive the global model, take ``--local-steps`` steps and send it back; the
 server averages. Samples every process's resident memory twice a second and writes
 ``results/deploy_gpt2_small.json``: the round's wall time, each process's peak RSS, and what it needed.
 
-    python bench/deploy_gpt2_small.py [--database memory|sqlite] [--superlink fedlmc|flower] [--burners N]
+    python simulations/deploy_gpt2_small.py [--database memory|sqlite] [--superlink fedlmc|flower] [--burners N]
 
 ``--superlink flower`` runs Flower's own ``flower-superlink`` (payloads in the state file, 5 s lock
 wait) instead of ``fedlmc-superlink``; ``--burners N`` runs N CPU-bound GEMM processes beside the round

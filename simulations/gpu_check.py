@@ -16,10 +16,10 @@ Steps, in this order, inside one deadline (``--budget`` seconds; each step gets 
 3. ``tests``: the everyday suite (``pytest -m "not slow"``) with CUDA visible, ``tests/test_cuda.py``
    included: every path that picks a device picks the GPU. A module that cannot be collected (the
    machine lacks Flower, say) is listed, and the rest run.
-4. ``bench``: ``bench/wm_gpt2_small.py`` (GPT-2-small pairs: independent, planted, common) and
-   ``bench/universe_scale.py`` at M = 8 (common replies: FedAvg, aligned, aligned with ``min_gain``).
+4. ``bench``: ``simulations/wm_gpt2_small.py`` (GPT-2-small pairs: independent, planted, common) and
+   ``simulations/universe_scale.py`` at M = 8 (common replies: FedAvg, aligned, aligned with ``min_gain``).
 
-Usage: ``python bench/gpu_check.py [--steps 5000] [--only reference,paper,tests,bench] [--out results/gpu]``.
+Usage: ``python simulations/gpu_check.py [--steps 5000] [--only reference,paper,tests,bench] [--out results/gpu]``.
 Without a GPU it says so and exits 2 (on 2 CPU cores the paper step alone takes hours); ``--cpu`` runs
 it there anyway (for a smoke run with tiny ``--steps``).
 """
@@ -311,7 +311,7 @@ def main() -> int:
         py = sys.executable
         res["bench"] = {
             "wm_gpt2_small": run(
-                [py, "bench/wm_gpt2_small.py", "--configs", "independent", "planted", "common"]
+                [py, "simulations/wm_gpt2_small.py", "--configs", "independent", "planted", "common"]
                 + ["--out", str(out / "bench_wm_gpt2_small.json")],
                 (left() - 30) / 2,
             )
@@ -321,7 +321,7 @@ def main() -> int:
         replies = tempfile.mkdtemp(prefix="fedlmc-scale-")  # 8 replies of 0.65 GB, removed after
         try:
             res["bench"]["universe_scale"] = run(
-                [py, "bench/universe_scale.py", "--plan", plan, "--dir", replies, "--timeout", "300"]
+                [py, "simulations/universe_scale.py", "--plan", plan, "--dir", replies, "--timeout", "300"]
                 + ["--out", str(out / "bench_universe_scale.json")],
                 left() - 10,
             )

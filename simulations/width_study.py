@@ -4,8 +4,8 @@ the validation split: Ito et al., ICLR 2026), of weight matching and of learned 
 independently trained models per width, same depth.
 
 Writes results/width_study_{arch}.{json,png} and prints its table. Usage:
-    python bench/width_study.py --arch gpt2 [--widths 64 128 256] [--train-steps 1000] [--seeds 0 1]
-    python bench/width_study.py --arch vit  [--widths 32 64 128]
+    python simulations/width_study.py --arch gpt2 [--widths 64 128 256] [--train-steps 1000] [--seeds 0 1]
+    python simulations/width_study.py --arch vit  [--widths 32 64 128]
 Only the width changes: d_model = d, d_ff = the preset's ratio × d, the preset's head count (so d_head
 grows with d), depth and data as the preset. Models and each width's barriers are cached under
 --cache, so an interrupted study resumes where it stopped.
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
+from _models import add_model_args, trained_models, width_arch  # noqa: E402  (simulations/, the script's own folder)
 
 from fedlmc import provenance
 from fedlmc.commands import console, load_splits

@@ -1,6 +1,6 @@
 """Benchmark: LoraFedAvg's server time per round against Flower's FedAvg on the very same replies.
 
-    python bench/lora_server_time.py [--repeats 3]
+    python simulations/lora_server_time.py [--repeats 3]
 
 Replies are PEFT LoRA states (keyed, float32) of two adapters: the Llama-style tiny model of the LoRA
 harness (d 64, 2 layers, rank 8 on q, k, v, o, gate, up, down) and a GPT-2-small-shaped one (d 768,
@@ -21,7 +21,7 @@ import statistics
 import time
 
 import torch
-from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import environment, write_results  # noqa: E402  (simulations/, the script's own folder)
 
 SETTINGS = {
     "llama-tiny": dict(family="llama", rank=8),

@@ -1,7 +1,7 @@
 """Benchmark: the server's aggregation as the federation grows: M = 8 … 64 GPT-2-small-shaped replies.
 
 Writes results/bench_universe_scale.{json,png}. Usage:
-    python bench/universe_scale.py [--sizes 8,16,32,64] [--independent-sizes 8,16,32] [--layers 12]
+    python simulations/universe_scale.py [--sizes 8,16,32,64] [--independent-sizes 8,16,32] [--layers 12]
 
 Replies (163M parameters, 0.65 GB each in float32) are written once per kind to ``--dir`` and every
 strategy reads the same files, memory-mapped (``fedlmc.scale.replies``):
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _results import PeakMemory, environment, gemm_seconds, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import PeakMemory, environment, gemm_seconds, write_results  # noqa: E402  (simulations/, the script's own folder)
 
 from fedlmc.matching.profile import profiling
 from fedlmc.merging.averaging import streamed_mean

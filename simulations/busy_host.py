@@ -8,7 +8,7 @@ torch's default team on every core, once).
 Writes ``results/bench_load.json``: per condition and mode, seconds and threads; each one's slowdown
 against the idle run of the same mode, beside the GEMM reference's slowdown.
 
-    python bench/busy_host.py [--competitors 0 2 4] [--repeats 3] [--universe-layers 4]
+    python simulations/busy_host.py [--competitors 0 2 4] [--repeats 3] [--universe-layers 4]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from _results import Burners, environment, gemm_seconds, write_results  # noqa: E402  (bench/'s own folder)
+from _results import Burners, environment, gemm_seconds, write_results  # noqa: E402  (simulations/'s own folder)
 from universe_gpt2_small import noisy_copy  # noqa: E402
 from wm_gpt2_small import pair  # noqa: E402
 

@@ -11,16 +11,16 @@ pairs as float32 problems:
   the weight-matched interpolation (λ = 0, 0.1, …, 1 on the test split) and the objective after each;
 * ``tols``: the default stop and looser ones: iterations run, barrier, objective, seconds.
 
-    python bench/wm_trained.py [--preset gpt2-tiny] [--seeds 0 1 2] [--tols 2e-3 5e-3 1e-2 2e-2]
+    python simulations/wm_trained.py [--preset gpt2-tiny] [--seeds 0 1 2] [--tols 2e-3 5e-3 1e-2 2e-2]
     # → results/bench_wm_stopping_{preset}.{json,png}
-    python bench/wm_trained.py --plot results/bench_wm_stopping_gpt2-tiny.json  # redraw the picture
+    python simulations/wm_trained.py --plot results/bench_wm_stopping_gpt2-tiny.json  # redraw the picture
 
 Its fast precisions change only which products round: bfloat16 factors, or int8 FF similarity scores
 (``Matching.precision``). ``--precisions exact int8 bfloat16`` matches each pair at each of them instead
 (default starts, float32 problems): the barrier, the objective, the seconds, and each barrier minus
 float32's (``exact``) on the same pair.
 
-    python bench/wm_trained.py --precisions exact int8 bfloat16   # → results/bench_precision_quality_{preset}.json
+    python simulations/wm_trained.py --precisions exact int8 bfloat16  # → results/bench_precision_quality_{preset}.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from _models import add_model_args, models_record, results_path, trained_models  # noqa: E402  (bench/, the script's own folder)
+from _models import add_model_args, models_record, results_path, trained_models  # noqa: E402  (simulations/, the script's own folder)
 from _results import environment, gemm_seconds, write_results  # noqa: E402
 
 from fedlmc.commands import load_splits

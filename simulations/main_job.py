@@ -1,6 +1,6 @@
 """The main job (``make run``: the app's default run_config) on several seeds, and its picture.
 
-    python bench/main_job.py [--seeds 0 1 2] [--runs runs/main_job]
+    python simulations/main_job.py [--seeds 0 1 2] [--runs runs/main_job]
 
 Each seed is ``make run``'s command, ``fedlmc run . --federation-config "client-resources-num-cpus=1"
 -c "seed=S out-dir=RUNS/sS"`` (a seed whose ``summary.json`` is already

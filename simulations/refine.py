@@ -1,9 +1,9 @@
 """Dirichlet refinement as a federation runs it: how long one takes, what it does round by round, and
 what share of a round the server's aggregation takes.
 
-    python bench/refine.py step [--models 4] [--steps 100] [--repeats 3]
-    python bench/refine.py rounds [--rounds 3]
-    python bench/refine.py share [--preset gpt2-tiny] [--clients 4] [--local-steps 200] [--rounds 3]
+    python simulations/refine.py step [--models 4] [--steps 100] [--repeats 3]
+    python simulations/refine.py rounds [--rounds 3]
+    python simulations/refine.py share [--preset gpt2-tiny] [--clients 4] [--local-steps 200] [--rounds 3]
 
 ``step``: one refinement of 4 gpt2-tiny replies (one random gpt2-tiny moved by 5 % noise each: clients
 trained from the global model, where the universe starts) learning 100 steps on Tiny Shakespeare's
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import environment, write_results  # noqa: E402  (simulations/, the script's own folder)
 
 from fedlmc.data import load
 from fedlmc.federated import Settings, client_data, evaluate_model, global_model, halves, local_train, splits_for

@@ -1,6 +1,6 @@
 """Benchmark: weight matching of a gpt2-small-shaped pair (12 layers, d 768, 12 heads, d_ff 3072).
 
-Writes results/bench_wm_gpt2_small.json. Usage: python bench/wm_gpt2_small.py [--layers 12] [--out FILE]
+Writes results/bench_wm_gpt2_small.json. Usage: python simulations/wm_gpt2_small.py [--layers 12] [--out FILE]
 Pairs: "independent" — two independently initialised models (random weights; nothing to find, so
 every assignment is a hard one: the slow case), with the default starts (the descent and the identity
 candidate) or the paper start only ("independent-paper-init"); "planted" — B is A under a random group element
@@ -12,12 +12,12 @@ objective with float32 products ("objective_exact", computed after the timed run
 the time went); "exact" runs the dense assignment solver and float32 products everywhere (the
 reference for the fast path); "independent-float32" the default starts with float32 products
 everywhere (the reference for the CPU's fast products at the same solver); "rtol-1e-3" stops on the
-previous, tighter tolerance, "tol-1e-2" on a looser one (``bench/wm_trained.py`` measures what it
+previous, tighter tolerance, "tol-1e-2" on a looser one (``simulations/wm_trained.py`` measures what it
 costs in barrier on trained pairs). Runs with ``fedlmc.scale.allocator.retain_freed_memory`` as the ServerApp does
 (``--default-allocator``: without).
 
 ``--replies N`` measures instead the gain that ``Matching.min_gain`` compares, on N replies trained a
-little from A (2 % Gaussian noise per tensor, the common round of ``bench/universe_scale.py``), with the
+little from A (2 % Gaussian noise per tensor, the common round of ``simulations/universe_scale.py``), with the
 CPU's fast products (``precision="auto"``) and with float32 ones: per reply and precision the
 identity's objective, the descent's, the gain, whether it gave up, the seconds
 (results/bench_min_gain_precision.json).
@@ -30,7 +30,7 @@ import statistics
 import time
 
 import torch
-from _results import environment, gemm_seconds, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import environment, gemm_seconds, write_results  # noqa: E402  (simulations/, the script's own folder)
 
 from fedlmc.matching import weight_matching
 from fedlmc.matching.problem import Problem, canonical_state

@@ -1,4 +1,4 @@
-"""bench/deploy_gpt2_small_persistent.py: the SuperLink restart story at GPT-2-small size, on a persistent
+"""simulations/deploy_gpt2_small_persistent.py: the SuperLink restart story at GPT-2-small size, on a persistent
 state, with TLS and SuperNode authentication, on loopback.
 
 ``deploy/start.sh`` (MODE=secure, N=2, the state in ``DIR/state.db``, payloads in the SuperLink's memory:
@@ -14,7 +14,7 @@ equal the reference's, and ``deploy/stop.sh`` leaves no process of the deploymen
 Samples every process's resident memory twice a second and writes
 ``results/deploy_gpt2_small_persistent.json``::
 
-    python bench/deploy_gpt2_small_persistent.py [--trials 3] [--local-steps 1]
+    python simulations/deploy_gpt2_small_persistent.py [--trials 3] [--local-steps 1]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark: every published LoRA aggregator and fedlmc's, on the same clients, seeds and base.
 
-    python bench/lora_aggregators.py [--settings NAME,...] [--seeds 0,1,2] [--workers 2]
+    python simulations/lora_aggregators.py [--settings NAME,...] [--seeds 0,1,2] [--workers 2]
 
 A Llama-style tiny causal LM (d 64, 2 layers) is pretrained locally on the first half of Tiny
 Shakespeare's training text (``fedlmc.hf.pretrained``); 4 clients fine-tune PEFT LoRA adapters on
@@ -9,7 +9,7 @@ IID or by speaking character. Every method starts from the same adapters and tra
 the same batches (round 1, identical for all but FFA-LoRA, is computed once). Per setting, method
 and round: the global model's test loss (mean of 3 seeds), the bytes each way (float32), the server's
 aggregation seconds and what the server holds (the server's time against Flower's FedAvg is
-``bench/lora_server_time.py``'s). Writes ``results/lora_<setting>.{json,png}`` and
+``simulations/lora_server_time.py``'s). Writes ``results/lora_<setting>.{json,png}`` and
 prints the tables. Settings are run as Ray tasks, one per (setting, seed).
 """
 
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import environment, write_results  # noqa: E402  (simulations/, the script's own folder)
 
 FAMILY, BASE_STEPS, ALPHA, LR, BATCH, CLIENTS, TEST_BATCHES = "llama", 1500, 16, 3e-3, 16, 4, 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -7,8 +7,8 @@ seeds per round and partition) in one process, and aggregates the replies with t
 a SuperLink per seed. Both strategies see the same round-1 replies. Writes
 ``results/flowertune_gpt2.{json,png}``. Usage:
 
-    python bench/flowertune_app.py [--seeds 0 1 2 3 4 5 6 7 8] [--workers 2]
-    python bench/flowertune_app.py --set lora-alpha=8 --out results/flowertune_gpt2_alpha8.json
+    python simulations/flowertune_app.py [--seeds 0 1 2 3 4 5 6 7 8] [--workers 2]
+    python simulations/flowertune_app.py --set lora-alpha=8 --out results/flowertune_gpt2_alpha8.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import tomli
-from _results import environment, write_results  # noqa: E402  (bench/, the script's own folder)
+from _results import environment, write_results  # noqa: E402  (simulations/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "flowertune-gpt2"

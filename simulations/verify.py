@@ -1,8 +1,8 @@
 """Rerun the results files' cheap entries and compare every figure with its file.
 
-    python -m bench verify             # every cheap entry (about 10 minutes on 2 cores), then the table
-    python -m bench verify --quick     # the CI subset (under 3 minutes)
-    python -m bench verify --only NAME --record   # one entry, even an expensive one; --record writes the
+    python -m simulations verify             # every cheap entry (about 10 minutes on 2 cores), then the table
+    python -m simulations verify --quick     # the CI subset (under 3 minutes)
+    python -m simulations verify --only NAME --record   # one entry, even an expensive one; --record writes the
                                                   # verification into the results file's record
 
 Each entry names its results file, the command that reruns a slice of it into a scratch folder, and the
@@ -86,7 +86,7 @@ ENTRIES: dict[str, Entry] = {
     ),
     "main-job-seed0": Entry(
         "main_job.json",
-        "python bench/main_job.py --seeds 0 --runs {cache}/main_job --out {out}/main_job",
+        "python simulations/main_job.py --seeds 0 --runs {cache}/main_job --out {out}/main_job",
         "main_job.json",
         _main_job_seed0,
         minutes=2.5,

@@ -1,6 +1,6 @@
 """Load: a simulation with many clients over several rounds; peak memory and per-round times.
 
-    python bench/load_clients.py [--clients 20] [--rounds 3] [--strategy aligned]
+    python simulations/load_clients.py [--clients 20] [--rounds 3] [--strategy aligned]
 
 Runs the federation in a subprocess (``simulations.simulate``) and samples the resident memory of its
 whole process tree (ServerApp, Ray, ClientApp actors) every half second. Writes

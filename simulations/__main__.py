@@ -1,10 +1,12 @@
-"""The benches, one entry point.
+"""The lab, one entry point: the comparison runner, the benches, the verification of the results files.
 
-    python -m bench                      # list them: what each measures, how long, which results file
-    python -m bench NAME [OPTIONS...]    # run bench/NAME.py with its own options (NAME --help lists them)
-    python -m bench verify [--quick]     # rerun the cheap results files' figures and compare them
+    python -m simulations                    # list the entries: what each measures, how long, what it writes
+    python -m simulations NAME [OPTIONS...]  # run simulations/NAME.py with its own options (NAME --help)
+    python -m simulations verify [--quick]   # rerun the cheap results files' figures and compare them
 
-``python -m bench.tables`` then regenerates the docs' tables from the files they write.
+``python -m simulations.tables`` then regenerates the docs' tables from the files they write. Every entry
+writes its results file through ``fedlmc.provenance`` (the record of how it was made). The library never
+imports this folder, and the wheel does not ship it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,17 @@ class Bench:
 
 
 BENCHES: dict[str, Bench] = {
+    "compare": Bench(
+        "the comparison runner: registered strategies side by side in Flower simulations on the same seeds and "
+        "partitions, one setting at a time (`--setting`, `--strategies`, `--set KEY=VALUE`)",
+        "`results/compare_<setting>_<preset>.{json,png}`",
+        "5 min – 3 h a setting",
+    ),
+    "screen": Bench(
+        "the screens against poisoned replies: each screen and robust reduction on the same federations",
+        "`results/screen_<setting>.json`",
+        "20–60 min",
+    ),
     "main_job": Bench(
         "the main job (`make run`) on seeds 0, 1, 2: each strategy's test loss on the same replies; fails unless "
         "aligned beats FedAvg by 0.25 on each",
@@ -149,8 +162,8 @@ BENCHES: dict[str, Bench] = {
 
 
 def table() -> str:
-    """The benches as a Markdown table (bench/README.md's)."""
-    lines = ["| bench | what it measures | writes | about |", "|---|---|---|---|"]
+    """The entries as a Markdown table (simulations/README.md's)."""
+    lines = ["| entry | what it measures | writes | about |", "|---|---|---|---|"]
     lines += [f"| `{name}` | {b.what} | {b.writes} | {b.about} |" for name, b in BENCHES.items()]
     return "\n".join(lines)
 
@@ -161,11 +174,11 @@ def main(argv: list[str]) -> int:
         return 0
     name, args = argv[0], argv[1:]
     if name not in BENCHES:
-        print(f"no bench {name!r}; choose one of {', '.join(BENCHES)}", file=sys.stderr)
+        print(f"no entry {name!r}; choose one of {', '.join(BENCHES)}", file=sys.stderr)
         return 2
     sys.argv = [str(HERE / f"{name}.py"), *args]
-    sys.path.insert(0, str(HERE))  # the benches import their helpers from bench/ itself
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    sys.path.insert(0, str(HERE))  # the benches import their helpers from simulations/ itself
+    runpy.run_module(f"simulations.{name}", run_name="__main__", alter_sys=True)
     return 0
 
 

@@ -3,7 +3,7 @@
 higher rate, smaller batches, the circuit form).
 
 Writes results/learned_budget_{preset}.{json,png} and prints its table. Usage:
-    python bench/learned_budget.py --preset vit-tiny [--pairs 3] [--train-steps N]
+    python simulations/learned_budget.py --preset vit-tiny [--pairs 3] [--train-steps N]
 Models come from the reproduction's cache (the preset's training budget unless --train-steps); each
 pair's measurements are cached, so an interrupted run resumes.
 """
@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _models import add_model_args, trained_models  # noqa: E402  (bench/, the script's own folder)
+from _models import add_model_args, trained_models  # noqa: E402  (simulations/, the script's own folder)
 
 from fedlmc import provenance
 from fedlmc.commands import console, load_splits

@@ -1,7 +1,7 @@
 """The docs' results and performance tables, generated from the files under ``results/``.
 
-    python -m bench.tables            # rewrite every generated table in README.md and docs/*.md
-    python -m bench.tables --check    # exit 1 if a page differs from what its files give (the tests run this)
+    python -m simulations.tables            # rewrite every generated table in README.md and docs/*.md
+    python -m simulations.tables --check    # exit 1 if a page differs from what its files give (the tests run this)
 
 A page holds a generated table between two markers::
 
@@ -27,7 +27,7 @@ from typing import Callable
 from fedlmc import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
+BENCH = ROOT / "simulations"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), BENCH / "README.md"]
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
@@ -37,7 +37,7 @@ def _load(name: str) -> dict:
 
 
 def _bench(module: str):
-    """A bench script as a module (they import their helpers from bench/ itself)."""
+    """A bench script as a module (they import their helpers from simulations/ itself)."""
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     return __import__(module)
@@ -306,7 +306,7 @@ def _compare(stem: str, extra: str = "") -> Table:
 def _scale_command(file: str) -> str:
     """The universe-scale bench's command for a results file: its plan is the file's runs, in order."""
     plan = ",".join(dict.fromkeys(f"{r['M']}:{r['kind']}:{r['strategy']}" for r in _load(file)["runs"]))
-    return f"python bench/universe_scale.py --repeats 3 --plan {plan} --out results/{file}"
+    return f"python simulations/universe_scale.py --repeats 3 --plan {plan} --out results/{file}"
 
 
 # the speaker setting's rows: the one-shot setting's but the slowest (refined-clients-distilled, 16 min a seed)
@@ -314,7 +314,7 @@ SPEAKER_ROWS = (
     "average permuted aligned refined refined-clients ot-fusion feddf aligned-distilled refined-distilled "
     "ot-fusion:ot-reg=0.02 ot-fusion:ot-cost=activations:ot-reg=0.2"
 ).split()
-WIDTH_STUDY = "python bench/width_study.py --arch vit --widths 32 64 128 256"
+WIDTH_STUDY = "python simulations/width_study.py --arch vit --widths 32 64 128 256"
 LORA = (
     "small-gpt2-r4-steps200",
     "small-gpt2-r4-alpha16-steps200",
@@ -460,7 +460,7 @@ def strategy_keys(_) -> str:
 
 
 def benches(_) -> str:
-    from bench.__main__ import table
+    from simulations.__main__ import table
 
     return table()
 
@@ -470,7 +470,7 @@ TABLES: dict[str, Table] = {
     "baselines": Table((), (), baselines),
     "chooser": Table(
         CHOOSER_FILES,
-        ("python bench/main_job.py", "python -m simulations.compare", "python bench/lora_aggregators.py"),
+        ("python simulations/main_job.py", "python -m simulations.compare", "python simulations/lora_aggregators.py"),
         chooser,
         several=True,
     ),
@@ -478,7 +478,7 @@ TABLES: dict[str, Table] = {
     "run-keys": Table((), (), run_keys),
     "experiment-keys": Table((), (), experiment_keys),
     "strategy-keys": Table((), (), strategy_keys),
-    "main-job": one("main_job.json", "python bench/main_job.py", main_job),
+    "main-job": one("main_job.json", "python simulations/main_job.py", main_job),
     "reproduce-vit": one("reproduce_vit-tiny.json", "fedlmc reproduce --preset vit-tiny --pairs 3", reproduce),
     "reproduce-gpt2": one("reproduce_gpt2-tiny.json", "fedlmc reproduce --preset gpt2-tiny --pairs 3", reproduce),
     "reproduce-llama-scales": one(
@@ -513,7 +513,7 @@ TABLES: dict[str, Table] = {
     ),
     "ff-scale-overhead": one(
         "bench_ff_scale_overhead_vit-tiny_w128.json",
-        "python -m bench ff_scale_overhead --preset vit-tiny --width 128 --repeats 5 --threads 1 "
+        "python -m simulations ff_scale_overhead --preset vit-tiny --width 128 --repeats 5 --threads 1 "
         "--against DIR  # DIR: a checkout without the FF-scale groups",
         ff_scale_overhead,
     ),
@@ -555,21 +555,23 @@ TABLES: dict[str, Table] = {
         f"screen{tag}": one(f"screen_screen{tag}.json", f"python -m simulations.screen --settings screen{tag}", screen)
         for tag in ("", "-flip", "-multiround")
     },
-    "lora": Table(tuple(f"lora_{s}.json" for s in LORA), ("python bench/lora_aggregators.py",), lora, several=True),
-    "flowertune-app": one("flowertune_gpt2.json", "python bench/flowertune_app.py", flowertune_app),
+    "lora": Table(
+        tuple(f"lora_{s}.json" for s in LORA), ("python simulations/lora_aggregators.py",), lora, several=True
+    ),
+    "flowertune-app": one("flowertune_gpt2.json", "python simulations/flowertune_app.py", flowertune_app),
     "gpu": one("gpu/gpu_check.json", "make gpu-check", gpu),
-    "wm-pair": one("bench_wm_gpt2_small.json", "python bench/wm_gpt2_small.py --repeats 3", wm_pair),
+    "wm-pair": one("bench_wm_gpt2_small.json", "python simulations/wm_gpt2_small.py --repeats 3", wm_pair),
     "universe-scale": one(
         "bench_universe_scale_amd_curve.json", _scale_command("bench_universe_scale_amd_curve.json"), universe_scale
     ),
-    "busy-host": one("bench_load.json", "python bench/busy_host.py", busy_host),
-    "dp-spool": one("bench_dp_spool.json", "python bench/dp_spool.py --replies 8 --layers 2", dp_spool),
-    "lora-server-time": one("lora_server_time.json", "python bench/lora_server_time.py", lora_server_time),
+    "busy-host": one("bench_load.json", "python simulations/busy_host.py", busy_host),
+    "dp-spool": one("bench_dp_spool.json", "python simulations/dp_spool.py --replies 8 --layers 2", dp_spool),
+    "lora-server-time": one("lora_server_time.json", "python simulations/lora_server_time.py", lora_server_time),
     "deploy": Table(
         ("deploy_gpt2_small_memory.json", "deploy_gpt2_small_sqlite_load4.json"),
         (
-            "python bench/deploy_gpt2_small.py --database memory",
-            "python bench/deploy_gpt2_small.py --database sqlite --burners 4",
+            "python simulations/deploy_gpt2_small.py --database memory",
+            "python simulations/deploy_gpt2_small.py --database sqlite --burners 4",
         ),
         deploy,
         several=True,

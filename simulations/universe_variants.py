@@ -3,8 +3,8 @@
 Each variant merges the same M models (seeds 0..M−1); the table gives the merged model's test loss,
 its excess over the mean endpoint loss, and that excess × averaging's. Writes
 results/universe_variants_{preset}[_d{width}].{json,md}. Usage:
-    python bench/universe_variants.py --preset vit-tiny
-    python bench/universe_variants.py --preset gpt2-tiny --train-steps 1000 --width 128
+    python simulations/universe_variants.py --preset vit-tiny
+    python simulations/universe_variants.py --preset gpt2-tiny --train-steps 1000 --width 128
 Each variant's row is cached, so an interrupted run resumes and a new variant reuses the others.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from _models import add_model_args, trained_models, width_arch  # noqa: E402  (bench/, the script's own folder)
+from _models import add_model_args, trained_models, width_arch  # noqa: E402  (simulations/, the script's own folder)
 
 from fedlmc import provenance
 from fedlmc.commands import console, load_splits

@@ -8,7 +8,7 @@ Like Flower's grid, it makes each reply only when it is pulled, so a reply the s
 disk and dropped is not held anywhere. Each condition runs in a fresh process (the peak resident
 memory of that process, sampled every 20 ms, less its memory before the round), reported in models.
 
-    python bench/dp_spool.py [--replies 8] [--layers 2]   # → results/bench_dp_spool.json
+    python simulations/dp_spool.py [--replies 8] [--layers 2]   # → results/bench_dp_spool.json
 
 Conditions: ``spool`` (the strategy's own ``start``), ``client-dp`` (Flower's
 ``DifferentialPrivacyClientSideFixedClipping`` around it: replies pass through unchanged, so they are
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _results import PeakMemory, environment, write_results  # noqa: E402  (bench/'s own folder)
+from _results import PeakMemory, environment, write_results  # noqa: E402  (simulations/'s own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONDITIONS = ("spool", "client-dp", "server-dp", "memory")
