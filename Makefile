@@ -11,14 +11,14 @@ STAMP := $(VENV)/.installed
 FLWR_ENV := PATH=$(CURDIR)/$(BIN):$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
 	RAY_TMPDIR=/tmp/ray-$$(id -u) FLWR_TELEMETRY_ENABLED=0 FLWR_HOME=$(CURDIR)/.flwr
 
-.PHONY: setup run demo compare lint test test-fast gpu-check clean
+.PHONY: setup run demo compare lint test test-fast test-flowertune gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev]" -c constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -55,6 +55,13 @@ test: lint
 
 # The everyday suite (no test marked slow): exactness, matching on tiny models, strategies on crafted
 # replies, data. In two workers: about 2 minutes on an idle 2-core machine.
+# The HF and LoRA tests beside FlowerTune's pins (transformers 4.50.3, peft 0.6.2) in a second environment.
+test-flowertune:
+	test -x .venv-flowertune/bin/python || $(PY) -m venv .venv-flowertune
+	.venv-flowertune/bin/pip install -q torch==2.13.0
+	.venv-flowertune/bin/pip install -q -e ".[dev]" -c constraints-flowertune.txt
+	.venv-flowertune/bin/python -m pytest -q -n 2 -m "not slow" tests/test_hf.py tests/test_lora.py
+
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not slow"
 

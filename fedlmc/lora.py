@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -36,6 +36,19 @@ LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.(?P<adapter>[
 TAILS = ("keep", "fold", "drop")  # what becomes of the SVD tail the rank-r factors cannot carry
 GAUGES = ("anchored", "balanced", "even")  # how the product sent is split into rank-r factors
 KEEP_FACTOR = 4.0  # tail="keep" holds at most 4 × the rank sent per module (the largest components)
+
+
+def adapter_state(model: Any, adapter_name: str = "default") -> dict[str, Any]:
+    """``get_peft_model_state_dict`` of the adapter, without embedding layers where the installed peft
+    can add them (its ``save_embedding_layers``, absent from peft 0.6)."""
+    import inspect
+
+    from peft import get_peft_model_state_dict
+
+    extra = {}
+    if "save_embedding_layers" in inspect.signature(get_peft_model_state_dict).parameters:
+        extra["save_embedding_layers"] = False
+    return get_peft_model_state_dict(model, adapter_name=adapter_name, **extra)
 
 
 class LoraInputError(ValueError):
@@ -106,10 +119,8 @@ class LoraLayout:
         """The layout of a PEFT model's adapter ``adapter_name``, or of a keyed adapter state ``arrays``
         under ``config`` (a ``peft.LoraConfig`` or its ``to_dict()``)."""
         if model is not None and hasattr(model, "peft_config"):
-            from peft import get_peft_model_state_dict
-
             config = model.peft_config[adapter_name]
-            arrays = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+            arrays = adapter_state(model, adapter_name)
         if config is None:
             raise LoraInputError(
                 "a LoRA layout needs the adapter's LoraConfig (its α, r and rsLoRA set the scaling): pass "
@@ -640,6 +651,17 @@ def apply_base_update(model, arrays: Mapping[str, Any]) -> None:
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key in arrays.keys():
-            if key not in params:
+            own = base_weight_key(params, key)
+            if own is None:
                 raise LoraInputError(f"base update for {key!r}, which this model does not have")
-            params[key].add_(_tensor(arrays[key]).to(params[key].dtype))
+            params[own].add_(_tensor(arrays[key]).to(params[own].dtype))
+
+
+def base_weight_key(keys: Iterable[str], key: str) -> Optional[str]:
+    """``key`` (a wrapped base layer's weight, ``<module>.base_layer.weight`` as peft 0.7 and later name
+    it) among a PEFT model's ``keys``, or its peft 0.6 name (``<module>.weight``); None if neither."""
+    keys = set(keys)
+    for candidate in (key, key.replace(".base_layer.weight", ".weight")):
+        if candidate in keys:
+            return candidate
+    return None

@@ -1,7 +1,7 @@
 """Rerun the results files' cheap entries and compare every figure with its file.
 
     python -m simulations verify             # every cheap entry (about 10 minutes on 2 cores), then the table
-    python -m simulations verify --quick     # the CI subset (under 3 minutes)
+    python -m simulations verify --quick     # the CI subset (the main job on seed 0, about 2.5 minutes)
     python -m simulations verify --only NAME --record   # one entry, even an expensive one; --record writes the
                                                   # verification into the results file's record
 
@@ -76,25 +76,26 @@ def _main_job_seed0(doc: dict) -> dict[str, float]:
 
 WM = ["average", "wm-orth-factored"]
 ENTRIES: dict[str, Entry] = {
-    "reproduce-vit-tiny-wm": Entry(
-        "reproduce_vit-tiny.json",
-        "fedlmc reproduce --preset vit-tiny --pairs 1 --methods " + " ".join(WM) + " --out {out} --cache {cache}",
-        "reproduce_vit-tiny.json",
-        _reproduce_pair(WM),
-        minutes=1.5,
-        quick=True,
-    ),
+    # the CI subset: make run's job on seed 0 (tests/test_simulation.py runs it and compares the same way)
     "main-job-seed0": Entry(
         "main_job.json",
         "python simulations/main_job.py --seeds 0 --runs {cache}/main_job --out {out}/main_job",
         "main_job.json",
         _main_job_seed0,
         minutes=2.5,
+        quick=True,
+    ),
+    "reproduce-vit-tiny-wm": Entry(
+        "reproduce_vit-tiny.json",
+        "fedlmc reproduce --preset vit-tiny --pairs 1 --methods " + " ".join(WM) + " --out {out} --cache {cache}",
+        "reproduce_vit-tiny.json",
+        _reproduce_pair(WM),
+        minutes=1.5,
     ),
 }
 
 
-def run_entry(name: str, entry: Entry, scratch: Path) -> tuple[list[tuple], float]:
+def run_entry(name: str, entry: Entry, scratch: Path, results: Path = ROOT / "results") -> tuple[list[tuple], float]:
     """Rerun ``entry`` into ``scratch``; its rows (file, figure, stored, rerun, within) and the seconds."""
     out, cache = scratch / name / "out", scratch / name / "cache"
     out.mkdir(parents=True)
@@ -112,10 +113,14 @@ def run_entry(name: str, entry: Entry, scratch: Path) -> tuple[list[tuple], floa
     if proc.returncode != 0:
         console.print((proc.stdout + proc.stderr)[-2000:], markup=False)
         return [(entry.file, "the rerun", "—", f"failed ({proc.returncode})", False)], seconds
-    stored = entry.figures(json.loads((ROOT / "results" / entry.file).read_text()))
-    again = entry.figures(json.loads((out / entry.rerun).read_text()))
-    rows = [(entry.file, k, v, again[k], abs(again[k] - v) <= entry.tolerance) for k, v in stored.items()]
-    return rows, seconds
+    return compare(entry, json.loads((out / entry.rerun).read_text()), results), seconds
+
+
+def compare(entry: Entry, rerun: dict, results: Path = ROOT / "results") -> list[tuple]:
+    """The rows (file, figure, stored, rerun, within tolerance) of ``rerun`` against ``entry``'s file."""
+    stored = entry.figures(json.loads((results / entry.file).read_text()))
+    again = entry.figures(rerun)
+    return [(entry.file, k, v, again[k], abs(again[k] - v) <= entry.tolerance) for k, v in stored.items()]
 
 
 def record_verification(entry: Entry, rows: list[tuple], seconds: float) -> None:

@@ -83,7 +83,11 @@ def hf_neox(tied=False, parallel=True):
             num_attention_heads=4,
             intermediate_size=64,
             max_position_embeddings=16,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            **(  # transformers 4 names them rotary_pct and rotary_emb_base
+                {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+                if int(transformers.__version__.split(".")[0]) >= 5
+                else {"rotary_pct": 0.5, "rotary_emb_base": 10000.0}
+            ),
             use_parallel_residual=parallel,
             hidden_dropout=0.0,
             attention_dropout=0.0,

@@ -253,6 +253,11 @@ def test_the_main_job_shows_alignment_beating_fedavg():
         assert "finished" in json.loads((out / "metrics.json").read_text())
         assert "fedlmc: results in" in proc.stdout and "aggregation s" in proc.stdout  # the table reaches the terminal
         assert local_superlinks(home) == set()  # the local SuperLink this run started was stopped
+        # verify's CI subset: this run is results/main_job.json's seed 0 (python -m simulations verify --quick)
+        from simulations.verify import ENTRIES, compare
+
+        rows = compare(ENTRIES["main-job-seed0"], {"seeds": {"0": summary}})
+        assert len(rows) == 4 and all(r[4] for r in rows), rows
         loss = {name: row["test_loss"] for name, row in summary["strategies"].items()}
         # a ServerApp that crashes (here: an unknown preset) is a failed run, although `flwr run` exits 0
         bad = home / "bad"

@@ -20,6 +20,13 @@ StateDict = dict[str, torch.Tensor]
 HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "relu": "relu"}
 
 
+def transformers_major() -> int:
+    """The installed ``transformers``' major version: 4 and 5 name some keys and config fields apart."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 def _act(name: str) -> str:
     if name not in HF_ACT:
         raise ValueError(f"activation {name!r} has no fedlmc equivalent; supported: {sorted(HF_ACT)}")
@@ -139,7 +146,7 @@ class ViTFamily:
     name, model_class, prefix = "vit", "ViTForImageClassification", "vit.embeddings.patch_embeddings.projection.weight"
     arch = "vit"
     embeddings = ()
-    LAYER = {
+    LAYER = {  # transformers 5's keys, under vit.layers.{l}.
         "attn.q": "attention.q_proj",
         "attn.k": "attention.k_proj",
         "attn.v": "attention.v_proj",
@@ -149,6 +156,21 @@ class ViTFamily:
         "ln1": "layernorm_before",
         "ln2": "layernorm_after",
     }
+    LAYER_4 = {  # transformers 4's, under vit.encoder.layer.{l}.
+        "attn.q": "attention.attention.query",
+        "attn.k": "attention.attention.key",
+        "attn.v": "attention.attention.value",
+        "attn.o": "attention.output.dense",
+        "mlp.fc1": "intermediate.dense",
+        "mlp.fc2": "output.dense",
+        "ln1": "layernorm_before",
+        "ln2": "layernorm_after",
+    }
+
+    @classmethod
+    def layer_keys(cls, four: bool) -> tuple[str, dict[str, str]]:
+        """The block keys' prefix (with ``{l}``) and names: transformers 4's or 5's."""
+        return ("vit.encoder.layer.{l}.", cls.LAYER_4) if four else ("vit.layers.{l}.", cls.LAYER)
 
     @staticmethod
     def config_from_hf(c: Any) -> ViTConfig:
@@ -203,10 +225,11 @@ class ViTFamily:
             "head.weight": hf["classifier.weight"],
             "head.bias": hf["classifier.bias"],
         }
+        prefix, names = cls.layer_keys(four=any(k.startswith("vit.encoder.layer.") for k in hf))
         for l in range(cfg.n_layer):
-            for mine, theirs in cls.LAYER.items():
+            for mine, theirs in names.items():
                 for t in ("weight", "bias"):
-                    sd[f"blocks.{l}.{mine}.{t}"] = hf[f"vit.layers.{l}.{theirs}.{t}"]
+                    sd[f"blocks.{l}.{mine}.{t}"] = hf[f"{prefix.format(l=l)}{theirs}.{t}"]
         return {k: v.clone() for k, v in sd.items()}
 
     @classmethod
@@ -225,11 +248,12 @@ class ViTFamily:
             "classifier.weight": sd["head.weight"],
             "classifier.bias": sd["head.bias"],
         }
+        prefix, names = cls.layer_keys(four=transformers_major() < 5)
         for l in range(cfg.n_layer):
             _scale_q(sd, cfg, [f"blocks.{l}.attn.q.weight", f"blocks.{l}.attn.q.bias"])
-            for mine, theirs in cls.LAYER.items():
+            for mine, theirs in names.items():
                 for t in ("weight", "bias"):
-                    out[f"vit.layers.{l}.{theirs}.{t}"] = sd[f"blocks.{l}.{mine}.{t}"]
+                    out[f"{prefix.format(l=l)}{theirs}.{t}"] = sd[f"blocks.{l}.{mine}.{t}"]
         return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -251,8 +275,8 @@ class LlamaFamily:
 
     @staticmethod
     def config_from_hf(c: Any) -> LlamaConfig:
-        rope = getattr(c, "rope_parameters", None) or {
-            "rope_type": "default",
+        rope = (getattr(c, "rope_parameters", None) if transformers_major() >= 5 else None) or {
+            "rope_type": (getattr(c, "rope_scaling", None) or {}).get("rope_type", "default"),
             "rope_theta": getattr(c, "rope_theta", 1e4),
         }
         if rope.get("rope_type", "default") != "default":
@@ -290,7 +314,11 @@ class LlamaFamily:
             head_dim=cfg.d_head,
             max_position_embeddings=cfg.block_size,
             rms_norm_eps=cfg.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            **(
+                {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+                if transformers_major() >= 5
+                else {"rope_theta": cfg.rope_theta}
+            ),
             hidden_act=cfg.activation,
             tie_word_embeddings=tied,
             attention_bias=False,
@@ -394,7 +422,7 @@ class OPTFamily:
             "pos_emb": hf["model.decoder.embed_positions.weight"][cls.OFFSET :],
             "ln_f.weight": hf["model.decoder.final_layer_norm.weight"],
             "ln_f.bias": hf["model.decoder.final_layer_norm.bias"],
-            "head.weight": hf.get("lm_head.weight", emb),
+            "head.weight": hf.get("lm_head.weight", hf.get("embed_out.weight", emb)),
             "head.bias": torch.zeros(cfg.vocab_size, dtype=emb.dtype),
         }
         for l in range(cfg.n_layer):
@@ -422,6 +450,13 @@ class OPTFamily:
         return {k: v.contiguous() for k, v in out.items()}
 
 
+class _NeoXEmbeddings:
+    """GPT-NeoX's (input embedding, head) keys under the installed transformers."""
+
+    def __get__(self, obj: Any, owner: Any) -> tuple[str, str]:
+        return ("gpt_neox.embed_in.weight", "embed_out.weight" if transformers_major() < 5 else "lm_head.weight")
+
+
 class GPTNeoXFamily:
     """GPT-NeoX (``GPTNeoXForCausalLM``, the Pythia suites): fedlmc's NeoX architecture. Its
     ``query_key_value`` fuses q, k and v head by head (rows ``[q_h; k_h; v_h]`` for each head h);
@@ -430,7 +465,7 @@ class GPTNeoXFamily:
 
     name, model_class, prefix = "neox", "GPTNeoXForCausalLM", "gpt_neox.layers.0.attention.query_key_value.weight"
     arch = "neox"
-    embeddings = ("gpt_neox.embed_in.weight", "lm_head.weight")
+    embeddings = _NeoXEmbeddings()  # transformers 4 names the head embed_out, 5 lm_head
     LAYER = {
         "attn.o": "attention.dense",
         "mlp.fc1": "mlp.dense_h_to_4h",
@@ -441,7 +476,12 @@ class GPTNeoXFamily:
 
     @staticmethod
     def config_from_hf(c: Any) -> NeoXConfig:
-        rope = dict(getattr(c, "rope_parameters", None) or {})
+        if transformers_major() >= 5:
+            rope = dict(getattr(c, "rope_parameters", None) or {})
+        else:  # the fields transformers 4's model reads (a rope_parameters there is an unread attribute)
+            rope = {"rope_theta": c.rotary_emb_base, "partial_rotary_factor": c.rotary_pct}
+        if getattr(c, "rope_scaling", None):
+            rope["rope_type"] = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
         if rope.get("rope_type", "default") != "default" or not getattr(c, "attention_bias", True):
             raise ValueError(
                 "GPT-NeoX configs without attention biases or with a non-default rope_type are not supported"
@@ -478,7 +518,17 @@ class GPTNeoXFamily:
             hidden_act=act,
             max_position_embeddings=cfg.block_size,
             layer_norm_eps=cfg.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": factor},
+            **(
+                {
+                    "rope_parameters": {
+                        "rope_type": "default",
+                        "rope_theta": cfg.rope_theta,
+                        "partial_rotary_factor": factor,
+                    }
+                }
+                if transformers_major() >= 5
+                else {"rotary_emb_base": cfg.rope_theta, "rotary_pct": factor}
+            ),
             use_parallel_residual=cfg.parallel,
             attention_bias=True,
             hidden_dropout=0.0,
@@ -493,7 +543,7 @@ class GPTNeoXFamily:
             "tok_emb.weight": emb,
             "ln_f.weight": hf["gpt_neox.final_layer_norm.weight"],
             "ln_f.bias": hf["gpt_neox.final_layer_norm.bias"],
-            "head.weight": hf.get("lm_head.weight", emb),
+            "head.weight": hf.get("lm_head.weight", hf.get("embed_out.weight", emb)),
             "head.bias": torch.zeros(cfg.vocab_size, dtype=emb.dtype),
         }
         H, dh = cfg.n_head, cfg.d_head
@@ -515,7 +565,7 @@ class GPTNeoXFamily:
             "gpt_neox.embed_in.weight": sd["tok_emb.weight"],
             "gpt_neox.final_layer_norm.weight": sd["ln_f.weight"],
             "gpt_neox.final_layer_norm.bias": sd["ln_f.bias"],
-            "lm_head.weight": sd["head.weight"],
+            cls.embeddings[1]: sd["head.weight"],
         }
         H, dh = cfg.n_head, cfg.d_head
         for l in range(cfg.n_layer):
