@@ -17,6 +17,7 @@ A field nobody recorded is ``"unknown"``, and ``reason`` then says why (``valida
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -52,12 +53,20 @@ def code_hash(parts: Iterable[str] = TRAINING_CODE) -> str:
     package; those absent, as the apps beside an installed wheel, are skipped), with torch's version:
     a cache keyed by it never serves what other code computed."""
     root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256(torch.__version__.encode())
+    files = []
     for part in parts:
         path = root / part
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []
-        for f in files:
-            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []
+    stats = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    return _hashed(str(root), stats)  # read again only when a file changed (a pair cache asks per subset)
+
+
+@functools.lru_cache(maxsize=16)
+def _hashed(root: str, stats: tuple[tuple[str, int, int], ...]) -> str:
+    h = hashlib.sha256(torch.__version__.encode())
+    for name, _, _ in stats:
+        f = Path(name)
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -79,6 +88,7 @@ class LoadWatch:
         self.me = psutil.Process()
         self.cpus = psutil.cpu_count() or 1
         self._stop = threading.Event()
+        self._last = (self.started, 0.0)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -94,14 +104,19 @@ class LoadWatch:
 
     def _run(self) -> None:
         psutil.cpu_percent(interval=None)
-        last_t, last_own = time.time(), self._own_seconds()
+        self._last = (time.time(), self._own_seconds())
         while not self._stop.wait(self.every):
-            now, own = time.time(), self._own_seconds()
             busy = psutil.cpu_percent(interval=None) / 100.0  # of all the machine's CPUs
-            mine = max(0.0, own - last_own) / max(1e-9, (now - last_t) * self.cpus)
-            self.others.append(max(0.0, busy - mine))
-            self.loadavg.append(os.getloadavg()[0])
-            last_t, last_own = now, own
+            self.sample(time.time(), self._own_seconds(), busy, os.getloadavg()[0])
+
+    def sample(self, now: float, own: float, busy: float, loadavg: float) -> None:
+        """One sample: at ``now``, this process tree has used ``own`` CPU seconds in all and the machine is
+        ``busy`` (0 to 1 of all its CPUs) since the last sample; the others' share is the difference."""
+        last_t, last_own = self._last
+        mine = max(0.0, own - last_own) / max(1e-9, (now - last_t) * self.cpus)
+        self.others.append(min(1.0, max(0.0, busy - mine)))
+        self.loadavg.append(loadavg)
+        self._last = (now, own)
 
     def summary(self) -> dict[str, Any]:
         """The samples so far (at least one: the load now, when the run was shorter than a sample)."""

@@ -150,7 +150,7 @@ BENCHES: dict[str, Bench] = {
         "reruns a slice of each cheap results file into a scratch folder and compares every figure with the "
         "file, within a stated tolerance (`--quick`: the CI subset); lists the files verified by hand",
         "nothing (`--record`: the verification, into the file's record)",
-        "`--quick` 2 min, all 5 min",
+        "`--quick` (the main job, seed 0) 3 min, all 5 min",
     ),
     "gpu_check": Bench(
         "`make gpu-check` on a CUDA machine: the paper's GPT-2 setting, the everyday suite with CUDA visible, "

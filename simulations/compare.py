@@ -233,6 +233,7 @@ def run_all(
 ) -> dict[str, dict[int, dict]]:
     spec = SETTINGS[setting]
     out: dict[str, dict[int, dict]] = {s: {} for s in strategies}
+    code = provenance.code_hash(provenance.FEDERATION_CODE)  # what a finished run must have been made by
     for seed in seeds:
         for strategy in strategies:
             name, reduce, screen = variant(strategy)
@@ -257,7 +258,6 @@ def run_all(
                 cfg.setdefault("client-cache", str((runs / tag / "clients").resolve()))
             Settings.from_run_config(cfg)  # validate before spending time
             metrics, made_by = run_dir / "metrics.json", run_dir / "code.sha256"
-            code = provenance.code_hash(provenance.FEDERATION_CODE)
             if metrics.is_file() and made_by.is_file() and made_by.read_text() == code:  # this code's run
                 doc = json.loads(metrics.read_text())
                 wanted = Settings.from_run_config(cfg).to_run_config()
