@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]" -c constraints.txt
+	# the task-vector merges are tested against mergekit's own functions (they need torch and pydantic only)
+	$(BIN)/pip install -q --no-deps mergekit==0.1.5
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -92,11 +92,14 @@ SETTINGS = {
     ),
 }
 # full fine-tuning from the same base, clients and batches as speaker-r8-steps100 (every weight trained, lr
-# 1e-3): FedAvg (Task Arithmetic at λ = 1), TIES, DARE and Model Stock on the task vectors, and fedlmc's
+# 1e-3): FedAvg (normalised Task Arithmetic), TIES, DARE and Model Stock on the task vectors, and fedlmc's
 # weight-matched universe; the LoRA rows to set beside it are speaker-r8-steps100's
 FULL = ("fedavg", "ties", "dare", "model-stock", "aligned")
 SETTINGS["full-speaker-steps100"] = dict(full=True, scheme="speaker", ranks=[0] * CLIENTS, lr=1e-3, steps=100, rounds=4)
 SETTINGS["full-speaker-steps100"]["methods"] = FULL
+# The task-vector merges as these files ran them: weights normalised, DARE's survivors × 1 / (1 − drop)
+TASK_MERGE = {"ties": {}, "model-stock": {}, "dare": dict(normalize=True, rescale="inverse")}
+TASK_MERGE["task-arithmetic"] = dict(normalize=True)
 DEFAULTS = dict(family=FAMILY, base_steps=BASE_STEPS, targets=TARGETS, alpha=ALPHA, lr=LR, clients=CLIENTS)
 
 
@@ -204,7 +207,8 @@ def merge_full(method: str, base, clients: list, weights: list[float]):
     from fedlmc.baselines.task_vectors import task_vector_merge
 
     if method != "aligned":
-        merge = TaskMerge(method="task-arithmetic" if method == "fedavg" else method)
+        method = "task-arithmetic" if method == "fedavg" else method
+        merge = TaskMerge(method=method, **TASK_MERGE[method])
         return task_vector_merge(base.state_dict(), [c.state_dict() for c in clients], weights, merge)
     from fedlmc.hf import from_hf, to_hf
     from fedlmc.merging.universe import universe_merge
@@ -352,7 +356,8 @@ def run(setting: str, seed: int) -> dict:
             elif method == "fedrot-lora":  # rotated onto the adapter the round sent, then FedIT's means
                 g = lb.fedrot_lora(layout, replies, weights, g, rmax)
             elif method in lb.TASK_VECTOR_METHODS:  # the dense products merged as task vectors, cut to the rank
-                merge = TaskMerge(method=lb.TASK_VECTOR_METHODS[method])
+                name = lb.TASK_VECTOR_METHODS[method]
+                merge = TaskMerge(method=name, **TASK_MERGE[name])
                 g = lb.task_vector_lora(layout, replies, weights, rmax, merge)
             elif method == "fedex-lora":
                 g, residual = lb.fedex_lora(layout, replies, weights, rmax)

@@ -608,7 +608,7 @@ def test_lora_harness_claims_hold_on_a_small_run():
 
 
 def test_task_vector_merges_of_lora_products_on_hand_made_adapters():
-    """Task Arithmetic of the dense products is FlexLoRA's cut; TIES on two rank-1 products of opposite
+    """Normalised Task Arithmetic of the dense products is FlexLoRA's cut; TIES on two rank-1 products of opposite
     sign keeps the elected (larger) one alone; DARE at no drop is Task Arithmetic."""
     from fedlmc.baselines import TaskMerge
     from fedlmc.baselines import lora as lb
@@ -616,12 +616,12 @@ def test_task_vector_merges_of_lora_products_on_hand_made_adapters():
     layout = LoraLayout.of(gpt2_peft(r=4))
     clients = [random_adapter(layout, 4, seed) for seed in range(3)]
     weights = [1.0, 2.0, 3.0]
-    ta = lb.task_vector_lora(layout, clients, weights, 4, TaskMerge(method="task-arithmetic"))
+    ta = lb.task_vector_lora(layout, clients, weights, 4, TaskMerge(method="task-arithmetic", normalize=True))
     flex = lb.flexlora(layout, clients, weights, 4)
     for m in layout.modules:
         s = m.scaling(4)
         assert torch.allclose(s * ta[m.name][0] @ ta[m.name][1], s * flex[m.name][0] @ flex[m.name][1], atol=1e-10)
-    no_drop = lb.task_vector_lora(layout, clients, weights, 4, TaskMerge(method="dare", drop=0.0))
+    no_drop = lb.task_vector_lora(layout, clients, weights, 4, TaskMerge(method="dare", drop=0.0, normalize=True))
     for m in layout.modules:
         assert torch.allclose(no_drop[m.name][0] @ no_drop[m.name][1], ta[m.name][0] @ ta[m.name][1], atol=1e-10)
     # TIES: client 1's product is +E, client 2's is −2E (E = e₀ e₀ᵀ): the elected sign is −, so the merge

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedlmc.baselines.task_vectors import TaskMerge, task_vector_merge
+from fedlmc.baselines.task_vectors import TaskMerge, client_weights, task_vector_merge
 from fedlmc.lora import LoraLayout
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -85,7 +85,8 @@ def task_vector_lora(
     layout: LoraLayout, replies: Sequence[Factors], weights: Sequence[float], rank: int, merge: TaskMerge
 ) -> Factors:
     """The task-vector merge (``merge.method``) of the clients' dense products ``sᵢ Bᵢ Aᵢ`` (each its task
-    vector from the base), cut to ``rank`` by its SVD (Task Arithmetic at λ = 1 is FlexLoRA's)."""
+    vector from the base, ``weights`` the example counts: ``client_weights``), cut to ``rank`` by its SVD
+    (normalised Task Arithmetic at λ = 1 is FlexLoRA's)."""
     zeros = {m.name: torch.zeros(m.out_features, m.in_features, dtype=torch.float64) for m in layout.modules}
     dense = [
         {
@@ -94,7 +95,7 @@ def task_vector_lora(
         }
         for r in replies
     ]
-    merged = task_vector_merge(zeros, dense, weights, merge)
+    merged = task_vector_merge(zeros, dense, client_weights(weights), merge)
     out = {}
     for m in layout.modules:
         b, a = _cut(m, merged[m.name], rank)
