@@ -75,6 +75,12 @@ BENCHES: dict[str, Bench] = {
         "`results/bench_universe_scale*.json`",
         "1 h",
     ),
+    "ray_cluster": Bench(
+        "one universe of 32 gpt2-tiny replies aligned on a Ray cluster (`ray.cluster_utils.Cluster`) of 1 node "
+        "and of 2 nodes of 1 CPU each: wall time, replies and worker peak RSS per node, medians of 3",
+        "`results/bench_ray_cluster.json`",
+        "5 min",
+    ),
     "dp_spool": Bench(
         "peak server memory of a `Scale(spool=True)` round under its own `start` and inside Flower's client- "
         "and server-side DP wrappers, against replies in memory",

@@ -176,6 +176,27 @@ def busy_host(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def ray_cluster(doc: dict) -> str:
+    lines = [
+        "| cluster | merge s (median) | replies per node | worker peak RSS per node | max \\|Δ\\| vs sequential |",
+        "|---|---|---|---|---|",
+    ]
+    for key, median in doc["median_wall_seconds"].items():
+        runs = [r for r in doc["runs"] if r["nodes"] == int(key.split()[0])]
+        per_node = sorted({" + ".join(map(str, r["replies_per_node"])) for r in runs})
+        rss = max(max(r["worker_peak_rss_mb_per_node"]) for r in runs)
+        diff = max(r["max_abs_diff_vs_sequential"] for r in runs)
+        lines.append(f"| {key} of 1 CPU | {median:.1f} | {', '.join(per_node)} | ≤ {rss:.0f} MB | {diff:.1e} |")
+    lines += [
+        "",
+        f"{doc['replies']} replies of {doc['model']}, {doc['iterations']} universe iterations, "
+        f"{doc['workers']} workers; 2 nodes take {doc['two_nodes_over_one']:.2f}× the time of 1 "
+        f"(sequential, in the server's process: {doc['sequential_seconds']:.1f} s). "
+        f"{doc['environment']['processor']}, torch {doc['environment']['torch']}.",
+    ]
+    return "\n".join(lines)
+
+
 def dp_spool(doc: dict) -> str:
     what = {
         "spool": "`Scale(spool=True)`, the strategy's own `start`",
@@ -565,6 +586,7 @@ TABLES: dict[str, Table] = {
         "bench_universe_scale_amd_curve.json", _scale_command("bench_universe_scale_amd_curve.json"), universe_scale
     ),
     "busy-host": one("bench_load.json", "python simulations/busy_host.py", busy_host),
+    "ray-cluster": one("bench_ray_cluster.json", "python -m simulations ray_cluster", ray_cluster),
     "dp-spool": one("bench_dp_spool.json", "python simulations/dp_spool.py --replies 8 --layers 2", dp_spool),
     "lora-server-time": one("lora_server_time.json", "python simulations/lora_server_time.py", lora_server_time),
     "deploy": Table(

@@ -24,7 +24,10 @@ retried on its own ``retries`` times; then it is excluded with the reason, and t
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import socket
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -68,7 +71,7 @@ def align_chunk(
     ``claims``: a folder shared with the tasks of ``others`` (their chunks): every reply is claimed
     there before it is read (``claim``), so the task aligns the replies of ``items`` that no other task
     took, then those of ``others`` that no task has claimed yet, from the ends of their chunks."""
-    retain_freed_memory()  # (a Ray worker: see ``_started``)
+    retain_freed_memory()  # (a Ray worker: see ``started``)
     if threads:
         torch.set_num_threads(threads)
     if _CACHE.get("file") != universe_file:
@@ -99,6 +102,8 @@ def align_chunk(
                 canon.recycle(model)
             del model
         T.info["worker_pid"] = os.getpid()
+        T.info["node"] = node_name()
+        T.info["worker_peak_rss_mb"] = peak_rss_mb()
         T.info["read_seconds"] = read  # the reply read from its file and put in canonical form
         if k >= len(items):
             T.info["taken_over"] = True  # from another task's chunk
@@ -107,6 +112,29 @@ def align_chunk(
         return done, failed, None, 0.0
     write_state(out, acc.state)
     return done, failed, out, acc.weight
+
+
+def node_name() -> str:
+    """Where this process runs: its Ray node's id in a Ray worker, else the host's name."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    return socket.gethostname()
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux reports kB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def started(_: int = 0) -> tuple[str, int]:
+    """A worker's start (its first Ray task, or a local process's initializer): unpickling this function
+    imported this module (torch, weight matching) before the worker's first alignment arrives; and the
+    worker keeps the memory it frees (``allocator.retain_freed_memory``), so a reply's matching reuses the
+    pages of the one before instead of faulting in its temporaries afresh (a few hundred MB per
+    GPT-2-small reply). Returns the worker's node and pid."""
+    retain_freed_memory()
+    return node_name(), os.getpid()
 
 
 def takeover_order(others: Sequence[list[Item]]) -> list[Item]:
@@ -143,6 +171,7 @@ class AlignmentPool:
         self.threads = max(1, available_cores() // self.workers)
         self._pool: Optional[ProcessPoolExecutor] = None
         self._ray_started = False
+        self._warming: list = []
         self.retried: list[int] = []
         self._calls = 0
         if self.backend == "ray":
@@ -157,7 +186,11 @@ class AlignmentPool:
                 )
                 ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
                 self._ray_started = True
-            self._remote = ray.remote(num_cpus=1, max_retries=0)(align_chunk)
+            # spread over the cluster's nodes; one task per worker starts its process now (imports),
+            # so that every worker is up when the first universe is written and takes its own chunk
+            self._remote = ray.remote(num_cpus=1, max_retries=0, scheduling_strategy="SPREAD")(align_chunk)
+            warm = ray.remote(num_cpus=1, max_retries=0, scheduling_strategy="SPREAD")(started)
+            self._warming = [warm.remote(k) for k in range(self.workers)]
         else:  # the local workers start now (spawn, imports) while the server writes the universe
             executor = self._executor()
             for _ in range(self.workers):
@@ -244,6 +277,9 @@ class AlignmentPool:
         if self.backend == "ray":
             import ray
 
+            if self._warming:  # every worker started (or failed to: its tasks then say so)
+                ray.wait(self._warming, num_returns=len(self._warming), timeout=120)
+                self._warming = []
             for ref in [self._remote.remote(*a) for a in args]:
                 try:
                     results.append(ray.get(ref))
@@ -273,7 +309,7 @@ class AlignmentPool:
             import multiprocessing
 
             self._pool = ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_started
+                self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=started
             )
         return self._pool
 
@@ -295,14 +331,6 @@ class AlignmentPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _started() -> None:
-    """A local worker's start: unpickling this function imported this module (torch, weight matching)
-    before the worker's first task arrives; and the worker keeps the memory it frees
-    (``allocator.retain_freed_memory``), so a reply's matching reuses the pages of the one before
-    instead of faulting in its temporaries afresh (a few hundred MB per GPT-2-small reply)."""
-    retain_freed_memory()
 
 
 def _reason(e: BaseException) -> str:

@@ -16,6 +16,7 @@ data-free identity guard applies (the identity transform — plain averaging —
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import replace
 from logging import INFO
 from typing import Any, Optional, Union
@@ -198,6 +199,9 @@ class AlignedFedAvg(FedlmcStrategy):
         }
         if screened is not None:
             fields["screen"] = screened
+        on = Counter(T.info["node"] for T in transforms if "node" in T.info)
+        if on:  # parallel workers (Scale(workers=...)): how many replies each node (Ray: its id) aligned
+            fields["aligned_on"] = dict(on)
         refined = next((T.info for T in transforms if T.info.get("method") == "refined"), None)
         if refined is not None:  # how long the refinement ran, and which of its steps it kept
             fields.update(refine_steps_run=refined["steps_run"], refine_best_step=refined["best_step"])
