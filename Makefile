@@ -57,12 +57,18 @@ test: lint
 
 # The everyday suite (no test marked slow): exactness, matching on tiny models, strategies on crafted
 # replies, data. In two workers: about 2 minutes on an idle 2-core machine.
-# The HF and LoRA tests beside FlowerTune's pins (transformers 4.50.3, peft 0.6.2) in a second environment.
+# The HF and LoRA tests beside FlowerTune's pins (transformers 4.50.3, peft 0.6.2), and Flower's FlowerTune
+# template app (examples/flowertune-template, with trl and omegaconf at the template's pins) run with
+# LoraFedAvg, in a second environment.
+FT := .venv-flowertune
 test-flowertune:
-	test -x .venv-flowertune/bin/python || $(PY) -m venv .venv-flowertune
-	.venv-flowertune/bin/pip install -q torch==2.13.0
-	.venv-flowertune/bin/pip install -q -e ".[dev]" -c constraints-flowertune.txt
-	.venv-flowertune/bin/python -m pytest -q -n 2 -m "not slow" tests/test_hf.py tests/test_lora.py
+	test -x $(FT)/bin/python || $(PY) -m venv $(FT)
+	test -f $(FT)/.installed || ( $(FT)/bin/pip install -q torch==2.13.0 && \
+		$(FT)/bin/pip install -q -e ".[dev]" trl==0.8.1 omegaconf==2.3.0 -c constraints-flowertune.txt && \
+		touch $(FT)/.installed )
+	PATH=$(CURDIR)/$(FT)/bin:$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0 \
+		$(FT)/bin/python -m pytest -q -n 2 -m "not slow" tests/test_hf.py tests/test_lora.py \
+		tests/test_flowertune_template.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not slow"

@@ -29,6 +29,7 @@ def test_the_flowertune_template_runs_with_lorafedavg_beside_its_pins():
             "num-server-rounds=2",
             home,
             "num-supernodes=2 client-resources-num-cpus=1",
+            cwd=home,  # the template writes its checkpoints under the working directory's results/
         )
     finally:
         _stop_local_superlink(home)
@@ -36,5 +37,6 @@ def test_the_flowertune_template_runs_with_lorafedavg_beside_its_pins():
     losses = [float(x) for x in re.findall(r"flowertune-template round \d+: global adapter test_loss=([\d.]+)", out)]
     assert len(losses) == 3, out[-3000:]  # the initial adapter and rounds 1, 2
     assert out.count("Received 2 results and 0 failures") == 2, out[-3000:]
+    assert out.count("LoraFedAvg: round") == 2  # fedlmc's aggregation, round by round
     assert "Communication budget" in out  # the template's tracker saw the messages LoraFedAvg sent
     assert losses[-1] < losses[0] - 0.01, losses

@@ -117,9 +117,10 @@ def test_ray_workers_run_at_normal_priority():
     assert "worker nice 0" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-def run_example(example: str, run_config: str, home: Path, federation: str = "") -> str:
+def run_example(example: str, run_config: str, home: Path, federation: str = "", cwd: Path = ROOT) -> str:
     """``fedlmc run examples/<example> -c RUN_CONFIG`` on a local simulation whose Flower home is
-    ``home`` (``federation``: ``--federation-config``'s value); its output, the run having succeeded."""
+    ``home`` (``federation``: ``--federation-config``'s value), started in ``cwd``; its output, the run
+    having succeeded."""
     env = {
         **os.environ,
         "FLWR_HOME": str(home),
@@ -128,9 +129,9 @@ def run_example(example: str, run_config: str, home: Path, federation: str = "")
         "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}",
     }
     proc = subprocess.run(
-        [os.sys.executable, "-m", "fedlmc.flower.launch", f"examples/{example}", "-c", run_config]
+        [os.sys.executable, "-m", "fedlmc.flower.launch", str(ROOT / "examples" / example), "-c", run_config]
         + (["--federation-config", federation] if federation else []),
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,

@@ -41,15 +41,15 @@ def get_tokenizer_and_data_collator_and_propt_formatting(seq_length: int):
     return tokenizer, data_collator, formatting_prompts_func
 
 
-def instructions() -> Dataset:
-    """Each speech of the fine-tuning half as an instruction (its speaker) and a response (its lines)."""
-    splits = load("shakespeare")
-    text = open(splits.meta["source"], encoding="utf-8").read()
-    half = int(0.45 * len(text))  # the base pretrains on the first half of the training 90 %
+def instructions(part: str = "train") -> Dataset:
+    """Each speech as an instruction (its speaker) and a response (its lines): of the fine-tuning half
+    (``train``: the base pretrains on the first half of the training 90 %) or of the test 5 % (``test``)."""
+    text = open(load("shakespeare").meta["source"], encoding="utf-8").read()
+    lo, hi = (0.45, 0.9) if part == "train" else (0.95, 1.0)
     units = speeches(text)
     pairs = {"instruction": [], "response": []}
     for start, end, speaker in zip(units.starts, units.ends, units.labels):
-        if speaker and start >= half and end <= int(0.9 * len(text)):
+        if speaker and start >= int(lo * len(text)) and end <= int(hi * len(text)):
             lines = text[start:end].strip().split("\n")[1:]
             pairs["instruction"].append(f"speak as {speaker}")
             pairs["response"].append(" ".join(lines))

@@ -3,15 +3,18 @@
 import os
 from datetime import datetime
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.config import unflatten_dict
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-from fedlmc.data import load
-from fedlmc.hf.pretrained import test_loss
-from flowertune_template.dataset import replace_keys
+from flowertune_template.dataset import (
+    get_tokenizer_and_data_collator_and_propt_formatting,
+    instructions,
+    replace_keys,
+)
 from flowertune_template.models import get_model
 from flowertune_template.strategy import FlowerTuneLlm
 
@@ -49,20 +52,24 @@ def main(grid: Grid, context: Context) -> None:
         initial_arrays=arrays,
         train_config=ConfigRecord({"save_path": save_path}),
         num_rounds=num_rounds,
-        evaluate_fn=get_evaluate_fn(cfg.model, cfg.train.save_every_round, num_rounds, save_path),
+        evaluate_fn=get_evaluate_fn(cfg.model, cfg.train.save_every_round, num_rounds, save_path, cfg.train.seq_length),
     )
 
 
 # Get function that will be executed by the strategy
 # Here we use it to save global model checkpoints (and, trimmed app, to print its test loss)
-def get_evaluate_fn(model_cfg, save_every_round, total_round, save_path):
+def get_evaluate_fn(model_cfg, save_every_round, total_round, save_path, seq_length):
     """Return an evaluation function for saving global model."""
-    test = load("shakespeare").test
+    tokenizer, collator, formatting = get_tokenizer_and_data_collator_and_propt_formatting(seq_length)
+    test = instructions("test")[:256]
+    batch = collator([tokenizer(t, truncation=True) for t in formatting(test)])
 
+    @torch.no_grad()
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model = get_model(model_cfg)
+        model = get_model(model_cfg).eval()
         set_peft_model_state_dict(model, arrays.to_torch_state_dict())
-        loss = test_loss(model, test)
+        # the responses' loss on held-out speeches (the prompts masked, as in training)
+        loss = float(model(**batch).loss)
         print(f"flowertune-template round {server_round}: global adapter test_loss={loss:.4f}", flush=True)
         # Save model
         if server_round != 0 and (server_round == total_round or server_round % save_every_round == 0):
