@@ -83,7 +83,7 @@ LAYERS = [
     ("ground", ["fedlmc.options", "fedlmc.train"]),
     ("symmetry", ["fedlmc.symmetry"]),
     ("adapters", ["fedlmc.hf"]),
-    ("widths", ["fedlmc.merging.widths"]),
+    ("widths", ["fedlmc.merging.widths", "fedlmc.merging.depths"]),
     ("averaging", ["fedlmc.merging.averaging", "fedlmc.merging.barrier", "fedlmc.merging.ensemble"]),
     ("averaging", ["fedlmc.merging.distill"]),
     ("matching", ["fedlmc.matching"]),

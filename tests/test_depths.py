@@ -1,0 +1,160 @@
+"""Depth as a symmetry-aware transform: identity blocks inserted and removed without changing the
+function (float64, random inputs, GPT-2-, ViT-, Llama- and NeoX-style models and the Hugging Face
+conversions), the monotone assignment by dynamic programming against brute force, and a planted deep
+model from which a shallower, transformed copy recovers its blocks' positions and its transform."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import perturbed
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedlmc.matching import weight_matching
+from fedlmc.merging.depths import (
+    block_signatures,
+    insert_identity_blocks,
+    is_identity_block,
+    match_layers,
+    monotone_assignment,
+    pad_to_depth,
+    remove_blocks,
+)
+from fedlmc.models import from_preset
+from fedlmc.options import Matching
+from fedlmc.symmetry import apply_transform, canonicalize, random_transform
+
+SMALL = dict(n_layer=3, d_model=32, n_head=4, d_ff=64)
+PRESETS = {
+    "gpt2": ("gpt2-tiny", dict(vocab_size=40, block_size=16)),
+    "vit": ("vit-tiny", dict(image_size=12, patch_size=4)),
+    "llama": ("llama-tiny", dict(vocab_size=40, block_size=16)),
+    "neox": ("neox-tiny", dict(vocab_size=40, block_size=16)),
+}
+
+
+def _model(kind: str, seed: int = 0, **over):
+    name, extra = PRESETS[kind]
+    torch.manual_seed(seed)
+    return perturbed(from_preset(name, **{**SMALL, **extra, **over}), seed=seed)
+
+
+def _inputs(kind: str, model, n: int = 3):
+    g = torch.Generator().manual_seed(7)
+    if kind == "vit":
+        c = model.config
+        return torch.randn(n, c.channels, c.image_size, c.image_size, generator=g, dtype=torch.float64)
+    return torch.randint(0, model.config.vocab_size, (n, 12), generator=g)
+
+
+@pytest.mark.parametrize("kind", sorted(PRESETS))
+def test_identity_blocks_leave_the_function_unchanged(kind, record):
+    model = _model(kind)
+    x = _inputs(kind, model)
+    want = model(x)
+    for positions in ([0], [3, 4], [1, 3, 5]):
+        deeper = insert_identity_blocks(model, positions)
+        assert deeper.config.n_layer == 3 + len(positions)
+        assert all(is_identity_block(deeper, p) for p in positions)
+        assert not any(is_identity_block(deeper, p) for p in range(deeper.config.n_layer) if p not in positions)
+        record(f"{kind}: identity blocks at {positions} (max |Δ logits|)", float((deeper(x) - want).abs().max()), 1e-10)
+        back = remove_blocks(deeper, positions)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
+    canon = canonicalize(model)  # parameter-free RMSNorm: the identity block has no norm parameters
+    record(
+        f"{kind}: canonical, identity block inserted",
+        float((insert_identity_blocks(canon, [1])(x) - want).abs().max()),
+        1e-10,
+    )
+    with pytest.raises(ValueError):
+        insert_identity_blocks(model, [0, 0])
+    with pytest.raises(ValueError):
+        remove_blocks(model, [0, 1, 2])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "vit"])
+def test_identity_blocks_through_the_hugging_face_conversions(family, record):
+    import test_hf
+
+    from fedlmc.hf import from_hf, to_hf
+
+    hf = getattr(test_hf, f"hf_{family}")().double().eval()
+    deeper = to_hf(insert_identity_blocks(from_hf(hf), [0, 2])).double().eval()
+    assert deeper.config.num_hidden_layers == hf.config.num_hidden_layers + 2
+    g = torch.Generator().manual_seed(3)
+    if family == "vit":
+        c = hf.config
+        x = {
+            "pixel_values": torch.randn(2, c.num_channels, c.image_size, c.image_size, generator=g, dtype=torch.float64)
+        }
+    else:
+        x = {"input_ids": torch.randint(0, hf.config.vocab_size, (2, 10), generator=g)}
+    with torch.no_grad():
+        with torch.random.fork_rng():
+            torch.manual_seed(0)  # perturb the HF model off its init so every block writes something
+            for p in hf.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        deeper = to_hf(insert_identity_blocks(from_hf(hf), [0, 2])).double().eval()
+        diff = float((deeper(**x).logits - hf(**x).logits).abs().max())
+    record(f"HF {family}: 2 identity blocks inserted through from_hf / to_hf", diff, 1e-10)
+
+
+def _brute(cost: torch.Tensor) -> float:
+    n, m = cost.shape
+    return min(sum(float(cost[i, j]) for i, j in enumerate(c)) for c in itertools.combinations(range(m), n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 3), st.integers(0, 10_000))
+def test_the_monotone_assignment_is_the_brute_force_optimum(n, extra, seed):
+    cost = torch.rand(n, n + extra, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    positions, total = monotone_assignment(cost)
+    assert positions == sorted(set(positions)) and len(positions) == n
+    assert total == pytest.approx(sum(float(cost[i, j]) for i, j in enumerate(positions)))
+    assert total == pytest.approx(_brute(cost))
+    with pytest.raises(ValueError):
+        monotone_assignment(torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_planted_shallow_copy_recovers_its_blocks_positions_and_its_transform(kind, record):
+    """A 6-layer model; a 4-layer copy of it without blocks 1 and 4, transformed by a random group
+    element. Both costs (weights, activations) place the 4 blocks at 0, 2, 3, 5; padded there with
+    identity blocks, weight matching recovers the transform: the copy lands on the 6-layer model with
+    blocks 1 and 4 made identity."""
+    deep = canonicalize(_model(kind, seed=1, n_layer=6))
+    shallow = remove_blocks(deep, [1, 4])
+    groups = ["residual", "heads", "ff"]
+    moved = apply_transform(shallow, random_transform(shallow, seed=5, groups=groups))
+    sig_a, sig_b = block_signatures(shallow), block_signatures(moved)
+    record(
+        f"{kind}: block signatures under a random group element",
+        max(float((a - b).abs().max()) for x, y in zip(sig_a, sig_b) for a, b in zip(x, y)),
+        1e-9,
+    )
+    by_weights = match_layers(moved, deep)
+    by_data = match_layers(moved, deep, data=_inputs(kind, deep))
+    assert by_weights.positions == by_data.positions == [0, 2, 3, 5], (by_weights, by_data)
+    assert by_weights.cost < 1e-12  # the signatures of matched blocks are equal
+    assert float(by_data.costs[0, 0]) < 1e-9  # block 0 sees the same inputs in both (the later ones do not)
+    padded = pad_to_depth(moved, by_weights.positions, 6)
+    tight = Matching(descent_tol=1e-12)
+    T = weight_matching(deep, padded, tight)
+    error = _relative_error(apply_transform(padded, T), insert_identity_blocks(shallow, [1, 4]))
+    record(f"{kind}: the padded copy aligned onto the deep model (relative parameter error)", error, 1e-3)
+
+
+def _relative_error(a, b) -> float:
+    sa = a.state_dict()
+    return max(float((sa[k] - v).abs().max() / v.abs().max().clamp(min=1e-12)) for k, v in b.state_dict().items())
+
+
+def test_a_shallow_model_is_refused_the_wrong_way_round():
+    deep, shallow = _model("gpt2", n_layer=4), _model("gpt2", n_layer=2)
+    with pytest.raises(ValueError, match="other way round"):
+        match_layers(deep, shallow)
+    with pytest.raises(ValueError):
+        pad_to_depth(shallow, [2, 1], 4)
