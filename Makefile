@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 FLWR_ENV := PATH=$(CURDIR)/$(BIN):$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
 	RAY_TMPDIR=/tmp/ray-$$(id -u) FLWR_TELEMETRY_ENABLED=0 FLWR_HOME=$(CURDIR)/.flwr
 
-.PHONY: setup run demo compare lint test test-fast test-flowertune gpu-check clean
+.PHONY: setup run demo compare lint test test-fast test-flowertune test-oldest gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -69,6 +69,14 @@ test-flowertune:
 	PATH=$(CURDIR)/$(FT)/bin:$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0 \
 		$(FT)/bin/python -m pytest -q -n 2 -m "not slow" tests/test_hf.py tests/test_lora.py \
 		tests/test_flowertune_template.py
+
+# The HF and LoRA tests at the oldest versions fedlmc declares (transformers 4.45.2, peft 0.6.2).
+OLD := .venv-oldest
+test-oldest:
+	test -x $(OLD)/bin/python || $(PY) -m venv $(OLD)
+	test -f $(OLD)/.installed || ( $(OLD)/bin/pip install -q torch==2.13.0 && \
+		$(OLD)/bin/pip install -q -e ".[dev]" -c constraints-oldest.txt && touch $(OLD)/.installed )
+	$(OLD)/bin/python -m pytest -q -n 2 -m "not slow" tests/test_hf.py tests/test_lora.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not slow"

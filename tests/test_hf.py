@@ -141,6 +141,8 @@ def test_conversions_reproduce_logits(name, tmp_path, record):
 def test_symmetries_through_the_hf_forward(name, record):
     """float64: canonical form, then a random element of the whole group (O·1 = 1 for LayerNorm models
     so they go back to LayerNorm; Llama's O is unrestricted), then back into a Hugging Face model."""
+    if name == "opt" and tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (4, 50):
+        pytest.skip("transformers 4.45-4.49's OPT forward cannot build a float64 causal mask (its own bug)")
     torch.manual_seed(0)
     hf = shaken(MAKERS[name](), seed=2).double()
     x = inputs(name, torch.float64)
