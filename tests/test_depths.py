@@ -158,3 +158,42 @@ def test_a_shallow_model_is_refused_the_wrong_way_round():
         match_layers(deep, shallow)
     with pytest.raises(ValueError):
         pad_to_depth(shallow, [2, 1], 4)
+
+
+def test_a_mixed_depth_merge_averages_each_block_over_its_holders(record):
+    """A 6-layer model and a 4-layer copy of it without blocks 1 and 4, each under its own random group
+    element: the merge is the 6-layer model's function (blocks 1 and 4 from the deep client alone, the
+    others averaged over both), and each client gets back its own depth computing its own function.
+    Averaged with the identity padding as zeros, blocks 1 and 4 are halved: far off."""
+    from fedlmc.merging.mixed_depths import block_average, depth_merge
+
+    deep = canonicalize(_model("gpt2", seed=1, n_layer=6))
+    shallow = remove_blocks(deep, [1, 4])
+    groups = ["residual", "heads", "ff"]
+    a = apply_transform(deep, random_transform(deep, seed=6, groups=groups))
+    b = apply_transform(shallow, random_transform(shallow, seed=5, groups=groups))
+    x = _inputs("gpt2", deep)
+    with torch.no_grad():
+        want = deep(x)
+        got = depth_merge([a, b], [3.0, 1.0])
+        assert got.positions == [[0, 1, 2, 3, 4, 5], [0, 2, 3, 5]]
+        gap = float((got.universe(x) - want).abs().max() / want.abs().max())
+        record("mixed-depth merge of planted copies vs the deep model (relative max |Δ logits|)", gap, 1e-2)
+        own = [got.client_model(i) for i in (0, 1)]
+        assert [m.config.n_layer for m in own] == [6, 4]
+        record(
+            "the shallow client's returned model vs its own function",
+            float((own[1](x) - b(x)).abs().max() / want.abs().max()),
+            1e-2,
+        )
+        zeros = depth_merge([a, b], [3.0, 1.0], padding="zeros")
+        assert float((zeros.universe(x) - want).abs().max() / want.abs().max()) > 10 * gap
+    states = [
+        {"blocks.0.w": torch.tensor([2.0]), "head": torch.tensor([2.0])},
+        {"blocks.0.w": torch.tensor([0.0]), "head": torch.tensor([0.0])},
+    ]
+    skip = block_average(states, [1.0, 1.0], [[0], []])
+    assert float(skip["blocks.0.w"]) == 2.0 and float(skip["head"]) == 1.0  # padding skipped, the rest averaged
+    assert float(block_average(states, [1.0, 1.0], [[0], []], padding="zeros")["blocks.0.w"]) == 1.0
+    with pytest.raises(ValueError, match="one width"):
+        depth_merge([a, _model("gpt2", n_layer=4, d_model=48)])

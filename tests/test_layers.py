@@ -89,7 +89,7 @@ LAYERS = [
     ("matching", ["fedlmc.matching"]),
     ("lora", ["fedlmc.lora"]),
     ("universe", ["fedlmc.scale.replies", "fedlmc.scale.workers", "fedlmc.merging.universe", "fedlmc.merging.screen"]),
-    ("universe", ["fedlmc.merging.manyway", "fedlmc.reproduce"]),
+    ("universe", ["fedlmc.merging.manyway", "fedlmc.reproduce", "fedlmc.merging.mixed_depths"]),
     ("on_clients", ["fedlmc.scale.arrivals", "fedlmc.flower.on_clients"]),
     ("strategies", ["fedlmc.strategies", "fedlmc.baselines"]),
     ("apps", ["fedlmc.federated", "fedlmc.commands", "fedlmc.cli", "fedlmc.flower.launch", "fedlmc.flower.superlink"]),
