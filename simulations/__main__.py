@@ -75,6 +75,12 @@ BENCHES: dict[str, Bench] = {
         "`results/bench_universe_scale*.json`",
         "1 h",
     ),
+    "mixed_depths": Bench(
+        "one-shot merges of a 4-layer and a 6-layer client against two 6-layer ones (layer matching, zero "
+        "padding, prefix placement, every placement), 3 seed triples",
+        "`results/mixed_depths_<preset>.json`",
+        "15 min",
+    ),
     "ray_cluster": Bench(
         "one universe of 32 gpt2-tiny replies aligned on a Ray cluster (`ray.cluster_utils.Cluster`) of 1 node "
         "and of 2 nodes of 1 CPU each: wall time, replies and worker peak RSS per node, medians of 3",

@@ -143,6 +143,7 @@ def _circuits(block: nn.Module, cfg) -> list[torch.Tensor]:
     return [qk, ov, ff]
 
 
+@torch.no_grad()
 def block_signatures(model: nn.Module) -> list[list[torch.Tensor]]:
     """Per block, the singular values of its QK, OV and FF circuits (of the canonical form): the same for
     every model the symmetry group maps ``model`` to."""
