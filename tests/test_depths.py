@@ -197,3 +197,47 @@ def test_a_mixed_depth_merge_averages_each_block_over_its_holders(record):
     assert float(block_average(states, [1.0, 1.0], [[0], []], padding="zeros")["blocks.0.w"]) == 1.0
     with pytest.raises(ValueError, match="one width"):
         depth_merge([a, _model("gpt2", n_layer=4, d_model=48)])
+
+
+def test_the_hetero_strategy_merges_replies_of_two_depths_and_sends_each_its_own(record):
+    """HeteroWidthFedAvg on a 6-layer reply and a 4-layer one (the 6-layer model without blocks 1 and 4,
+    moved by a group element): the global model is the 6-layer function, the shallow node is sent a
+    4-layer model computing its own function, the round's record names the placement; replies that
+    differ in both width and depth are refused with the reason."""
+    from test_strategies import _reply
+
+    from fedlmc.strategies import HeteroWidthFedAvg
+    from fedlmc.strategies.records import model_from_arrays
+
+    deep = canonicalize(_model("gpt2", seed=1, n_layer=6))
+    shallow = remove_blocks(deep, [1, 4])
+    groups = ["residual", "heads", "ff"]
+    a = apply_transform(deep, random_transform(deep, seed=6, groups=groups)).float()
+    b = apply_transform(shallow, random_transform(shallow, seed=5, groups=groups)).float()
+    strategy = HeteroWidthFedAvg(model=a.config.to_dict())
+    arrays, _ = strategy.aggregate_train(1, [_reply(a, 100, node=1, partition=0), _reply(b, 100, node=2, partition=1)])
+    rec = strategy.history[-1]
+    assert rec["depths"] == [6, 4] and rec["placements"][1] == [0, 2, 3, 5], rec
+    universe = model_from_arrays(arrays, strategy.global_config)
+    x = _inputs("gpt2", deep)
+    with torch.no_grad():
+        want = deep.float()(x)
+        gap = float((universe(x) - want).abs().max() / want.abs().max())
+        record("HeteroWidthFedAvg, depths 6 and 4: the global model vs the deep function", gap, 1e-2)
+        sent = strategy.model_for(2)
+        assert sent.config.n_layer == 4 and strategy.model_for(1).config.n_layer == 6
+        record(
+            "HeteroWidthFedAvg: the 4-layer node's model vs its own function",
+            float((sent(x) - b(x)).abs().max() / want.abs().max()),
+            1e-2,
+        )
+    deeper = canonicalize(_model("gpt2", seed=3, n_layer=7)).float()
+    again = HeteroWidthFedAvg(model=a.config.to_dict())
+    again.aggregate_train(1, [_reply(a, 100, node=1, partition=0), _reply(deeper, 100, node=3, partition=2)])
+    assert [e["node"] for e in again.history[-1]["excluded"]] == [3]
+    assert "not deeper" in again.history[-1]["excluded"][0]["reason"]
+    wide_shallow = canonicalize(_model("gpt2", seed=2, n_layer=4, d_model=48)).float()
+    with pytest.raises(ValueError, match="differ in both"):
+        HeteroWidthFedAvg(model=a.config.to_dict()).aggregate_train(
+            1, [_reply(a, 100, node=1, partition=0), _reply(wide_shallow, 100, node=2, partition=1)]
+        )

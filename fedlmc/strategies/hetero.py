@@ -1,9 +1,12 @@
-"""Mixed-width federations: clients train models of different widths.
+"""Mixed-width and mixed-depth federations: clients train models of different widths, or depths.
 
 * ``HeteroWidthFedAvg`` — every reply is lifted into the universe's width (exact zero-padding, then
   rectangular-orthogonal / permutation alignment by ``universe_merge``), aggregated there, and each
   client is sent ``project(universe, T_client)``: a model of its own width in its own coordinates.
   A node the server has not aligned yet receives the universe and slices it (HeteroFL-style prefix).
+  Replies of one width and different depths are merged by ``mixed_depths.depth_merge`` instead (each
+  shallow client's blocks placed by the layer matching, identity blocks elsewhere, each block averaged
+  over its holders), and each client is sent its own depth.
 * ``SlicingFedAvg`` — the HeteroFL baseline: clients train index prefixes of one global model; each
   global entry is averaged over the clients whose sub-model contains it.
 """
@@ -19,6 +22,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
 
 from fedlmc.hf import HFAdapter
+from fedlmc.merging.depths import remove_blocks
+from fedlmc.merging.mixed_depths import depth_merge
 from fedlmc.merging.universe import project, universe_merge
 from fedlmc.merging.widths import prefix_average
 from fedlmc.models import from_config
@@ -109,6 +114,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         # client -> its transform into the current universe; a client is its declared partition id (stable
         # across restarts), or its node id when it declares none (a restarted federation renumbers nodes)
         self.transforms: dict[int, Any] = {}
+        self.placements: dict[int, list[int]] = {}  # client -> its blocks' layers in a deeper universe
         self.partition_of: dict[int, int] = {}  # node id -> declared partition id, this process's nodes
         self._seen: set[int] = set()  # nodes that replied to this process (no need to ask who they are)
         self.query_timeout = 60.0
@@ -124,7 +130,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         universe = self._universe if self._universe is not None else self.previous_model()
         if T is None or universe is None:
             return None
-        return project(universe, T)
+        own = project(universe, T)
+        placed = self.placements.get(self.client_key(node))
+        if placed is not None and len(placed) < universe.config.n_layer:  # a shallower client: its own blocks
+            own = remove_blocks(own, [b for b in range(universe.config.n_layer) if b not in set(placed)])
+        return own
 
     def configure_train(self, server_round: int, arrays, config: ConfigRecord, grid) -> list[Message]:
         if arrays is not self._returned:  # not this strategy's aggregate (a wrapper changed it, or a restart):
@@ -194,6 +204,8 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         return out
 
     def combine(self, server_round, replies, models, weights):
+        if len({int(m.config.n_layer) for m in models}) > 1:
+            return self._combine_depths(server_round, replies, models, weights)
         start = self.start_for(models)
         refine = refine_split(self.refine) if self.refine is not None else None
         universe, transforms = universe_merge(
@@ -239,12 +251,52 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         self.transforms.update(zip([self.client_key(n) for n in nodes], transforms))
         return universe, fields, None
 
+    def _combine_depths(self, server_round, replies, models, weights):
+        """Replies of one width and several depths: ``depth_merge`` into the deepest depth."""
+        shapes = {(int(m.config.d_model), int(m.config.n_head), int(m.config.d_ff)) for m in models}
+        if self.adapters or len(shapes) > 1:
+            raise ValueError(
+                "HeteroWidthFedAvg merges clients of several widths, or of several depths at one width, of fedlmc "
+                f"models; this round's replies differ in both (widths {sorted(shapes)}, depths "
+                f"{sorted({int(m.config.n_layer) for m in models})}) or are Hugging Face models"
+            )
+        merged = depth_merge(models, weights, matching=self.matching, iterations=self.universe.iterations)
+        depths = [int(m.config.n_layer) for m in models]
+        log(
+            INFO,
+            "HeteroWidthFedAvg round %d: %d replies of depths %s merged into depth %d, placed at %s",
+            server_round,
+            len(models),
+            sorted(set(depths)),
+            merged.universe.config.n_layer,
+            merged.positions,
+        )
+        nodes = require_nodes(self, [node_of(m) for m in replies], "sending each node its own depth")
+        keys = [self.client_key(n) for n in nodes]
+        self._universe = merged.universe
+        self.transforms.update(zip(keys, merged.transforms))
+        self.placements.update(zip(keys, merged.positions))
+        fields = {
+            "moved": [transform_distance(T, spec_for(merged.universe)) for T in merged.transforms],
+            "depths": depths,
+            "placements": merged.positions,
+            "kept": "aligned",
+            "start": "reply",
+        }
+        return merged.universe, fields, None
+
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "transforms": dict(self.transforms), "adapter_of": dict(self.adapter_of)}
+        return {
+            **super().state(),
+            "transforms": dict(self.transforms),
+            "adapter_of": dict(self.adapter_of),
+            "placements": dict(self.placements),
+        }
 
     def load_state(self, state: dict[str, Any], round_offset: int) -> None:
         super().load_state(state, round_offset)
         self.transforms = dict(state.get("transforms", {}))
+        self.placements = {int(k): list(v) for k, v in (state.get("placements") or {}).items()}
         self.adapter_of = {int(k): int(v) for k, v in (state.get("adapter_of") or {}).items()}
 
 

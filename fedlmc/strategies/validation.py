@@ -128,9 +128,15 @@ def check_reply(
         raise InvalidReply(f"it carries no ArrayRecord '{arrays_key}'")
     cfg = adapter.config.to_dict() if adapter is not None else declared_config(content, reference_config)
     if reference_config is not None and adapter is None:
+        if not same_shape and isinstance(cfg.get("n_layer"), int) and "n_layer" in reference_config:
+            if not 1 <= cfg["n_layer"] <= reference_config["n_layer"]:  # a shallower client is padded, not a deeper
+                raise InvalidReply(
+                    f"its model config has n_layer={cfg['n_layer']}: a client may be as deep as the federation's "
+                    f"{reference_config['n_layer']} layers, not deeper"
+                )
         for key in (
             "arch",
-            "n_layer",
+            *(("n_layer",) if same_shape else ()),
             "vocab_size",
             "block_size",
             "image_size",
