@@ -66,13 +66,16 @@ def _node(context: Context, overrides: dict, settings: type[Settings]) -> tuple[
     s.apply_threads()
     nc = context.node_config
     pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
-    factor = nc.get("width-factor")
-    cfg = client_config(s, pid, float(factor) if factor is not None else None)
+    factor, depth = nc.get("width-factor"), nc.get("depth-factor")
+    cfg = client_config(
+        s, pid, float(factor) if factor is not None else None, float(depth) if depth is not None else None
+    )
     return s, pid, n, cfg
 
 
 def _received(msg: Message, own_cfg, s: Settings):
-    """The model the server sent, at this client's width (HeteroFL-style prefix when it sent a wider one);
+    """The model the server sent, at this client's width and depth (HeteroFL-style prefix when it sent a
+    wider one, its first blocks when it sent a deeper one);
     with ``hf``, the preset's Hugging Face twin loaded strictly from the arrays (its own keys)."""
     if s.hf:
         model = hf_model_for(own_cfg)
@@ -86,7 +89,7 @@ def _received(msg: Message, own_cfg, s: Settings):
         )
     cfg = config_from_json(str(config[MODEL_CONFIG_KEY]))
     model = model_from_arrays(msg.content["arrays"], cfg.to_dict())
-    if shape_of(cfg) != shape_of(own_cfg):
+    if shape_of(cfg) != shape_of(own_cfg) or cfg.n_layer != own_cfg.n_layer:  # a prefix: first blocks, widths
         model = slice_prefix(model, own_cfg.replace(norm=cfg.norm, norm_bias=cfg.norm_bias))
     return model
 

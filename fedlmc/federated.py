@@ -96,6 +96,11 @@ class Settings:
         "",
         'e.g. `"1,2,4"`: partition p trains at 1/factor of the width (simulations; deployments use the node config)',
     )
+    depth_factors: str = doc(
+        "",
+        'e.g. `"1,2"`: partition p trains 1/factor of the layers (rounded; simulations; deployments use the node '
+        "config `depth-factor`)",
+    )
     iterations: int = doc(Universe.iterations, "universe iterations per round (`Universe.iterations`)")
     universe_start: str = doc(
         Universe.start,
@@ -287,6 +292,14 @@ class Settings:
                 f"width-factors {self.width_factors!r} make a mixed-width federation: use one of the strategies "
                 f"{', '.join(names(mixed_widths=True))}, not {name}"
             )
+        if any(f != 1 for f in self.depth_list()):
+            if not can.mixed_depths:
+                raise ValueError(
+                    f"depth-factors {self.depth_factors!r} make a mixed-depth federation: use one of the strategies "
+                    f"{', '.join(names(mixed_depths=True))}, not {name}"
+                )
+            if any(f != 1 for f in self.factors()):
+                raise ValueError("width-factors and depth-factors together: clients differ in one of them, not both")
         if self.reduce != "average" and not can.reduce:
             raise ValueError(
                 f"reduce={self.reduce!r} applies to strategies {', '.join(names(reduce=True))}, not {name}"
@@ -365,6 +378,9 @@ class Settings:
     def factors(self) -> list[float]:
         return [float(x) for x in self.width_factors.replace(" ", "").split(",") if x] or [1.0]
 
+    def depth_list(self) -> list[float]:
+        return [float(x) for x in self.depth_factors.replace(" ", "").split(",") if x] or [1.0]
+
     def train_config(self, seed: int) -> TrainConfig:
         budget = dict(steps=self.local_steps) if self.local_steps > 0 else dict(epochs=self.local_epochs)
         return TrainConfig(
@@ -410,13 +426,22 @@ def global_model(s: Settings) -> nn.Module:
     return model_for_data(s.preset, splits, s.seed, vocab_size=s.vocab_size)
 
 
-def client_config(s: Settings, partition_id: int, node_factor: Optional[float] = None) -> TransformerConfig:
-    """The architecture a client trains: the global one at its width (node config ``width-factor`` wins
-    over the run's ``width-factors`` list)."""
+def client_config(
+    s: Settings, partition_id: int, node_factor: Optional[float] = None, node_depth: Optional[float] = None
+) -> TransformerConfig:
+    """The architecture a client trains: the global one at its width and depth (node config
+    ``width-factor`` / ``depth-factor`` win over the run's ``width-factors`` / ``depth-factors`` lists)."""
     base = global_model_config(s)
-    factors = s.factors()
+    factors, depths = s.factors(), s.depth_list()
     f = node_factor if node_factor is not None else factors[partition_id % len(factors)]
-    return width_config(base, f)
+    d = node_depth if node_depth is not None else depths[partition_id % len(depths)]
+    cfg = width_config(base, f)
+    if d != 1:
+        layers = int(round(base.n_layer / d))
+        if not 1 <= layers <= base.n_layer:
+            raise ValueError(f"depth factor {d} gives {layers} layers of the global model's {base.n_layer}")
+        cfg = cfg.replace(n_layer=layers)
+    return cfg
 
 
 _GLOBAL_CFG: dict[tuple, TransformerConfig] = {}

@@ -241,3 +241,58 @@ def test_the_hetero_strategy_merges_replies_of_two_depths_and_sends_each_its_own
         HeteroWidthFedAvg(model=a.config.to_dict()).aggregate_train(
             1, [_reply(a, 100, node=1, partition=0), _reply(wide_shallow, 100, node=2, partition=1)]
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_mixed_depth_federation_runs_in_a_ray_simulation():
+    """``strategy=hetero`` with ``depth-factors="1,2"`` in a Flower simulation (2 SuperNodes): partition 1
+    trains 1 of the 2 layers of vit-digits; both rounds merge both replies (depths 2 and 1, the shallow
+    one placed by the layer matching) and the global model keeps the full depth."""
+    import shutil
+
+    from test_simulation import _short_tmp
+
+    from fedlmc import io
+    from simulations.simulate import run_in_subprocess
+
+    out = _short_tmp("fl-depths-")
+    try:
+        settings = {
+            "strategy": "hetero",
+            "num-server-rounds": 2,
+            "preset": "vit-digits",
+            "local-steps": 4,
+            "threads": 1,
+            "depth-factors": "1,2",
+            "out-dir": str(out),
+            "report": True,
+        }
+        doc = run_in_subprocess(settings, num_supernodes=2, timeout=300, log_path=out / "log.txt")
+        for r in doc["rounds"][1:]:
+            rec = r["strategy"]
+            assert rec["excluded"] == [] and rec["failures"] == [] and sorted(rec["depths"]) == [1, 2], rec
+            assert sorted(len(p) for p in rec["placements"]) == [1, 2]
+        assert io.load(out / "final").config.n_layer == 2
+    except Exception:
+        log = out / "log.txt"
+        print(log.read_text()[-5000:] if log.is_file() else "no log")
+        raise
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_depth_factors_are_refused_where_a_strategy_cannot_honour_them():
+    from fedlmc.federated import Settings, client_config
+
+    for strategy in ("aligned", "hetero-refined", "slicing"):
+        with pytest.raises(ValueError, match="mixed-depth"):
+            Settings.from_run_config({"strategy": strategy, "depth-factors": "1,2"}).validate()
+    with pytest.raises(ValueError, match="not both"):
+        Settings.from_run_config({"strategy": "hetero", "depth-factors": "1,2", "width-factors": "1,2"}).validate()
+    s = Settings.from_run_config({"strategy": "hetero", "depth-factors": "1,2", "preset": "vit-digits"})
+    s.validate()
+    assert [client_config(s, p).n_layer for p in (0, 1, 2)] == [2, 1, 2]
+    assert client_config(s, 0, node_depth=2.0).n_layer == 1  # a node's own depth-factor wins
+    with pytest.raises(ValueError, match="layers"):
+        client_config(s, 0, node_depth=0.5)

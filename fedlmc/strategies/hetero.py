@@ -323,7 +323,8 @@ FF_LIFT = Key(
 
 def _hetero(b: Build, refine: bool, permutations: bool = False):
     s = b.settings
-    guard = b.guard() if b.model is None else None  # Hugging Face widths: no server-side guard model
+    # Hugging Face widths: no server-side guard model; mixed depths: no slicing to guard against
+    guard = b.guard() if b.model is None and all(f == 1 for f in s.depth_list()) else None
     return HeteroWidthFedAvg(
         **b.common(),
         matching=b.matching(permutations),
@@ -335,7 +336,8 @@ def _hetero(b: Build, refine: bool, permutations: bool = False):
 
 @register(
     "hetero",
-    summary="clients of several widths aligned into the widest one's universe, each sent its own-width projection",
+    mixed_depths=True,
+    summary="clients of several widths or depths aligned into the largest one's universe, each sent its own shape",
     server_data=True,
     mixed_widths=True,
     example="HeteroWidthFedAvg(model=model)",
@@ -348,6 +350,7 @@ def _hetero_aligned(b: Build):
 
 @register(
     "hetero-permuted",
+    mixed_depths=True,
     summary="hetero with permutations only",
     server_data=True,
     mixed_widths=True,

@@ -52,6 +52,8 @@ class Capabilities:
         It merges in a universe whose start can be chosen (``universe-start``).
     mixed_widths : bool, default False
         It aggregates clients of several widths (``width-factors``); the others need one width.
+    mixed_depths : bool, default False
+        It aggregates clients of several depths at one width (``depth-factors``); the others need one depth.
     """
 
     server_data: bool = False
@@ -60,6 +62,7 @@ class Capabilities:
     screen: bool = False
     universe: bool = False
     mixed_widths: bool = False
+    mixed_depths: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,6 +259,7 @@ CAPABILITY_COLUMNS = (
     ("screen", "screen"),
     ("universe", "universe-start"),
     ("mixed_widths", "mixed widths"),
+    ("mixed_depths", "mixed depths"),
 )
 
 
