@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,22 @@ def _pct(x: float) -> str:
     return f"{round(100 * x)} %"
 
 
+def _signed(x: float, digits: int = 4) -> str:
+    """As the pages write a difference: −0.0017, +0.0013, 0.0000."""
+    text = f"{x:+.{digits}f}"
+    return text[1:] if float(text) == 0 else text.replace("-", "−")
+
+
+def _lora(setting: str) -> dict:
+    return _file(f"lora_{setting}.json")["rows"]
+
+
+def _vs(rows: dict, row: str, ref: str = "average") -> tuple[float, list[float]]:
+    """``row``'s final loss minus ``ref``'s: the mean, and per seed."""
+    per = [a[-1] - b[-1] for a, b in zip(rows[row]["test_loss_per_seed"], rows[ref]["test_loss_per_seed"])]
+    return rows[row]["final_loss"] - rows[ref]["final_loss"], per
+
+
 def _run(doc: dict, m: int, strategy: str) -> dict:
     return next(r for r in doc["runs"] if r["M"] == m and r["strategy"] == strategy)
 
@@ -41,7 +58,77 @@ def _claims():
     behind = [a[-1] - b[-1] for a, b in zip(full["aligned"]["test_loss_per_seed"], ref["test_loss_per_seed"])]
     more = {m: full[m]["final_loss"] - ref["final_loss"] for m in ("ties", "model-stock", "dare")}
     fold = _file("lora_speaker-r8-steps100.json")["rows"]["fedlmc-fold"]
+    s10, s100, s500 = (_vs(_lora(f"speaker-r8-steps{n}"), "fedlmc")[1] for n in (10, 100, 500))
+    small, alpha16 = _lora("small-gpt2-r4-steps200"), _lora("small-gpt2-r4-alpha16-steps200")
+    speaker, iid = _lora("speaker-r8-steps100"), _lora("iid-r8-steps100")
+    mixed = _lora("speaker-mixed-steps100")
+    het = [a[-1] - b[-1] for a, b in zip(mixed["hetlora"]["test_loss_per_seed"], mixed["fedlmc"]["test_loss_per_seed"])]
+    top2 = {k: mixed[k]["energy_shares"]["2"] for k in ("fedlmc", "hetlora", "flexlora", "fedrot-lora")}
+    others = [v for k, v in top2.items() if k != "fedlmc"]
+    lo, hi = lambda xs: _signed(max(xs), 3), lambda xs: _signed(min(xs), 3)  # noqa: E731 (closest to 0 first)
+    app = _file("flowertune_gpt2.json")["runs"]
+    first = [r["test_loss"]["lora"][0] - r["test_loss"]["fedavg"][0] for r in app]
+    third = [r["test_loss"]["lora"][-1] - r["test_loss"]["fedavg"][-1] for r in app]
+    se = statistics.stdev(third) / len(third) ** 0.5
+    assert max(first) < 0  # "on every seed"
+    pair = _file("bench_wm_gpt2_small.json")["runs"]
     return [
+        (
+            "docs/performance.md",
+            f"An independent pair takes about {pair['independent']['seconds_in_gemms']:.0f} GEMM references, a planted "
+            f"one {pair['planted']['seconds_in_gemms']:.0f}, a near reply {pair['common']['seconds_in_gemms']:.0f}",
+        ),
+        (
+            "docs/lora.md",
+            f"It is ahead of FedIT after round 1 on every seed ({_signed(statistics.mean(first), 3)}); "
+            f"by round 3 it is not better in the app ({_signed(statistics.mean(third))} ± {se:.4f} "
+            f"over {len(third)} seeds, lower on {sum(x < 0 for x in third)})",
+        ),
+        (
+            "docs/lora.md",
+            f"in the harness (3 seeds: {' / '.join(_signed(x) for x in _vs(alpha16, 'fedlmc')[1])} at α 16)",
+        ),
+        ("docs/lora.md", f"(10 steps: {' / '.join(_signed(x) for x in s10)});"),
+        (
+            "docs/lora.md",
+            f"ahead on every seed at 100 steps ({lo(s100)} to {hi(s100)}) and 500 ({lo(s500)} to {hi(s500)})",
+        ),
+        (
+            "docs/lora.md",
+            f"With no floor (`even`) the small gain halves ({_signed(_vs(small, 'fedlmc-even')[0])} against "
+            f"{_signed(_vs(small, 'fedlmc-balanced')[0])}); dropping the tail leaves a third "
+            f"({_signed(_vs(small, 'fedlmc-balanced-drop')[0])}); folding it adds most "
+            f"({_signed(_vs(small, 'fedlmc-balanced-fold')[0])} small, "
+            f"{_signed(_vs(speaker, 'fedlmc-fold')[0])} speaker)",
+        ),
+        (
+            "docs/lora.md",
+            f"`anchored` gains as much ({_signed(_vs(small, 'fedlmc-anchored')[0])}) and less with mixed ranks "
+            f"({mixed['fedlmc-anchored']['final_loss']:.4f} against {mixed['fedlmc']['final_loss']:.4f})",
+        ),
+        (
+            "docs/lora.md",
+            f"within noise of FedIT everywhere ({_signed(_vs(speaker, 'fedrot-lora')[0])} speaker, "
+            f"{_signed(_vs(iid, 'fedrot-lora')[0])} IID, {_signed(_vs(small, 'fedrot-lora')[0])} small)",
+        ),
+        (
+            "docs/lora.md",
+            f"trail FedIT (TIES {_signed(_vs(speaker, 'ties-lora')[0], 3)} speaker, "
+            f"{_signed(_vs(iid, 'ties-lora')[0], 3)} IID; "
+            f"Model Stock {_signed(_vs(speaker, 'model-stock-lora')[0], 2)}, "
+            f"{_signed(_vs(iid, 'model-stock-lora')[0], 2)}); DARE (drop 0.9, survivors × 10) diverges over rounds "
+            f"({speaker['dare-lora']['final_loss']:.2f} speaker)",
+        ),
+        (
+            "docs/lora.md",
+            f"`fedlmc` beats HetLoRA's zero-padding by {min(het):.3f}–{max(het):.3f} on every seed and FlexLoRA by "
+            f"{mixed['flexlora']['final_loss'] - mixed['fedlmc']['final_loss']:.3f}",
+        ),
+        (
+            "docs/lora.md",
+            f"its top 2 components hold {_pct(top2['fedlmc'])} of the update's energy, against "
+            f"{round(100 * min(others))}–{_pct(max(others))} for HetLoRA, FlexLoRA and FedRot-LoRA",
+        ),
         (
             "docs/lora.md",
             f"FedAvg is best ({ref['final_loss']:.4f}), `aligned` behind it on all {len(behind)} seeds "
