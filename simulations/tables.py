@@ -176,6 +176,29 @@ def busy_host(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def mixed_depths(doc: dict) -> str:
+    rows = doc["triples"]
+    merges = ("6+6", "4+6", "4+6 zeros", "4+6 prefix")
+    lines = [
+        "| seeds | clients (6, 6, 4 layers) | " + " | ".join(f"`{m}`" for m in merges) + " | gap | placement (best) |",
+        "|---|---|" + "---|" * len(merges) + "---|---|",
+    ]
+    for r in rows:
+        merged = " | ".join(f"{r[m]['test_loss']:.4f}" for m in merges)
+        clients = " / ".join(f"{c:.4f}" for c in r["clients"])
+        lines.append(
+            f"| {', '.join(map(str, r['seeds']))} | {clients} | {merged} | {r['gap']:+.4f} | "
+            f"{r['placement']} ({r['best_placement']}) |"
+        )
+    lines += [
+        "",
+        f"Test loss of {doc['preset']} on {doc['dataset']}, each client trained {doc['steps']} steps on its own seed; "
+        f"gap: `4+6` minus `6+6` (mean {doc['gap_mean']:+.4f}); the layer matching picked the best of the 15 "
+        f"placements on {doc['picked_best']} of {len(rows)} triples.",
+    ]
+    return "\n".join(lines)
+
+
 def ray_cluster(doc: dict) -> str:
     lines = [
         "| cluster | merge s (median) | replies per node | worker peak RSS per node | max \\|Δ\\| vs sequential |",
@@ -586,6 +609,7 @@ TABLES: dict[str, Table] = {
         "bench_universe_scale_amd_curve.json", _scale_command("bench_universe_scale_amd_curve.json"), universe_scale
     ),
     "busy-host": one("bench_load.json", "python simulations/busy_host.py", busy_host),
+    "mixed-depths": one("mixed_depths_gpt2-tiny.json", "python -m simulations mixed_depths --steps 800", mixed_depths),
     "ray-cluster": one("bench_ray_cluster.json", "python -m simulations ray_cluster", ray_cluster),
     "dp-spool": one("bench_dp_spool.json", "python simulations/dp_spool.py --replies 8 --layers 2", dp_spool),
     "lora-server-time": one("lora_server_time.json", "python simulations/lora_server_time.py", lora_server_time),

@@ -74,6 +74,17 @@ def _main_job_seed0(doc: dict) -> dict[str, float]:
     return out
 
 
+def _ray_cluster(doc: dict) -> dict[str, float]:
+    """What does not depend on timing: the merges' exactness against the sequential path, and every reply
+    aligned on both cluster sizes (which node took how many moves with timing, so it is not compared)."""
+    out = {"largest |Δ| vs the sequential merge": max(r["max_abs_diff_vs_sequential"] for r in doc["runs"])}
+    for n in (1, 2):
+        runs = [r for r in doc["runs"] if r["nodes"] == n]
+        out[f"replies aligned per run, {n} node(s)"] = float(min(sum(r["replies_per_node"]) for r in runs))
+        out[f"nodes used per run, {n} node(s)"] = float(min(len(r["replies_per_node"]) for r in runs))
+    return out
+
+
 WM = ["average", "wm-orth-factored"]
 ENTRIES: dict[str, Entry] = {
     # the CI subset: make run's job on seed 0 (tests/test_simulation.py runs it and compares the same way)
@@ -91,6 +102,15 @@ ENTRIES: dict[str, Entry] = {
         "reproduce_vit-tiny.json",
         _reproduce_pair(WM),
         minutes=1.5,
+    ),
+    "ray-cluster": Entry(
+        "bench_ray_cluster.json",
+        "python -m simulations ray_cluster --repeats 1 --spool {cache} --out {out}/bench_ray_cluster.json",
+        "bench_ray_cluster.json",
+        _ray_cluster,
+        minutes=2.0,
+        tolerance=1e-10,
+        why="the merges are exact against the sequential path; the counts are whole numbers",
     ),
 }
 

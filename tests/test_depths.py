@@ -285,7 +285,7 @@ def test_a_mixed_depth_federation_runs_in_a_ray_simulation():
 def test_depth_factors_are_refused_where_a_strategy_cannot_honour_them():
     from fedlmc.federated import Settings, client_config
 
-    for strategy in ("aligned", "hetero-refined", "slicing"):
+    for strategy in ("aligned", "hetero-refined", "refined"):
         with pytest.raises(ValueError, match="mixed-depth"):
             Settings.from_run_config({"strategy": strategy, "depth-factors": "1,2"}).validate()
     with pytest.raises(ValueError, match="not both"):
@@ -296,3 +296,47 @@ def test_depth_factors_are_refused_where_a_strategy_cannot_honour_them():
     assert client_config(s, 0, node_depth=2.0).n_layer == 1  # a node's own depth-factor wins
     with pytest.raises(ValueError, match="layers"):
         client_config(s, 0, node_depth=0.5)
+
+
+def test_the_depth_baselines_prefix_blocks_zero_padding_and_deep_only():
+    """``slicing`` with mixed depths averages each block over the clients that have it (a shallow client
+    holds the first blocks: InclusiveFL's placement); ``hetero-zeros`` averages the identity padding in as
+    zeros; ``deep-only`` excludes the shallower reply, saying why."""
+    from test_strategies import _reply
+
+    from fedlmc.baselines import ZeroPaddedDepthFedAvg
+    from fedlmc.federated import Settings
+    from fedlmc.merging.widths import prefix_average
+    from fedlmc.strategies import AverageFedAvg
+    from fedlmc.strategies.registry import build
+
+    deep = _model("gpt2", seed=1, n_layer=3).float()
+    shallow = _model("gpt2", seed=2, n_layer=2).float()
+    d, s = deep.state_dict(), shallow.state_dict()
+    got = prefix_average([d, s], [0.5, 0.5], d)
+    assert torch.allclose(
+        got["blocks.0.attn.q.weight"], (d["blocks.0.attn.q.weight"] + s["blocks.0.attn.q.weight"]) / 2
+    )
+    assert torch.equal(got["blocks.2.attn.q.weight"], d["blocks.2.attn.q.weight"])  # the deep client's alone
+    config = deep.config.to_dict()
+    for name, cls in (("hetero-zeros", ZeroPaddedDepthFedAvg), ("deep-only", AverageFedAvg)):
+        built = build(Settings.from_run_config({"strategy": name, "depth-factors": "1,1.5"}), config, None)
+        assert type(built) is cls
+    only = AverageFedAvg(model=config)
+    only.aggregate_train(1, [_reply(deep, 10, node=1), _reply(shallow, 10, node=2)])
+    assert [e["node"] for e in only.history[-1]["excluded"]] == [2] and "n_layer=2" in only.history[-1]["excluded"][0][
+        "reason"
+    ]
+    a = canonicalize(_model("gpt2", seed=1, n_layer=6))
+    b = apply_transform(
+        remove_blocks(a, [1, 4]), random_transform(remove_blocks(a, [1, 4]), seed=5, groups=["residual", "heads", "ff"])
+    )
+    zeros = ZeroPaddedDepthFedAvg(model=a.config.to_dict())
+    arrays, _ = zeros.aggregate_train(
+        1, [_reply(a.float(), 10, node=1, partition=0), _reply(b.float(), 10, node=2, partition=1)]
+    )
+    from fedlmc.strategies.records import model_from_arrays
+
+    merged = model_from_arrays(arrays, zeros.global_config).state_dict()
+    halved = 0.5 * a.state_dict()["blocks.1.attn.o.weight"].float().abs().sum()
+    assert float(merged["blocks.1.attn.o.weight"].abs().sum()) == pytest.approx(float(halved), rel=1e-3)

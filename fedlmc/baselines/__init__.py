@@ -9,7 +9,8 @@ from its paper and tested against a planted or analytic answer:
 * ``ot_fusion``: optimal-transport fusion (``OTFusion``, ``OTFusionFedAvg``: ``ot-fusion``).
 * ``feddf``: FedDF, ensemble distillation from FedAvg's mean (``feddf``).
 * ``task_vectors``: Task Arithmetic, TIES, DARE, Model Stock (``TaskMerge``, ``TaskVectorFedAvg``).
-* ``slicing``: HeteroFL's width slicing (``SlicingFedAvg``: ``slicing``).
+* ``slicing``: HeteroFL's width slicing, a depth's first blocks (``SlicingFedAvg``: ``slicing``), and identity
+  padding averaged as zeros (``ZeroPaddedDepthFedAvg``: ``hetero-zeros``).
 * ``lora``: the published LoRA aggregators (FedIT, FFA-LoRA, FedSA-LoRA, FLoRA, FlexLoRA, FedEx-LoRA,
   FedRot-LoRA), for ``simulations/lora_aggregators.py``.
 """
@@ -22,7 +23,7 @@ from fedlmc.baselines.krum import KrumFedAvg
 from fedlmc.baselines.ot_fusion import OTFusion, OTFusionFedAvg
 from fedlmc.baselines.scaffold import ScaffoldFedAvg
 from fedlmc.baselines.server_opt import ServerOptFedAvg
-from fedlmc.baselines.slicing import SlicingFedAvg
+from fedlmc.baselines.slicing import SlicingFedAvg, ZeroPaddedDepthFedAvg
 from fedlmc.baselines.task_vectors import TaskMerge, TaskVectorFedAvg
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "TaskMerge",
     "TaskVectorFedAvg",
     "SlicingFedAvg",
+    "ZeroPaddedDepthFedAvg",
 ]

@@ -330,12 +330,15 @@ def slice_prefix(model: nn.Module, client: TransformerConfig) -> nn.Module:
 
 def prefix_average(states: Sequence[StateDict], weights: Sequence[float], previous: StateDict) -> StateDict:
     """HeteroFL aggregation: each entry of the global tensors is the weighted mean over the clients whose
-    sub-model contains it (zero-padded prefixes); entries no client holds keep their previous value."""
+    sub-model contains it (zero-padded prefixes; a shallower client's first blocks); entries no client
+    holds keep their previous value."""
     out = {}
     for k, g in previous.items():
         num = torch.zeros_like(g, dtype=torch.float64)
         den = torch.zeros_like(g, dtype=torch.float64)
         for w, sd in zip(weights, states):
+            if k not in sd:  # a block the client's (shallower) model does not have
+                continue
             idx = tuple(slice(0, n) for n in sd[k].shape)
             num[idx] += w * sd[k].to(torch.float64)
             den[idx] += w

@@ -63,3 +63,13 @@ class AverageFedAvg(AverageBase):
 )
 def _average(b: Build):
     return AverageFedAvg(**b.common(), **b.robust())
+
+
+@register(
+    "deep-only",
+    summary="FedAvg of the full-depth replies alone (mixed depths: a shallower reply is excluded, with the reason)",
+    mixed_depths=True,
+    example="AverageFedAvg()",
+)
+def _deep_only(b: Build):
+    return AverageFedAvg(**b.common())

@@ -70,6 +70,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     needs_architecture = True
 
     same_shape = False  # replies differ in shape: each is checked against its own declared config
+    depth_padding = "skip"  # mixed depths: each block averaged over its holders (ZeroPaddedDepthFedAvg: zeros)
 
     def __init__(
         self,
@@ -260,7 +261,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
                 f"models; this round's replies differ in both (widths {sorted(shapes)}, depths "
                 f"{sorted({int(m.config.n_layer) for m in models})}) or are Hugging Face models"
             )
-        merged = depth_merge(models, weights, matching=self.matching, iterations=self.universe.iterations)
+        if self.refine is not None or self.guard is not None:
+            raise ValueError("HeteroWidthFedAvg's refine and guard are for one depth; mixed depths take neither")
+        merged = depth_merge(
+            models, weights, matching=self.matching, iterations=self.universe.iterations, padding=self.depth_padding
+        )
         depths = [int(m.config.n_layer) for m in models]
         log(
             INFO,
@@ -321,11 +326,11 @@ FF_LIFT = Key(
 )
 
 
-def _hetero(b: Build, refine: bool, permutations: bool = False):
+def build_hetero(b: Build, refine: bool, permutations: bool = False, cls: type = HeteroWidthFedAvg):
     s = b.settings
     # Hugging Face widths: no server-side guard model; mixed depths: no slicing to guard against
     guard = b.guard() if b.model is None and all(f == 1 for f in s.depth_list()) else None
-    return HeteroWidthFedAvg(
+    return cls(
         **b.common(),
         matching=b.matching(permutations),
         universe=Universe(iterations=s.iterations, ff_lift=b.key("ff-lift")),
@@ -345,7 +350,7 @@ def _hetero(b: Build, refine: bool, permutations: bool = False):
     client="builds its model at the width of the arrays it receives",
 )
 def _hetero_aligned(b: Build):
-    return _hetero(b, refine=False)
+    return build_hetero(b, refine=False)
 
 
 @register(
@@ -359,7 +364,7 @@ def _hetero_aligned(b: Build):
     client="builds its model at the width of the arrays it receives",
 )
 def _hetero_permuted(b: Build):
-    return _hetero(b, refine=False, permutations=True)
+    return build_hetero(b, refine=False, permutations=True)
 
 
 @register(
@@ -372,4 +377,4 @@ def _hetero_permuted(b: Build):
     client="builds its model at the width of the arrays it receives",
 )
 def _hetero_refined(b: Build):
-    return _hetero(b, refine=True)
+    return build_hetero(b, refine=True)
