@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 FLWR_ENV := PATH=$(CURDIR)/$(BIN):$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
 	RAY_TMPDIR=/tmp/ray-$$(id -u) FLWR_TELEMETRY_ENABLED=0 FLWR_HOME=$(CURDIR)/.flwr
 
-.PHONY: setup run demo compare lint test test-fast test-flowertune test-oldest gpu-check clean
+.PHONY: setup run demo compare lint test test-fast flowertune-env test-flowertune test-oldest gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -61,11 +61,15 @@ test: lint
 # template app (examples/flowertune-template, with trl and omegaconf at the template's pins) run with
 # LoraFedAvg, in a second environment.
 FT := .venv-flowertune
-test-flowertune:
+$(FT)/.installed: pyproject.toml constraints-flowertune.txt
 	test -x $(FT)/bin/python || $(PY) -m venv $(FT)
-	test -f $(FT)/.installed || ( $(FT)/bin/pip install -q torch==2.13.0 && \
-		$(FT)/bin/pip install -q -e ".[dev]" trl==0.8.1 omegaconf==2.3.0 -c constraints-flowertune.txt && \
-		touch $(FT)/.installed )
+	$(FT)/bin/pip install -q torch==2.13.0
+	$(FT)/bin/pip install -q -e ".[dev]" trl==0.8.1 omegaconf==2.3.0 -c constraints-flowertune.txt
+	touch $(FT)/.installed
+
+flowertune-env: $(FT)/.installed
+
+test-flowertune: $(FT)/.installed
 	PATH=$(CURDIR)/$(FT)/bin:$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0 \
 		$(FT)/bin/python -m pytest -q -n 2 -m "not slow" tests/test_hf.py tests/test_lora.py \
 		tests/test_flowertune_template.py

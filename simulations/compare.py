@@ -181,6 +181,19 @@ SETTINGS: dict[str, dict[str, Any]] = {
             "width-factors": "1,2,4",
         },
     ),
+    # mixed depths from a shared start: 2 clients of the full depth, 2 of half of it, label skew
+    "depths": dict(
+        strategies=["deep-only", "slicing", "hetero-zeros", "hetero"],
+        clients=4,
+        config={
+            "num-server-rounds": 5,
+            "independent-start": False,
+            "partitioner": "dirichlet",
+            "alpha": 0.5,
+            "local-epochs": 1.0,
+            "depth-factors": "1,2",
+        },
+    ),
     # model-heterogeneous one-shot: organisations bring models of widths d, d/2, d/4, trained separately
     "widths-independent": dict(
         strategies=[
