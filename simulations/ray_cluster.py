@@ -30,22 +30,13 @@ from _results import environment, gemm_seconds, write_results  # noqa: E402  (si
 from fedlmc.merging.universe import universe_merge
 from fedlmc.models import from_preset
 from fedlmc.options import Scale, Universe
-from fedlmc.symmetry import apply_transform, canonicalize, random_transform
+from fedlmc.symmetry import canonicalize, planted_copies
 
 
 def replies(n: int) -> list:
     """``n`` float64 gpt2-tiny models: one base under ``n`` random group elements, plus noise each."""
     torch.manual_seed(0)
-    base = canonicalize(from_preset("gpt2-tiny").double())
-    out = []
-    for s in range(n):
-        c = apply_transform(base, random_transform(base, seed=10 + s, groups=["residual", "heads", "ff"]))
-        g = torch.Generator().manual_seed(s)
-        with torch.no_grad():
-            for p in c.parameters():
-                p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
-        out.append(c)
-    return out
+    return planted_copies(canonicalize(from_preset("gpt2-tiny").double()), n)
 
 
 def one_run(models: list, nodes: int, iterations: int, reference, spool: str) -> dict:

@@ -249,15 +249,12 @@ def test_a_mixed_depth_federation_runs_in_a_ray_simulation():
     """``strategy=hetero`` with ``depth-factors="1,2"`` in a Flower simulation (2 SuperNodes): partition 1
     trains 1 of the 2 layers of vit-digits; both rounds merge both replies (depths 2 and 1, the shallow
     one placed by the layer matching) and the global model keeps the full depth."""
-    import shutil
-
-    from test_simulation import _short_tmp
+    from test_simulation import simulation_dir
 
     from fedlmc import io
     from simulations.simulate import run_in_subprocess
 
-    out = _short_tmp("fl-depths-")
-    try:
+    with simulation_dir("fl-depths-") as out:
         settings = {
             "strategy": "hetero",
             "num-server-rounds": 2,
@@ -274,12 +271,6 @@ def test_a_mixed_depth_federation_runs_in_a_ray_simulation():
             assert rec["excluded"] == [] and rec["failures"] == [] and sorted(rec["depths"]) == [1, 2], rec
             assert sorted(len(p) for p in rec["placements"]) == [1, 2]
         assert io.load(out / "final").config.n_layer == 2
-    except Exception:
-        log = out / "log.txt"
-        print(log.read_text()[-5000:] if log.is_file() else "no log")
-        raise
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
 
 def test_depth_factors_are_refused_where_a_strategy_cannot_honour_them():

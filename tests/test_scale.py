@@ -21,22 +21,14 @@ from fedlmc.models import from_preset
 from fedlmc.options import Guard, Matching, Scale, Universe
 from fedlmc.scale.replies import ReplyError, ReplyStore, StoredModel, mmap_state, save_model, stored, sweep
 from fedlmc.scale.workers import AlignmentPool
-from fedlmc.symmetry import Transform, apply_transform, canonicalize, random_transform
+from fedlmc.symmetry import Transform, apply_transform, canonicalize, planted_copies, random_transform
 
 
 def _copies(n: int = 4, noise: float = 0.05):
     """``n`` float64 gpt2-shaped models: one base under n random group elements, plus noise each."""
     torch.manual_seed(0)
     base = canonicalize(perturbed(from_preset("gpt2-tiny", n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=40)))
-    out = []
-    for s in range(n):
-        c = apply_transform(base, random_transform(base, seed=10 + s, groups=["residual", "heads", "ff"]))
-        g = torch.Generator().manual_seed(s)
-        with torch.no_grad():
-            for p in c.parameters():
-                p.add_(noise * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
-        out.append(c)
-    return out
+    return planted_copies(base, n, noise)
 
 
 def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,7 @@ def _check_rounds(doc: dict, out: Path, strategy: str, factors: str, rounds: int
 def test_strategy_runs_in_a_ray_simulation(strategy, factors, hf):
     """hf: the clients train ViTForImageClassification (the preset's Hugging Face twin) and exchange its
     state dict under Hugging Face's keys; the server aligns through the adapter."""
-    out = _short_tmp(f"fl-{strategy}-")
-    try:
+    with simulation_dir(f"fl-{strategy}-") as out:
         settings = {
             "strategy": strategy,
             "num-server-rounds": 2,
@@ -78,6 +78,15 @@ def test_strategy_runs_in_a_ray_simulation(strategy, factors, hf):
         }
         doc = run_in_subprocess(settings, num_supernodes=2, timeout=300, log_path=out / "log.txt")
         _check_rounds(doc, out, strategy, factors, rounds=2)
+
+
+@contextmanager
+def simulation_dir(prefix: str):
+    """A short temporary folder for a simulation's output and ``log.txt`` (its tail printed if the body
+    fails), removed afterwards."""
+    out = _short_tmp(prefix)
+    try:
+        yield out
     except Exception:
         log = out / "log.txt"
         print(log.read_text()[-5000:] if log.is_file() else "no log")

@@ -15,7 +15,14 @@ from fedlmc.symmetry.canonical import (
     residual_offcentre,
     to_layernorm,
 )
-from fedlmc.symmetry.random import invert_transform, ones_basis, random_invertible, random_orthogonal, random_transform
+from fedlmc.symmetry.random import (
+    invert_transform,
+    ones_basis,
+    planted_copies,
+    random_invertible,
+    random_orthogonal,
+    random_transform,
+)
 from fedlmc.symmetry.roles import Roles, spec_from_roles
 from fedlmc.symmetry.spec import (
     Group,
@@ -51,6 +58,7 @@ __all__ = [
     "random_invertible",
     "random_orthogonal",
     "random_transform",
+    "planted_copies",
     "rebuild",
     "register_spec",
     "residual_offcentre",

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from fedlmc.models.layers import TransformerConfig
+from fedlmc.symmetry.canonical import apply_transform
 from fedlmc.symmetry.rope import random_rope_gauge, with_pass
 from fedlmc.symmetry.spec import SymmetrySpec, spec_for
 from fedlmc.symmetry.transform import Transform, perm_matrix
@@ -135,3 +136,20 @@ def _invert_within(tau: torch.Tensor, sigma: Optional[torch.Tensor], group) -> t
     idx = torch.arange(group.size, device=tau.device)
     s = idx if sigma is None else sigma.to(tau.device)[idx // block] * block + idx % block
     return s[torch.argsort(s[tau])]
+
+
+def planted_copies(
+    base: nn.Module, n: int, noise: float = 0.05, groups: Iterable[str] = ("residual", "heads", "ff"), seed: int = 10
+) -> list[nn.Module]:
+    """``n`` copies of the canonical model ``base``, copy ``s`` moved by ``random_transform(seed=seed + s)``
+    over ``groups`` and then perturbed by Gaussian noise at ``noise`` times each tensor's standard
+    deviation (generator seeded ``s``): replies whose alignment is known up to the noise."""
+    out = []
+    for s in range(n):
+        c = apply_transform(base, random_transform(base, seed=seed + s, groups=groups))
+        g = torch.Generator().manual_seed(s)
+        with torch.no_grad():
+            for p in c.parameters():
+                p.add_(noise * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        out.append(c)
+    return out
