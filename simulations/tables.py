@@ -514,7 +514,11 @@ TABLES: dict[str, Table] = {
     "baselines": Table((), (), baselines),
     "chooser": Table(
         CHOOSER_FILES,
-        ("python simulations/main_job.py", "python -m simulations.compare", "python simulations/lora_aggregators.py"),
+        (
+            "python simulations/main_job.py",
+            "python -m simulations.compare",
+            "python simulations/lora_aggregators.py",
+        ),
         chooser,
         several=True,
     ),
