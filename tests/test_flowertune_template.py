@@ -26,7 +26,7 @@ def test_the_flowertune_template_runs_with_lorafedavg_beside_its_pins():
     try:
         out = run_example(
             "flowertune-template",
-            "num-server-rounds=2",
+            "num-server-rounds=1",
             home,
             "num-supernodes=2 client-resources-num-cpus=1",
             cwd=home,  # the template writes its checkpoints under the working directory's results/
@@ -35,8 +35,8 @@ def test_the_flowertune_template_runs_with_lorafedavg_beside_its_pins():
         _stop_local_superlink(home)
         shutil.rmtree(home, ignore_errors=True)
     losses = [float(x) for x in re.findall(r"flowertune-template round \d+: global adapter test_loss=([\d.]+)", out)]
-    assert len(losses) == 3, out[-3000:]  # the initial adapter and rounds 1, 2
-    assert out.count("Received 2 results and 0 failures") == 2, out[-3000:]
-    assert out.count("LoraFedAvg: round") == 2  # fedlmc's aggregation, round by round
+    assert len(losses) == 2, out[-3000:]  # the initial adapter and round 1
+    assert out.count("Received 2 results and 0 failures") == 1, out[-3000:]
+    assert out.count("LoraFedAvg: round") == 1  # fedlmc's aggregation, round by round
     assert "Communication budget" in out  # the template's tracker saw the messages LoraFedAvg sent
     assert losses[-1] < losses[0] - 0.01, losses

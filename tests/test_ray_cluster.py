@@ -72,15 +72,17 @@ def test_the_rounds_record_says_which_node_aligned_how_many_replies(two_nodes, t
 def test_a_flower_simulation_runs_on_an_existing_ray_cluster(two_nodes, monkeypatch):
     """Flower's simulation engine calls ``ray.init`` without an address, which joins the cluster named by
     ``RAY_ADDRESS`` (set where ``flwr run`` starts the local SuperLink): the quickstart app's 2 clients,
-    one CPU each, run as actors on both nodes and AlignedFedAvg aggregates both replies of both rounds."""
+    one CPU each, run as actors on both nodes and AlignedFedAvg aggregates both replies (one round of 2 local steps)."""
     import ray
     from test_simulation import _short_tmp, _stop_local_superlink, run_example
 
     monkeypatch.setenv("RAY_ADDRESS", two_nodes.address)
     home = _short_tmp("rc-flwr-")
     try:
-        out = run_example("quickstart", "strategy='aligned'", home, "client-resources-num-cpus=1")
-        assert out.count("Received 2 results and 0 failures") == 2, out[-3000:]
+        out = run_example(
+            "quickstart", "strategy='aligned' num-server-rounds=1 local-steps=2", home, "client-resources-num-cpus=1"
+        )
+        assert out.count("Received 2 results and 0 failures") == 1, out[-3000:]
     finally:
         _stop_local_superlink(home)
         shutil.rmtree(home, ignore_errors=True)
