@@ -292,14 +292,11 @@ class Settings:
                 f"width-factors {self.width_factors!r} make a mixed-width federation: use one of the strategies "
                 f"{', '.join(names(mixed_widths=True))}, not {name}"
             )
-        if any(f != 1 for f in self.depth_list()):
-            if not can.mixed_depths:
-                raise ValueError(
-                    f"depth-factors {self.depth_factors!r} make a mixed-depth federation: use one of the strategies "
-                    f"{', '.join(names(mixed_depths=True))}, not {name}"
-                )
-            if any(f != 1 for f in self.factors()):
-                raise ValueError("width-factors and depth-factors together: clients differ in one of them, not both")
+        if any(f != 1 for f in self.depth_list()) and not can.mixed_depths:
+            raise ValueError(
+                f"depth-factors {self.depth_factors!r} make a mixed-depth federation: use one of the strategies "
+                f"{', '.join(names(mixed_depths=True))}, not {name}"
+            )
         if self.reduce != "average" and not can.reduce:
             raise ValueError(
                 f"reduce={self.reduce!r} applies to strategies {', '.join(names(reduce=True))}, not {name}"

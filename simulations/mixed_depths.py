@@ -1,19 +1,25 @@
 """One-shot merges of clients of different depths: a 4-layer and a 6-layer client against two 6-layer ones.
 
 Writes results/mixed_depths_<preset>.json. Usage:
-    python -m simulations mixed_depths [--preset gpt2-tiny] [--triples 3] [--steps 1500]
+    python -m simulations mixed_depths [--preset gpt2-tiny] [--triples 3] [--steps 1500] [--distill-steps 300]
 
 Per seed triple ``t``: three clients trained independently (their own initialisation and batches) on the
 same data, two of 6 layers (seeds 3t, 3t+1) and one of 4 (seed 3t+2). Merged once, equal weights:
 
 * ``6+6``: the two 6-layer clients, weight-matched universe (``depth_merge`` at one depth);
 * ``4+6``: the 4-layer client with the first 6-layer one, placed by the layer matching (dynamic
-  programme on the weight-based cost), padded with identity blocks, each block averaged over its holders;
+  programme on the aligned circuits' cost), padded with identity blocks, each block averaged over its
+  holders; the placements the block signatures alone and the activations (CKA on the server's first
+  validation batch) would pick are recorded beside it;
 * ``4+6 zeros``: the same placement, identity padding averaged as zeros;
 * ``4+6 prefix``: the 4 blocks placed at the first 4 layers (InclusiveFL / DepthFL's placement), aligned;
+* ``4+6 distilled``: ``4+6`` distilled toward the two clients' ensemble on the server's unlabelled data
+  (the validation split), as ``aligned-distilled`` does at one depth; ``FedDF zeros``: the same from the
+  plain average, the 4-layer client zero-padded after its blocks (FedDF's start);
 * every placement of 4 blocks in 6 (15), to see whether the dynamic programme picks the best one.
 
-Test loss of each client and merge; the gap is ``4+6`` minus ``6+6``.
+Test loss of each client and merge; the gap is ``4+6`` minus ``6+6``. Trained clients are kept under
+``--cache`` and reused by a rerun.
 """
 
 from __future__ import annotations
@@ -21,46 +27,89 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from pathlib import Path
 
 import torch
 from _results import environment, write_results  # noqa: E402  (simulations/, the script's own folder)
 
-from fedlmc.data import load
-from fedlmc.merging.depths import match_layers
-from fedlmc.merging.mixed_depths import depth_merge
-from fedlmc.symmetry import canonicalize
-from fedlmc.train import evaluate, train_preset
+from fedlmc.commands import trained
+from fedlmc.data import load, split
+from fedlmc.merging.depths import match_layers, pad_to_depth
+from fedlmc.merging.distill import distill
+from fedlmc.merging.mixed_depths import block_average, depth_merge
+from fedlmc.options import Distill
+from fedlmc.symmetry import canonicalize, rebuild
+from fedlmc.train import evaluate
+
+
+def server_inputs(splits, sequences: int = 16) -> torch.Tensor:
+    """The first inputs of the server's unlabelled data (the validation split): the activation cost's."""
+    return next(iter(splits.val.batches(sequences)))[0]
+
+
+def distilled(student, teachers, splits, steps: int) -> tuple:
+    """``student`` distilled toward ``teachers``' ensemble on the validation split (its last quarter for the
+    checks): the server's unlabelled data, as ``aligned-distilled`` uses it."""
+    learn, check = split(splits.val, 0.75)
+    return distill(student, teachers, Distill(data=learn, check_data=check, steps=steps))
 
 
 def loss(model, data) -> float:
     return round(evaluate(model, data)["loss"], 5)
 
 
-def one_triple(preset: str, dataset: str, t: int, steps: int) -> dict:
-    splits = load(dataset)
-    clients = []
+def clients_of(preset: str, splits, t: int, steps: int, cache: Path) -> list:
+    """Triple ``t``'s clients (two of 6 layers, one of 4), trained once and kept under ``cache``."""
+    over = dict(steps=steps) if steps else {}
+    out = []
     for seed, layers in ((3 * t, 6), (3 * t + 1, 6), (3 * t + 2, 4)):
-        print(f"triple {t}: training a {layers}-layer {preset}, seed {seed}", flush=True)
-        over = dict(steps=steps) if steps else {}
-        model, _ = train_preset(preset, splits, seed, progress=False, model_overrides={"n_layer": layers}, **over)
-        clients.append(canonicalize(model.eval()))
+        print(f"triple {t}: a {layers}-layer {preset}, seed {seed}", flush=True)
+        model = trained(preset, seed, splits, cache, progress=False, model_overrides={"n_layer": layers}, **over)
+        out.append(canonicalize(model.eval()))
+    return out
+
+
+def one_triple(preset: str, dataset: str, t: int, steps: int, cache: Path, distill_steps: int) -> dict:
+    splits = load(dataset)
+    clients = clients_of(preset, splits, t, steps, cache)
     deep_a, deep_b, shallow = clients
     out = {"seeds": [3 * t, 3 * t + 1, 3 * t + 2], "clients": [loss(c, splits.test) for c in clients]}
     t0 = time.perf_counter()
     placed = match_layers(shallow, deep_a)
     out["match_seconds"] = round(time.perf_counter() - t0, 3)
     out["placement"] = placed.positions
+    out["placement_by"] = placed.by
+    out["placement_signatures"] = match_layers(shallow, deep_a, rounds=0).positions  # the first placement alone
+    t0 = time.perf_counter()
+    out["placement_activations"] = match_layers(shallow, deep_a, data=server_inputs(splits)).positions
+    out["match_seconds_activations"] = round(time.perf_counter() - t0, 3)
     merges = {
         "6+6": dict(models=[deep_a, deep_b]),
         "4+6": dict(models=[deep_a, shallow]),
         "4+6 zeros": dict(models=[deep_a, shallow], padding="zeros"),
         "4+6 prefix": dict(models=[deep_a, shallow], positions=[None, [0, 1, 2, 3]]),
     }
+    kept = {}
     for name, kw in merges.items():
         t0 = time.perf_counter()
-        merged = depth_merge(kw.pop("models"), **kw)
-        out[name] = {"test_loss": loss(merged.universe, splits.test), "seconds": round(time.perf_counter() - t0, 2)}
+        kept[name] = depth_merge(kw.pop("models"), **kw).universe
+        out[name] = {"test_loss": loss(kept[name], splits.test), "seconds": round(time.perf_counter() - t0, 2)}
         print(f"triple {t}: {name} {out[name]['test_loss']:.4f}", flush=True)
+    if distill_steps:
+        # FedDF's student: the plain (unaligned) average, the shallow client zero-padded after its blocks
+        padded = pad_to_depth(shallow, range(4), 6)
+        plain = block_average([deep_a.state_dict(), padded.state_dict()], [1.0, 1.0], [range(6), range(4)], "zeros")
+        for name, student in (("4+6 distilled", kept["4+6"]), ("FedDF zeros", rebuild(deep_a, plain))):
+            t0 = time.perf_counter()
+            model, rec = distilled(student, [deep_a, shallow], splits, distill_steps)
+            out[name] = {
+                "test_loss": loss(model, splits.test),
+                "start": loss(student, splits.test),
+                "seconds": round(time.perf_counter() - t0, 2),
+                "best_step": rec["best_step"],
+            }
+            print(f"triple {t}: {name} {out[name]['start']:.4f} → {out[name]['test_loss']:.4f}", flush=True)
+        out["distilled_below_both"] = out["4+6 distilled"]["test_loss"] < min(out["clients"][0], out["clients"][2])
     every = {}
     for positions in itertools.combinations(range(6), 4):
         merged = depth_merge([deep_a, shallow], positions=[None, list(positions)], iterations=1)
@@ -79,12 +128,17 @@ def main() -> None:
     p.add_argument("--dataset", default=None, help="default: the preset's")
     p.add_argument("--triples", type=int, default=3)
     p.add_argument("--steps", type=int, default=1500, help="training steps per client (0: the preset's budget)")
+    p.add_argument("--distill-steps", type=int, default=300, help="the distilled rows' steps (0: none)")
+    p.add_argument("--cache", default="runs/cache", help="trained clients are kept here and reused")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from fedlmc.models import preset_dataset
 
     dataset = args.dataset or preset_dataset(args.preset)
-    triples = [one_triple(args.preset, dataset, t, args.steps) for t in range(args.triples)]
+    triples = [
+        one_triple(args.preset, dataset, t, args.steps, Path(args.cache), args.distill_steps)
+        for t in range(args.triples)
+    ]
     gaps = [r["gap"] for r in triples]
     write_results(
         args.out or f"results/mixed_depths_{args.preset}.json",

@@ -135,10 +135,15 @@ def test_a_planted_shallow_copy_recovers_its_blocks_positions_and_its_transform(
         max(float((a - b).abs().max()) for x, y in zip(sig_a, sig_b) for a, b in zip(x, y)),
         1e-9,
     )
+    by_signatures = match_layers(moved, deep, rounds=0)
     by_weights = match_layers(moved, deep)
     by_data = match_layers(moved, deep, data=_inputs(kind, deep))
-    assert by_weights.positions == by_data.positions == [0, 2, 3, 5], (by_weights, by_data)
-    assert by_weights.cost < 1e-12  # the signatures of matched blocks are equal
+    assert by_signatures.positions == by_weights.positions == by_data.positions == [0, 2, 3, 5]
+    assert by_signatures.cost < 1e-12  # the signatures of matched blocks are equal
+    # aligned, the matched blocks' circuits are equal (to weight matching's tolerance), the others far apart
+    others = by_weights.costs.clone()
+    others[range(4), by_weights.positions] = float("inf")
+    assert by_weights.by == "aligned circuits" and by_weights.cost < 1e-3 < 0.5 < float(others.min()), by_weights
     assert float(by_data.costs[0, 0]) < 1e-9  # block 0 sees the same inputs in both (the later ones do not)
     padded = pad_to_depth(moved, by_weights.positions, 6)
     tight = Matching(descent_tol=1e-12)
@@ -195,15 +200,46 @@ def test_a_mixed_depth_merge_averages_each_block_over_its_holders(record):
     skip = block_average(states, [1.0, 1.0], [[0], []])
     assert float(skip["blocks.0.w"]) == 2.0 and float(skip["head"]) == 1.0  # padding skipped, the rest averaged
     assert float(block_average(states, [1.0, 1.0], [[0], []], padding="zeros")["blocks.0.w"]) == 1.0
-    with pytest.raises(ValueError, match="one width"):
-        depth_merge([a, _model("gpt2", n_layer=4, d_model=48)])
+
+
+def test_a_merge_across_depth_and_width_together_is_exact_on_planted_copies(record):
+    """Both axes: a 4-layer model of width 32 (4 heads of 8, d_ff 64), and a 6-layer model of width 48
+    (6 heads, d_ff 96) that is the narrow one lifted exactly (zero units, ``[I; 0]`` residual) with
+    identity blocks at 1 and 4, each under its own random group element. The layer matching finds
+    the narrow model's blocks at 0, 2, 3, 5; the merge computes their common function; each client
+    gets back its own depth and width computing its own function."""
+    from fedlmc.merging.mixed_depths import depth_merge
+    from fedlmc.merging.widths import pad
+
+    narrow = canonicalize(_model("gpt2", seed=1, n_layer=4, n_head=4, d_model=32, d_ff=64))
+    wide = pad(insert_identity_blocks(narrow, [1, 4]), {"d_model": 48, "n_head": 6, "d_ff": 96})
+    groups = ["residual", "heads", "ff"]
+    a = apply_transform(wide, random_transform(wide, seed=6, groups=groups))
+    b = apply_transform(narrow, random_transform(narrow, seed=5, groups=groups))
+    x = _inputs("gpt2", narrow)
+    with torch.no_grad():
+        want = narrow(x)
+        record("both axes: the lifted 6-layer model vs the narrow one", float((a(x) - want).abs().max()), 1e-10)
+        got = depth_merge([a, b], [1.0, 1.0], matching=Matching(descent_tol=1e-12))
+        assert got.positions == [[0, 1, 2, 3, 4, 5], [0, 2, 3, 5]], got.positions
+        assert (got.universe.config.n_layer, got.universe.config.d_model) == (6, 48)
+        scale = float(want.abs().max())
+        record("both axes: the merge vs the common function", float((got.universe(x) - want).abs().max()) / scale, 1e-5)
+        own = [got.client_model(i) for i in (0, 1)]
+        assert [(m.config.n_layer, m.config.d_model, m.config.d_ff) for m in own] == [(6, 48, 96), (4, 32, 64)]
+        for i, m in enumerate(own):
+            record(
+                f"both axes: client {i}'s returned model vs its function",
+                float((m(x) - want).abs().max()) / scale,
+                1e-5,
+            )
 
 
 def test_the_hetero_strategy_merges_replies_of_two_depths_and_sends_each_its_own(record):
     """HeteroWidthFedAvg on a 6-layer reply and a 4-layer one (the 6-layer model without blocks 1 and 4,
     moved by a group element): the global model is the 6-layer function, the shallow node is sent a
-    4-layer model computing its own function, the round's record names the placement; replies that
-    differ in both width and depth are refused with the reason."""
+    4-layer model computing its own function, the round's record names the placement; a node of half
+    width and 4 layers is merged beside the deep one and sent its own shape."""
     from test_strategies import _reply
 
     from fedlmc.strategies import HeteroWidthFedAvg
@@ -236,11 +272,14 @@ def test_the_hetero_strategy_merges_replies_of_two_depths_and_sends_each_its_own
     again.aggregate_train(1, [_reply(a, 100, node=1, partition=0), _reply(deeper, 100, node=3, partition=2)])
     assert [e["node"] for e in again.history[-1]["excluded"]] == [3]
     assert "not deeper" in again.history[-1]["excluded"][0]["reason"]
-    wide_shallow = canonicalize(_model("gpt2", seed=2, n_layer=4, d_model=48)).float()
-    with pytest.raises(ValueError, match="differ in both"):
-        HeteroWidthFedAvg(model=a.config.to_dict()).aggregate_train(
-            1, [_reply(a, 100, node=1, partition=0), _reply(wide_shallow, 100, node=2, partition=1)]
-        )
+    # both axes: a 4-layer node of half width gets its own depth and width back
+    narrow = canonicalize(_model("gpt2", seed=2, n_layer=4, d_model=16, n_head=2, d_ff=32)).float()
+    both = HeteroWidthFedAvg(model=a.config.to_dict())
+    both.aggregate_train(1, [_reply(a, 100, node=1, partition=0), _reply(narrow, 100, node=2, partition=1)])
+    rec = both.history[-1]
+    assert rec["excluded"] == [] and rec["depths"] == [6, 4] and rec["widths"] == [32, 16], rec
+    c = both.model_for(2).config
+    assert (c.n_layer, c.d_model, c.n_head, c.d_ff) == (4, 16, 2, 32)
 
 
 @pytest.mark.slow
@@ -279,8 +318,9 @@ def test_depth_factors_are_refused_where_a_strategy_cannot_honour_them():
     for strategy in ("aligned", "hetero-refined", "refined"):
         with pytest.raises(ValueError, match="mixed-depth"):
             Settings.from_run_config({"strategy": strategy, "depth-factors": "1,2"}).validate()
-    with pytest.raises(ValueError, match="not both"):
-        Settings.from_run_config({"strategy": "hetero", "depth-factors": "1,2", "width-factors": "1,2"}).validate()
+    Settings.from_run_config({"strategy": "hetero", "depth-factors": "1,2", "width-factors": "1,2"}).validate()
+    with pytest.raises(ValueError, match="mixed-width"):
+        Settings.from_run_config({"strategy": "deep-only", "depth-factors": "1,2", "width-factors": "1,2"}).validate()
     s = Settings.from_run_config({"strategy": "hetero", "depth-factors": "1,2", "preset": "vit-digits"})
     s.validate()
     assert [client_config(s, p).n_layer for p in (0, 1, 2)] == [2, 1, 2]

@@ -26,8 +26,12 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from fedlmc.matching import weight_matching
+from fedlmc.merging.averaging import aligned_state
+from fedlmc.merging.widths import common_shape, pad, shape_of
 from fedlmc.models import from_config
-from fedlmc.symmetry import canonicalize
+from fedlmc.options import Matching
+from fedlmc.symmetry import canonicalize, rebuild
 
 WRITERS = ("attn.o", "mlp.fc2", "mlp.down")  # a block's residual writers (fedlmc's models)
 
@@ -187,7 +191,7 @@ def _cka(x: torch.Tensor, y: torch.Tensor) -> float:
 class LayerMatch:
     """Where a shallow model's blocks sit in a deep model: ``positions[i]`` is the deep block that shallow
     block ``i`` matches (increasing), ``cost`` the assignment's total, ``costs`` every pair's cost
-    (shallow × deep) and ``by`` the cost's kind ("weights" or "activations")."""
+    (shallow × deep) and ``by`` the cost's kind ("signatures", "aligned circuits" or "activations")."""
 
     positions: list[int]
     cost: float
@@ -195,20 +199,65 @@ class LayerMatch:
     by: str
 
 
-def match_layers(shallow: nn.Module, deep: nn.Module, data: Optional[torch.Tensor] = None) -> LayerMatch:
-    """The monotone assignment of ``shallow``'s blocks to ``deep``'s (``shallow`` no deeper), on the
-    weight-based cost (invariant to every symmetry), or with ``data`` (inputs both models take) on the
-    activation-based one (``1 − CKA`` of the blocks' residual updates)."""
+def _circuit_cost(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return sum(
+        float(((x - y) ** 2).sum() / ((x**2).sum() + (y**2).sum()).clamp(min=1e-30)) for x, y in zip(a, b)
+    ) / len(a)
+
+
+@torch.no_grad()
+def aligned_costs(
+    shallow: nn.Module, deep: nn.Module, positions: Sequence[int], matching: Optional[Matching] = None
+) -> torch.Tensor:
+    """Every pair's cost (shallow × deep blocks) once the residual streams are aligned: ``shallow`` padded
+        at ``positions`` and weight-matched to ``deep`` gives the residual map, and shallow block ``i``'s QK,
+        OV and FF circuits in ``deep``'s residual basis are compared with deep block ``j``'s (each circuit's
+        squared distance over its squared norms, averaged). Models of two widths are compared zero-padded
+    to one shape. Head and neuron permutations and the QK / OV
+        gauges cancel inside the circuits, so only the residual map matters, and it is shared by every block."""
+    canon_s, canon_d = canonicalize(shallow), canonicalize(deep)
+    padded = pad_to_depth(canon_s, positions, canon_d.config.n_layer)
+    if shape_of(padded.config) != shape_of(canon_d.config):  # widths differ: both zero-padded to one shape
+        shape = common_shape([padded.config, canon_d.config])
+        padded, canon_d = pad(padded, shape), pad(canon_d, shape)
+    T = weight_matching(canon_d, padded, matching)
+    aligned = rebuild(padded, aligned_state(padded, T))
+    mine = [_circuits(_blocks(aligned)[p], aligned.config) for p in positions]
+    theirs = [_circuits(b, canon_d.config) for b in _blocks(canon_d)]
+    return torch.tensor([[_circuit_cost(a, b) for b in theirs] for a in mine], dtype=torch.float64)
+
+
+def match_layers(
+    shallow: nn.Module,
+    deep: nn.Module,
+    data: Optional[torch.Tensor] = None,
+    matching: Optional[Matching] = None,
+    rounds: int = 3,
+) -> LayerMatch:
+    """The monotone assignment of ``shallow``'s blocks to ``deep``'s (``shallow`` no deeper).
+
+    Without ``data``, on weights: a first placement from the block signatures (invariant to every
+    symmetry, no alignment needed), then up to ``rounds`` times: align the residual streams at the current
+    placement and place again on the aligned circuits' distances (``aligned_costs``), until the placement
+    holds. With ``data`` (inputs both models take), on activations: ``1 − CKA`` of the blocks' residual
+    updates."""
     ls, ld = shallow.config.n_layer, deep.config.n_layer
     if ls > ld:
         raise ValueError(f"the shallow model has {ls} blocks, the deep one {ld}: pass them the other way round")
-    if data is None:
-        sa, sb = block_signatures(shallow), block_signatures(deep)
-        costs = torch.tensor([[_signature_cost(a, b) for b in sb] for a in sa], dtype=torch.float64)
-        by = "weights"
-    else:
+    if data is not None:
         ua, ub = _updates(shallow, data), _updates(deep, data)
         costs = torch.tensor([[1.0 - _cka(a, b) for b in ub] for a in ua], dtype=torch.float64)
-        by = "activations"
+        positions, total = monotone_assignment(costs)
+        return LayerMatch(positions, total, costs, "activations")
+    sa, sb = block_signatures(shallow), block_signatures(deep)
+    costs = torch.tensor([[_signature_cost(a, b) for b in sb] for a in sa], dtype=torch.float64)
     positions, total = monotone_assignment(costs)
+    by = "signatures"
+    for _ in range(rounds):
+        costs = aligned_costs(shallow, deep, positions, matching)
+        again, total = monotone_assignment(costs)
+        by = "aligned circuits"
+        if again == positions:
+            break
+        positions = again
     return LayerMatch(positions, total, costs, by)

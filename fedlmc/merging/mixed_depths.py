@@ -2,13 +2,15 @@
 layers (``depths.match_layers``), padded there with identity blocks, aligned to a universe of the full
 depth by weight matching, and averaged block by block over the clients that hold a real block there.
 
-The universe starts as the deepest client (the heaviest one, if several). Each iteration aligns every
+Clients may differ in width too: the depth-padded models then join one shape as ``universe_merge``'s do
+(zero-padded units, masked out of the averages; a rectangular residual map each). The universe starts
+as the deepest client (the widest, then the heaviest, if several). Each iteration aligns every
 padded client to it (``weight_matching``, identity blocks included: they are zero, so they do not pull
 the residual map) and re-averages: a parameter of block ``l`` is the weighted mean over the clients
 whose block ``l`` is real (``padding="skip"``, the default), or over every client, identity padding
 counted as zeros (``padding="zeros"``, the naive recipe, kept for comparison). Parameters outside the
 blocks (embeddings, final norm, head) are averaged over all. Each client gets back a model of its own
-depth: the universe mapped back by its transform's inverse (``universe.project``), without the blocks
+depth and width: the universe mapped back by its transform's inverse (``universe.project``), without the blocks
 that were padding for it.
 """
 
@@ -21,9 +23,9 @@ import torch
 import torch.nn as nn
 
 from fedlmc.matching import weight_matching
-from fedlmc.merging.averaging import aligned_state
+from fedlmc.merging.averaging import aligned_state, unit_weighted
 from fedlmc.merging.depths import LayerMatch, match_layers, pad_to_depth, remove_blocks
-from fedlmc.merging.universe import project
+from fedlmc.merging.universe import members, project
 from fedlmc.options import Matching, one_of
 from fedlmc.symmetry import Transform, canonicalize, rebuild
 
@@ -52,21 +54,39 @@ def _block_of(key: str) -> Optional[int]:
 
 
 def block_average(
-    states: Sequence[dict], weights: Sequence[float], holders: Sequence[Sequence[int]], padding: str = "skip"
+    states: Sequence[dict],
+    weights: Sequence[float],
+    holders: Sequence[Sequence[int]],
+    padding: str = "skip",
+    masks: Optional[Sequence[Optional[dict]]] = None,
+    config=None,
 ) -> dict:
     """The weighted average of same-shape states, each block ``l`` over the models holding a real block
-    there (``holders[m]``: model m's real blocks; ``padding="zeros"``: over every model)."""
+    there (``holders[m]``: model m's real blocks; ``padding="zeros"``: over every model). ``masks`` and
+    ``config`` (models of several widths, padded: ``universe.Members``) average each head, FF neuron and
+    residual direction over the models that hold it too (``averaging.unit_weighted``)."""
     one_of(padding, PADDINGS, "padding")
     held = [set(h) for h in holders]
-    out = {}
+    masked = masks is not None and any(m is not None for m in masks)
+    out: dict = {}
+    patterns: dict[tuple, list[str]] = {}  # which models count, and the keys they count for
     for key in states[0]:
         b = _block_of(key)
-        ws = [w if (b is None or padding == "zeros" or b in h) else 0.0 for w, h in zip(weights, held)]
-        total = sum(ws)
-        if total <= 0:  # a block no model holds (cannot happen: the deepest model holds every block)
+        who = tuple(w > 0 and (b is None or padding == "zeros" or b in h) for w, h in zip(weights, held))
+        if not any(who):  # a block no model holds (cannot happen: the deepest model holds every block)
             raise ValueError(f"no model holds block {b}")
-        out[key] = sum((w / total) * s[key] for w, s in zip(ws, states) if w > 0)
-    return out
+        patterns.setdefault(who, []).append(key)
+    for who, keys in patterns.items():
+        idx = [i for i, x in enumerate(who) if x]
+        sub = [{k: states[i][k] for k in keys} for i in idx]
+        total = sum(float(weights[i]) for i in idx)
+        ws = [float(weights[i]) / total for i in idx]
+        if masked:
+            part = unit_weighted(sub, ws, [masks[i] for i in idx], config)
+        else:
+            part = {k: sum(wi * sd[k] for wi, sd in zip(ws, sub)) for k in keys}
+        out.update({k: part[k] for k in keys})
+    return {k: out[k] for k in states[0]}
 
 
 def depth_merge(
@@ -79,12 +99,13 @@ def depth_merge(
     data: Optional[torch.Tensor] = None,
     positions: Optional[Sequence[Optional[Sequence[int]]]] = None,
 ) -> DepthMerge:
-    """Merge ``models`` of different depths (one width) into a model of the deepest depth.
+    """Merge ``models`` of different depths (and widths) into a model of the deepest depth (and the
+    widest shape).
 
     Parameters
     ----------
     models : sequence of nn.Module
-        fedlmc models of one architecture and width; depths may differ.
+        fedlmc models of one architecture; depths and widths may differ (as ``universe_merge``'s).
     weights : sequence of float, optional
         One per model (e.g. example counts); default equal.
     matching : Matching, optional
@@ -107,11 +128,12 @@ def depth_merge(
     if len(w) != n or any(x < 0 for x in w) or sum(w) <= 0:
         raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
     canon = [canonicalize(m) for m in models]
-    widths = {(c.config.d_model, c.config.n_head, c.config.d_ff) for c in canon}
-    if len(widths) > 1:
-        raise ValueError(f"depth_merge needs one width (d_model, n_head, d_ff), got {sorted(widths)}")
     depth = max(c.config.n_layer for c in canon)
-    anchor = max((i for i in range(n) if canon[i].config.n_layer == depth), key=lambda i: w[i])
+    # the anchor: the widest of the deepest models, the heaviest of those
+    anchor = max(
+        (i for i in range(n) if canon[i].config.n_layer == depth),
+        key=lambda i: (canon[i].config.d_model, canon[i].config.d_ff, canon[i].config.n_head, w[i]),
+    )
     places, matches = [], []
     for i, c in enumerate(canon):
         given = positions[i] if positions is not None else None
@@ -122,10 +144,12 @@ def depth_merge(
             places.append(list(range(depth)))
             matches.append(None)
         else:
-            found = match_layers(c, canon[anchor], data=data)
+            found = match_layers(c, canon[anchor], data=data, matching=matching)
             places.append(found.positions)
             matches.append(found)
-    padded = [pad_to_depth(c, p, depth) if c.config.n_layer < depth else c for c, p in zip(canon, places)]
+    deep = [pad_to_depth(c, p, depth) if c.config.n_layer < depth else c for c, p in zip(canon, places)]
+    mem = members(deep, w, None, keep_layernorm=False)  # several widths: padded to one shape, and masked
+    padded = [mem.padded[i] for i in range(n)]
     universe = padded[anchor]
     transforms = [Transform() for _ in padded]
     for _ in range(max(1, iterations)):
@@ -134,5 +158,7 @@ def depth_merge(
             for i, p in enumerate(padded)
         ]
         states = [aligned_state(p, T) for p, T in zip(padded, transforms)]
-        universe = rebuild(padded[anchor], block_average(states, w, places, padding))
-    return DepthMerge(universe.eval(), transforms, places, matches)
+        masks = [mem.aligned_masks(i, T) for i, T in enumerate(transforms)] if mem.hetero else None
+        average = block_average(states, mem.weights, places, padding, masks, padded[anchor].config)
+        universe = rebuild(padded[anchor], average)
+    return DepthMerge(universe.eval(), mem.client_transforms(transforms), places, matches)

@@ -4,9 +4,9 @@
   rectangular-orthogonal / permutation alignment by ``universe_merge``), aggregated there, and each
   client is sent ``project(universe, T_client)``: a model of its own width in its own coordinates.
   A node the server has not aligned yet receives the universe and slices it (HeteroFL-style prefix).
-  Replies of one width and different depths are merged by ``mixed_depths.depth_merge`` instead (each
+  Replies of different depths (and widths) are merged by ``mixed_depths.depth_merge`` instead (each
   shallow client's blocks placed by the layer matching, identity blocks elsewhere, each block averaged
-  over its holders), and each client is sent its own depth.
+  over its holders), and each client is sent its own depth and width.
 * ``SlicingFedAvg`` — the HeteroFL baseline: clients train index prefixes of one global model; each
   global entry is averaged over the clients whose sub-model contains it.
 """
@@ -253,13 +253,11 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         return universe, fields, None
 
     def _combine_depths(self, server_round, replies, models, weights):
-        """Replies of one width and several depths: ``depth_merge`` into the deepest depth."""
-        shapes = {(int(m.config.d_model), int(m.config.n_head), int(m.config.d_ff)) for m in models}
-        if self.adapters or len(shapes) > 1:
+        """Replies of several depths (and widths): ``depth_merge`` into the deepest depth and widest shape."""
+        if self.adapters:
             raise ValueError(
-                "HeteroWidthFedAvg merges clients of several widths, or of several depths at one width, of fedlmc "
-                f"models; this round's replies differ in both (widths {sorted(shapes)}, depths "
-                f"{sorted({int(m.config.n_layer) for m in models})}) or are Hugging Face models"
+                "HeteroWidthFedAvg merges Hugging Face replies of several widths at one depth; this round's differ "
+                f"in depth ({sorted({int(m.config.n_layer) for m in models})})"
             )
         if self.refine is not None or self.guard is not None:
             raise ValueError("HeteroWidthFedAvg's refine and guard are for one depth; mixed depths take neither")
@@ -269,11 +267,14 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         depths = [int(m.config.n_layer) for m in models]
         log(
             INFO,
-            "HeteroWidthFedAvg round %d: %d replies of depths %s merged into depth %d, placed at %s",
+            "HeteroWidthFedAvg round %d: %d replies of depths %s and widths %s merged into depth %d, width %d, "
+            "placed at %s",
             server_round,
             len(models),
             sorted(set(depths)),
+            sorted({int(m.config.d_model) for m in models}),
             merged.universe.config.n_layer,
+            merged.universe.config.d_model,
             merged.positions,
         )
         nodes = require_nodes(self, [node_of(m) for m in replies], "sending each node its own depth")
@@ -284,6 +285,7 @@ class HeteroWidthFedAvg(FedlmcStrategy):
         fields = {
             "moved": [transform_distance(T, spec_for(merged.universe)) for T in merged.transforms],
             "depths": depths,
+            "widths": [int(m.config.d_model) for m in models],
             "placements": merged.positions,
             "kept": "aligned",
             "start": "reply",

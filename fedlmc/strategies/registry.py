@@ -53,7 +53,7 @@ class Capabilities:
     mixed_widths : bool, default False
         It aggregates clients of several widths (``width-factors``); the others need one width.
     mixed_depths : bool, default False
-        It aggregates clients of several depths at one width (``depth-factors``); the others need one depth.
+        It aggregates clients of several depths (``depth-factors``); the others need one depth.
     """
 
     server_data: bool = False
