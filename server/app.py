@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from fedlmc import io
-from fedlmc.federated import Settings, evaluate_model, global_model, splits_for
+from fedlmc.federated import Settings, client_config, evaluate_model, global_model, splits_for
 from fedlmc.hf import hf_model_for
 from fedlmc.scale.allocator import retain_freed_memory
 from fedlmc.strategies.checkpoint import load_state, save_state
@@ -48,6 +48,8 @@ class Recorder:
             "test_acc": test["acc"],
             "round_seconds": (now - self._last) if rnd > 0 else 0.0,
         }
+        if test.get("returned"):  # the smaller clients' own models (mixed widths or depths)
+            rec["returned_test_loss"] = test["returned"]
         if strategy_record:
             rec["strategy"] = strategy_record
         self._last = now
@@ -64,6 +66,22 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=float))
     os.replace(tmp, path)
+
+
+def returned_losses(strategy, global_now, s: Settings, splits, nodes: int) -> dict[str, Any]:
+    """In a federation of several widths or depths, the test loss of the model each smaller client is
+    returned (partitions 0 .. nodes − 1, each of the architecture its partition gets): what it trains
+    from next round, and what it would deploy."""
+    if all(f == 1 for f in s.factors()) and all(f == 1 for f in s.depth_list()):
+        return {}
+    out = {}
+    for pid in range(nodes):
+        cfg = client_config(s, pid)
+        if cfg.n_layer == global_now.config.n_layer and cfg.d_model == global_now.config.d_model:
+            continue
+        model = strategy.returned_model(global_now, pid, cfg)
+        out[str(pid)] = evaluate_model(model, splits.test, s.eval_batches)["loss"]
+    return {"returned": out} if out else {}
 
 
 def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
@@ -107,9 +125,12 @@ def run_federation(grid: Grid, s: Settings, after_round: Optional[Callable[[int]
 
     def evaluate_fn(rnd: int, arrays) -> MetricRecord:
         real = rnd + done
-        ev = evaluate_model(strategy.model_of(arrays), splits.test, s.eval_batches)
+        global_now = strategy.model_of(arrays)
+        ev = evaluate_model(global_now, splits.test, s.eval_batches)
         if rnd == 0 and done:  # the resumed model was scored when its round ended
             return MetricRecord({"test-loss": ev["loss"], "test-acc": ev["acc"]})
+        if real > 0 and not s.hf:
+            ev.update(returned_losses(strategy, global_now, s, splits, len(grid.get_node_ids())))
         hist = strategy.history[-1] if real > 0 and strategy.history and strategy.history[-1]["round"] == real else None
         recorder.add(real, ev, hist)
         if real > 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -181,9 +182,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
             "width-factors": "1,2,4",
         },
     ),
-    # mixed depths from a shared start: 2 clients of the full depth, 2 of half of it, label skew
+    # mixed depths from a shared start: 2 clients of the full depth, 2 of half of it, label skew; local: each
+    # client trains alone (what the smaller clients gain by federating)
     "depths": dict(
-        strategies=["deep-only", "slicing", "hetero-zeros", "hetero"],
+        strategies=["deep-only", "slicing", "hetero-zeros", "hetero", "local"],
         clients=4,
         config={
             "num-server-rounds": 5,
@@ -336,9 +338,12 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
         finals, accs, excess, ratio, worst_gap, round_s, align_s, kept = [], [], [], [], [], [], [], []
         recovered: list[float] = []
         reach: list[Optional[int]] = []
+        returned: list[float] = []  # the smaller clients' own models, last round (mixed widths or depths)
         for seed, doc in by_seed.items():
             last = doc["rounds"][-1]
             finals.append(last["test_loss"])
+            if last.get("returned_test_loss"):
+                returned.append(statistics.mean(last["returned_test_loss"].values()))
             accs.append(last["test_acc"])
             rec = last.get("strategy") or {}
             share = ensemble_share(
@@ -383,6 +388,8 @@ def summarise(docs: dict[str, dict[int, dict]], baseline: str) -> dict[str, Any]
             "excess_ratio": _mean_se(ratio),
             "excess_per_seed": excess,
             "final_loss_per_seed": finals,
+            "returned_loss": _mean_se(returned) if returned else None,
+            "returned_loss_per_seed": returned,
             "rounds_to_baseline_per_seed": reach,
             "worst_gap_to_baseline": max(worst_gap) if worst_gap else None,
             "round_seconds": _mean_se(round_s),
@@ -513,6 +520,16 @@ def markdown(
         for key, label in (("best_client", "best single client"), ("mean_client", "mean client")):
             per = ", ".join(f"{x:.3f}" for x in clients[f"{key}_per_seed"])
             lines.append(f"| *{label} (reference, report data; per seed {per})* | {ms(clients[key])} | | | | | | | | |")
+    mine = {n: r for n, r in rows.items() if r.get("returned_loss")}
+    if mine:
+        lines += [
+            "",
+            "| strategy | the smaller clients' own models: test loss (last round) | per seed |",
+            "|---|---|---|",
+        ]
+        for n, r in mine.items():
+            per = ", ".join(f"{x:.4f}" for x in r["returned_loss_per_seed"])
+            lines.append(f"| {n} | {ms(r['returned_loss'])} | {per} |")
     asked = {n: r for n, r in rows.items() if r.get("client_comm_per_fedavg_round") or r.get("guard_rounds")}
     if asked:
         lines += [

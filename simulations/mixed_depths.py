@@ -30,13 +30,15 @@ import time
 from pathlib import Path
 
 import torch
-from _results import environment, write_results  # noqa: E402  (simulations/, the script's own folder)
+from _models import width_arch  # noqa: E402  (simulations/, the script's own folder)
+from _results import environment, write_results  # noqa: E402
 
 from fedlmc.commands import trained
 from fedlmc.data import load, split
 from fedlmc.merging.depths import match_layers, pad_to_depth
 from fedlmc.merging.distill import distill
 from fedlmc.merging.mixed_depths import block_average, depth_merge
+from fedlmc.models import preset_config
 from fedlmc.options import Distill
 from fedlmc.symmetry import canonicalize, rebuild
 from fedlmc.train import evaluate
@@ -58,13 +60,17 @@ def loss(model, data) -> float:
     return round(evaluate(model, data)["loss"], 5)
 
 
-def clients_of(preset: str, splits, t: int, steps: int, cache: Path) -> list:
-    """Triple ``t``'s clients (two of 6 layers, one of 4), trained once and kept under ``cache``."""
+def clients_of(preset: str, splits, t: int, steps: int, cache: Path, narrow: bool = True) -> list:
+    """Triple ``t``'s clients (two of 6 layers, one of 4, and with ``narrow`` one of 4 at half width, seed
+    3t+2 too), trained once and kept under ``cache``."""
     over = dict(steps=steps) if steps else {}
+    half = width_arch(preset, preset_config(preset).d_model // 2)
+    kinds = [(3 * t, {"n_layer": 6}), (3 * t + 1, {"n_layer": 6}), (3 * t + 2, {"n_layer": 4})]
+    kinds += [(3 * t + 2, {"n_layer": 4, **half})] if narrow else []
     out = []
-    for seed, layers in ((3 * t, 6), (3 * t + 1, 6), (3 * t + 2, 4)):
-        print(f"triple {t}: a {layers}-layer {preset}, seed {seed}", flush=True)
-        model = trained(preset, seed, splits, cache, progress=False, model_overrides={"n_layer": layers}, **over)
+    for seed, arch in kinds:
+        print(f"triple {t}: {preset} {arch}, seed {seed}", flush=True)
+        model = trained(preset, seed, splits, cache, progress=False, model_overrides=arch, **over)
         out.append(canonicalize(model.eval()))
     return out
 
@@ -72,7 +78,7 @@ def clients_of(preset: str, splits, t: int, steps: int, cache: Path) -> list:
 def one_triple(preset: str, dataset: str, t: int, steps: int, cache: Path, distill_steps: int) -> dict:
     splits = load(dataset)
     clients = clients_of(preset, splits, t, steps, cache)
-    deep_a, deep_b, shallow = clients
+    deep_a, deep_b, shallow, narrow = clients
     out = {"seeds": [3 * t, 3 * t + 1, 3 * t + 2], "clients": [loss(c, splits.test) for c in clients]}
     t0 = time.perf_counter()
     placed = match_layers(shallow, deep_a)
@@ -88,6 +94,7 @@ def one_triple(preset: str, dataset: str, t: int, steps: int, cache: Path, disti
         "4+6": dict(models=[deep_a, shallow]),
         "4+6 zeros": dict(models=[deep_a, shallow], padding="zeros"),
         "4+6 prefix": dict(models=[deep_a, shallow], positions=[None, [0, 1, 2, 3]]),
+        "both axes": dict(models=[deep_a, narrow]),  # half width and 4 layers with full width and 6
     }
     kept = {}
     for name, kw in merges.items():
@@ -119,6 +126,7 @@ def one_triple(preset: str, dataset: str, t: int, steps: int, cache: Path, disti
     out["best_placement"] = [int(p) for p in best.split(",")]
     out["picked_is_best"] = out["best_placement"] == placed.positions
     out["gap"] = round(out["4+6"]["test_loss"] - out["6+6"]["test_loss"], 5)
+    out["both_axes_gap"] = round(out["both axes"]["test_loss"] - out["6+6"]["test_loss"], 5)
     return out
 
 
@@ -148,6 +156,8 @@ def main() -> None:
             "steps": args.steps,
             "triples": triples,
             "gap_mean": round(sum(gaps) / len(gaps), 5),
+            "both_axes_gap_mean": round(sum(r["both_axes_gap"] for r in triples) / len(triples), 5),
+            "distill_steps": args.distill_steps,
             "picked_best": sum(r["picked_is_best"] for r in triples),
             "environment": environment(),
         },

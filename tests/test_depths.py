@@ -282,12 +282,52 @@ def test_the_hetero_strategy_merges_replies_of_two_depths_and_sends_each_its_own
     assert (c.n_layer, c.d_model, c.n_head, c.d_ff) == (4, 16, 2, 32)
 
 
+def test_each_strategy_returns_a_smaller_client_its_own_model():
+    """What a 4-layer client trains from next round (``returned_model``): under ``hetero`` its projection
+    of the universe (the model it is sent), under ``deep-only`` the global model's first 4 blocks (as the
+    ClientApp cuts it), under ``local`` its own last reply. ``local`` keeps the 6-layer replies' FedAvg as
+    the global model and sends each node its own reply back."""
+    from test_strategies import _reply
+
+    from fedlmc.baselines import LocalFedAvg
+    from fedlmc.strategies import AverageFedAvg, HeteroWidthFedAvg
+    from fedlmc.strategies.records import model_from_arrays
+
+    deep = canonicalize(_model("gpt2", seed=1, n_layer=6)).float()
+    other = canonicalize(_model("gpt2", seed=2, n_layer=6)).float()
+    shallow = canonicalize(_model("gpt2", seed=3, n_layer=4)).float()
+    replies = [_reply(deep, 100, node=1, partition=0), _reply(shallow, 100, node=2, partition=1)]
+    x = _inputs("gpt2", deep)
+    cfg = shallow.config
+    with torch.no_grad():
+        hetero = HeteroWidthFedAvg(model=deep.config.to_dict())
+        arrays, _ = hetero.aggregate_train(1, replies)
+        universe = model_from_arrays(arrays, hetero.global_config)
+        assert torch.equal(hetero.returned_model(universe, 1, cfg)(x), hetero.model_for(2)(x))
+        fedavg = AverageFedAvg(model=deep.config.to_dict())
+        arrays, _ = fedavg.aggregate_train(1, [_reply(deep, 100, node=1), _reply(other, 100, node=3)])
+        mean = model_from_arrays(arrays, fedavg.global_config)
+        cut = fedavg.returned_model(mean, 1, cfg)
+        assert cut.config.n_layer == 4 and torch.equal(
+            cut.state_dict()["blocks.3.mlp.fc1.weight"], mean.blocks[3].mlp.fc1.weight
+        )
+        local = LocalFedAvg(model=deep.config.to_dict())
+        arrays, _ = local.aggregate_train(1, [*replies, _reply(other, 300, node=3, partition=2)])
+        reference = model_from_arrays(arrays, local.global_config)
+        want = {k: (deep.state_dict()[k] + 3 * other.state_dict()[k]) / 4 for k in deep.state_dict()}
+        assert all(torch.allclose(reference.state_dict()[k], v, atol=1e-6) for k, v in want.items())
+        assert torch.equal(local.model_for(2)(x), shallow(x)) and torch.equal(local.model_for(3)(x), other(x))
+        assert torch.equal(local.returned_model(reference, 1, cfg)(x), shallow(x))
+        assert local.history[-1]["alone"] == [0, 1, 2] and local.history[-1]["kept"] == "average"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_mixed_depth_federation_runs_in_a_ray_simulation():
     """``strategy=hetero`` with ``depth-factors="1,2"`` in a Flower simulation (2 SuperNodes): partition 1
     trains 1 of the 2 layers of vit-digits; both rounds merge both replies (depths 2 and 1, the shallow
-    one placed by the layer matching) and the global model keeps the full depth."""
+    one placed by the layer matching), the global model keeps the full depth and the shallow client's
+    own model is scored every round."""
     from test_simulation import simulation_dir
 
     from fedlmc import io
@@ -309,6 +349,7 @@ def test_a_mixed_depth_federation_runs_in_a_ray_simulation():
             rec = r["strategy"]
             assert rec["excluded"] == [] and rec["failures"] == [] and sorted(rec["depths"]) == [1, 2], rec
             assert sorted(len(p) for p in rec["placements"]) == [1, 2]
+            assert list(r["returned_test_loss"]) == ["1"], r  # the 1-layer client's own model, scored
         assert io.load(out / "final").config.n_layer == 2
 
 

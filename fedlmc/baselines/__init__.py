@@ -11,6 +11,7 @@ from its paper and tested against a planted or analytic answer:
 * ``task_vectors``: Task Arithmetic, TIES, DARE, Model Stock (``TaskMerge``, ``TaskVectorFedAvg``).
 * ``slicing``: HeteroFL's width slicing, a depth's first blocks (``SlicingFedAvg``: ``slicing``), and identity
   padding averaged as zeros (``ZeroPaddedDepthFedAvg``: ``hetero-zeros``).
+* ``local``: no federation, each client trains alone (``LocalFedAvg``: ``local``).
 * ``lora``: the published LoRA aggregators (FedIT, FFA-LoRA, FedSA-LoRA, FLoRA, FlexLoRA, FedEx-LoRA,
   FedRot-LoRA), for ``simulations/lora_aggregators.py``.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 from fedlmc.baselines.feddf import DISTILL_KEYS as _DISTILL_KEYS  # noqa: F401 -- registers feddf
 from fedlmc.baselines.fedprox import FedProxFedAvg
 from fedlmc.baselines.krum import KrumFedAvg
+from fedlmc.baselines.local import LocalFedAvg
 from fedlmc.baselines.ot_fusion import OTFusion, OTFusionFedAvg
 from fedlmc.baselines.scaffold import ScaffoldFedAvg
 from fedlmc.baselines.server_opt import ServerOptFedAvg
@@ -37,4 +39,5 @@ __all__ = [
     "TaskVectorFedAvg",
     "SlicingFedAvg",
     "ZeroPaddedDepthFedAvg",
+    "LocalFedAvg",
 ]

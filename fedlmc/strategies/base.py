@@ -479,6 +479,15 @@ class FedlmcStrategy(FedAvg):
             return state_arrays(model)
         return ArrayRecord(torch_state_dict=self.adapter.to_client(model, self.client_keys))
 
+    def returned_model(self, global_model: nn.Module, key: int, config: TransformerConfig) -> nn.Module:
+        """The model client ``key`` (its partition, else its node) of architecture ``config`` trains next
+        round: the global model, cut to the client's width and first blocks as fedlmc's ClientApp cuts a
+        larger model it is sent (strategies that send each client its own model override this)."""
+        from fedlmc.merging.widths import slice_prefix
+
+        same = config.to_dict() == global_model.config.replace(norm=config.norm, norm_bias=config.norm_bias).to_dict()
+        return global_model if same else slice_prefix(global_model, config)
+
     def model_of(self, arrays: ArrayRecord) -> nn.Module:
         """The fedlmc model of arrays in the clients' form (the inverse of ``arrays_of``)."""
         if self.adapter is not None:

@@ -127,15 +127,23 @@ class HeteroWidthFedAvg(FedlmcStrategy):
     def model_for(self, node: int):
         """The model node ``node`` is sent: the universe (this round's global model) projected to its
         own width and coordinates (None for a client not aligned yet: it gets the universe and slices it)."""
-        T = self.transforms.get(self.client_key(node))
-        universe = self._universe if self._universe is not None else self.previous_model()
+        return self._own_model(self.client_key(node))
+
+    def _own_model(self, key: int, universe=None):
+        T = self.transforms.get(key)
+        if universe is None:
+            universe = self._universe if self._universe is not None else self.previous_model()
         if T is None or universe is None:
             return None
         own = project(universe, T)
-        placed = self.placements.get(self.client_key(node))
+        placed = self.placements.get(key)
         if placed is not None and len(placed) < universe.config.n_layer:  # a shallower client: its own blocks
             own = remove_blocks(own, [b for b in range(universe.config.n_layer) if b not in set(placed)])
         return own
+
+    def returned_model(self, global_model, key: int, config):
+        own = self._own_model(key, global_model) if not self.adapters else None
+        return own if own is not None else super().returned_model(global_model, key, config)
 
     def configure_train(self, server_round: int, arrays, config: ConfigRecord, grid) -> list[Message]:
         if arrays is not self._returned:  # not this strategy's aggregate (a wrapper changed it, or a restart):
