@@ -1,18 +1,20 @@
 """One-shot merges of clients of different depths: a 4-layer and a 6-layer client against two 6-layer ones.
 
 Writes results/mixed_depths_<preset>.json. Usage:
-    python -m simulations mixed_depths [--preset gpt2-tiny] [--triples 3] [--steps 1500] [--distill-steps 300]
+    python -m simulations mixed_depths [--preset gpt2-tiny] [--triples 3] [--steps 1500] [--distill-steps 100]
 
 Per seed triple ``t``: three clients trained independently (their own initialisation and batches) on the
 same data, two of 6 layers (seeds 3t, 3t+1) and one of 4 (seed 3t+2). Merged once, equal weights:
 
 * ``6+6``: the two 6-layer clients, weight-matched universe (``depth_merge`` at one depth);
 * ``4+6``: the 4-layer client with the first 6-layer one, placed by the layer matching (dynamic
-  programme on the aligned circuits' cost), padded with identity blocks, each block averaged over its
-  holders; the placements the block signatures alone and the activations (CKA on the server's first
-  validation batch) would pick are recorded beside it;
+  programme on the blocks' activations: CKA on the server's first 16 validation sequences), padded with
+  identity blocks, each block averaged over its holders; ``4+6 weights``: placed without data (the
+  aligned circuits' distances; the block signatures' first placement is recorded too);
 * ``4+6 zeros``: the same placement, identity padding averaged as zeros;
 * ``4+6 prefix``: the 4 blocks placed at the first 4 layers (InclusiveFL / DepthFL's placement), aligned;
+* ``both axes``: the 4-layer client at half width (d_model and d_ff halved, seed 3t+2) with the first
+  6-layer one, merged into the full width and depth;
 * ``4+6 distilled``: ``4+6`` distilled toward the two clients' ensemble on the server's unlabelled data
   (the validation split), as ``aligned-distilled`` does at one depth; ``FedDF zeros``: the same from the
   plain average, the 4-layer client zero-padded after its blocks (FedDF's start);
@@ -80,21 +82,23 @@ def one_triple(preset: str, dataset: str, t: int, steps: int, cache: Path, disti
     clients = clients_of(preset, splits, t, steps, cache)
     deep_a, deep_b, shallow, narrow = clients
     out = {"seeds": [3 * t, 3 * t + 1, 3 * t + 2], "clients": [loss(c, splits.test) for c in clients]}
+    server = server_inputs(splits)  # the server's unlabelled inputs: the layer matching's activations
     t0 = time.perf_counter()
-    placed = match_layers(shallow, deep_a)
+    placed = match_layers(shallow, deep_a, data=server)
     out["match_seconds"] = round(time.perf_counter() - t0, 3)
     out["placement"] = placed.positions
-    out["placement_by"] = placed.by
-    out["placement_signatures"] = match_layers(shallow, deep_a, rounds=0).positions  # the first placement alone
     t0 = time.perf_counter()
-    out["placement_activations"] = match_layers(shallow, deep_a, data=server_inputs(splits)).positions
-    out["match_seconds_activations"] = round(time.perf_counter() - t0, 3)
+    out["placement_weights"] = match_layers(shallow, deep_a).positions  # no data: the aligned circuits
+    out["match_seconds_weights"] = round(time.perf_counter() - t0, 3)
+    out["placement_signatures"] = match_layers(shallow, deep_a, rounds=0).positions  # their first placement
+    at = [None, placed.positions]
     merges = {
         "6+6": dict(models=[deep_a, deep_b]),
-        "4+6": dict(models=[deep_a, shallow]),
-        "4+6 zeros": dict(models=[deep_a, shallow], padding="zeros"),
+        "4+6": dict(models=[deep_a, shallow], positions=at),
+        "4+6 weights": dict(models=[deep_a, shallow], positions=[None, out["placement_weights"]]),
+        "4+6 zeros": dict(models=[deep_a, shallow], positions=at, padding="zeros"),
         "4+6 prefix": dict(models=[deep_a, shallow], positions=[None, [0, 1, 2, 3]]),
-        "both axes": dict(models=[deep_a, narrow]),  # half width and 4 layers with full width and 6
+        "both axes": dict(models=[deep_a, narrow], data=server),  # ½ width and 4 layers with full width and 6
     }
     kept = {}
     for name, kw in merges.items():
@@ -136,7 +140,7 @@ def main() -> None:
     p.add_argument("--dataset", default=None, help="default: the preset's")
     p.add_argument("--triples", type=int, default=3)
     p.add_argument("--steps", type=int, default=1500, help="training steps per client (0: the preset's budget)")
-    p.add_argument("--distill-steps", type=int, default=300, help="the distilled rows' steps (0: none)")
+    p.add_argument("--distill-steps", type=int, default=100, help="the distilled rows' steps (0: none)")
     p.add_argument("--cache", default="runs/cache", help="trained clients are kept here and reused")
     p.add_argument("--out", default=None)
     args = p.parse_args()
