@@ -178,23 +178,38 @@ def busy_host(doc: dict) -> str:
 
 def mixed_depths(doc: dict) -> str:
     rows = doc["triples"]
-    merges = ("6+6", "4+6", "4+6 zeros", "4+6 prefix")
+    merges = ("6+6", "4+6", "4+6 weights", "4+6 zeros", "4+6 prefix", "both axes", "4+6 distilled", "FedDF zeros")
     lines = [
-        "| seeds | clients (6, 6, 4 layers) | " + " | ".join(f"`{m}`" for m in merges) + " | gap | placement (best) |",
-        "|---|---|" + "---|" * len(merges) + "---|---|",
+        "| seeds | clients 6, 6, 4, 4 at ½ width | " + " | ".join(f"`{m}`" for m in merges) + " | gap |",
+        "|---|---|" + "---|" * len(merges) + "---|",
     ]
     for r in rows:
         merged = " | ".join(f"{r[m]['test_loss']:.4f}" for m in merges)
         clients = " / ".join(f"{c:.4f}" for c in r["clients"])
-        lines.append(
-            f"| {', '.join(map(str, r['seeds']))} | {clients} | {merged} | {r['gap']:+.4f} | "
-            f"{r['placement']} ({r['best_placement']}) |"
-        )
+        lines.append(f"| {', '.join(map(str, r['seeds']))} | {clients} | {merged} | {r['gap']:+.4f} |")
+    below = sum(r["distilled_below_both"] for r in rows)
     lines += [
         "",
         f"Test loss of {doc['preset']} on {doc['dataset']}, each client trained {doc['steps']} steps on its own seed; "
-        f"gap: `4+6` minus `6+6` (mean {doc['gap_mean']:+.4f}); the layer matching picked the best of the 15 "
-        f"placements on {doc['picked_best']} of {len(rows)} triples.",
+        f"gap: `4+6` minus `6+6` (mean {doc['gap_mean']:+.4f}); `both axes` merges the ½-width 4-layer client "
+        f"with the first 6-layer one (mean {doc['both_axes_gap_mean']:+.4f} against `6+6`); the distilled rows ran "
+        f"{doc['distill_steps']} steps, `4+6 distilled` is below both its clients on {below} of {len(rows)} triples.",
+        "",
+        "| seeds | placement: activations (s) | aligned circuits (s) | signatures | best of 15 (its loss) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        best = ",".join(map(str, r["best_placement"]))
+        lines.append(
+            f"| {', '.join(map(str, r['seeds']))} | {r['placement']} ({r['match_seconds']:.1f}) | "
+            f"{r['placement_weights']} ({r['match_seconds_weights']:.1f}) | {r['placement_signatures']} | "
+            f"{r['best_placement']} ({r['every_placement'][best]:.4f}) |"
+        )
+    weights = sum(r["placement_weights"] == r["best_placement"] for r in rows)
+    lines += [
+        "",
+        f"Placed on activations, the merge is the best of the 15 placements (by its test loss) on "
+        f"{doc['picked_best']} of {len(rows)} triples; on weights, on {weights}.",
     ]
     return "\n".join(lines)
 
@@ -385,19 +400,21 @@ CHOOSER_FILES = (
     "compare_widths_vit-tiny.json",
     "lora_speaker-r8-steps100.json",
     "compare_robust-multiround_vit-tiny.json",
+    "compare_depths_vit-tiny.json",
 )
 
 
 def chooser(docs: list[dict]) -> str:
     """The README's "which strategy" table: a situation, what to use, the figure to expect and the peer that
     does better where one does, every figure read from its results file."""
-    job, oneshot, iid, multi, widths, shared, lora, robust = docs
+    job, oneshot, iid, multi, widths, shared, lora, robust, depths = docs
     ex = {
         n: [s["strategies"][n]["test_loss"] - s["mean_client_test_loss"] for s in job["seeds"].values()]
         for n in ("average", "aligned")
     }
     ratio = sorted(a / b for a, b in zip(ex["aligned"], ex["average"]))
     o, i, m, w, sw, r = oneshot["rows"], iid["rows"], multi["rows"], widths["rows"], shared["rows"], robust["rows"]
+    d = depths["rows"]
 
     def loss(rows, name):
         return rows[name]["final_loss"][0]
@@ -440,11 +457,12 @@ def chooser(docs: list[dict]) -> str:
             "FedProx's proximal term (fedlmc's ClientApp has it)",
         ),
         (
-            "clients of different widths, trained apart",
-            "`hetero-refined`",
-            f"{loss(w, 'hetero-refined'):.2f} vs HeteroFL slicing {loss(w, 'slicing'):.2f} (ViT)",
+            "clients of different widths, trained apart; or of different depths",
+            "`hetero-refined`; depths: `hetero-zeros`",
+            f"{loss(w, 'hetero-refined'):.2f} vs HeteroFL slicing {loss(w, 'slicing'):.2f} (ViT); depths "
+            f"{loss(d, 'hetero-zeros'):.2f} vs first-blocks slicing {loss(d, 'slicing'):.2f} (5 rounds)",
             f"from a shared start slicing ties: {loss(sw, 'slicing'):.3f} vs `hetero` {loss(sw, 'hetero'):.3f}",
-            "a model built at the received arrays' width",
+            "a model built at the received arrays' width and depth",
         ),
         (
             "LoRA adapters (a FlowerTune-style app)",
@@ -596,6 +614,7 @@ TABLES: dict[str, Table] = {
     "multiround": _compare("compare_multiround_vit-tiny"),
     "multiround-drift": _compare("compare_multiround-drift_vit-tiny"),
     "widths": _compare("compare_widths_vit-tiny"),
+    "depths": _compare("compare_depths_vit-tiny"),
     "widths-independent": _compare("compare_widths-independent_vit-tiny"),
     "robust": _compare("compare_robust_vit-tiny"),
     "robust-multiround": _compare("compare_robust-multiround_vit-tiny"),
