@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from fedlmc.matching import weight_matching
-from fedlmc.merging.averaging import aligned_state, unit_weighted
+from fedlmc.merging.averaging import aligned_state, unit_weighted, weighted_state
 from fedlmc.merging.depths import LayerMatch, match_layers, pad_to_depth, remove_blocks
 from fedlmc.merging.universe import members, project
 from fedlmc.options import Matching, one_of
@@ -84,7 +84,7 @@ def block_average(
         if masked:
             part = unit_weighted(sub, ws, [masks[i] for i in idx], config)
         else:
-            part = {k: sum(wi * sd[k] for wi, sd in zip(ws, sub)) for k in keys}
+            part = weighted_state(sub, ws)
         out.update({k: part[k] for k in keys})
     return {k: out[k] for k in states[0]}
 
